@@ -19,6 +19,7 @@ Bad parameter values raise :class:`~fedcore.errors.ConfigError`; data that canno
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -431,8 +432,7 @@ def partition(labels: npt.ArrayLike, method: str, num_clients: int, seed: int, *
     except KeyError:
         raise ConfigError(f"unknown partition method {method!r}; choose one of {sorted(METHODS)}") from None
     try:
-        return func(labels, num_clients, seed, **params)
+        inspect.signature(func).bind(labels, num_clients, seed, **params)
     except TypeError as err:
-        if "argument" in str(err):
-            raise ConfigError(f"bad parameters {sorted(params)} for partition method {method!r}: {err}") from err
-        raise
+        raise ConfigError(f"bad parameters {sorted(params)} for partition method {method!r}: {err}") from err
+    return func(labels, num_clients, seed, **params)
