@@ -1,0 +1,145 @@
+"""Server optimizers: one or two steps computed by hand on 2-3 element arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedcore.errors import ConfigError
+from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
+
+
+def _copy(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v.copy() for k, v in d.items()}
+
+
+def _assert_unchanged(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> None:
+    assert list(before) == list(after)
+    for k in before:
+        assert np.array_equal(before[k], after[k])
+
+
+def test_fedavg_returns_the_average_exactly() -> None:
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal(1000).astype(np.float32), "n": np.array(5, np.int64)}
+    average = {"w": rng.standard_normal(1000).astype(np.float32) * 1e-3 + 1e4, "n": np.array(7, np.int64)}
+    opt: ServerOptimizer = ServerSGD()
+    state = opt.init(params)
+    assert state == {}
+    new, new_state = opt.step(params, average, state)
+    assert new_state == {}
+    assert np.array_equal(new["w"], average["w"]) and new["w"].dtype == np.float32
+    assert new["n"] == 7
+    assert new["w"] is not average["w"]  # a copy, not an alias of the caller's array
+
+
+def test_fedavgm_two_steps_by_hand() -> None:
+    # lr = 0.5, momentum = 0.9; x0 = [1, 2]
+    # step 1: avg = [2, 0]  -> Δ = [1, -2]; v = 0.9·0 + Δ = [1, -2]; x1 = x0 + 0.5·v = [1.5, 1.0]
+    # step 2: avg = [1.5, 2] -> Δ = [0, 1]; v = 0.9·[1, -2] + [0, 1] = [0.9, -0.8]; x2 = [1.5 + 0.45, 1 - 0.4]
+    opt = ServerSGD(lr=0.5, momentum=0.9)
+    x0 = {"w": np.array([1.0, 2.0])}
+    s0 = opt.init(x0)
+    np.testing.assert_array_equal(s0["v/w"], [0.0, 0.0])
+    x1, s1 = opt.step(x0, {"w": np.array([2.0, 0.0])}, s0)
+    np.testing.assert_allclose(s1["v/w"], [1.0, -2.0])
+    np.testing.assert_allclose(x1["w"], [1.5, 1.0])
+    x2, s2 = opt.step(x1, {"w": np.array([1.5, 2.0])}, s1)
+    np.testing.assert_allclose(s2["v/w"], [0.9, -0.8], rtol=1e-15)
+    np.testing.assert_allclose(x2["w"], [1.95, 0.6], rtol=1e-15)
+
+
+def test_server_sgd_lr_without_momentum() -> None:
+    # x = [4], avg = [2]: Δ = -2, x = 4 + 0.25·(-2) = 3.5
+    new, state = ServerSGD(lr=0.25).step({"w": np.array([4.0])}, {"w": np.array([2.0])}, {})
+    assert new["w"][0] == 3.5 and state == {}
+
+
+# One adaptive step, tau = 0.1, lr = 0.1, beta1 = 0.9, beta2 = 0.99; x0 = [1, 2, 3], avg = [1.5, 1, 3]:
+#   Δ = [0.5, -1, 0], m = 0.9·0 + 0.1·Δ = [0.05, -0.1, 0], Δ² = [0.25, 1, 0], v0 = τ² = 0.01
+X0 = np.array([1.0, 2.0, 3.0])
+AVG = np.array([1.5, 1.0, 3.0])
+M1 = np.array([0.05, -0.1, 0.0])
+
+
+@pytest.mark.parametrize(
+    ("kind", "v1"),
+    [
+        # adagrad: v = 0.01 + Δ² = [0.26, 1.01, 0.01]
+        ("adagrad", np.array([0.26, 1.01, 0.01])),
+        # adam: v = 0.99·0.01 + 0.01·Δ² = [0.0099 + 0.0025, 0.0099 + 0.01, 0.0099] = [0.0124, 0.0199, 0.0099]
+        ("adam", np.array([0.0124, 0.0199, 0.0099])),
+        # yogi: v = 0.01 − 0.01·Δ²·sign(0.01 − Δ²); signs [-1, -1, +1] (Δ² = 0 < v):
+        #   [0.01 + 0.0025, 0.01 + 0.01, 0.01 − 0] = [0.0125, 0.02, 0.01]
+        ("yogi", np.array([0.0125, 0.02, 0.01])),
+    ],
+)
+def test_adaptive_one_step_by_hand(kind: str, v1: np.ndarray) -> None:
+    opt = ServerAdaptive(kind=kind, lr=0.1, beta1=0.9, beta2=0.99, tau=0.1)  # type: ignore[arg-type]
+    params = {"w": X0.copy(), "steps": np.array([3], np.int64)}
+    average = {"w": AVG.copy(), "steps": np.array([9], np.int64)}
+    state = opt.init(params)
+    assert set(state) == {"m/w", "v/w"}
+    np.testing.assert_allclose(state["v/w"], [0.01, 0.01, 0.01], rtol=1e-15)  # τ² = 0.1² (rounded)
+    before_p, before_a, before_s = _copy(params), _copy(average), _copy(state)
+    new, new_state = opt.step(params, average, state)
+    _assert_unchanged(before_p, params)
+    _assert_unchanged(before_a, average)
+    _assert_unchanged(before_s, state)
+    np.testing.assert_allclose(new_state["m/w"], M1, rtol=1e-14)
+    np.testing.assert_allclose(new_state["v/w"], v1, rtol=1e-14)
+    # x = x0 + 0.1·m / (√v + 0.1), e.g. adagrad w[0]: 1 + 0.1·0.05 / (√0.26 + 0.1) = 1 + 0.005 / 0.609902 = 1.008198
+    expected = X0 + 0.1 * M1 / (np.sqrt(v1) + 0.1)
+    np.testing.assert_allclose(new["w"], expected, rtol=1e-14)
+    assert new["steps"][0] == 9  # integer buffers take the average
+    if kind == "adagrad":
+        np.testing.assert_allclose(new["w"][0], 1.0081979, rtol=1e-6)
+
+
+def test_adaptive_keeps_float32_dtype_and_state_dtype() -> None:
+    opt = ServerAdaptive(kind="adam")
+    params = {"w": np.array([1.0, 2.0], np.float32)}
+    state = opt.init(params)
+    new, new_state = opt.step(params, {"w": np.array([1.5, 2.5], np.float32)}, state)
+    assert new["w"].dtype == np.float32
+    assert new_state["m/w"].dtype == np.float32 and new_state["v/w"].dtype == np.float32
+
+
+def test_fedavgm_does_not_mutate_inputs() -> None:
+    opt = ServerSGD(lr=1.0, momentum=0.5)
+    params = {"w": np.array([1.0, 2.0], np.float32)}
+    average = {"w": np.array([0.0, 0.0], np.float32)}
+    state = opt.init(params)
+    before = (_copy(params), _copy(average), _copy(state))
+    opt.step(params, average, state)
+    _assert_unchanged(before[0], params)
+    _assert_unchanged(before[1], average)
+    _assert_unchanged(before[2], state)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ServerSGD(lr=0.0),
+        lambda: ServerSGD(lr=-1.0),
+        lambda: ServerSGD(lr=float("nan")),
+        lambda: ServerSGD(momentum=1.0),
+        lambda: ServerSGD(momentum=-0.1),
+        lambda: ServerAdaptive(kind="rmsprop"),  # type: ignore[arg-type]
+        lambda: ServerAdaptive(kind="adam", tau=0.0),
+        lambda: ServerAdaptive(kind="adam", beta1=1.0),
+        lambda: ServerAdaptive(kind="yogi", beta2=1.5),
+        lambda: ServerAdaptive(kind="adagrad", lr=float("inf")),
+    ],
+)
+def test_invalid_configs_raise_config_error(make) -> None:
+    with pytest.raises(ConfigError):
+        make()
+
+
+def test_configs_are_frozen_and_keyword_only() -> None:
+    opt = ServerSGD(lr=0.5)
+    with pytest.raises(AttributeError):
+        opt.lr = 2.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ServerSGD(0.5)  # type: ignore[misc]
