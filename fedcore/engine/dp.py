@@ -1,0 +1,115 @@
+"""Data-parallel execution: replicated (DDP) or sharded (FSDP2 ``fully_shard``), and plain at world size 1.
+
+Each optimizer step takes the global batch (``config.batch_size`` samples, in the single-device order), cuts it
+into ``data_parallel`` contiguous shards (``torch.tensor_split``, so shards differ by at most one sample), and
+each rank cuts its shard into ``grad_accum`` sequential micro-steps. Every micro-step's loss is the *sum* of
+per-sample losses scaled by ``data_parallel / len(batch)``; DDP and FSDP2 average gradients over the ranks, so
+the gradient is exactly the batch mean that a single device computes, whatever the shard sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from fedcore.engine.layers import LayerChain, model_layers
+from fedcore.engine.plan import ParallelPlan
+from fedcore.engine.runtime import RankEnv, autocast
+from fedcore.errors import ConfigError
+from fedcore.training import LossFn
+
+
+class DataParallelExecutor:
+    """Runs forward/backward for one rank of a data-parallel (or single-process) plan.
+
+    Args:
+        model: the full model on ``env.device``, holding the global parameters.
+        plan: the parallel plan (``pipeline == 1``).
+        env: this rank's place in the world.
+        loss_fn: ``loss_fn(output, target, reduction="sum")``.
+    """
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, env: RankEnv, loss_fn: LossFn) -> None:
+        self.model = model
+        self.plan = plan
+        self.env = env
+        self.loss_fn = loss_fn
+        module: nn.Module = model
+        if plan.activation_checkpointing:
+            module = LayerChain(model_layers(model), checkpointing=True)
+        self._fsdp: FSDPModule | None = None
+        self._ddp: DistributedDataParallel | None = None
+        if env.world_size > 1 and plan.sharded:
+            if env.dp_mesh is None:
+                raise RuntimeError("FSDP2 needs the data-parallel device mesh")
+            try:
+                layers = model_layers(model)
+            except ConfigError:
+                layers = []  # no layer structure: shard the model as one unit
+            for _, layer in layers:
+                if any(p.requires_grad for p in layer.parameters()):
+                    fully_shard(layer, mesh=env.dp_mesh)
+            self._fsdp = fully_shard(module, mesh=env.dp_mesh)
+        elif env.world_size > 1:
+            device_ids = [env.device.index] if env.device.type == "cuda" else None
+            self._ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=env.dp_group)
+            module = self._ddp
+        self.module = module
+
+    def trained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(global name, parameter)`` for the parameters this rank updates (sharded ones as DTensors)."""
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        """Accumulate this rank's gradients for one global batch ``(x, y)``.
+
+        Returns:
+            ``(sum of per-sample losses over the samples this rank processed, their number)``.
+        """
+        n = len(x)
+        shard = torch.tensor_split(torch.arange(n), self.plan.data_parallel)[self.env.dp_index]
+        scale = self.plan.data_parallel / n
+        chunks = torch.tensor_split(shard, self.plan.grad_accum)
+        loss_sum = 0.0
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            xb = x[chunk].to(self.env.device, non_blocking=True)
+            yb = y[chunk].to(self.env.device, non_blocking=True)
+            with self._sync(last), autocast(self.plan, self.env.device):
+                loss = self.loss_fn(self.module(xb), yb, reduction="sum")
+            (loss * scale).backward()
+            loss_sum += float(loss.detach())
+        return loss_sum, len(shard)
+
+    def _sync(self, sync: bool) -> contextlib.AbstractContextManager[None]:
+        """Skip the gradient reduction on all but the last micro-step of a batch."""
+        if self._fsdp is not None:
+            self._fsdp.set_requires_gradient_sync(sync)
+        if self._ddp is not None and not sync:
+            return self._ddp.no_sync()
+        return contextlib.nullcontext()
+
+    def finish_gradients(self) -> None:
+        """Nothing to do: DDP and FSDP2 reduce gradients in the backward of the last micro-step."""
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The full model state in global names on rank 0 (CPU tensors), None elsewhere.
+
+        Every rank must call it: sharded parameters are all-gathered.
+        """
+        state: dict[str, torch.Tensor] = {}
+        for name, tensor in _state_items(self.model):
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if self.env.rank == 0:
+                state[name] = full.detach().to("cpu", copy=True)
+        return state if self.env.rank == 0 else None
+
+
+def _state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.state_dict().items()

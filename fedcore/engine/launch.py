@@ -1,0 +1,132 @@
+"""Start the worker processes of a plan, watch them, and tear them all down if one fails.
+
+Workers are started the way ``torchrun`` starts them: one fresh interpreter per rank
+(``python -m fedcore.engine.worker SPEC RANK``) that joins the process group through a TCP rendezvous on the
+loopback interface. Nothing is pickled across the boundary: the spec is JSON, tensors are safetensors files,
+and a failing worker writes its rank, exception type, message and traceback as JSON.
+
+Each worker runs in its own session (process group), so on failure the launcher kills every worker's whole
+group (SIGTERM, then SIGKILL after a grace period) and leaves no stray processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fedcore.errors import EngineError
+
+GRACE_S = 5.0
+"""Seconds a worker gets to exit after SIGTERM before SIGKILL."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def error_path(workdir: Path, rank: int) -> Path:
+    """Where worker ``rank`` writes its failure report."""
+    return workdir / f"error-rank{rank}.json"
+
+
+def log_path(workdir: Path, rank: int) -> Path:
+    """Where worker ``rank``'s stdout and stderr go."""
+    return workdir / f"log-rank{rank}.txt"
+
+
+def _worker_env(world_size: int) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [p if p else os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+    return env
+
+
+def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: float | None = None) -> None:
+    """Run ``world_size`` workers on ``spec_path`` and wait for all of them to exit cleanly.
+
+    Raises:
+        EngineError: a worker exited non-zero or was killed by a signal (the first one to fail is named with
+            its exception and traceback tail, or its log tail), or ``timeout_s`` passed.
+    """
+    env = _worker_env(world_size)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(world_size):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)}
+            with open(log_path(workdir, rank), "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "fedcore.engine.worker", str(spec_path), str(rank)],
+                        env=rank_env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                raise _failure(failed[0], codes[failed[0]], workdir)
+            if all(c == 0 for c in codes):
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineError(f"parallel training did not finish within {timeout_s:.0f} s; all workers killed")
+            time.sleep(0.05)
+    finally:
+        _kill_all(procs)
+
+
+def _failure(rank: int, code: int | None, workdir: Path) -> EngineError:
+    report = error_path(workdir, rank)
+    if report.exists():
+        info = json.loads(report.read_text())
+        cause = f"{info['type']}: {info['message']}"
+        detail = info.get("traceback", "")
+    else:
+        cause = f"killed by signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+        detail = _tail(log_path(workdir, rank))
+    tail = "\n".join(detail.strip().splitlines()[-12:])
+    return EngineError(f"worker rank {rank} failed: {cause}\n{tail}".rstrip(), rank=rank)
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:]
+    except OSError:
+        return ""
+
+
+def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop every worker's process group: SIGTERM, then SIGKILL after :data:`GRACE_S`."""
+    alive = [p for p in procs if p.poll() is None]
+    for proc in alive:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for proc in alive:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+    for proc in procs:
+        # the worker's own children (if any) live in its session; make sure none survive it
+        _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)

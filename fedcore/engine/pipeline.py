@@ -1,0 +1,192 @@
+"""Pipeline-parallel execution with ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B).
+
+The model is cut into stages by module names (:mod:`fedcore.engine.layers`); pipeline rank ``r`` holds stages
+``r, r + p, ...``. Each stage is a :class:`~torch.distributed.pipelining.PipelineStage` whose shapes are
+inferred at run time from the first micro-batch (on torch 2.13 CPU, static shapes gave wrong gradients).
+
+Because a stage fixes its micro-batch shape when it first runs, every micro-batch a schedule sees has the same
+size. A chunk of ``c`` samples therefore runs as one schedule step of ``m`` micro-batches of ``c // m`` samples,
+followed, when ``c % m != 0``, by a step of ``c % m`` single-sample micro-batches (GPipe-style); each distinct
+(schedule, micro-batches, micro-batch size) gets its own cached stages and schedule. Losses are per-sample sums
+scaled by ``1 / len(batch)`` and schedules run with ``scale_grads=False``, so gradients add up to exactly the
+batch mean whatever the split. With data parallelism on top, gradients are summed over the ``dp`` group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from fedcore.engine.layers import LayerChain, split_stages, stage_state_names
+from fedcore.engine.plan import ParallelPlan
+from fedcore.engine.runtime import RankEnv, autocast
+from fedcore.engine.schedules import Schedule, rank_of_stage, stages_of_rank
+from fedcore.training import LossFn
+
+
+class _AutocastChain(nn.Module):
+    """A stage's layer chain under the plan's autocast."""
+
+    def __init__(self, chain: LayerChain, plan: ParallelPlan, device: torch.device) -> None:
+        super().__init__()
+        self.chain = chain
+        self._plan = plan
+        self._device = device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast(self._plan, self._device):
+            return self.chain(x)
+
+
+class PipelineExecutor:
+    """Runs the pipeline stages of one rank.
+
+    Args:
+        model: the full model on ``env.device`` holding the global parameters (every rank builds it; each
+            trains only its stages' parameters).
+        plan: the parallel plan (``pipeline >= 2``).
+        env: this rank's place in the world (``pp_group`` and ``dp_group`` set).
+        loss_fn: ``loss_fn(output, target, reduction="sum")``.
+    """
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, env: RankEnv, loss_fn: LossFn) -> None:
+        self.model = model
+        self.plan = plan
+        self.env = env
+        self.loss_fn = loss_fn
+        self.stages = split_stages(
+            model, num_stages=plan.num_stages, split_points=plan.split_points, stage_modules=plan.stage_modules
+        )
+        self.my_stages = stages_of_rank(env.pp_index, plan.pipeline, plan.stages_per_rank)
+        self.modules = [
+            _AutocastChain(LayerChain(self.stages[s], checkpointing=plan.activation_checkpointing), plan, env.device)
+            for s in self.my_stages
+        ]
+        self.first = 0 in self.my_stages
+        self.last = plan.num_stages - 1 in self.my_stages
+        names: set[str] = set()
+        for s in self.my_stages:
+            names.update(stage_state_names(model, self.stages[s]))
+        self._names = names
+        self._scale = 1.0
+        self._schedules: dict[tuple[str, int, int], _PipelineSchedule] = {}
+
+    def trained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(global name, parameter)`` of this rank's stages."""
+        return [(n, p) for n, p in self.model.named_parameters() if n in self._names and p.requires_grad]
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target, reduction="sum") * self._scale
+
+    def _schedule(self, kind: Schedule, microbatches: int, size: int) -> _PipelineSchedule:
+        key = (kind.value, microbatches, size)
+        if key not in self._schedules:
+            stages: list[_PipelineStageBase] = [
+                PipelineStage(module, s, self.plan.num_stages, self.env.device, group=self.env.pp_group)
+                for module, s in zip(self.modules, self.my_stages, strict=True)
+            ]
+            loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._loss
+            schedule: _PipelineSchedule
+            if kind is Schedule.INTERLEAVED_1F1B:
+                schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss, scale_grads=False)
+            elif len(stages) > 1:
+                schedule = ScheduleLoopedBFS(stages, microbatches, loss_fn=loss, scale_grads=False)
+            elif kind is Schedule.ONE_F_ONE_B:
+                schedule = Schedule1F1B(stages[0], microbatches, loss_fn=loss, scale_grads=False)
+            else:
+                schedule = ScheduleGPipe(stages[0], microbatches, loss_fn=loss, scale_grads=False)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def _steps(self, count: int) -> list[tuple[Schedule, int, int, int]]:
+        """Split ``count`` samples into schedule steps ``(schedule, microbatches, size, samples)``."""
+        m = self.plan.microbatches
+        steps = []
+        if count // m:
+            steps.append((self.plan.schedule, m, count // m, (count // m) * m))
+        tail = count % m
+        if tail:
+            kind = self.plan.schedule
+            if kind is Schedule.ONE_F_ONE_B and tail < self.plan.pipeline:
+                kind = Schedule.GPIPE
+            if kind is Schedule.INTERLEAVED_1F1B and (tail < self.plan.pipeline or tail % self.plan.pipeline):
+                kind = Schedule.GPIPE  # runs as looped BFS with several stages per rank
+            steps.append((kind, tail, 1, tail))
+        return steps
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+        """Accumulate this rank's stage gradients for one global batch ``(x, y)``.
+
+        Returns:
+            ``(sum of per-sample losses, samples)`` on the rank holding the last stage; ``(0.0, 0)`` elsewhere.
+        """
+        n = len(x)
+        self._scale = 1.0 / n
+        shard = torch.tensor_split(torch.arange(n), self.plan.data_parallel)[self.env.dp_index]
+        loss_sum, seen = 0.0, 0
+        for chunk in torch.tensor_split(shard, self.plan.grad_accum):
+            start = 0
+            for kind, microbatches, size, samples in self._steps(len(chunk)):
+                idx = chunk[start : start + samples]
+                start += samples
+                schedule = self._schedule(kind, microbatches, size)
+                args = (x[idx].to(self.env.device),) if self.first else ()
+                if self.last:
+                    losses: list[torch.Tensor] = []
+                    schedule.step(*args, target=y[idx].to(self.env.device), losses=losses, return_outputs=False)
+                    loss_sum += float(sum(float(loss.detach()) for loss in losses)) * n
+                    seen += samples
+                else:
+                    schedule.step(*args, return_outputs=False)
+        return loss_sum, seen
+
+    def finish_gradients(self) -> None:
+        """Sum the stage gradients over the data-parallel replicas (each holds a part of the batch)."""
+        if self.plan.data_parallel == 1:
+            return
+        for _, param in self.trained_parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.env.dp_group)
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The full model state in global names on rank 0 (CPU tensors), None elsewhere.
+
+        Pipeline ranks of replica 0 send their stages' tensors to rank 0 (plain tensor point-to-point, in
+        ``state_dict`` order, which every rank knows because every rank built the full model).
+        """
+        state = self.model.state_dict()
+        if self.env.dp_index != 0:
+            return None
+        if self.env.rank != 0:
+            for name in state:
+                if name in self._names:
+                    dist.send(state[name].detach().contiguous(), dst=0)
+            return None
+        owner: dict[str, int] = {}
+        for stage_index, stage in enumerate(self.stages):
+            for name in stage_state_names(self.model, stage):
+                owner[name] = rank_of_stage(stage_index, self.plan.pipeline)
+        out: dict[str, torch.Tensor] = {}
+        received: dict[str, torch.Tensor] = {}
+        for source in range(1, self.plan.pipeline):
+            for name in state:
+                if owner.get(name) == source:
+                    buffer = torch.empty_like(state[name]).contiguous()
+                    dist.recv(buffer, src=source)
+                    received[name] = buffer
+        for name, tensor in state.items():
+            out[name] = received.get(name, tensor).detach().to("cpu", copy=True)
+        return out

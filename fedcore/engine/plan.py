@@ -1,0 +1,322 @@
+"""The parallel plan: how one client's local training is spread over processes and devices.
+
+One frozen value object holds every degree and option (the ``ParallelDims`` idea from torchtitan): data
+parallel degree (replicated with DDP or sharded with FSDP2), pipeline degree and how the model is cut into
+stages, micro-batches and schedule, gradient accumulation, precision and activation checkpointing. It is
+validated on construction; :meth:`ParallelPlan.check_model` and :meth:`ParallelPlan.check_runtime` finish the
+validation that needs the model or the machine, and the engine calls both before any worker starts.
+
+Ranks are laid out data-parallel outer, pipeline inner: ``rank = dp_index * pipeline + pp_index``.
+
+Example (TOML ``[parallel]`` table or ``--parallel key=value`` flags)::
+
+    ParallelPlan.from_mapping({"data_parallel": 2, "pipeline": 2, "split_points": ["blocks.2"],
+                               "microbatches": 4, "schedule": "1f1b"})
+    ParallelPlan.from_cli(["dp=2", "pp=2", "split_points=blocks.2", "microbatches=4", "schedule=1f1b"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedcore.engine.layers import model_layers, split_stages
+from fedcore.engine.schedules import Schedule, check_schedule
+from fedcore.errors import ConfigError
+
+
+class Precision(StrEnum):
+    """Compute precision. Master weights and the returned update stay in the global model's dtype."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"  # autocast to bfloat16; CUDA only
+
+
+class Device(StrEnum):
+    """Where the ranks run: ``auto`` picks CUDA when enough GPUs are visible, else CPU."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+_ALIASES = {
+    "dp": "data_parallel",
+    "pp": "pipeline",
+    "fsdp": "sharded",
+    "shard": "sharded",
+    "virtual_stages": "stages_per_rank",
+    "microbatch": "microbatches",
+    "gradient_accumulation": "grad_accum",
+    "checkpointing": "activation_checkpointing",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """Degrees and options of local parallel training. The default (all ones) trains in-process on one device.
+
+    Attributes:
+        data_parallel: data-parallel degree (replicas of the model, or shards with ``sharded``). >= 1.
+        sharded: shard parameters, gradients and optimizer state over the data-parallel ranks with FSDP2
+            (``torch.distributed.fsdp.fully_shard``) instead of replicating them with DDP. Needs
+            ``data_parallel >= 2`` and ``pipeline == 1``.
+        pipeline: pipeline-parallel degree (ranks per pipeline). >= 1.
+        stages_per_rank: pipeline stages each pipeline rank holds (``v``; > 1 only for interleaved 1F1B).
+        split_points: module names where a new stage begins, ``pipeline * stages_per_rank - 1`` of them in
+            model order (see :mod:`fedcore.engine.layers`).
+        stage_modules: alternatively, for each stage the module names it holds.
+        microbatches: micro-batches each pipeline step splits its batch into (``m``). 1 without a pipeline.
+        schedule: pipeline schedule: ``gpipe``, ``1f1b`` (needs ``microbatches >= pipeline``) or
+            ``interleaved-1f1b`` (needs ``stages_per_rank >= 2``).
+        grad_accum: sequential micro-steps per optimizer step; each processes ``1/grad_accum`` of the batch
+            and their gradients add up, so the step equals one step on the full batch. >= 1.
+        precision: ``fp32``, or ``bf16`` autocast (CUDA only).
+        activation_checkpointing: recompute each layer's activations in the backward pass (needs a model
+            with layers: ``nn.Sequential`` or ``pipeline_layers()``).
+        device: ``auto``, ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank).
+        world_size: the number of processes the caller expects (e.g. GPUs on the machine), or None; when
+            given, ``data_parallel * pipeline`` must equal it.
+    """
+
+    data_parallel: int = 1
+    sharded: bool = False
+    pipeline: int = 1
+    stages_per_rank: int = 1
+    split_points: tuple[str, ...] = ()
+    stage_modules: tuple[tuple[str, ...], ...] = ()
+    microbatches: int = 1
+    schedule: Schedule = Schedule.GPIPE
+    grad_accum: int = 1
+    precision: Precision = Precision.FP32
+    activation_checkpointing: bool = False
+    device: Device = Device.AUTO
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel", "pipeline", "stages_per_rank", "microbatches", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"parallel plan: {name} must be an integer >= 1, got {value!r}")
+        object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "schedule"))
+        object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
+        object.__setattr__(self, "device", _enum(Device, self.device, "device"))
+        object.__setattr__(self, "split_points", tuple(str(s) for s in self.split_points))
+        object.__setattr__(self, "stage_modules", tuple(tuple(str(n) for n in s) for s in self.stage_modules))
+        if self.world_size is not None and self.data_parallel * self.pipeline != self.world_size:
+            raise ConfigError(
+                f"parallel plan: data_parallel ({self.data_parallel}) x pipeline ({self.pipeline}) = "
+                f"{self.data_parallel * self.pipeline}, but the world size is {self.world_size}; "
+                "the degrees must multiply to the number of processes"
+            )
+        if self.sharded and self.data_parallel < 2:
+            raise ConfigError("parallel plan: sharded (FSDP2) needs data_parallel >= 2")
+        if self.sharded and self.pipeline > 1:
+            raise ConfigError("parallel plan: sharded data parallel with a pipeline is not supported; use DDP")
+        if self.pipeline == 1:
+            if self.stages_per_rank > 1 or self.split_points or self.stage_modules or self.microbatches > 1:
+                raise ConfigError(
+                    "parallel plan: stages_per_rank, split_points, stage_modules and microbatches need "
+                    "pipeline >= 2; without a pipeline use grad_accum to split a batch"
+                )
+        else:
+            if self.split_points and self.stage_modules:
+                raise ConfigError("parallel plan: give split_points or stage_modules, not both")
+            if not self.split_points and not self.stage_modules:
+                raise ConfigError(
+                    f"parallel plan: a {self.num_stages}-stage pipeline needs {self.num_stages - 1} split points "
+                    "(module names where a stage begins) or stage_modules"
+                )
+            if self.split_points and len(self.split_points) != self.num_stages - 1:
+                raise ConfigError(
+                    f"parallel plan: pipeline={self.pipeline} x stages_per_rank={self.stages_per_rank} = "
+                    f"{self.num_stages} stages need {self.num_stages - 1} split points, got {len(self.split_points)}"
+                )
+            if len(set(self.split_points)) != len(self.split_points):
+                raise ConfigError(f"parallel plan: split points repeat: {list(self.split_points)}")
+            if self.stage_modules and len(self.stage_modules) != self.num_stages:
+                raise ConfigError(
+                    f"parallel plan: {self.num_stages} stages but stage_modules lists {len(self.stage_modules)}"
+                )
+            check_schedule(
+                self.schedule,
+                pipeline=self.pipeline,
+                stages_per_rank=self.stages_per_rank,
+                microbatches=self.microbatches,
+            )
+        if self.precision is Precision.BF16 and self.device is Device.CPU:
+            raise ConfigError("parallel plan: bf16 autocast needs CUDA; use precision='fp32' on CPU")
+
+    # ----------------------------------------------------------------------------------------------- derived
+    @property
+    def total_ranks(self) -> int:
+        """Processes the plan needs: ``data_parallel * pipeline``."""
+        return self.data_parallel * self.pipeline
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: ``pipeline * stages_per_rank``."""
+        return self.pipeline * self.stages_per_rank
+
+    @property
+    def dp_enabled(self) -> bool:
+        """More than one data-parallel replica or shard."""
+        return self.data_parallel > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Data parallelism is sharded (FSDP2)."""
+        return self.sharded and self.data_parallel > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """More than one pipeline rank."""
+        return self.pipeline > 1
+
+    @property
+    def is_single_process(self) -> bool:
+        """The plan runs in the caller's process with no process group."""
+        return self.total_ranks == 1
+
+    # ------------------------------------------------------------------------------------------- validation
+    def check_model(self, model: nn.Module) -> None:
+        """Validate the plan against the model: split points name layer boundaries, stages are non-empty and
+        share no parameters, activation checkpointing finds layers.
+
+        Raises:
+            ConfigError: with the model's layer names, so the user can fix the split points.
+        """
+        if self.pp_enabled:
+            split_stages(
+                model,
+                num_stages=self.num_stages,
+                split_points=self.split_points,
+                stage_modules=self.stage_modules,
+            )
+        elif self.activation_checkpointing:
+            model_layers(model)
+        for name, tensor in model.state_dict().items():
+            if tensor.dtype == torch.bfloat16:
+                raise ConfigError(f"parameter {name!r} has dtype {tensor.dtype}; keep master weights in float32")
+
+    def check_runtime(self) -> Device:
+        """Resolve ``device`` on this machine and check the plan fits it; returns ``cpu`` or ``cuda``.
+
+        Raises:
+            ConfigError: bf16 without CUDA, or ``device='cuda'`` with fewer GPUs than ranks.
+        """
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = self.device
+        if device is Device.AUTO:
+            device = Device.CUDA if gpus >= self.total_ranks else Device.CPU
+        if device is Device.CUDA and gpus < self.total_ranks:
+            raise ConfigError(f"parallel plan needs {self.total_ranks} GPUs (one per rank) but {gpus} are visible")
+        if self.precision is Precision.BF16 and device is not Device.CUDA:
+            raise ConfigError("parallel plan: bf16 autocast needs CUDA, and training runs on the CPU here")
+        return device
+
+    # -------------------------------------------------------------------------------------------- loading
+    def to_mapping(self) -> dict[str, Any]:
+        """The plan as a JSON/TOML-ready mapping (inverse of :meth:`from_mapping`)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, StrEnum):
+                value = value.value
+            elif f.name == "split_points":
+                value = list(value)
+            elif f.name == "stage_modules":
+                value = [list(s) for s in value]
+            elif value is None:
+                continue  # TOML has no null: an unset option is left out
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_mapping(cls, table: Mapping[str, Any]) -> ParallelPlan:
+        """Build a plan from a TOML ``[parallel]`` table (or any mapping).
+
+        Keys are the field names; ``dp``, ``pp``, ``fsdp`` and a few others are accepted as aliases, and
+        ``-`` may stand for ``_``. Values may be native (int, bool, list) or strings as on a command line:
+        ``split_points="a,b"``, ``stage_modules="a,b;c,d"``, ``sharded="true"``.
+
+        Raises:
+            ConfigError: an unknown key, or a value of the wrong type or range.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for raw_key, value in table.items():
+            key = raw_key.strip().replace("-", "_").lower()
+            key = _ALIASES.get(key, key)
+            if key not in fields:
+                raise ConfigError(
+                    f"unknown parallel plan option {raw_key!r}; valid: {sorted(fields)} (aliases {sorted(_ALIASES)})"
+                )
+            if key in kwargs:
+                raise ConfigError(f"parallel plan option {key!r} is given twice")
+            kwargs[key] = _coerce(key, value)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_cli(cls, items: Sequence[str]) -> ParallelPlan:
+        """Build a plan from ``--parallel key=value`` flags, e.g. ``["dp=2", "pp=2", "split_points=blocks.2"]``.
+
+        Raises:
+            ConfigError: an item is not ``key=value``, or as :meth:`from_mapping`.
+        """
+        table: dict[str, str] = {}
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--parallel expects key=value, got {item!r}")
+            if key.strip() in table:
+                raise ConfigError(f"--parallel option {key.strip()!r} is given twice")
+            table[key.strip()] = value.strip()
+        return cls.from_mapping(table)
+
+
+def _enum(kind: type[StrEnum], value: object, name: str) -> Any:
+    try:
+        return kind(str(value).strip().lower())
+    except ValueError:
+        raise ConfigError(f"parallel plan: {name} must be one of {[k.value for k in kind]}, got {value!r}") from None
+
+
+_INT_FIELDS = {"data_parallel", "pipeline", "stages_per_rank", "microbatches", "grad_accum", "world_size"}
+_BOOL_FIELDS = {"sharded", "activation_checkpointing"}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if key in _INT_FIELDS:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"parallel plan: {key} must be an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"parallel plan: {key} must be an integer, got {value!r}")
+        return value
+    if key in _BOOL_FIELDS:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"parallel plan: {key} must be true or false, got {value!r}")
+    if key == "split_points":
+        if isinstance(value, str):
+            return tuple(s.strip() for s in value.split(",") if s.strip())
+        return tuple(str(s) for s in value)
+    if key == "stage_modules":
+        if isinstance(value, str):
+            return tuple(tuple(n.strip() for n in s.split(",") if n.strip()) for s in value.split(";") if s.strip())
+        return tuple(tuple(str(n) for n in stage) for stage in value)
+    return value

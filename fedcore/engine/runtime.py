@@ -1,0 +1,102 @@
+"""One rank's place in the world: its coordinates, device, process groups; and its setup and teardown.
+
+Ranks are laid out data-parallel outer, pipeline inner (``rank = dp_index * pipeline + pp_index``), as a
+``DeviceMesh`` of shape ``(data_parallel, pipeline)`` with dimensions ``("dp", "pp")``. At world size 1 there is
+no process group and no mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fedcore.engine.plan import Device, ParallelPlan, Precision
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEnv:
+    """Where one rank sits.
+
+    Attributes:
+        rank: global rank in ``[0, world_size)``.
+        world_size: ``data_parallel * pipeline``.
+        dp_index: data-parallel coordinate (which replica / shard).
+        pp_index: pipeline coordinate (which pipeline rank).
+        device: the rank's device (``cpu`` or ``cuda:<local rank>``).
+        dp_group: process group of the ranks with the same ``pp_index`` (None at world size 1).
+        pp_group: process group of the ranks with the same ``dp_index`` (None at world size 1).
+        dp_mesh: one-dimensional data-parallel mesh for FSDP2 (None at world size 1).
+    """
+
+    rank: int
+    world_size: int
+    dp_index: int
+    pp_index: int
+    device: torch.device
+    dp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    dp_mesh: DeviceMesh | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group exists."""
+        return self.world_size > 1
+
+
+def single_process_env(device: Device) -> RankEnv:
+    """The environment of a plan of all ones: rank 0 of 1, no process group."""
+    return RankEnv(
+        rank=0,
+        world_size=1,
+        dp_index=0,
+        pp_index=0,
+        device=torch.device("cuda", 0) if device is Device.CUDA else torch.device("cpu"),
+    )
+
+
+def init_distributed(plan: ParallelPlan, device: Device, *, rank: int, init_method: str) -> RankEnv:
+    """Join the process group (gloo on CPU, NCCL on CUDA) and build the ``(dp, pp)`` mesh.
+
+    Args:
+        plan: the plan; ``plan.total_ranks`` processes take part.
+        device: the resolved device kind.
+        rank: this process's global rank.
+        init_method: rendezvous URL, e.g. ``tcp://127.0.0.1:29500``.
+    """
+    world_size = plan.total_ranks
+    if device is Device.CUDA:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch_device = torch.device("cuda", torch.cuda.current_device())
+        backend = "nccl"
+    else:
+        torch_device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    mesh = init_device_mesh(torch_device.type, (plan.data_parallel, plan.pipeline), mesh_dim_names=("dp", "pp"))
+    return RankEnv(
+        rank=rank,
+        world_size=world_size,
+        dp_index=rank // plan.pipeline,
+        pp_index=rank % plan.pipeline,
+        device=torch_device,
+        dp_group=mesh.get_group("dp"),
+        pp_group=mesh.get_group("pp"),
+        dp_mesh=mesh["dp"],
+    )
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group if one was joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def autocast(plan: ParallelPlan, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """bf16 autocast on CUDA when the plan asks for it, else a no-op context."""
+    if plan.precision is Precision.BF16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()

@@ -1,0 +1,162 @@
+"""``train_with_plan``: one client's local training round under a parallel plan.
+
+The caller (client runner or simulation worker) hands over the task factory, the global model and the plan,
+and gets back the updated model in the global model's names, order and dtypes, plus the training result.
+Validation happens first, in the caller's process: the plan against the model (split points) and the machine
+(GPUs, bf16), and the data against the micro-batching. A plan of all ones then trains in-process with no
+process group; any other plan starts ``data_parallel * pipeline`` workers (:mod:`fedcore.engine.launch`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedcore.engine.launch import free_port, run_workers
+from fedcore.engine.plan import ParallelPlan
+from fedcore.engine.runner import train_rank, training_data
+from fedcore.engine.runtime import single_process_env
+from fedcore.engine.worker import task_context_to_json
+from fedcore.errors import ConfigError, EngineError
+from fedcore.seeding import derive_seed
+from fedcore.task import FitConfig, TaskContext, TrainContext, TrainResult, load_task_factory
+from fedcore.tensors import NamedArrays, decode, encode, from_state_dict, to_state_dict
+
+
+def train_with_plan(
+    task_factory: str,
+    task_context: TaskContext,
+    global_parameters: NamedArrays,
+    config: FitConfig,
+    plan: ParallelPlan,
+    *,
+    seed: int,
+    round: int,
+    client_id: str,
+    timeout_s: float | None = None,
+) -> tuple[NamedArrays, TrainResult]:
+    """Train the task's model for one round under ``plan``; return the updated state and the result.
+
+    Shuffling uses ``torch.randperm`` with a generator seeded by ``derive_seed(seed, round, client_id)``, the
+    global batch is ``config.batch_size`` samples however it is split over ranks, micro-steps and
+    micro-batches, and FedProx's term is included, so the result equals single-device
+    :func:`fedcore.training.train_supervised` with that generator (up to float rounding).
+
+    Args:
+        task_factory: ``"module:attr"`` naming a :data:`~fedcore.task.TaskFactory` importable by workers.
+        task_context: the context the factory gets (in every worker).
+        global_parameters: the round's global model, ``name -> array`` in ``state_dict`` order.
+        config: local training settings (epochs, batch size, lr, momentum, weight decay, mu, max_steps).
+        plan: the parallel plan.
+        seed, round, client_id: key the shuffling generator.
+        timeout_s: kill the workers and fail after this many seconds (None: wait).
+
+    Returns:
+        ``(updated, result)``: ``updated`` has exactly the names, order, shapes and dtypes of
+        ``global_parameters``; ``result.metrics["train_loss"]`` is the mean loss over the last epoch.
+
+    Raises:
+        ConfigError: the factory cannot be loaded, the plan does not fit the model or the machine, the
+            global parameters do not match the model, or the task exposes no training data.
+        EngineError: a worker failed (the message names the rank and the cause); no worker is left running.
+    """
+    task = load_task_factory(task_factory)(task_context)
+    model = task.build_model()
+    plan.check_model(model)
+    device = plan.check_runtime()
+    expected = list(model.state_dict())
+    if expected != list(global_parameters):
+        missing = [n for n in expected if n not in global_parameters][:5]
+        extra = [n for n in global_parameters if n not in expected][:5]
+        raise ConfigError(
+            f"the global parameters do not match the task's model (missing {missing}, unexpected {extra}, "
+            "or a different order)",
+            round=round,
+            client_id=client_id,
+        )
+    if plan.is_single_process:
+        if not callable(getattr(task, "training_data", None)):
+            return _train_task_directly(task, model, global_parameters, config, seed, round, client_id)
+        training_data(task)
+        result = train_rank(
+            task,
+            global_parameters,
+            config,
+            plan,
+            single_process_env(device),
+            seed=seed,
+            round=round,
+            client_id=client_id,
+        )
+        if result.state is None:
+            raise EngineError("rank 0 returned no state", rank=0, round=round, client_id=client_id)
+        updated = from_state_dict(result.state)
+        num_examples, train_loss = result.num_examples, result.train_loss
+    else:
+        training_data(task)  # fail here, not in every worker, when the task has no data
+        with tempfile.TemporaryDirectory(prefix="fedcore-engine-") as tmp:
+            workdir = Path(tmp)
+            spec = {
+                "task_factory": task_factory,
+                "task_context": task_context_to_json(task_context),
+                "config": {
+                    "local_epochs": config.local_epochs,
+                    "batch_size": config.batch_size,
+                    "lr": config.lr,
+                    "momentum": config.momentum,
+                    "weight_decay": config.weight_decay,
+                    "mu": config.mu,
+                    "max_steps": config.max_steps,
+                },
+                "plan": plan.to_mapping(),
+                "device": device.value,
+                "seed": seed,
+                "round": round,
+                "client_id": client_id,
+                "init_method": f"tcp://127.0.0.1:{free_port()}",
+                "global_path": str(workdir / "global.safetensors"),
+                "state_path": str(workdir / "updated.safetensors"),
+                "metrics_path": str(workdir / "metrics.json"),
+            }
+            (workdir / "global.safetensors").write_bytes(encode(global_parameters))
+            spec_path = workdir / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            try:
+                run_workers(spec_path, plan.total_ranks, workdir, timeout_s=timeout_s)
+            except EngineError as exc:
+                raise EngineError(exc.message, rank=exc.rank, round=round, client_id=client_id) from None
+            updated = decode((workdir / "updated.safetensors").read_bytes())
+            metrics = json.loads((workdir / "metrics.json").read_text())
+            num_examples, train_loss = int(metrics["num_examples"]), float(metrics["train_loss"])
+    ordered = {
+        name: np.asarray(updated[name]).astype(array.dtype, copy=False) for name, array in global_parameters.items()
+    }
+    metrics_out = {} if np.isnan(train_loss) else {"train_loss": train_loss}
+    return ordered, TrainResult(num_examples=num_examples, metrics=metrics_out)
+
+
+def _train_task_directly(
+    task: object,
+    model: torch.nn.Module,
+    global_parameters: NamedArrays,
+    config: FitConfig,
+    seed: int,
+    round: int,
+    client_id: str,
+) -> tuple[NamedArrays, TrainResult]:
+    """World size 1 with a task that exposes no data: let the task train itself (any Task works here)."""
+    model.load_state_dict(to_state_dict(global_parameters), strict=True)
+    anchors = {n: p.detach().clone() for n, p in model.named_parameters()}
+    context = TrainContext(
+        round=round,
+        client_id=client_id,
+        generator=torch.Generator().manual_seed(derive_seed(seed, round, client_id)),
+        global_parameters=anchors,
+    )
+    result = task.train(model, config, context)  # type: ignore[attr-defined]
+    updated = from_state_dict(model.state_dict())
+    return {n: updated[n].astype(a.dtype, copy=False) for n, a in global_parameters.items()}, result

@@ -1,0 +1,116 @@
+"""The one exception tree of fedcore.
+
+Every error fedcore raises on purpose derives from :class:`FedcoreError` and carries
+context (round, client id, stage) where it has it, plus a sentence on what to do::
+
+    FedcoreError
+    ├── ConfigError            (also ValueError)   invalid configuration, raised before a run starts
+    ├── PayloadError           (also ValueError)   malformed or mismatched tensor payload
+    │   └── NonFiniteError                         NaN or Inf values in a payload or update
+    ├── UpdateRejected                             one client's update failed validation (the round goes on)
+    ├── AggregationError                           nothing valid to aggregate (e.g. zero total weight)
+    ├── RoundFailed                                a round could not complete (no quorum, all clients failed)
+    ├── ClientTaskError                            the user's Task raised while fitting or evaluating
+    ├── PartitionError         (also ValueError)   a partition cannot satisfy its constraints
+    ├── DatasetNotFoundError   (also FileNotFoundError)  dataset files are missing; says how to get them
+    ├── TransportError                             a client pool / transport could not deliver a message
+    └── EngineError                                a parallel training worker failed (names the rank and cause)
+"""
+
+from __future__ import annotations
+
+
+class FedcoreError(Exception):
+    """Base class of every error fedcore raises on purpose.
+
+    Args:
+        message: what went wrong and what to do about it.
+        round: the federated round (1-based) the error happened in, if any.
+        client_id: the client the error concerns, if any.
+        stage: the protocol stage ("fit", "evaluate", "decode", ...), if any.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        round: int | None = None,
+        client_id: str | None = None,
+        stage: str | None = None,
+    ) -> None:
+        self.message = message
+        self.round = round
+        self.client_id = client_id
+        self.stage = stage
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        context = []
+        if self.round is not None:
+            context.append(f"round {self.round}")
+        if self.client_id is not None:
+            context.append(f"client {self.client_id!r}")
+        if self.stage is not None:
+            context.append(f"stage {self.stage}")
+        prefix = f"[{', '.join(context)}] " if context else ""
+        return prefix + self.message
+
+
+class ConfigError(FedcoreError, ValueError):
+    """A configuration value is invalid. Raised when a config is built, never mid-run."""
+
+
+class PayloadError(FedcoreError, ValueError):
+    """A tensor payload is malformed (truncated, corrupted) or does not match the expected spec."""
+
+
+class NonFiniteError(PayloadError):
+    """A payload or update holds NaN or Inf values."""
+
+
+class UpdateRejected(FedcoreError):
+    """One client's update was rejected; the round continues without it."""
+
+
+class AggregationError(FedcoreError):
+    """There is nothing valid to aggregate, e.g. the example counts sum to zero."""
+
+
+class RoundFailed(FedcoreError):
+    """A round could not be completed (too few clients, no valid update)."""
+
+
+class ClientTaskError(FedcoreError):
+    """The user's Task raised while training or evaluating on a client."""
+
+
+class PartitionError(FedcoreError, ValueError):
+    """A partitioner cannot satisfy its constraints (e.g. minimum size after the redraw limit)."""
+
+
+class DatasetNotFoundError(FedcoreError, FileNotFoundError):
+    """Dataset files are missing. The message names the files and how to get them."""
+
+
+class TransportError(FedcoreError):
+    """A client pool / transport failed to deliver an instruction or a reply."""
+
+
+class EngineError(FedcoreError):
+    """A worker of the local parallel training engine failed; the message names the rank and the cause.
+
+    Args:
+        rank: the global rank of the worker that failed first, if known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        round: int | None = None,
+        client_id: str | None = None,
+        stage: str | None = None,
+    ) -> None:
+        self.rank = rank
+        super().__init__(message, round=round, client_id=client_id, stage=stage)

@@ -1,0 +1,108 @@
+"""Task factories the engine tests hand to workers as ``module:attr`` strings (plus a reference trainer)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedcore.seeding import derive_seed
+from fedcore.supervised import SupervisedTask
+from fedcore.task import FitConfig, TaskContext, TrainResult
+from fedcore.tensors import NamedArrays, from_state_dict, to_state_dict
+from fedcore.training import train_supervised
+
+FEATURES, CLASSES = 6, 4
+
+
+def mlp() -> nn.Sequential:
+    """Three linear layers; split point "2" cuts it into two stages."""
+    return nn.Sequential(
+        nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES)
+    )
+
+
+def deep_mlp() -> nn.Sequential:
+    """Four blocks (named "0".."3") for four-stage pipelines: split points "1", "2", "3"."""
+    width = 12
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(FEATURES, width), nn.Tanh()),
+        nn.Sequential(nn.Linear(width, width), nn.Tanh()),
+        nn.Sequential(nn.Linear(width, width), nn.Tanh()),
+        nn.Linear(width, CLASSES),
+    )
+
+
+def _data(ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
+    n = int(ctx.options.get("n", "48"))
+    gen = torch.Generator().manual_seed(derive_seed(ctx.seed, "data", ctx.client_id))
+    x = torch.randn(n, FEATURES, generator=gen)
+    y = torch.randint(0, CLASSES, (n,), generator=gen)
+    return x, y
+
+
+def mlp_task(ctx: TaskContext) -> SupervisedTask:
+    """A small classifier on random data keyed by (seed, client_id); option ``n`` sets the sample count."""
+    return SupervisedTask(model_fn=mlp, train_data=_data(ctx))
+
+
+def deep_task(ctx: TaskContext) -> SupervisedTask:
+    """Like :func:`mlp_task` with the four-block model."""
+    return SupervisedTask(model_fn=deep_mlp, train_data=_data(ctx))
+
+
+def _loss_failing_on_rank1(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("boom on rank 1")
+    return nn.functional.cross_entropy(output, target, reduction=reduction)
+
+
+def crashing_task(ctx: TaskContext) -> SupervisedTask:
+    """Trains normally except on rank 1, whose loss function raises."""
+    return SupervisedTask(model_fn=mlp, train_data=_data(ctx), loss_fn=_loss_failing_on_rank1)
+
+
+def initial_parameters(model_fn: type[nn.Module] | object, seed: int = 0) -> NamedArrays:
+    """A global model: ``model_fn()`` initialized under ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return from_state_dict(model_fn().state_dict())  # type: ignore[operator]
+
+
+def reference(
+    factory: object,
+    ctx: TaskContext,
+    global_parameters: NamedArrays,
+    config: FitConfig,
+    *,
+    seed: int,
+    round: int,
+    client_id: str,
+) -> tuple[NamedArrays, TrainResult]:
+    """Single-device :func:`train_supervised` with the engine's generator: what every plan must reproduce."""
+    task = factory(ctx)  # type: ignore[operator]
+    model = task.build_model()
+    model.load_state_dict(to_state_dict(global_parameters))
+    anchors = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = task.training_data()
+    result = train_supervised(
+        model,
+        x,
+        y,
+        config,
+        generator=torch.Generator().manual_seed(derive_seed(seed, round, client_id)),
+        global_parameters=anchors,
+        loss_fn=task.loss_fn,
+    )
+    return from_state_dict(model.state_dict()), result
+
+
+def assert_same_state(actual: NamedArrays, expected: NamedArrays, *, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """Same names in the same order, same dtypes, values equal within float32 rounding."""
+    assert list(actual) == list(expected)
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype, name
+        torch.testing.assert_close(
+            torch.from_numpy(np.asarray(actual[name])), torch.from_numpy(np.asarray(expected[name])), atol=atol, rtol=rtol
+        )
