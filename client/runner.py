@@ -1,0 +1,130 @@
+"""The client-side runner: the one function that turns an instruction into a reply.
+
+The gRPC daemon calls it after pulling a task; the simulation's virtual clients call it directly. Both get the
+same numbers for the same (seed, round, client), because every random draw inside is keyed by them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from fedcore.errors import ClientTaskError, FedcoreError, PayloadError
+from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes, Instruction, Stage
+from fedcore.seeding import derive_seed
+from fedcore.task import EvalResult, Task, TrainContext, TrainResult
+from fedcore.tensors import NamedArrays, check_spec, from_state_dict, spec_of, to_state_dict
+
+
+def load_parameters(model: torch.nn.Module, parameters: NamedArrays, *, round: int, client_id: str) -> None:
+    """Copy the global ``parameters`` (name -> numpy array) into ``model`` in place.
+
+    Raises:
+        PayloadError: names, shapes or dtypes differ from the model's state dict.
+    """
+    own = from_state_dict(model.state_dict())
+    check_spec(parameters, spec_of(own), round=round, client_id=client_id)
+    model.load_state_dict(to_state_dict(parameters), strict=True)
+
+
+def run_instruction(
+    task: Task,
+    instruction: Instruction,
+    client_id: str,
+    *,
+    model: torch.nn.Module | None = None,
+) -> FitRes | EvaluateRes:
+    """Execute one instruction with ``task`` on this client.
+
+    Args:
+        task: the user's task for this client's data.
+        instruction: :class:`FitIns` (train one round) or :class:`EvaluateIns`.
+        client_id: this client's id (keys its random streams together with the seed and round).
+        model: a model of the task's architecture to reuse (its state is overwritten); built if None.
+
+    Returns:
+        :class:`FitRes` with the trained parameters in the global model's names and dtypes, or
+        :class:`EvaluateRes`.
+
+    Raises:
+        PayloadError: the global parameters do not fit the task's model.
+        ClientTaskError: the task raised, returned a negative example count or a non-finite loss.
+    """
+    if model is None:
+        with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten; keep global RNG untouched
+            model = task.build_model()
+    load_parameters(model, instruction.parameters, round=instruction.round, client_id=client_id)
+    try:
+        if isinstance(instruction, FitIns):
+            return _fit(task, model, instruction, client_id)
+        return _evaluate(task, model, instruction, client_id)
+    except FedcoreError:
+        raise
+    except Exception as exc:
+        raise ClientTaskError(
+            f"the task raised {type(exc).__name__}: {exc}",
+            round=instruction.round,
+            client_id=client_id,
+            stage=instruction.stage.value,
+        ) from exc
+
+
+def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> FitRes:
+    seed = derive_seed(ins.seed, ins.round, client_id)
+    generator = torch.Generator().manual_seed(seed)
+    global_parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    started = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "torch"))
+        result: TrainResult = task.train(
+            model,
+            ins.config,
+            TrainContext(
+                round=ins.round, client_id=client_id, generator=generator, global_parameters=global_parameters
+            ),
+        )
+    if result.num_examples < 0:
+        raise ClientTaskError(
+            f"task.train returned num_examples={result.num_examples}; it must be >= 0",
+            round=ins.round,
+            client_id=client_id,
+            stage=Stage.FIT.value,
+        )
+    updated = from_state_dict(model.state_dict())
+    spec = {n: a.dtype for n, a in ins.parameters.items()}
+    for name, array in updated.items():
+        if array.dtype != spec[name]:
+            raise PayloadError(
+                f"the task changed the dtype of {name!r} from {spec[name]} to {array.dtype}",
+                round=ins.round,
+                client_id=client_id,
+            )
+    metrics = dict(result.metrics)
+    metrics["fit_seconds"] = time.perf_counter() - started
+    return FitRes(
+        client_id=client_id,
+        round=ins.round,
+        parameters=updated,
+        num_examples=result.num_examples,
+        metrics=metrics,
+    )
+
+
+def _evaluate(task: Task, model: torch.nn.Module, ins: EvaluateIns, client_id: str) -> EvaluateRes:
+    result: EvalResult = task.evaluate(model, ins.batch_size)
+    if result.num_examples < 0 or (result.num_examples > 0 and not math.isfinite(result.loss)):
+        raise ClientTaskError(
+            f"task.evaluate returned loss={result.loss}, num_examples={result.num_examples}",
+            round=ins.round,
+            client_id=client_id,
+            stage=Stage.EVALUATE.value,
+        )
+    return EvaluateRes(
+        client_id=client_id,
+        round=ins.round,
+        loss=result.loss,
+        num_examples=result.num_examples,
+        metrics=dict(result.metrics),
+    )

@@ -1,0 +1,116 @@
+"""Typed messages between the server's round loop and the client-side runner.
+
+One module for every message; the wire conversion (protobuf, safetensors) lives in one other place, the gRPC
+transport. The in-memory transport passes these objects as they are.
+
+An *instruction* (server -> client) is :class:`FitIns` or :class:`EvaluateIns`; a *reply* (client -> server) is
+:class:`FitRes`, :class:`EvaluateRes`, or :class:`Failure` when the client could not produce a result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from fedcore.task import FitConfig
+from fedcore.tensors import NamedArrays
+
+
+class Stage(StrEnum):
+    """The protocol stage a message belongs to."""
+
+    FIT = "fit"
+    EVALUATE = "evaluate"
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class FitIns:
+    """Train the global model locally for one round.
+
+    Attributes:
+        round: the federated round, 1-based.
+        parameters: the global model, ``name -> array`` in the model's order.
+        config: local training settings.
+        seed: the run's seed; the client derives its generators from (seed, round, client id).
+    """
+
+    round: int
+    parameters: NamedArrays
+    config: FitConfig
+    seed: int
+    stage: Stage = Stage.FIT
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class EvaluateIns:
+    """Evaluate the global model on the client's held-out data.
+
+    Attributes:
+        round: the federated round, 1-based.
+        parameters: the global model.
+        batch_size: evaluation batch size.
+    """
+
+    round: int
+    parameters: NamedArrays
+    batch_size: int = 1024
+    stage: Stage = Stage.EVALUATE
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class FitRes:
+    """A client's update for one round.
+
+    Attributes:
+        client_id: who trained.
+        round: the round the update belongs to (late results of an older round are discarded).
+        parameters: the locally trained model, same names, shapes and dtypes as the global model.
+        num_examples: local training examples (FedAvg weight), >= 0.
+        metrics: scalar training metrics (e.g. ``train_loss``).
+    """
+
+    client_id: str
+    round: int
+    parameters: NamedArrays
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateRes:
+    """A client's evaluation of the global model.
+
+    Attributes:
+        client_id, round: as in :class:`FitRes`.
+        loss: mean loss per example.
+        num_examples: evaluation examples.
+        metrics: scalar metrics (e.g. ``accuracy``).
+    """
+
+    client_id: str
+    round: int
+    loss: float
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """A client could not produce a reply; the round goes on without it.
+
+    Attributes:
+        client_id: the client.
+        round: the round.
+        stage: fit or evaluate.
+        reason: what went wrong, in words (exception type and message, timeout, disconnect, rejection).
+    """
+
+    client_id: str
+    round: int
+    stage: Stage
+    reason: str
+
+
+Instruction = FitIns | EvaluateIns
+Reply = FitRes | EvaluateRes | Failure

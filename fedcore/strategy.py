@@ -1,0 +1,173 @@
+"""Strategies, composed from parts: client sampling, update weighting, a server optimizer, local training config.
+
+A :class:`Strategy` is a value, not a class hierarchy. The well-known algorithms are recipes over it:
+
+=============  ==============================================================================================
+FedAvg         weighting by examples, ``ServerSGD(lr=1)`` (McMahan et al. 2017)
+FedAvgM        ``ServerSGD(lr, momentum)`` (Hsu et al. 2019)
+FedProx        FedAvg with ``FitConfig.mu > 0`` (Li et al. 2020)
+FedAdagrad     ``ServerAdaptive("adagrad")``  (Reddi et al. 2021)
+FedAdam        ``ServerAdaptive("adam")``     (Reddi et al. 2021)
+FedYogi        ``ServerAdaptive("yogi")``     (Reddi et al. 2021)
+=============  ==============================================================================================
+
+The round loop (:mod:`server.round_loop`) owns the control flow; the strategy only answers "whom", "with what
+settings", "with what weight" and "how to step the global model".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fedcore.errors import ConfigError
+from fedcore.seeding import numpy_rng
+from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
+from fedcore.task import FitConfig
+
+STRATEGY_NAMES = ("fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam", "fedyogi")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """Which clients take part in a round.
+
+    Attributes:
+        fraction_fit: fraction C of available clients selected for training each round, in (0, 1].
+        min_fit_clients: at least this many clients train each round (>= 1).
+        fraction_evaluate: fraction of available clients asked to evaluate each round (0 = no federated
+            evaluation; the server may still evaluate centrally).
+        min_evaluate_clients: at least this many evaluate when ``fraction_evaluate > 0``.
+    """
+
+    fraction_fit: float = 0.1
+    min_fit_clients: int = 2
+    fraction_evaluate: float = 0.0
+    min_evaluate_clients: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction_fit <= 1:
+            raise ConfigError(f"fraction_fit must be in (0, 1], got {self.fraction_fit}")
+        if self.min_fit_clients < 1:
+            raise ConfigError(f"min_fit_clients must be >= 1, got {self.min_fit_clients}")
+        if not 0 <= self.fraction_evaluate <= 1:
+            raise ConfigError(f"fraction_evaluate must be in [0, 1], got {self.fraction_evaluate}")
+        if self.min_evaluate_clients < 0:
+            raise ConfigError(f"min_evaluate_clients must be >= 0, got {self.min_evaluate_clients}")
+
+    def num_fit(self, num_available: int) -> int:
+        """How many clients to select for training out of ``num_available``: ``max(min, floor(C * n))``."""
+        return max(self.min_fit_clients, math.floor(self.fraction_fit * num_available + 1e-9))
+
+    def num_evaluate(self, num_available: int) -> int:
+        """How many clients to ask for evaluation (0 when federated evaluation is off)."""
+        if self.fraction_evaluate == 0:
+            return 0
+        return max(self.min_evaluate_clients, math.floor(self.fraction_evaluate * num_available + 1e-9))
+
+
+def sample_clients(available: Sequence[str], num: int, *, seed: int, round: int, stage: str = "fit") -> list[str]:
+    """Select ``num`` distinct clients uniformly at random, keyed by (seed, round, stage).
+
+    The choice depends only on the set of available ids (they are sorted first), so the same seed picks the
+    same clients in simulation and deployment.
+
+    Raises:
+        ValueError: fewer than ``num`` clients are available.
+    """
+    pool = sorted(available)
+    if num > len(pool):
+        raise ValueError(f"cannot select {num} clients from {len(pool)} available")
+    rng = numpy_rng(seed, "sample", stage, round)
+    chosen = rng.choice(len(pool), size=num, replace=False)
+    return [pool[i] for i in sorted(int(c) for c in chosen)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """A federated algorithm as a composition of parts.
+
+    Attributes:
+        name: a label for reports (e.g. ``"fedavgm"``).
+        fit: the local training settings sent to clients each round (FedProx: ``fit.mu > 0``).
+        sampling: whom to select each round.
+        weighting: ``"examples"`` weights each update by its client's example count (FedAvg), ``"uniform"``
+            gives every accepted update weight 1.
+        server_optimizer: how the average moves the global model (:class:`ServerSGD`, :class:`ServerAdaptive`).
+        evaluate_batch_size: batch size for client-side and server-side evaluation.
+    """
+
+    name: str = "fedavg"
+    fit: FitConfig = field(default_factory=FitConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    weighting: Literal["examples", "uniform"] = "examples"
+    server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
+    evaluate_batch_size: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.weighting not in ("examples", "uniform"):
+            raise ConfigError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
+        if self.evaluate_batch_size < 1:
+            raise ConfigError(f"evaluate_batch_size must be >= 1, got {self.evaluate_batch_size}")
+
+    def weight(self, num_examples: int) -> float:
+        """The aggregation weight of an update from a client with ``num_examples`` training examples."""
+        return float(num_examples) if self.weighting == "examples" else 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    """The ``[strategy]`` table of a recipe: which algorithm, with its server-side hyper-parameters.
+
+    Attributes:
+        name: one of fedavg, fedavgm, fedprox, fedadagrad, fedadam, fedyogi.
+        weighting: ``"examples"`` (FedAvg) or ``"uniform"``.
+        server_lr: server learning rate (eta). 1.0 for FedAvg/FedProx; Reddi et al. tune it in [1e-3, 1] for
+            the adaptive ones.
+        server_momentum: FedAvgM momentum (beta), in [0, 1).
+        beta1, beta2: FedAdam/FedYogi moment decay rates, in [0, 1).
+        tau: adaptivity (epsilon) of the adaptive optimizers, > 0.
+    """
+
+    name: str = "fedavg"
+    weighting: Literal["examples", "uniform"] = "examples"
+    server_lr: float = 1.0
+    server_momentum: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.name not in STRATEGY_NAMES:
+            raise ConfigError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+        if not self.server_lr > 0:
+            raise ConfigError(f"server_lr must be > 0, got {self.server_lr}")
+        if self.name == "fedavgm" and self.server_momentum == 0:
+            raise ConfigError("fedavgm needs server_momentum > 0 (e.g. 0.9); with 0 it is plain fedavg")
+        if self.server_momentum != 0 and self.name != "fedavgm":
+            raise ConfigError(f"server_momentum applies to fedavgm only, not {self.name!r}")
+
+
+def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingConfig) -> Strategy:
+    """Compose the :class:`Strategy` a recipe describes.
+
+    FedProx is FedAvg's server with the proximal coefficient ``fit.mu`` on the clients; with ``mu = 0`` it is
+    exactly FedAvg (Li et al. 2020, section 3).
+    """
+    optimizer: ServerOptimizer
+    if config.name in ("fedavg", "fedprox", "fedavgm"):
+        optimizer = ServerSGD(lr=config.server_lr, momentum=config.server_momentum)
+    else:
+        kind = config.name.removeprefix("fed")
+        optimizer = ServerAdaptive(
+            kind=kind,  # type: ignore[arg-type]
+            lr=config.server_lr,
+            beta1=config.beta1,
+            beta2=config.beta2,
+            tau=config.tau,
+        )
+    return Strategy(
+        name=config.name, fit=fit, sampling=sampling, weighting=config.weighting, server_optimizer=optimizer
+    )

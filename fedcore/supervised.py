@@ -1,0 +1,69 @@
+"""A ready-made :class:`~fedcore.task.Task` for supervised learning on in-memory tensors.
+
+Most users need no Task class of their own: give :class:`SupervisedTask` a model constructor and the client's
+``(x, y)`` tensors. It trains with :func:`fedcore.training.train_supervised` (FedProx-aware) and exposes its
+data and loss to the parallel engine (:mod:`fedcore.engine`) through ``training_data()`` and ``loss_fn``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult
+from fedcore.training import LossFn, evaluate_supervised, train_supervised
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SupervisedTask:
+    """Supervised learning on tensors held in memory.
+
+    Attributes:
+        model_fn: builds a freshly initialized model (same architecture everywhere).
+        train_data: ``(x, y)``: inputs ``(N, ...)`` float32 and targets ``(N,)`` int64, or None (server side).
+        test_data: held-out ``(x, y)`` for :meth:`evaluate`, or None (then evaluation falls back to train_data).
+        loss_fn: ``loss_fn(output, target, reduction=...)``; cross-entropy by default.
+    """
+
+    model_fn: Callable[[], nn.Module]
+    train_data: tuple[torch.Tensor, torch.Tensor] | None = None
+    test_data: tuple[torch.Tensor, torch.Tensor] | None = None
+    loss_fn: LossFn = field(default=nn.functional.cross_entropy)
+
+    def build_model(self) -> nn.Module:
+        """Return ``model_fn()``."""
+        return self.model_fn()
+
+    def training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local training tensors ``(x, y)``.
+
+        Raises:
+            ValueError: this task holds no training data (a server-side task).
+        """
+        if self.train_data is None:
+            raise ValueError("this task has no training data (was it made for the server role?)")
+        return self.train_data
+
+    def train(self, model: nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        """One round of local SGD (with the FedProx term when ``config.mu > 0``)."""
+        x, y = self.training_data()
+        return train_supervised(
+            model,
+            x,
+            y,
+            config,
+            generator=context.generator,
+            global_parameters=context.global_parameters,
+            loss_fn=self.loss_fn,
+        )
+
+    def evaluate(self, model: nn.Module, batch_size: int) -> EvalResult:
+        """Loss and accuracy on ``test_data`` (or ``train_data`` when there is no test split)."""
+        data = self.test_data if self.test_data is not None else self.train_data
+        if data is None:
+            raise ValueError("this task has neither test nor training data to evaluate on")
+        x, y = data
+        return evaluate_supervised(model, x, y, batch_size=batch_size, loss_fn=self.loss_fn)

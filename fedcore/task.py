@@ -1,0 +1,182 @@
+"""The Task contract: what a user implements once, and what simulation and deployment both call.
+
+A *task* knows how to build the model, train it on the local data for one round, and evaluate it. The same
+task object is driven by the client-side runner (:mod:`client.runner`) whether the instruction came from the
+in-memory simulation pool or from the gRPC daemon, so a task never sees the transport.
+
+A *task factory* ``Callable[[TaskContext], Task]`` makes the task for one client (its data shard) or for the
+server (initial model, optional centralized evaluation on a held-out set). ``fedcore client --task mod:attr``
+and ``fedcore server --task mod:attr`` name such a factory.
+
+Example::
+
+    def make_task(ctx: TaskContext) -> Task:
+        x, y = load_my_hospital_data(ctx.data_dir)
+        return SupervisedTask(model_fn=MyNet, train_data=(x, y), test_data=None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from fedcore.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    """Local training settings the server sends with each fit instruction.
+
+    Attributes:
+        local_epochs: passes over the local data per round (E in McMahan et al. 2017). >= 1.
+        batch_size: local mini-batch size (B). >= 1.
+        lr: local SGD learning rate (eta_l). > 0.
+        momentum: local SGD momentum in [0, 1).
+        weight_decay: L2 penalty coefficient, >= 0.
+        mu: FedProx proximal coefficient (Li et al. 2020): adds ``mu/2 * ||w - w_global||^2`` to the local loss.
+            0 gives plain FedAvg local training.
+        max_steps: optional cap on local optimizer steps per round (None = no cap).
+    """
+
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    mu: float = 0.0
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_epochs < 1:
+            raise ConfigError(f"local_epochs must be >= 1, got {self.local_epochs}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.mu < 0:
+            raise ConfigError(f"mu (FedProx proximal coefficient) must be >= 0, got {self.mu}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1 or unset, got {self.max_steps}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskContext:
+    """Who a task is being made for.
+
+    Attributes:
+        role: ``"client"`` (a data holder) or ``"server"`` (initial model, centralized evaluation).
+        client_id: the client's identity (empty for the server).
+        partition_id: for built-in demo data: which shard this client holds (0-based), else None.
+        num_partitions: for built-in demo data: how many shards the dataset is split into, else None.
+        data_dir: where the task should look for its data, if the user gave one.
+        seed: the run's seed (for data splits that must agree between server and clients).
+        options: free-form string options from the CLI/TOML (``--task-option key=value``).
+    """
+
+    role: Literal["client", "server"] = "client"
+    client_id: str = ""
+    partition_id: int | None = None
+    num_partitions: int | None = None
+    data_dir: Path | None = None
+    seed: int = 0
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainContext:
+    """Per-call context the runner gives :meth:`Task.train`.
+
+    Attributes:
+        round: the federated round (1-based).
+        client_id: the client being trained.
+        generator: a ``torch.Generator`` seeded from (seed, round, client): use it for shuffling.
+        global_parameters: the global model's parameters as received this round (for proximal terms),
+            ``name -> tensor`` on the model's device, not to be modified.
+    """
+
+    round: int
+    client_id: str
+    generator: torch.Generator
+    global_parameters: Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """What :meth:`Task.train` returns besides the trained model.
+
+    Attributes:
+        num_examples: local training examples (the FedAvg weight n_k), >= 0.
+        metrics: scalar metrics, e.g. ``{"train_loss": 0.41}`` (mean loss over the last epoch).
+    """
+
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalResult:
+    """What :meth:`Task.evaluate` returns.
+
+    Attributes:
+        loss: mean loss per example.
+        num_examples: evaluation examples, >= 0.
+        metrics: scalar metrics, e.g. ``{"accuracy": 0.87}``.
+    """
+
+    loss: float
+    num_examples: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """The contract a user implements once; simulation and deployment both call it."""
+
+    def build_model(self) -> torch.nn.Module:
+        """Return a freshly initialized model. All clients and the server must build the same architecture."""
+        ...
+
+    def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        """Train ``model`` in place on the local data for one round under ``config``.
+
+        Must honour ``config.mu`` (FedProx): :func:`fedcore.training.train_supervised` does.
+        """
+        ...
+
+    def evaluate(self, model: torch.nn.Module, batch_size: int) -> EvalResult:
+        """Evaluate ``model`` on the local held-out data (or the server's test set)."""
+        ...
+
+
+TaskFactory = Callable[[TaskContext], Task]
+"""Makes the task for one client or for the server."""
+
+
+def load_task_factory(spec: str) -> TaskFactory:
+    """Resolve ``"package.module:attr"`` to a task factory.
+
+    Raises:
+        ConfigError: the string is not ``module:attr``, the module cannot be imported, or the attribute
+            is missing or not callable.
+    """
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"task must be given as 'module:attr' (e.g. 'simulations.tasks:fashion_cnn'), got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import task module {module_name!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ConfigError(f"{module_name!r} has no callable {attr!r}; a task factory takes a TaskContext")
+    return factory

@@ -1,0 +1,38 @@
+"""The transport seam between the round loop and the clients.
+
+The round loop talks to clients only through a :class:`ClientPool`. Simulation uses the in-memory pool
+(:mod:`simulations.inmemory`), deployment the gRPC pool; both deliver the same typed messages
+(:mod:`fedcore.messages`), so one round loop serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+from fedcore.messages import Instruction, Reply
+
+
+class ClientPool(Protocol):
+    """Connected clients, and a way to send them instructions and stream back their replies."""
+
+    def available(self) -> list[str]:
+        """Ids of the clients that can take an instruction now."""
+        ...
+
+    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
+        """Block until at least ``num_clients`` are available, then return their ids.
+
+        Raises:
+            RoundFailed: the timeout passed; the message says how many are connected and how many are needed.
+        """
+        ...
+
+    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None) -> Iterator[Reply]:
+        """Send each client its instruction and yield replies as they arrive.
+
+        Yields exactly one reply per client in ``instructions``: its result, or a :class:`~fedcore.messages.Failure`
+        (the client raised, disconnected, or did not answer within ``timeout_s``). Replies that arrive after the
+        deadline are dropped by the pool, never yielded later.
+        """
+        ...

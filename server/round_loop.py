@@ -1,0 +1,311 @@
+"""The round loop: select clients, send the global model, fold updates as they arrive, step, evaluate.
+
+It lives here once and serves simulation and deployment alike through :class:`server.pool.ClientPool`.
+Aggregation is streaming (:class:`fedcore.aggregation.WeightedMean`): each update is validated and folded into a
+running sum the moment it arrives, so server memory stays near the model size whatever the number of clients.
+A bad update (wrong names/shapes/dtypes, NaN/Inf, negative example count) is rejected with its reason and never
+touches the global model; failures are returned next to results in each :class:`RoundRecord`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedcore.aggregation import WeightedMean, weighted_metrics
+from fedcore.errors import AggregationError, ConfigError, FedcoreError, RoundFailed
+from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage
+from fedcore.strategy import Strategy, sample_clients
+from fedcore.task import EvalResult
+from fedcore.tensors import NamedArrays, check_finite, spec_of
+from server.pool import ClientPool
+
+log = logging.getLogger("fedcore.server")
+
+EvaluateFn = Callable[[NamedArrays, int], EvalResult]
+"""Centralized evaluation: ``(global parameters, round) -> EvalResult`` on the server's held-out data."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundConfig:
+    """How many rounds to run and how patient to be.
+
+    Attributes:
+        num_rounds: total rounds (a resumed run continues up to this number). >= 1.
+        seed: the run's seed; client selection and every client's randomness derive from it.
+        round_timeout_s: deadline for replies in a round (None: wait for every selected client).
+        wait_for_clients_s: how long to wait for enough clients to be connected before a round.
+        min_fit_results: the quorum: a round closes successfully only with at least this many accepted updates.
+        max_round_attempts: a round that misses its quorum is retried with a fresh selection this many times in
+            all, then the run stops with :class:`RoundFailed` (the global model stays the last good one).
+        evaluate_every: run evaluation every this many rounds (and always after the last).
+    """
+
+    num_rounds: int
+    seed: int = 0
+    round_timeout_s: float | None = None
+    wait_for_clients_s: float = 300.0
+    min_fit_results: int = 1
+    max_round_attempts: int = 3
+    evaluate_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_rounds < 1:
+            raise ConfigError(f"num_rounds must be >= 1, got {self.num_rounds}")
+        if self.round_timeout_s is not None and not self.round_timeout_s > 0:
+            raise ConfigError(f"round_timeout_s must be > 0 or unset, got {self.round_timeout_s}")
+        if not self.wait_for_clients_s > 0:
+            raise ConfigError(f"wait_for_clients_s must be > 0, got {self.wait_for_clients_s}")
+        if self.min_fit_results < 1:
+            raise ConfigError(f"min_fit_results must be >= 1, got {self.min_fit_results}")
+        if self.max_round_attempts < 1:
+            raise ConfigError(f"max_round_attempts must be >= 1, got {self.max_round_attempts}")
+        if self.evaluate_every < 1:
+            raise ConfigError(f"evaluate_every must be >= 1, got {self.evaluate_every}")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ServerState:
+    """Everything needed to continue a run: the last completed round, the global model, the optimizer state.
+
+    Attributes:
+        round: the last completed round (0 before the first).
+        parameters: the global model after that round.
+        optimizer_state: the server optimizer's state (momentum buffers, second moments), may be empty.
+    """
+
+    round: int
+    parameters: NamedArrays
+    optimizer_state: NamedArrays
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRecord:
+    """What happened in one round; failures sit next to results.
+
+    Attributes:
+        round: 1-based round number (0: evaluation of the initial model only).
+        selected: clients sent a fit instruction.
+        accepted: clients whose update was folded in.
+        failures: clients that failed or whose update was rejected, with reasons.
+        train_metrics: example-weighted average of the accepted clients' training metrics.
+        eval_loss, eval_metrics: centralized evaluation of the new global model (None if not run).
+        federated_eval_loss, federated_eval_metrics: example-weighted client-side evaluation (None if not run).
+        seconds: wall time of the round, including evaluation.
+        attempts: how many selections the round needed to reach its quorum.
+    """
+
+    round: int
+    selected: tuple[str, ...] = ()
+    accepted: tuple[str, ...] = ()
+    failures: tuple[Failure, ...] = ()
+    train_metrics: Mapping[str, float] = field(default_factory=dict)
+    eval_loss: float | None = None
+    eval_metrics: Mapping[str, float] = field(default_factory=dict)
+    federated_eval_loss: float | None = None
+    federated_eval_metrics: Mapping[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    attempts: int = 1
+
+    def as_row(self) -> dict[str, float | int | None]:
+        """A flat row for the history table (CSV)."""
+        row: dict[str, float | int | None] = {
+            "round": self.round,
+            "clients": len(self.accepted),
+            "failures": len(self.failures),
+            "train_loss": self.train_metrics.get("train_loss"),
+            "test_loss": self.eval_loss,
+            "test_accuracy": self.eval_metrics.get("accuracy"),
+            "seconds": round(self.seconds, 4),
+        }
+        for key, value in self.eval_metrics.items():
+            if key != "accuracy":
+                row[f"test_{key}"] = value
+        if self.federated_eval_loss is not None:
+            row["federated_loss"] = self.federated_eval_loss
+            for key, value in self.federated_eval_metrics.items():
+                row[f"federated_{key}"] = value
+        return row
+
+
+RoundCallback = Callable[[RoundRecord, ServerState], None]
+
+
+def run_rounds(
+    pool: ClientPool,
+    strategy: Strategy,
+    initial: ServerState | NamedArrays,
+    config: RoundConfig,
+    *,
+    evaluate_fn: EvaluateFn | None = None,
+    on_round_end: RoundCallback | None = None,
+) -> tuple[ServerState, list[RoundRecord]]:
+    """Run rounds ``initial.round + 1 .. config.num_rounds``.
+
+    Args:
+        pool: the clients (in-memory, Ray or gRPC).
+        strategy: sampling, local training config, weighting and server optimizer.
+        initial: the initial model (fresh run) or a :class:`ServerState` loaded from a checkpoint (resume).
+        config: number of rounds, seed, deadlines and quorum.
+        evaluate_fn: optional centralized evaluation of the global model.
+        on_round_end: called after each completed round with its record and the new state (checkpointing,
+            progress, CSV); the state is not kept in memory by the loop afterwards.
+
+    Returns:
+        The final state and the per-round records (round 0 holds the initial model's evaluation on a fresh run).
+
+    Raises:
+        RoundFailed: a round missed its quorum ``max_round_attempts`` times, or too few clients connected.
+    """
+    if isinstance(initial, ServerState):
+        state = initial
+    else:
+        check_finite(initial)
+        state = ServerState(round=0, parameters=initial, optimizer_state=strategy.server_optimizer.init(initial))
+    records: list[RoundRecord] = []
+    if state.round == 0 and evaluate_fn is not None:
+        started = time.perf_counter()
+        result = evaluate_fn(state.parameters, 0)
+        record = RoundRecord(
+            round=0, eval_loss=result.loss, eval_metrics=dict(result.metrics), seconds=time.perf_counter() - started
+        )
+        records.append(record)
+        if on_round_end is not None:
+            on_round_end(record, state)
+    for rnd in range(state.round + 1, config.num_rounds + 1):
+        started = time.perf_counter()
+        state, record = _fit_round(pool, strategy, state, config, rnd)
+        evaluate_now = rnd % config.evaluate_every == 0 or rnd == config.num_rounds
+        if evaluate_now:
+            record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn)
+        record = _replace(record, seconds=time.perf_counter() - started)
+        records.append(record)
+        if on_round_end is not None:
+            on_round_end(record, state)
+    return state, records
+
+
+def _replace(record: RoundRecord, **changes: object) -> RoundRecord:
+    from dataclasses import replace
+
+    return replace(record, **changes)  # type: ignore[arg-type]
+
+
+def _fit_round(
+    pool: ClientPool, strategy: Strategy, state: ServerState, config: RoundConfig, rnd: int
+) -> tuple[ServerState, RoundRecord]:
+    all_failures: list[Failure] = []
+    for attempt in range(1, config.max_round_attempts + 1):
+        needed = max(strategy.sampling.min_fit_clients, config.min_fit_results)
+        available = pool.wait_for(needed, config.wait_for_clients_s)
+        num = min(strategy.sampling.num_fit(len(available)), len(available))
+        stage = "fit" if attempt == 1 else f"fit-attempt-{attempt}"
+        selected = sample_clients(available, num, seed=config.seed, round=rnd, stage=stage)
+        instructions: dict[str, Instruction] = {
+            cid: FitIns(round=rnd, parameters=state.parameters, config=strategy.fit, seed=config.seed)
+            for cid in selected
+        }
+        accumulator = WeightedMean(spec_of(state.parameters))
+        accepted: list[str] = []
+        failures: list[Failure] = []
+        metric_rows: list[tuple[int, Mapping[str, float]]] = []
+        for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
+            if isinstance(reply, Failure):
+                log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
+                failures.append(reply)
+                continue
+            if not isinstance(reply, FitRes) or reply.round != rnd or reply.client_id not in instructions:
+                log.warning("round %d: discarding an unexpected reply %r", rnd, type(reply).__name__)
+                continue
+            try:
+                if reply.num_examples < 0:
+                    raise AggregationError(f"negative example count {reply.num_examples}")
+                accumulator.add(
+                    reply.parameters, strategy.weight(reply.num_examples), client_id=reply.client_id, round=rnd
+                )
+            except FedcoreError as exc:
+                log.warning("round %d: rejected the update of client %s: %s", rnd, reply.client_id, exc)
+                failures.append(Failure(client_id=reply.client_id, round=rnd, stage=Stage.FIT, reason=str(exc)))
+                continue
+            accepted.append(reply.client_id)
+            metric_rows.append((reply.num_examples, reply.metrics))
+        all_failures.extend(failures)
+        try:
+            if len(accepted) < config.min_fit_results:
+                raise RoundFailed(
+                    f"only {len(accepted)} of {len(selected)} selected clients returned a valid update; the quorum "
+                    f"is {config.min_fit_results}. Failures: "
+                    + "; ".join(f"{f.client_id}: {f.reason}" for f in failures[:5]),
+                    round=rnd,
+                )
+            average = accumulator.result()
+            parameters, optimizer_state = strategy.server_optimizer.step(
+                state.parameters, average, state.optimizer_state
+            )
+            check_finite(parameters, round=rnd)
+        except FedcoreError as exc:
+            if attempt == config.max_round_attempts:
+                raise RoundFailed(
+                    f"round failed after {attempt} attempt(s): {exc.message}. The global model stays at round "
+                    f"{state.round}; check the failing clients' logs, lower the quorum, or raise the deadline.",
+                    round=rnd,
+                ) from exc
+            log.warning("round %d attempt %d failed (%s); retrying with a fresh selection", rnd, attempt, exc)
+            continue
+        train_metrics = _safe_weighted_metrics(metric_rows)
+        record = RoundRecord(
+            round=rnd,
+            selected=tuple(selected),
+            accepted=tuple(accepted),
+            failures=tuple(all_failures),
+            train_metrics=train_metrics,
+            attempts=attempt,
+        )
+        return ServerState(round=rnd, parameters=parameters, optimizer_state=optimizer_state), record
+    raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
+def _safe_weighted_metrics(rows: list[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
+    if not rows or sum(n for n, _ in rows) == 0:
+        return {}
+    return {k: float(v) for k, v in weighted_metrics(rows).items() if np.isfinite(v)}
+
+
+def _evaluate_round(
+    pool: ClientPool,
+    strategy: Strategy,
+    state: ServerState,
+    config: RoundConfig,
+    record: RoundRecord,
+    evaluate_fn: EvaluateFn | None,
+) -> RoundRecord:
+    changes: dict[str, object] = {}
+    if evaluate_fn is not None:
+        result = evaluate_fn(state.parameters, state.round)
+        changes["eval_loss"] = result.loss
+        changes["eval_metrics"] = dict(result.metrics)
+    available = pool.available()
+    num = min(strategy.sampling.num_evaluate(len(available)), len(available))
+    if num > 0:
+        selected = sample_clients(available, num, seed=config.seed, round=state.round, stage="evaluate")
+        instructions: dict[str, Instruction] = {
+            cid: EvaluateIns(round=state.round, parameters=state.parameters, batch_size=strategy.evaluate_batch_size)
+            for cid in selected
+        }
+        rows: list[tuple[int, Mapping[str, float]]] = []
+        failures = list(record.failures)
+        for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
+            if isinstance(reply, EvaluateRes) and reply.round == state.round:
+                rows.append((reply.num_examples, {"loss": reply.loss, **reply.metrics}))
+            elif isinstance(reply, Failure):
+                failures.append(reply)
+        merged = _safe_weighted_metrics(rows)
+        if "loss" in merged:
+            changes["federated_eval_loss"] = merged.pop("loss")
+            changes["federated_eval_metrics"] = merged
+        changes["failures"] = tuple(failures)
+    return _replace(record, **changes)

@@ -1,0 +1,151 @@
+"""The simulation recipe: one root config whose tables are the components' configs.
+
+A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[sampling]``, ``[train]`` and
+``[output]`` plus top-level ``seed``, ``rounds`` and ``evaluate_every``; any value can be overridden from the
+CLI as ``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedcore.config import apply_overrides, from_mapping, load_toml
+from fedcore.errors import ConfigError
+from fedcore.strategy import SamplingConfig, StrategyConfig
+from fedcore.task import FitConfig
+
+DATASET_NAMES = ("fashion-mnist", "mnist-5k", "digits", "synthetic")
+PARTITION_NAMES = ("iid", "dirichlet", "dirichlet-client", "shards", "quantity", "natural")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Which dataset, and how it is split over the virtual clients.
+
+    Attributes:
+        dataset: fashion-mnist, mnist-5k, digits, or synthetic (FedProx Synthetic(alpha, beta)).
+        data_dir: where fashion-mnist's ``*-ubyte.gz`` files are (default: $FEDCORE_DATA, then the Debian
+            package's /usr/share/datasets/fashion-mnist).
+        num_clients: number of virtual clients (for synthetic: the number of devices).
+        partition: iid, dirichlet (class-centric label skew), dirichlet-client (Hsu et al. 2019), shards
+            (McMahan et al. 2017), quantity (lognormal sizes), natural (synthetic's own devices).
+        alpha: Dirichlet concentration for the dirichlet partitions (small = more skew), > 0.
+        shards_per_client: shards per client for ``partition = "shards"``.
+        min_partition_size: smallest client allowed by the class-centric Dirichlet partition (redraws).
+        max_redraws: how many times the Dirichlet partition may redraw before giving up with an error.
+        sigma: lognormal sigma of client sizes for ``partition = "quantity"``.
+        normalize: standardize inputs with the training set's mean and standard deviation.
+        synthetic_alpha, synthetic_beta: Synthetic(alpha, beta) heterogeneity (model, features).
+    """
+
+    dataset: str = "fashion-mnist"
+    data_dir: Path | None = None
+    num_clients: int = 100
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    shards_per_client: int = 2
+    min_partition_size: int = 10
+    max_redraws: int = 100
+    sigma: float = 1.0
+    normalize: bool = True
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASET_NAMES:
+            raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASET_NAMES)}")
+        if self.partition not in PARTITION_NAMES:
+            raise ConfigError(f"unknown partition {self.partition!r}; choose one of {', '.join(PARTITION_NAMES)}")
+        if self.num_clients < 1:
+            raise ConfigError(f"num_clients must be >= 1, got {self.num_clients}")
+        if not self.alpha > 0:
+            raise ConfigError(f"alpha must be > 0, got {self.alpha}")
+        if self.shards_per_client < 1:
+            raise ConfigError(f"shards_per_client must be >= 1, got {self.shards_per_client}")
+        if self.min_partition_size < 0 or self.max_redraws < 1:
+            raise ConfigError("min_partition_size must be >= 0 and max_redraws >= 1")
+        if not self.sigma > 0:
+            raise ConfigError(f"sigma must be > 0, got {self.sigma}")
+        if (self.dataset == "synthetic") != (self.partition == "natural"):
+            raise ConfigError(
+                "the synthetic dataset comes split by device: use partition = 'natural' with it, and only with it"
+            )
+        if self.synthetic_alpha < 0 or self.synthetic_beta < 0:
+            raise ConfigError("synthetic_alpha and synthetic_beta are standard deviations and must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model the demo task trains.
+
+    Attributes:
+        name: cnn (McMahan et al. 2017 CNN), 2nn (their MLP), logreg (multinomial logistic regression).
+    """
+
+    name: str = "cnn"
+
+    def __post_init__(self) -> None:
+        from simulations.models import MODEL_NAMES
+
+        if self.name not in MODEL_NAMES:
+            raise ConfigError(f"unknown model {self.name!r}; choose one of {', '.join(MODEL_NAMES)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputConfig:
+    """Where and how results are written.
+
+    Attributes:
+        dir: the run's output directory (history.csv, history.png, model.safetensors, config.json).
+        progress: show a progress bar and the per-round table on the console.
+        plot: write the PNG plot of accuracy and loss per round.
+    """
+
+    dir: Path = Path("runs/latest")
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationConfig:
+    """A whole simulation recipe.
+
+    Attributes:
+        seed: the run's seed (partition, initial model, client selection, every client's randomness).
+        rounds: number of federated rounds.
+        evaluate_every: evaluate the global model on the test set every this many rounds (and after the last).
+        data, model, strategy, sampling, train, output: the component configs.
+    """
+
+    seed: int = 0
+    rounds: int = 40
+    evaluate_every: int = 1
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    strategy: StrategyConfig = field(default_factory=lambda: StrategyConfig(name="fedavg"))
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=0.1, min_fit_clients=10))
+    train: FitConfig = field(default_factory=lambda: FitConfig(local_epochs=1, batch_size=32, lr=0.05))
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if self.evaluate_every < 1:
+            raise ConfigError(f"evaluate_every must be >= 1, got {self.evaluate_every}")
+        if self.sampling.min_fit_clients > self.data.num_clients:
+            raise ConfigError(
+                f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="
+                f"{self.data.num_clients}"
+            )
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> SimulationConfig:
+    """Build a :class:`SimulationConfig` from a TOML recipe (or the defaults) plus ``key=value`` overrides.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or invalid value.
+    """
+    data: dict[str, Any] = load_toml(path) if path is not None else {}
+    return from_mapping(SimulationConfig, apply_overrides(data, overrides or []))

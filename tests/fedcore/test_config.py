@@ -1,0 +1,85 @@
+"""Config loading: TOML recipes, overrides, validation with clear errors before a run starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedcore.config import apply_overrides, from_mapping, to_mapping
+from fedcore.errors import ConfigError
+from fedcore.task import FitConfig
+from simulations.config import SimulationConfig, load_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "simulations" / "recipes"
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(recipe: Path) -> None:
+    config = load_recipe(recipe)
+    assert config.rounds >= 1
+
+
+def test_default_recipe_file_equals_the_builtin_defaults() -> None:
+    assert load_recipe(RECIPES / "default.toml") == load_recipe(None)
+
+
+def test_defaults_match_the_issue() -> None:
+    config = load_recipe(None)
+    assert (config.data.dataset, config.data.num_clients, config.data.partition, config.data.alpha) == (
+        "fashion-mnist",
+        100,
+        "dirichlet",
+        0.5,
+    )
+    assert config.model.name == "cnn"
+    assert config.sampling.num_fit(config.data.num_clients) == 10
+
+
+def test_overrides_are_typed_and_do_not_mutate_the_input() -> None:
+    base = {"train": {"lr": 0.1}}
+    out = apply_overrides(base, ["train.lr=0.5", "rounds=3", "data.dataset=mnist-5k", "output.progress=false"])
+    assert base == {"train": {"lr": 0.1}}
+    config = from_mapping(SimulationConfig, out)
+    assert config.train.lr == 0.5 and config.rounds == 3 and config.data.dataset == "mnist-5k"
+    assert config.output.progress is False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.lr=-1"], "lr must be > 0"),
+        (["train.bogus=1"], "unknown key.*'bogus'.*known keys: batch_size"),
+        (["rounds=abc"], "rounds: expected an integer"),
+        (["strategy.name=fedmagic"], "unknown strategy 'fedmagic'"),
+        (["data.alpha=0"], "alpha must be > 0"),
+        (["data.dataset=synthetic"], "partition = 'natural'"),
+        (["sampling.fraction_fit=1.5"], r"fraction_fit must be in \(0, 1\]"),
+        (["sampling.min_fit_clients=500"], "exceeds data.num_clients=100"),
+        (["novalue"], "must look like section.key=value"),
+    ],
+)
+def test_invalid_values_raise_a_clear_config_error(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(None, overrides)
+
+
+def test_bad_toml_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = = 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml.*not valid TOML"):
+        load_recipe(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_recipe(tmp_path / "missing.toml")
+
+
+def test_round_trip_through_a_mapping() -> None:
+    config = load_recipe(None, ["train.mu=0.01", "strategy.name=fedprox"])
+    assert from_mapping(SimulationConfig, to_mapping(config)) == config
+
+
+def test_fit_config_validates_on_construction() -> None:
+    with pytest.raises(ConfigError, match="batch_size must be >= 1"):
+        FitConfig(batch_size=0)
+    with pytest.raises(ConfigError, match="mu"):
+        FitConfig(mu=-0.1)

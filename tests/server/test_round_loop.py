@@ -1,0 +1,192 @@
+"""The round loop with real tasks on small real data (scikit-learn digits), through the in-memory pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from client.runner import run_instruction
+from fedcore.errors import RoundFailed
+from fedcore.messages import FitIns
+from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
+from fedcore.supervised import SupervisedTask
+from fedcore.task import EvalResult, FitConfig, Task, TrainContext, TrainResult
+from fedcore.tensors import NamedArrays
+from server.round_loop import RoundConfig, run_rounds
+from simulations.datasets import load_digits_dataset
+from simulations.harness import initial_parameters
+from simulations.inmemory import InMemoryPool
+from simulations.models import MLP2NN
+from simulations.partition import iid
+
+NUM_CLIENTS = 4
+
+
+@pytest.fixture(scope="module")
+def shards() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = load_digits_dataset(seed=0)
+    parts = iid(data.y_train, NUM_CLIENTS, seed=0)
+    x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
+    return [(x[torch.from_numpy(p)], y[torch.from_numpy(p)]) for p in parts]
+
+
+def model_fn() -> torch.nn.Module:
+    return MLP2NN(num_inputs=64, num_classes=10, hidden=32)
+
+
+def make_pool(
+    shards: list[tuple[torch.Tensor, torch.Tensor]], override: dict[int, Callable[[], Task]] | None = None
+) -> InMemoryPool:
+    ids = [f"c{i}" for i in range(len(shards))]
+
+    def make(cid: str) -> Task:
+        i = int(cid[1:])
+        if override and i in override:
+            return override[i]()
+        return SupervisedTask(model_fn=model_fn, train_data=shards[i])
+
+    return InMemoryPool(ids, make)
+
+
+def all_clients(mu: float = 0.0, lr: float = 0.1) -> Strategy:
+    fit = FitConfig(local_epochs=1, batch_size=16, lr=lr, mu=mu)
+    return Strategy(fit=fit, sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=NUM_CLIENTS))
+
+
+class NaNTask:
+    """A client whose training blows up: every floating parameter becomes NaN."""
+
+    def __init__(self, shard: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.inner = SupervisedTask(model_fn=model_fn, train_data=shard)
+
+    def build_model(self) -> torch.nn.Module:
+        return model_fn()
+
+    def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        return TrainResult(num_examples=100, metrics={"train_loss": 1.0})
+
+    def evaluate(self, model: torch.nn.Module, batch_size: int) -> EvalResult:
+        return self.inner.evaluate(model, batch_size)
+
+
+class WrongModelTask(NaNTask):
+    """A client that trains another architecture than the server's."""
+
+    def build_model(self) -> torch.nn.Module:
+        return MLP2NN(num_inputs=64, num_classes=10, hidden=16)
+
+
+def test_one_round_equals_weighted_mean_of_local_models(shards: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    initial = initial_parameters(model_fn, seed=1)
+    strategy = all_clients()
+    state, records = run_rounds(make_pool(shards), strategy, initial, RoundConfig(num_rounds=1, seed=3))
+    # Reference: train each client by hand from the same start and average with numpy in float64.
+    total = sum(len(s[1]) for s in shards)
+    expected = {n: np.zeros(a.shape, np.float64) for n, a in initial.items()}
+    for i, shard in enumerate(shards):
+        task = SupervisedTask(model_fn=model_fn, train_data=shard)
+        ins = FitIns(round=1, parameters=initial, config=strategy.fit, seed=3)
+        res = run_instruction(task, ins, f"c{i}")
+        for n in expected:
+            expected[n] += res.parameters[n].astype(np.float64) * len(shard[1]) / total
+    for n, a in state.parameters.items():
+        np.testing.assert_allclose(a, expected[n], rtol=1e-6, atol=1e-7)
+    assert records[-1].accepted == ("c0", "c1", "c2", "c3")
+    assert records[-1].failures == ()
+
+
+def test_bad_updates_are_rejected_and_never_reach_the_global_model(
+    shards: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    initial = initial_parameters(model_fn, seed=1)
+    strategy = all_clients()
+    config = RoundConfig(num_rounds=1, seed=3)
+    bad = make_pool(shards, {1: lambda: NaNTask(shards[1]), 2: lambda: WrongModelTask(shards[2])})
+    state, records = run_rounds(bad, strategy, initial, config)
+    record = records[-1]
+    assert record.accepted == ("c0", "c3")
+    reasons = {f.client_id: f.reason for f in record.failures}
+    assert set(reasons) == {"c1", "c2"}
+    assert "NaN" in reasons["c1"]
+    assert "c2" in reasons["c2"] and "shape" in reasons["c2"]
+    # The global model equals the run in which only the two good clients took part.
+    good_strategy = Strategy(fit=strategy.fit, sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
+    # The good clients keep their ids, so their random streams (keyed by id) are the same.
+    good_only = InMemoryPool(
+        ["c0", "c3"], lambda cid: SupervisedTask(model_fn=model_fn, train_data=shards[int(cid[1:])])
+    )
+    reference, _ = run_rounds(good_only, good_strategy, initial, config)
+    for n in initial:
+        assert np.array_equal(state.parameters[n], reference.parameters[n]), n
+        assert np.isfinite(state.parameters[n]).all()
+
+
+def test_round_without_quorum_fails_and_keeps_the_model(shards: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    initial = initial_parameters(model_fn, seed=1)
+    every = {i: (lambda i=i: NaNTask(shards[i])) for i in range(NUM_CLIENTS)}
+    pool = make_pool(shards, every)  # type: ignore[arg-type]
+    with pytest.raises(RoundFailed, match=r"round 1.*0 of 4 selected clients returned a valid update"):
+        run_rounds(pool, all_clients(), initial, RoundConfig(num_rounds=2, seed=0, max_round_attempts=2))
+    assert all(np.isfinite(a).all() for a in initial.values())
+
+
+class ZeroExamplesTask(NaNTask):
+    def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        return TrainResult(num_examples=0, metrics={})
+
+
+def test_zero_total_examples_fails_the_round_with_a_clear_error(
+    shards: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    initial = initial_parameters(model_fn, seed=1)
+    every = {i: (lambda i=i: ZeroExamplesTask(shards[i])) for i in range(NUM_CLIENTS)}
+    with pytest.raises(RoundFailed, match="weight"):
+        run_rounds(make_pool(shards, every), all_clients(), initial, RoundConfig(num_rounds=1, max_round_attempts=1))  # type: ignore[arg-type]
+
+
+def test_same_seed_same_model_to_the_last_bit(shards: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def run(seed: int) -> NamedArrays:
+        initial = initial_parameters(model_fn, seed=seed)
+        strategy = build_strategy(
+            StrategyConfig(name="fedavgm", server_momentum=0.9),
+            FitConfig(batch_size=16, lr=0.05),
+            SamplingConfig(fraction_fit=0.5, min_fit_clients=2),
+        )
+        state, _ = run_rounds(make_pool(shards), strategy, initial, RoundConfig(num_rounds=3, seed=seed))
+        return state.parameters
+
+    a, b, c = run(7), run(7), run(8)
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+    assert not all(np.array_equal(a[n], c[n]) for n in a)
+
+
+def test_fedprox_mu_zero_equals_fedavg_and_mu_positive_changes_updates(
+    shards: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    initial = initial_parameters(model_fn, seed=1)
+    config = RoundConfig(num_rounds=2, seed=5)
+
+    def run(strategy: Strategy) -> NamedArrays:
+        return run_rounds(make_pool(shards), strategy, initial, config)[0].parameters
+
+    fedavg = run(all_clients(mu=0.0))
+    prox0 = run(
+        build_strategy(
+            StrategyConfig(name="fedprox"),
+            FitConfig(batch_size=16, lr=0.1, mu=0.0),
+            SamplingConfig(fraction_fit=1.0, min_fit_clients=NUM_CLIENTS),
+        )
+    )
+    prox = run(all_clients(mu=1.0))
+    assert all(np.array_equal(fedavg[n], prox0[n]) for n in fedavg)
+    drift_avg = sum(float(np.sum((fedavg[n] - initial[n]) ** 2)) for n in initial)
+    drift_prox = sum(float(np.sum((prox[n] - initial[n]) ** 2)) for n in initial)
+    # The proximal term pulls local models toward the global one: the global model moves less.
+    assert drift_prox < drift_avg
+    assert not all(np.array_equal(fedavg[n], prox[n]) for n in fedavg)
