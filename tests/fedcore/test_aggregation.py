@@ -13,7 +13,7 @@ from fedcore.tensors import encode, spec_of
 
 
 def _snapshot(acc: WeightedMean) -> tuple[dict[str, np.ndarray], float, int]:
-    return {n: t.numpy().copy() for n, t in acc._sums.items()}, acc.total_weight, acc.count
+    return {n: t.copy() for n, t in acc._sums.items()}, acc.total_weight, acc.count
 
 
 def _assert_same_snapshot(a: tuple[dict[str, np.ndarray], float, int], b: tuple[dict[str, np.ndarray], float, int]):
