@@ -68,5 +68,9 @@ test-fast: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/aggregation.py
 
+# Regenerate the committed gRPC/protobuf code from fedcore/proto/v1/fedcore.proto (needs grpcio-tools).
+proto: $(VENV)/.installed-test
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. fedcore/proto/v1/fedcore.proto
+
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

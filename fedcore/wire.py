@@ -1,0 +1,403 @@
+"""Wire conversion, in one place: typed messages <-> protobuf (``fedcore.v1``) and chunked safetensors payloads.
+
+A payload (the global model, a client's update) travels as safetensors bytes split into chunks of
+``chunk_bytes`` (default 4 MiB) followed by a trailer with the SHA-256 of the whole payload; the header message
+announces its size first. A receiver (:class:`PayloadReceiver`) refuses an announced size above its limit before
+reading a byte, stops as soon as more bytes arrive than announced, and checks size and digest at the trailer, so
+truncated, corrupted and oversized payloads are all rejected with a reason that names the client and round.
+
+Payloads are written and read as files without holding a second copy of the model: :func:`write_safetensors`
+streams tensors to a file (computing the digest on the way) and :func:`open_safetensors` maps a received file as
+read-only ``np.memmap`` views, so the server folds an update from disk (DESIGN.md, "spill to disk").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from fedcore.errors import PayloadError
+from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Reply, Stage
+from fedcore.proto.v1 import fedcore_pb2 as pb
+from fedcore.task import FitConfig
+from fedcore.tensors import NamedArrays
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+"""Payload chunk size on the wire (4 MiB: well under gRPC's default 4 MiB+ message cap once framed)."""
+
+ORDER_KEY = "fedcore.order"
+"""Header metadata key holding the tensor order (the same key :mod:`fedcore.tensors` writes)."""
+
+_HEADER_ALIGN = 8
+_READ_BLOCK = 1 << 20
+
+# numpy dtype name <-> safetensors dtype code (safetensors format specification)
+_TO_ST = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_FROM_ST = {code: name for name, code in _TO_ST.items()}
+
+_STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE}
+_STAGE_FROM_PB = {v: k for k, v in _STAGE_TO_PB.items()}
+
+
+@dataclass(frozen=True)
+class PayloadFile:
+    """A payload written to disk: where, how many bytes, and their SHA-256."""
+
+    path: Path
+    size: int
+    sha256: bytes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# safetensors files without extra copies
+
+
+def safetensors_header(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The 8-byte length prefix plus the (space-padded) JSON header for ``arrays`` laid out in their order."""
+    header: dict[str, object] = {}
+    meta = dict(metadata or {})
+    meta[ORDER_KEY] = json.dumps(list(arrays))
+    header["__metadata__"] = meta
+    offset = 0
+    for name, array in arrays.items():
+        code = _TO_ST.get(array.dtype.name)
+        if code is None:
+            raise PayloadError(f"tensor {name!r} has dtype {array.dtype.name}, which safetensors cannot hold")
+        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += int(array.nbytes)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % _HEADER_ALIGN)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_safetensors(
+    fh: BinaryIO, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> tuple[int, bytes]:
+    """Write ``arrays`` as safetensors to the open binary file ``fh``, tensor by tensor (no whole-model copy).
+
+    Returns:
+        ``(bytes written, SHA-256 digest)``.
+
+    Raises:
+        PayloadError: a dtype safetensors cannot hold.
+    """
+    digest = hashlib.sha256()
+    head = safetensors_header(arrays, metadata)
+    fh.write(head)
+    digest.update(head)
+    size = len(head)
+    for array in arrays.values():
+        flat = np.require(array, requirements="C").reshape(-1)
+        if flat.dtype.byteorder == ">":
+            flat = flat.astype(flat.dtype.newbyteorder("<"))
+        raw = memoryview(flat).cast("B") if flat.size else memoryview(b"")
+        for i in range(0, len(raw), _READ_BLOCK * 16):
+            piece = raw[i : i + _READ_BLOCK * 16]
+            fh.write(piece)
+            digest.update(piece)
+        size += len(raw)
+    return size, digest.digest()
+
+
+def save_payload(
+    path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> PayloadFile:
+    """Write ``arrays`` to ``path`` atomically (temporary file, fsync, rename) and return its size and digest."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as fh:
+        size, digest = write_safetensors(fh, arrays, metadata)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return PayloadFile(path=path, size=size, sha256=digest)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def open_safetensors(
+    path: Path, *, round: int | None = None, client_id: str | None = None
+) -> tuple[NamedArrays, dict[str, str]]:
+    """Map a safetensors file as read-only ``np.memmap`` views, in the order recorded in its header.
+
+    Only the structure is checked here (header, dtypes, offsets inside the file, sizes matching shapes); names,
+    shapes and values are checked against the model by whoever folds the update.
+
+    Returns:
+        ``(name -> array view, user metadata)``.
+
+    Raises:
+        PayloadError: truncated or corrupted file.
+    """
+
+    def fail(message: str) -> PayloadError:
+        return PayloadError(message, round=round, client_id=client_id, stage="decode")
+
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) < 8:
+            raise fail(f"payload of {size} bytes is too short to be safetensors (truncated?)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise fail(f"safetensors header claims {header_len} bytes but only {size - 8} follow (truncated)")
+        try:
+            header = json.loads(fh.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise fail(f"safetensors header is not valid JSON (corrupted payload): {exc}") from exc
+    if not isinstance(header, dict):
+        raise fail("safetensors header is not a JSON object (corrupted payload)")
+    raw_meta = header.pop("__metadata__", None) or {}
+    if not isinstance(raw_meta, dict):
+        raise fail("safetensors metadata is not a JSON object (corrupted payload)")
+    body = 8 + header_len
+    body_len = size - body
+    entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+    for name, info in header.items():
+        try:
+            dtype = np.dtype(_FROM_ST[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise fail(f"tensor {name!r} has an invalid or unsupported header entry {info!r}") from exc
+        if min(shape, default=0) < 0 or not 0 <= start <= end <= body_len:
+            raise fail(f"tensor {name!r} has data offsets {start}..{end} outside the {body_len}-byte body (truncated)")
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise fail(f"tensor {name!r}: {end - start} bytes do not hold shape {shape} of {dtype.name}")
+        entries[name] = (dtype, shape, start, end)
+    order_raw = raw_meta.get(ORDER_KEY)
+    order = json.loads(order_raw) if isinstance(order_raw, str) else sorted(entries)
+    if not isinstance(order, list) or sorted(order) != sorted(entries):
+        raise fail("payload's recorded tensor order does not match its tensors (corrupted payload)")
+    arrays: NamedArrays = {}
+    for name in order:
+        dtype, shape, start, end = entries[name]
+        if end == start:
+            arrays[name] = np.zeros(shape, dtype=dtype)
+        else:
+            arrays[name] = np.memmap(path, dtype=dtype, mode="r", offset=body + start, shape=shape)
+    metadata = {str(k): str(v) for k, v in raw_meta.items() if k != ORDER_KEY}
+    return arrays, metadata
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chunking
+
+
+def iter_file_chunks(path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """Yield the bytes of ``path`` in pieces of at most ``chunk_bytes``."""
+    with path.open("rb") as fh:
+        while True:
+            piece = fh.read(chunk_bytes)
+            if not piece:
+                return
+            yield piece
+
+
+def iter_bytes_chunks(data: bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """Yield ``data`` in pieces of at most ``chunk_bytes`` (one copy per piece, none of the whole)."""
+    view = memoryview(data).cast("B")
+    for i in range(0, len(view), chunk_bytes):
+        yield bytes(view[i : i + chunk_bytes])
+
+
+class PayloadReceiver:
+    """Receives one chunked payload into ``sink`` while checking its announced size, a limit and its digest.
+
+    Args:
+        sink: where the bytes go (a spill file, or a BytesIO on a client).
+        announced: the size the header announced.
+        limit: the largest payload accepted, in bytes.
+        round, client_id: context for error messages.
+
+    Raises:
+        PayloadError: at construction when ``announced`` is negative or over ``limit`` (nothing read yet); in
+            :meth:`write` when more bytes arrive than announced; in :meth:`finish` when the payload is truncated
+            or its SHA-256 differs from the trailer's.
+    """
+
+    def __init__(
+        self, sink: BinaryIO, *, announced: int, limit: int, round: int | None = None, client_id: str | None = None
+    ) -> None:
+        self._round, self._client_id = round, client_id
+        if announced < 0:
+            raise self._fail(f"announced payload size {announced} is negative")
+        if announced > limit:
+            raise self._fail(
+                f"announced payload of {announced} bytes exceeds the limit of {limit} bytes; refused before reading "
+                "it (raise max_payload_bytes if the model really is that large)"
+            )
+        self._sink = sink
+        self._announced = announced
+        self._received = 0
+        self._digest = hashlib.sha256()
+
+    @property
+    def received(self) -> int:
+        """Bytes received so far."""
+        return self._received
+
+    def _fail(self, message: str) -> PayloadError:
+        return PayloadError(message, round=self._round, client_id=self._client_id, stage="transfer")
+
+    def write(self, data: bytes) -> None:
+        """Take one chunk."""
+        if self._received + len(data) > self._announced:
+            raise self._fail(
+                f"received more than the announced {self._announced} bytes; the payload is rejected (corrupted "
+                "stream or a misbehaving client)"
+            )
+        self._sink.write(data)
+        self._digest.update(data)
+        self._received += len(data)
+
+    def finish(self, sha256: bytes | None) -> None:
+        """Check the trailer: all announced bytes arrived and their digest matches ``sha256``.
+
+        ``sha256`` is None when the stream ended without a trailer.
+        """
+        if sha256 is None or self._received != self._announced:
+            raise self._fail(
+                f"payload truncated: {self._received} of {self._announced} bytes arrived"
+                + ("" if sha256 is not None else " and no trailer")
+            )
+        if self._digest.digest() != sha256:
+            raise self._fail("payload corrupted: SHA-256 of the received bytes differs from the trailer")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# typed messages <-> protobuf
+
+
+def fit_config_to_pb(config: FitConfig) -> pb.FitConfig:
+    """FitConfig -> protobuf (``max_steps=None`` travels as 0)."""
+    return pb.FitConfig(
+        local_epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        mu=config.mu,
+        max_steps=config.max_steps or 0,
+    )
+
+
+def fit_config_from_pb(message: pb.FitConfig) -> FitConfig:
+    """Protobuf -> FitConfig (validated by its constructor: ConfigError on bad values)."""
+    return FitConfig(
+        local_epochs=message.local_epochs,
+        batch_size=message.batch_size,
+        lr=message.lr,
+        momentum=message.momentum,
+        weight_decay=message.weight_decay,
+        mu=message.mu,
+        max_steps=message.max_steps or None,
+    )
+
+
+def task_header(instruction: Instruction, *, task_id: str, payload_bytes: int) -> pb.TaskHeader:
+    """The header announcing ``instruction``; its parameters follow as a chunked payload of ``payload_bytes``."""
+    header = pb.TaskHeader(
+        task_id=task_id, round=instruction.round, stage=_STAGE_TO_PB[instruction.stage], payload_bytes=payload_bytes
+    )
+    if isinstance(instruction, FitIns):
+        header.seed = instruction.seed
+        header.fit.CopyFrom(fit_config_to_pb(instruction.config))
+    else:
+        header.evaluate_batch_size = instruction.batch_size
+    return header
+
+
+def instruction_from_header(header: pb.TaskHeader, parameters: NamedArrays) -> Instruction:
+    """Rebuild the instruction a client received.
+
+    Raises:
+        PayloadError: unknown stage. ConfigError: invalid fit settings.
+    """
+    stage = _STAGE_FROM_PB.get(header.stage)
+    if stage is Stage.FIT:
+        return FitIns(
+            round=header.round, parameters=parameters, config=fit_config_from_pb(header.fit), seed=header.seed
+        )
+    if stage is Stage.EVALUATE:
+        return EvaluateIns(round=header.round, parameters=parameters, batch_size=header.evaluate_batch_size)
+    raise PayloadError(f"task {header.task_id!r} has an unknown stage {header.stage}", round=header.round)
+
+
+def result_header(reply: Reply, *, session: str, task_id: str, payload_bytes: int = 0) -> pb.ResultHeader:
+    """The header of a pushed reply (a FitRes's parameters follow as a payload of ``payload_bytes``)."""
+    header = pb.ResultHeader(session=session, task_id=task_id, round=reply.round, payload_bytes=payload_bytes)
+    if isinstance(reply, Failure):
+        header.stage = _STAGE_TO_PB[reply.stage]
+        header.failure = reply.reason or "unknown failure"
+        return header
+    header.num_examples = reply.num_examples
+    header.metrics.update({k: float(v) for k, v in reply.metrics.items()})
+    if isinstance(reply, FitRes):
+        header.stage = pb.STAGE_FIT
+    else:
+        header.stage = pb.STAGE_EVALUATE
+        header.loss = reply.loss
+    return header
+
+
+def reply_from_header(header: pb.ResultHeader, *, client_id: str, parameters: NamedArrays | None) -> Reply:
+    """Rebuild a client's reply on the server. ``client_id`` comes from the session, never from the message.
+
+    Raises:
+        PayloadError: unknown stage, or a fit result without parameters.
+    """
+    stage = _STAGE_FROM_PB.get(header.stage)
+    if stage is None:
+        raise PayloadError(f"result has an unknown stage {header.stage}", round=header.round, client_id=client_id)
+    if header.failure:
+        return Failure(
+            client_id=client_id, round=header.round, stage=stage, reason=f"client reported: {header.failure}"
+        )
+    metrics = dict(header.metrics)
+    if stage is Stage.FIT:
+        if parameters is None:
+            raise PayloadError("fit result without parameters", round=header.round, client_id=client_id)
+        return FitRes(
+            client_id=client_id,
+            round=header.round,
+            parameters=parameters,
+            num_examples=header.num_examples,
+            metrics=metrics,
+        )
+    return EvaluateRes(
+        client_id=client_id, round=header.round, loss=header.loss, num_examples=header.num_examples, metrics=metrics
+    )

@@ -1,0 +1,130 @@
+"""fedcore.wire: safetensors files without copies, chunked payloads with a SHA-256 trailer, message conversion."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from fedcore.errors import PayloadError
+from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Stage
+from fedcore.task import FitConfig
+from fedcore.tensors import decode
+from fedcore.wire import (
+    PayloadReceiver,
+    instruction_from_header,
+    iter_bytes_chunks,
+    iter_file_chunks,
+    open_safetensors,
+    reply_from_header,
+    result_header,
+    save_payload,
+    task_header,
+)
+
+
+def _arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "conv.weight": rng.standard_normal((4, 3, 2), dtype=np.float32),
+        "conv.bias": rng.standard_normal(4).astype(np.float64),
+        "bn.num_batches_tracked": np.array(7, dtype=np.int64),
+        "empty": np.zeros((0, 3), dtype=np.float32),
+        "a_first_by_name": np.arange(5, dtype=np.int32),
+    }
+
+
+def test_written_file_is_standard_safetensors_in_model_order(tmp_path: Path) -> None:
+    arrays = _arrays()
+    written = save_payload(tmp_path / "m.safetensors", arrays, {"round": "3"})
+    data = written.path.read_bytes()
+    assert written.size == len(data)
+    assert written.sha256 == hashlib.sha256(data).digest()
+    decoded = decode(data)
+    assert list(decoded) == list(arrays)
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(decoded[name], array)
+        assert decoded[name].shape == array.shape
+    reference = load_file(str(written.path))
+    assert sorted(reference) == sorted(arrays)
+    mapped, meta = open_safetensors(written.path)
+    assert list(mapped) == list(arrays) and meta == {"round": "3"}
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(mapped[name], array)
+        assert mapped[name].dtype == array.dtype
+
+
+def test_open_rejects_truncated_file(tmp_path: Path) -> None:
+    written = save_payload(tmp_path / "m.safetensors", _arrays())
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(written.path.read_bytes()[:-10])
+    with pytest.raises(PayloadError, match="outside"):
+        open_safetensors(cut, round=2, client_id="c1")
+    cut.write_bytes(b"\xff" * 4)
+    with pytest.raises(PayloadError, match="too short"):
+        open_safetensors(cut)
+
+
+def _receive(chunks: list[bytes], announced: int, trailer: bytes | None, limit: int = 1 << 20) -> bytes:
+    sink = io.BytesIO()
+    receiver = PayloadReceiver(sink, announced=announced, limit=limit, round=4, client_id="client-007")
+    for chunk in chunks:
+        receiver.write(chunk)
+    receiver.finish(trailer)
+    return sink.getvalue()
+
+
+def test_chunks_round_trip_with_digest() -> None:
+    payload = bytes(range(256)) * 41
+    chunks = list(iter_bytes_chunks(payload, 1000))
+    assert max(len(c) for c in chunks) == 1000 and len(chunks) == 11
+    assert _receive(chunks, len(payload), hashlib.sha256(payload).digest()) == payload
+
+
+def test_file_chunks(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 2500)
+    assert [len(c) for c in iter_file_chunks(path, 1000)] == [1000, 1000, 500]
+
+
+def test_truncated_corrupted_and_oversized_payloads_are_rejected_with_context() -> None:
+    payload = b"y" * 3000
+    digest = hashlib.sha256(payload).digest()
+    chunks = list(iter_bytes_chunks(payload, 1000))
+    with pytest.raises(PayloadError, match="truncated: 2000 of 3000") as info:
+        _receive(chunks[:2], 3000, digest)
+    assert info.value.round == 4 and info.value.client_id == "client-007"
+    with pytest.raises(PayloadError, match="no trailer"):
+        _receive(chunks, 3000, None)
+    bad = [chunks[0], b"z" + chunks[1][1:], chunks[2]]
+    with pytest.raises(PayloadError, match="SHA-256"):
+        _receive(bad, 3000, digest)
+    with pytest.raises(PayloadError, match="more than the announced"):
+        _receive([*chunks, b"extra"], 3000, digest)
+    with pytest.raises(PayloadError, match="exceeds the limit"):
+        _receive([], 3000, digest, limit=2999)
+
+
+def test_instruction_and_reply_conversion() -> None:
+    params = _arrays()
+    fit = FitIns(round=3, parameters=params, config=FitConfig(local_epochs=2, lr=0.1, mu=0.01), seed=42)
+    back = instruction_from_header(task_header(fit, task_id="t1", payload_bytes=10), params)
+    assert isinstance(back, FitIns)
+    assert (back.round, back.seed, back.config) == (3, 42, fit.config)
+    ev = EvaluateIns(round=5, parameters=params, batch_size=77)
+    back_ev = instruction_from_header(task_header(ev, task_id="t2", payload_bytes=10), params)
+    assert isinstance(back_ev, EvaluateIns) and back_ev.batch_size == 77
+    res = FitRes(client_id="ignored", round=3, parameters=params, num_examples=12, metrics={"train_loss": 0.5})
+    got = reply_from_header(result_header(res, session="s", task_id="t1"), client_id="client-001", parameters=params)
+    assert isinstance(got, FitRes)
+    assert (got.client_id, got.round, got.num_examples, dict(got.metrics)) == ("client-001", 3, 12, {"train_loss": 0.5})
+    er = EvaluateRes(client_id="x", round=5, loss=0.25, num_examples=9, metrics={"accuracy": 0.75})
+    got_ev = reply_from_header(result_header(er, session="s", task_id="t2"), client_id="c", parameters=None)
+    assert isinstance(got_ev, EvaluateRes) and got_ev.loss == 0.25 and got_ev.metrics["accuracy"] == 0.75
+    fail = Failure(client_id="x", round=5, stage=Stage.EVALUATE, reason="boom")
+    got_fail = reply_from_header(result_header(fail, session="s", task_id="t2"), client_id="c", parameters=None)
+    assert isinstance(got_fail, Failure) and "boom" in got_fail.reason and got_fail.stage is Stage.EVALUATE
