@@ -199,7 +199,8 @@ def main() -> None:
         (">= 0.5 of a += b bandwidth", min(float(ours["gbs"]), float(ours_b["gbs"])) >= 0.5 * float(limit)),
         ("peak memory < 3x one model", peak_models < 3.0),
         (
-            f"peak memory independent of clients ({small}: {peak_small / 1e3:.0f} MB, {args.clients}: {peak_big / 1e3:.0f} MB)",
+            f"peak memory independent of clients "
+            f"({small}: {peak_small / 1e3:.0f} MB, {args.clients}: {peak_big / 1e3:.0f} MB)",
             abs(peak_big - peak_small) <= 0.1 * max(peak_big, 1.0) + 4096,
         ),
     ]
