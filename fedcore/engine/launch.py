@@ -26,6 +26,9 @@ from fedcore.errors import EngineError
 GRACE_S = 5.0
 """Seconds a worker gets to exit after SIGTERM before SIGKILL."""
 
+REPORT_WAIT_S = 2.0
+"""After the first failure, seconds to wait for the other ranks' reports before naming the root cause."""
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -78,9 +81,8 @@ def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: f
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                raise _failure(failed[0], codes[failed[0]], workdir)
+            if any(c not in (None, 0) for c in codes):
+                raise _failure(procs, workdir)
             if all(c == 0 for c in codes):
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -90,7 +92,20 @@ def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: f
         _kill_all(procs)
 
 
-def _failure(rank: int, code: int | None, workdir: Path) -> EngineError:
+def _failure(procs: list[subprocess.Popen[bytes]], workdir: Path) -> EngineError:
+    """Name the root cause: the rank whose failure report was written first.
+
+    When one rank fails, its peers soon fail too with connection errors; they are symptoms. The launcher waits
+    a moment for the peers' reports, then blames the earliest report (or the first dead rank without one).
+    """
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    reports = [
+        (error_path(workdir, r).stat().st_mtime_ns, r) for r in range(len(procs)) if error_path(workdir, r).exists()
+    ]
+    rank = min(reports)[1] if reports else next(r for r, p in enumerate(procs) if p.poll() not in (None, 0))
+    code = procs[rank].poll()
     report = error_path(workdir, rank)
     if report.exists():
         info = json.loads(report.read_text())

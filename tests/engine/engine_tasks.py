@@ -19,9 +19,7 @@ FEATURES, CLASSES = 6, 4
 
 def mlp() -> nn.Sequential:
     """Three linear layers; split point "2" cuts it into two stages."""
-    return nn.Sequential(
-        nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES)
-    )
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES))
 
 
 def deep_mlp() -> nn.Sequential:
@@ -104,5 +102,8 @@ def assert_same_state(actual: NamedArrays, expected: NamedArrays, *, atol: float
     for name in expected:
         assert actual[name].dtype == expected[name].dtype, name
         torch.testing.assert_close(
-            torch.from_numpy(np.asarray(actual[name])), torch.from_numpy(np.asarray(expected[name])), atol=atol, rtol=rtol
+            torch.from_numpy(np.asarray(actual[name])),
+            torch.from_numpy(np.asarray(expected[name])),
+            atol=atol,
+            rtol=rtol,
         )

@@ -1,0 +1,174 @@
+"""ParallelPlan validation, loading, model checks and schedule rules: no process group needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_tasks import deep_mlp, mlp
+from torch import nn
+
+from fedcore.engine import ParallelPlan, Schedule, bubble_fraction
+from fedcore.engine.layers import model_layers, split_stages
+from fedcore.engine.schedules import (
+    check_schedule,
+    one_f_one_b_order,
+    peak_in_flight,
+    rank_of_stage,
+    stages_of_rank,
+)
+from fedcore.errors import ConfigError
+
+
+def test_default_plan_is_single_process() -> None:
+    plan = ParallelPlan()
+    assert plan.is_single_process and plan.total_ranks == 1 and plan.num_stages == 1
+    assert not (plan.dp_enabled or plan.pp_enabled or plan.fsdp_enabled)
+
+
+def test_degrees_and_derived_properties() -> None:
+    plan = ParallelPlan(data_parallel=2, pipeline=2, split_points=("2",), microbatches=4, schedule="1f1b")
+    assert plan.total_ranks == 4 and plan.dp_enabled and plan.pp_enabled and not plan.fsdp_enabled
+    assert plan.schedule is Schedule.ONE_F_ONE_B
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pipeline": 2, "split_points": ("2",), "microbatches": 1, "schedule": "1f1b"}, "1F1B needs at least"),
+        ({"data_parallel": 2, "pipeline": 2, "split_points": ("2",), "world_size": 8}, "multiply"),
+        ({"precision": "bf16", "device": "cpu"}, "bf16"),
+        ({"pipeline": 2}, "split points"),
+        ({"pipeline": 2, "split_points": ("1", "2")}, "need 1 split points"),
+        ({"pipeline": 2, "split_points": ("2",), "stage_modules": (("0",), ("2",))}, "not both"),
+        ({"pipeline": 2, "stages_per_rank": 2, "split_points": ("1", "2", "3")}, "one stage per rank"),
+        ({"data_parallel": 0}, ">= 1"),
+        ({"microbatches": 4}, "pipeline >= 2"),
+        ({"sharded": True}, "data_parallel >= 2"),
+        ({"data_parallel": 2, "sharded": True, "pipeline": 2, "split_points": ("2",)}, "not supported"),
+        ({"schedule": "zero-bubble"}, "schedule must be one of"),
+    ],
+)
+def test_invalid_plans_raise_config_error(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ParallelPlan(**kwargs)  # type: ignore[arg-type]
+
+
+def test_from_mapping_and_cli_agree_and_round_trip() -> None:
+    table = {"dp": 2, "pp": 2, "split-points": ["2"], "microbatches": 4, "schedule": "1f1b", "sharded": False}
+    cli = ["dp=2", "pp=2", "split_points=2", "microbatches=4", "schedule=1F1B", "sharded=false"]
+    plan = ParallelPlan.from_mapping(table)
+    assert plan == ParallelPlan.from_cli(cli)
+    assert ParallelPlan.from_mapping(plan.to_mapping()) == plan
+    stages = ParallelPlan.from_cli(["pp=2", "stage_modules=0,1;2,3,4"])
+    assert stages.stage_modules == (("0", "1"), ("2", "3", "4"))
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (["dp"], "key=value"),
+        (["gpus=2"], "unknown parallel plan option"),
+        (["dp=two"], "integer"),
+        (["dp=1", "dp=2"], "twice"),
+    ],
+)
+def test_from_cli_errors(items: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ParallelPlan.from_cli(items)
+
+
+def test_layers_flatten_nested_sequentials() -> None:
+    assert [name for name, _ in model_layers(deep_mlp())] == ["0.0", "0.1", "1.0", "1.1", "2.0", "2.1", "3"]
+    with pytest.raises(ConfigError, match=r"nn\.Sequential or give it a pipeline_layers"):
+        model_layers(nn.Linear(2, 2))
+
+
+def test_split_stages_by_points_and_lists() -> None:
+    stages = split_stages(deep_mlp(), num_stages=4, split_points=("1", "2", "3"))
+    assert [[n for n, _ in s] for s in stages] == [["0.0", "0.1"], ["1.0", "1.1"], ["2.0", "2.1"], ["3"]]
+    listed = split_stages(mlp(), num_stages=2, stage_modules=(("0", "1"), ("2", "3", "4")))
+    assert [[n for n, _ in s] for s in listed] == [["0", "1"], ["2", "3", "4"]]
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (ParallelPlan(pipeline=2, split_points=("encoder",)), "names no module"),
+        (ParallelPlan(pipeline=2, split_points=("0",)), "leave no stage empty"),
+        (ParallelPlan(pipeline=2, stage_modules=(("0", "1"), ("3", "4"))), "model order"),
+        (ParallelPlan(pipeline=2, stage_modules=(("0", "1"), ("2",))), "does not cover"),
+        (ParallelPlan(activation_checkpointing=True), None),
+    ],
+)
+def test_check_model(plan: ParallelPlan, message: str | None) -> None:
+    if message is None:
+        plan.check_model(mlp())
+        return
+    with pytest.raises(ConfigError, match=message):
+        plan.check_model(mlp())
+
+
+def test_split_point_inside_a_layer_is_rejected() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), _Block())
+    with pytest.raises(ConfigError, match="inside a layer"):
+        split_stages(model, num_stages=2, split_points=("1.inner",))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # type: ignore[no-any-return]
+
+
+def test_tied_weights_across_stages_are_rejected() -> None:
+    first, last = nn.Linear(3, 3), nn.Linear(3, 3)
+    last.weight = first.weight
+    with pytest.raises(ConfigError, match="tied weights"):
+        split_stages(nn.Sequential(first, nn.Tanh(), last), num_stages=2, split_points=("2",))
+
+
+def test_check_runtime_on_cpu() -> None:
+    assert ParallelPlan(data_parallel=2).check_runtime().value == "cpu"
+    with pytest.raises(ConfigError, match="bf16"):
+        ParallelPlan(precision="bf16").check_runtime()  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ schedule rules
+def test_stage_placement_is_looped() -> None:
+    assert stages_of_rank(0, 2, 2) == [0, 2] and stages_of_rank(1, 2, 2) == [1, 3]
+    assert [rank_of_stage(s, 2) for s in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ConfigError):
+        stages_of_rank(2, 2, 1)
+
+
+def test_schedule_requirements() -> None:
+    check_schedule(Schedule.GPIPE, pipeline=4, stages_per_rank=1, microbatches=1)
+    check_schedule(Schedule.ONE_F_ONE_B, pipeline=4, stages_per_rank=1, microbatches=4)
+    check_schedule(Schedule.INTERLEAVED_1F1B, pipeline=2, stages_per_rank=2, microbatches=4)
+    with pytest.raises(ConfigError, match="1F1B needs"):
+        check_schedule(Schedule.ONE_F_ONE_B, pipeline=4, stages_per_rank=1, microbatches=3)
+    with pytest.raises(ConfigError, match="multiple"):
+        check_schedule(Schedule.INTERLEAVED_1F1B, pipeline=2, stages_per_rank=2, microbatches=3)
+    with pytest.raises(ConfigError, match="stages_per_rank >= 2"):
+        check_schedule(Schedule.INTERLEAVED_1F1B, pipeline=2, stages_per_rank=1, microbatches=4)
+
+
+def test_bubble_fraction_by_hand() -> None:
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(2, 4, stages_per_rank=2) == pytest.approx(1 / 9)
+
+
+def test_one_f_one_b_keeps_at_most_p_micro_batches_alive() -> None:
+    for p in (2, 4):
+        for m in (p, 2 * p, 8):
+            for rank in range(p):
+                order = one_f_one_b_order(rank, p, m)
+                assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+                assert peak_in_flight(order) == min(p - rank, m)
+    # GPipe (all forwards, then all backwards) keeps all m alive
+    assert peak_in_flight([("F", i) for i in range(8)] + [("B", i) for i in range(8)]) == 8
