@@ -106,9 +106,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T
             f"unknown key(s) {', '.join(repr(k) for k in unknown)} in [{where or 'top level'}]; "
             f"known keys: {', '.join(sorted(fields))}"
         )
-    kwargs = {
-        name: _coerce(value, hints[name], f"{where}.{name}" if where else name) for name, value in data.items()
-    }
+    kwargs = {name: _coerce(value, hints[name], f"{where}.{name}" if where else name) for name, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError as exc:

@@ -132,9 +132,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     csv_path = out_dir / "history.csv"
     csv_path.unlink(missing_ok=True)
     rows: list[Mapping[str, object]] = []
-    progress = tqdm(
-        total=config.rounds, desc="rounds", unit="round", disable=not config.output.progress, leave=False
-    )
+    progress = tqdm(total=config.rounds, desc="rounds", unit="round", disable=not config.output.progress, leave=False)
     say = tqdm.write if config.output.progress else echo
     if config.output.progress:
         say(" ".join(f"{c:>10}" for c in COLUMNS))
