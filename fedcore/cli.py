@@ -140,6 +140,217 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# deployment: fedcore server start, fedcore client start, fedcore certs init
+
+#: ``server start`` flags that set a top-level key of the server config, with their types.
+SERVER_FLAGS: dict[str, type] = {
+    "address": str,
+    "state_dir": str,
+    "task": str,
+    "data_dir": str,
+    "initial": str,
+    "rounds": int,
+    "seed": int,
+    "evaluate_every": int,
+    "round_timeout_s": float,
+    "wait_for_clients_s": float,
+    "min_fit_results": int,
+    "max_round_attempts": int,
+    "heartbeat_interval_s": float,
+    "liveness_timeout_s": float,
+    "max_payload_bytes": int,
+    "chunk_bytes": int,
+    "max_workers": int,
+    "tls_cert": str,
+    "tls_key": str,
+    "client_ca": str,
+    "tokens_file": str,
+    "metrics_port": int,
+    "linger_s": float,
+}
+
+#: ``server start`` shortcuts for nested keys.
+SERVER_SHORTCUTS: dict[str, tuple[str, type]] = {
+    "strategy": ("strategy.name", str),
+    "server_lr": ("strategy.server_lr", float),
+    "fraction_fit": ("sampling.fraction_fit", float),
+    "min_fit_clients": ("sampling.min_fit_clients", int),
+    "fraction_evaluate": ("sampling.fraction_evaluate", float),
+    "epochs": ("train.local_epochs", int),
+    "batch_size": ("train.batch_size", int),
+    "lr": ("train.lr", float),
+    "mu": ("train.mu", float),
+}
+
+
+def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("server", help="the coordinator server")
+    actions = p.add_subparsers(dest="action", required=True)
+    start = actions.add_parser(
+        "start",
+        help="start the aggregation server (TLS unless --insecure)",
+        description=(
+            "Run federated rounds for client daemons that connect over gRPC. Settings come from --config (TOML), "
+            "then --set KEY=VALUE, then the flags below. Restarting with the same --state-dir resumes the run."
+        ),
+    )
+    start.add_argument("--config", help="server TOML file (keys of server.app.ServerConfig)")
+    start.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    for name, kind in SERVER_FLAGS.items():
+        start.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
+    for name, (key, kind) in SERVER_SHORTCUTS.items():
+        start.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, help=f"sets {key}")
+    start.add_argument(
+        "--task-option", action="append", default=[], metavar="KEY=VALUE", help="option for the task factory"
+    )
+    start.add_argument("--revoke", action="append", default=[], metavar="CLIENT_ID", help="refuse this client id")
+    start.add_argument("--insecure", action="store_true", default=None, help="plaintext gRPC (prints a warning)")
+    start.add_argument("--no-evaluate", action="store_true", help="no server-side evaluation")
+    start.set_defaults(func=_cmd_server_start)
+
+
+def _cmd_server_start(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from server.app import load_server_config, run_server
+
+    overrides = list(args.overrides)
+    for name in SERVER_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            overrides.append(f"{name}={_toml_literal(value)}")
+    for name, (key, _) in SERVER_SHORTCUTS.items():
+        value = getattr(args, name)
+        if value is not None:
+            overrides.append(f"{key}={_toml_literal(value)}")
+    overrides += [f"task_options.{k}={_toml_literal(v)}" for k, v in _pairs(args.task_option, "--task-option")]
+    if args.revoke:
+        overrides.append("revoked=[" + ", ".join(_toml_literal(r) for r in args.revoke) + "]")
+    if args.insecure:
+        overrides.append("insecure=true")
+    if args.no_evaluate:
+        overrides.append("evaluate=false")
+    config = load_server_config(Path(args.config) if args.config else None, overrides)
+    run_server(config)
+    return 0
+
+
+def _pairs(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise FedcoreError(f"{flag} {item!r} must look like KEY=VALUE")
+        out.append((key.strip(), value.strip()))
+    return out
+
+
+def _add_client(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("client", help="the client daemon")
+    actions = p.add_subparsers(dest="action", required=True)
+    start = actions.add_parser(
+        "start",
+        help="run the client daemon: connect, pull tasks, train, push updates",
+        description=(
+            "Connect to a fedcore server and train its rounds on this machine's data, through the task factory "
+            "--task. For demos, the built-in demo task takes a shard of a built-in dataset: --dataset, "
+            "--partition, --partition-id I --num-partitions N."
+        ),
+    )
+    start.add_argument("--server", required=True, help="HOST:PORT of the coordinator")
+    start.add_argument("--client-id", required=True, help="this client's id (with mTLS: its certificate's name)")
+    start.add_argument("--task", default="simulations.tasks:demo_task", help="task factory module:attr")
+    start.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE")
+    start.add_argument("--dataset", help="demo task: built-in dataset (sets the task option)")
+    start.add_argument("--partition", help="demo task: partitioner (sets the task option)")
+    start.add_argument("--partition-id", type=int, help="which shard of the built-in dataset this client holds")
+    start.add_argument("--num-partitions", type=int, help="into how many shards the dataset is split")
+    start.add_argument("--data-dir", help="data directory handed to the task")
+    start.add_argument("--token", default="", help="this client's token (or FEDCORE_TOKEN)")
+    start.add_argument("--token-file", help="read the token from this file")
+    start.add_argument("--insecure", action="store_true", help="plaintext gRPC (the server must be --insecure)")
+    start.add_argument("--ca-cert", help="CA certificate (PEM) that signed the server certificate")
+    start.add_argument("--cert", help="client certificate (PEM) for mutual TLS")
+    start.add_argument("--key", help="client key (PEM) for mutual TLS")
+    start.add_argument("--server-name", help="name expected in the server certificate (default: the host)")
+    start.add_argument("--poll-s", type=float, default=20.0, help="long-poll duration")
+    start.add_argument("--backoff-max-s", type=float, default=30.0, help="longest reconnect delay")
+    start.add_argument("--give-up-after-s", type=float, help="exit when the server stays unreachable this long")
+    start.add_argument("--stay", action="store_true", help="keep running after the server's run finishes")
+    start.set_defaults(func=_cmd_client_start)
+
+
+def _cmd_client_start(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from client.daemon import ClientDaemon, DaemonConfig
+
+    options = dict(_pairs(args.task_option, "--task-option"))
+    if args.dataset:
+        options["dataset"] = args.dataset
+    if args.partition:
+        options["partition"] = args.partition
+    token = args.token or os.environ.get("FEDCORE_TOKEN", "")
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    config = DaemonConfig(
+        server=args.server,
+        client_id=args.client_id,
+        task=args.task,
+        task_options=options,
+        partition_id=args.partition_id,
+        num_partitions=args.num_partitions,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        token=token,
+        insecure=args.insecure,
+        ca_cert=Path(args.ca_cert) if args.ca_cert else None,
+        cert=Path(args.cert) if args.cert else None,
+        key=Path(args.key) if args.key else None,
+        server_name=args.server_name,
+        poll_s=args.poll_s,
+        backoff_max_s=args.backoff_max_s,
+        give_up_after_s=args.give_up_after_s,
+        exit_when_finished=not args.stay,
+    )
+    if config.insecure:
+        print("WARNING: connecting without TLS (--insecure): the model and updates travel in plaintext")
+    return ClientDaemon(config).run()
+
+
+def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("certs", help="TLS certificates and client tokens")
+    actions = p.add_subparsers(dest="action", required=True)
+    init = actions.add_parser(
+        "init",
+        help="make a CA, a server certificate, client certificates and tokens",
+        description="Write ca.pem/key, server.pem/key, clients/<id>.pem/key and tokens.txt into --out.",
+    )
+    init.add_argument("--out", default="certs", help="output directory (an existing CA there is reused)")
+    init.add_argument(
+        "--host", action="append", default=[], help="server DNS name or IP (repeatable; default localhost, 127.0.0.1)"
+    )
+    init.add_argument("--client", action="append", default=[], metavar="CLIENT_ID", help="repeatable")
+    init.add_argument("--clients", type=int, help="also make client-000 .. client-(N-1)")
+    init.set_defaults(func=_cmd_certs_init)
+
+
+def _cmd_certs_init(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from privacy.tls import init_certs
+
+    clients = list(args.client)
+    if args.clients:
+        width = max(3, len(str(args.clients - 1)))
+        clients += [f"client-{i:0{width}d}" for i in range(args.clients)]
+    written = init_certs(Path(args.out), hosts=args.host or ("localhost", "127.0.0.1"), clients=clients)
+    for path in written:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedcore`` argument parser with every sub-command."""
     parser = argparse.ArgumentParser(prog="fedcore", description="Federated learning: simulate, serve, train.")
@@ -147,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
     _add_partition(sub)
+    _add_server(sub)
+    _add_client(sub)
+    _add_certs(sub)
     return parser
 
 

@@ -112,7 +112,7 @@ def write_safetensors(
         flat = np.require(array, requirements="C").reshape(-1)
         if flat.dtype.byteorder == ">":
             flat = flat.astype(flat.dtype.newbyteorder("<"))
-        raw = memoryview(flat).cast("B") if flat.size else memoryview(b"")
+        raw = flat.view(np.uint8).data if flat.size else memoryview(b"")
         for i in range(0, len(raw), _READ_BLOCK * 16):
             piece = raw[i : i + _READ_BLOCK * 16]
             fh.write(piece)

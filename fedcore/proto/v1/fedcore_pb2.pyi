@@ -103,8 +103,10 @@ class Trailer(_message.Message):
     def __init__(self, sha256: _Optional[bytes] = ...) -> None: ...
 
 class Idle(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("finished",)
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    finished: bool
+    def __init__(self, finished: _Optional[bool] = ...) -> None: ...
 
 class TaskChunk(_message.Message):
     __slots__ = ("header", "data", "trailer", "idle")

@@ -1,0 +1,375 @@
+"""``fedcore client start``: the client daemon on a data holder's machine.
+
+It connects out to the server (the client initiates every call), authenticates (token and/or client
+certificate), then loops: long-poll for a task, run it through :func:`client.runner.run_instruction` (the same
+code path simulation uses), push the reply. A heartbeat thread keeps the session alive independently of
+training. Every network failure leads to a reconnect with exponential backoff and full jitter; a lost session
+(server restart) to a fresh join. A push is retried with the same task id until the server answers, and the
+server treats a repeated push as a duplicate, so retrying is harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from client.runner import run_instruction
+from fedcore.errors import ConfigError, FedcoreError, TransportError
+from fedcore.messages import Failure, Instruction, Reply
+from fedcore.proto.v1 import fedcore_pb2 as pb
+from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
+from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
+from fedcore.tensors import decode, encode
+from fedcore.wire import (
+    DEFAULT_CHUNK_BYTES,
+    PayloadReceiver,
+    instruction_from_header,
+    iter_bytes_chunks,
+    result_header,
+)
+
+log = logging.getLogger("fedcore.client")
+
+_RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """Settings of one client daemon.
+
+    Attributes:
+        server: the coordinator's ``host:port``.
+        client_id: this client's identity (with mutual TLS: its certificate's common name).
+        task: the task factory ``module:attr``.
+        task_options: string options for the factory (the demo task: dataset, partition, model, ...).
+        partition_id, num_partitions: for built-in demo data, which shard this client holds.
+        data_dir: handed to the task (where the user's data lives).
+        token: the client's token, if the server uses tokens.
+        insecure: plaintext (no TLS); the server must be started with ``--insecure`` too.
+        ca_cert: CA certificate (PEM) that signed the server's certificate (None: the system roots).
+        cert, key: this client's certificate and key (PEM) for mutual TLS.
+        server_name: expected name in the server certificate, when it differs from the host in ``server``.
+        poll_s: how long one long-poll may wait on the server.
+        backoff_initial_s, backoff_max_s: reconnect delays (exponential, full jitter).
+        give_up_after_s: stop when the server stays unreachable this long (None: never).
+        exit_when_finished: exit once the server says the run is over.
+        max_payload_bytes: largest global model accepted from the server.
+    """
+
+    server: str
+    client_id: str
+    task: str
+    task_options: Mapping[str, str] = field(default_factory=dict)
+    partition_id: int | None = None
+    num_partitions: int | None = None
+    data_dir: Path | None = None
+    token: str = ""
+    insecure: bool = False
+    ca_cert: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None
+    poll_s: float = 20.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    give_up_after_s: float | None = None
+    exit_when_finished: bool = True
+    max_payload_bytes: int = 8 << 30
+
+    def __post_init__(self) -> None:
+        if not self.client_id:
+            raise ConfigError("client_id must not be empty")
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("give both --cert and --key for mutual TLS, or neither")
+        if self.insecure and (self.cert is not None or self.ca_cert is not None):
+            raise ConfigError("--insecure cannot be combined with certificates")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ConfigError("need 0 < backoff_initial_s <= backoff_max_s")
+        if not self.poll_s > 0:
+            raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
+
+
+class _SessionLost(Exception):
+    """The server no longer knows our session: join again."""
+
+
+def backoff_delays(initial_s: float, max_s: float, rng: random.Random) -> Iterator[float]:
+    """Exponential backoff with full jitter: the k-th delay is uniform in [0, min(max, initial * 2^k)]."""
+    ceiling = initial_s
+    while True:
+        yield rng.uniform(0.0, ceiling)
+        ceiling = min(max_s, ceiling * 2)
+
+
+class ClientDaemon:
+    """Runs one client until the run finishes, it is stopped, or the server stays unreachable.
+
+    Args:
+        config: the daemon's settings.
+        factory: the task factory (default: ``load_task_factory(config.task)``).
+    """
+
+    def __init__(self, config: DaemonConfig, factory: TaskFactory | None = None) -> None:
+        self.config = config
+        self._factory = factory if factory is not None else load_task_factory(config.task)
+        self._stop = threading.Event()
+        self._session = ""
+        self._session_ok = threading.Event()
+        self._heartbeat_s = 5.0
+        self._chunk_bytes = DEFAULT_CHUNK_BYTES
+        self._task: Task | None = None
+        self._task_seed: int | None = None
+        self._rng = random.Random()
+
+    def stop(self) -> None:
+        """Ask the daemon to stop after the current call."""
+        self._stop.set()
+
+    # ----------------------------------------------------------------- channel
+    def _channel(self) -> grpc.Channel:
+        cfg = self.config
+        cap = 64 << 20
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", cap),
+            ("grpc.max_send_message_length", cap),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.enable_retries", 0),
+        ]
+        if cfg.insecure:
+            return grpc.insecure_channel(cfg.server, options=options)
+        if cfg.server_name:
+            options.append(("grpc.ssl_target_name_override", cfg.server_name))
+
+        def read(path: Path | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                return path.read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"cannot read {str(path)!r}: {exc}") from exc
+
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read(cfg.ca_cert), private_key=read(cfg.key), certificate_chain=read(cfg.cert)
+        )
+        return grpc.secure_channel(cfg.server, credentials, options=options)
+
+    # ------------------------------------------------------------------- main
+    def run(self) -> int:
+        """Serve until finished or stopped. Returns the process exit code (0 finished/stopped, 3 gave up)."""
+        delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
+        unreachable_since: float | None = None
+        while not self._stop.is_set():
+            channel = self._channel()
+            stub = pb_grpc.CoordinatorStub(channel)
+            heartbeat: threading.Thread | None = None
+            try:
+                self._join(stub)
+                unreachable_since = None
+                delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
+                heartbeat = threading.Thread(target=self._heartbeat_loop, args=(stub,), daemon=True)
+                heartbeat.start()
+                if self._serve(stub):
+                    log.info("the server finished the run; exiting")
+                    self._leave(stub)
+                    return 0
+            except _SessionLost:
+                log.info("session lost; joining again")
+                continue
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and not self._session:
+                    raise TransportError(
+                        f"the server refused to let this client join: {exc.details()}",
+                        client_id=self.config.client_id,
+                    ) from exc
+                now = time.monotonic()
+                unreachable_since = unreachable_since if unreachable_since is not None else now
+                limit = self.config.give_up_after_s
+                if limit is not None and now - unreachable_since > limit:
+                    log.error(
+                        "server %s unreachable for %.0f s; giving up", self.config.server, now - unreachable_since
+                    )
+                    return 3
+                delay = next(delays)
+                log.warning("connection problem (%s: %s); retrying in %.1f s", code, _details(exc), delay)
+                self._stop.wait(delay)
+            finally:
+                self._session_ok.clear()
+                if heartbeat is not None:
+                    heartbeat.join(timeout=1)
+                channel.close()
+        return 0
+
+    def _join(self, stub: pb_grpc.CoordinatorStub) -> None:
+        self._session = ""
+        reply = stub.Join(pb.JoinRequest(client_id=self.config.client_id, token=self.config.token), timeout=30)
+        self._session = reply.session
+        self._heartbeat_s = max(0.1, reply.heartbeat_interval_s)
+        self._chunk_bytes = reply.chunk_bytes or DEFAULT_CHUNK_BYTES
+        if self._task is None or self._task_seed != reply.seed:
+            self._task = self._factory(
+                TaskContext(
+                    role="client",
+                    client_id=self.config.client_id,
+                    partition_id=self.config.partition_id,
+                    num_partitions=self.config.num_partitions,
+                    data_dir=self.config.data_dir,
+                    seed=reply.seed,
+                    options=dict(self.config.task_options),
+                )
+            )
+            self._task_seed = reply.seed
+        self._session_ok.set()
+        log.info("joined %s as %s", self.config.server, self.config.client_id)
+
+    def _heartbeat_loop(self, stub: pb_grpc.CoordinatorStub) -> None:
+        while self._session_ok.is_set() and not self._stop.wait(self._heartbeat_s):
+            try:
+                stub.Heartbeat(pb.HeartbeatRequest(session=self._session), timeout=max(2.0, self._heartbeat_s * 2))
+            except grpc.RpcError as exc:
+                log.debug("heartbeat failed: %s", _details(exc))
+
+    def _leave(self, stub: pb_grpc.CoordinatorStub) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            stub.Leave(pb.LeaveRequest(session=self._session), timeout=5)
+
+    def _serve(self, stub: pb_grpc.CoordinatorStub) -> bool:
+        """Pull, run and push until the run finishes (True) or the daemon is stopped (False)."""
+        while not self._stop.is_set():
+            pulled = self._pull(stub)
+            if pulled is True:
+                if self.config.exit_when_finished:
+                    return True
+                self._stop.wait(self.config.poll_s)
+                continue
+            if pulled is False:
+                continue
+            task_id, instruction = pulled
+            reply = self._execute(instruction)
+            self._push(stub, task_id, reply)
+        return False
+
+    def _pull(self, stub: pb_grpc.CoordinatorStub) -> tuple[str, Instruction] | bool:
+        timeout = self.config.poll_s + 600.0
+        stream = stub.PullTask(pb.PullTaskRequest(session=self._session, wait_s=self.config.poll_s), timeout=timeout)
+        try:
+            first = next(stream, None)
+            if first is None:
+                return False
+            if first.WhichOneof("body") == "idle":
+                return bool(first.idle.finished)
+            header = first.header
+            sink = io.BytesIO()
+            receiver = PayloadReceiver(
+                sink,
+                announced=header.payload_bytes,
+                limit=self.config.max_payload_bytes,
+                round=header.round,
+                client_id=self.config.client_id,
+            )
+            digest: bytes | None = None
+            for chunk in stream:
+                kind = chunk.WhichOneof("body")
+                if kind == "data":
+                    receiver.write(chunk.data)
+                elif kind == "trailer":
+                    digest = chunk.trailer.sha256
+                    break
+            receiver.finish(digest)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise _SessionLost() from exc
+            raise
+        except FedcoreError as exc:
+            log.warning("discarding a damaged task payload (%s); pulling again", exc)
+            return False
+        parameters = decode(sink.getvalue(), allow_nonfinite=True, round=header.round, client_id=self.config.client_id)
+        del sink
+        return header.task_id, instruction_from_header(header, parameters)
+
+    def _execute(self, instruction: Instruction) -> Reply:
+        assert self._task is not None  # set by _join
+        started = time.perf_counter()
+        try:
+            reply: Reply = run_instruction(self._task, instruction, self.config.client_id)
+        except FedcoreError as exc:
+            log.warning("round %d %s failed: %s", instruction.round, instruction.stage.value, exc)
+            reply = Failure(
+                client_id=self.config.client_id, round=instruction.round, stage=instruction.stage, reason=str(exc)
+            )
+        except Exception as exc:  # a bug in user code is reported, not fatal
+            log.exception("the task raised")
+            reply = Failure(
+                client_id=self.config.client_id,
+                round=instruction.round,
+                stage=instruction.stage,
+                reason=f"{type(exc).__name__}: {exc}",
+            )
+        log.info(
+            "round %d %s done in %.2f s", instruction.round, instruction.stage.value, time.perf_counter() - started
+        )
+        return reply
+
+    def _push(self, stub: pb_grpc.CoordinatorStub, task_id: str, reply: Reply) -> None:
+        payload = b""
+        if not isinstance(reply, Failure) and hasattr(reply, "parameters"):
+            payload = encode(reply.parameters)
+        delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
+        for attempt in range(1, 1000):
+            if self._stop.is_set():
+                return
+            try:
+                answer = stub.PushResult(self._result_stream(task_id, reply, payload), timeout=600)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    # the server restarted: join again and push under the new session (the task may be gone)
+                    self._rejoin(stub)
+                    continue
+                if exc.code() not in _RETRYABLE:
+                    log.warning("push of round %d refused: %s", reply.round, _details(exc))
+                    return
+                delay = next(delays)
+                log.warning("push attempt %d failed (%s); retrying in %.1f s", attempt, _details(exc), delay)
+                self._stop.wait(delay)
+                continue
+            if answer.accepted:
+                log.info("round %d result accepted%s", reply.round, " (duplicate)" if answer.duplicate else "")
+            else:
+                log.warning("round %d result not taken: %s", reply.round, answer.reason)
+            return
+
+    def _rejoin(self, stub: pb_grpc.CoordinatorStub) -> None:
+        self._join(stub)
+
+    def _result_stream(self, task_id: str, reply: Reply, payload: bytes) -> Iterator[pb.ResultChunk]:
+        import hashlib
+
+        header = result_header(reply, session=self._session, task_id=task_id, payload_bytes=len(payload))
+        yield pb.ResultChunk(header=header)
+        if payload:
+            for piece in iter_bytes_chunks(payload, self._chunk_bytes):
+                yield pb.ResultChunk(data=piece)
+            yield pb.ResultChunk(trailer=pb.Trailer(sha256=hashlib.sha256(payload).digest()))
+
+
+def _details(exc: grpc.RpcError) -> str:
+    details = getattr(exc, "details", None)
+    return str(details()) if callable(details) else str(exc)

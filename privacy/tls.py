@@ -1,0 +1,186 @@
+"""TLS identities for deployment, made with ``cryptography``: a CA, a server certificate, client certificates.
+
+``fedcore certs init --out certs --client client-000 --client client-001`` writes::
+
+    ca.pem  ca.key                  the run's certificate authority (keep ca.key offline)
+    server.pem  server.key          the server's certificate (names from --host; localhost and 127.0.0.1 default)
+    clients/<id>.pem  <id>.key      one certificate per client, common name = client id (mutual TLS)
+    tokens.txt                      "client_id token" lines for the server's tokens_file (random, 256-bit)
+
+Keys are ECDSA P-256; private key files are written with mode 0600.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedcore.errors import ConfigError
+
+_VALID_DAYS = 365
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A certificate and its private key, PEM-encoded."""
+
+    cert_pem: bytes
+    key_pem: bytes
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedcore"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
+
+
+def make_ca(common_name: str = "fedcore CA", *, days: int = _VALID_DAYS) -> Identity:
+    """A self-signed CA certificate (path length 0) and its key."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return Identity(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def issue(
+    ca: Identity, common_name: str, *, hosts: Sequence[str] = (), client: bool, days: int = _VALID_DAYS
+) -> Identity:
+    """Issue a leaf certificate signed by ``ca``.
+
+    Args:
+        ca: the issuing CA.
+        common_name: the subject's common name (for clients: the client id the server checks).
+        hosts: DNS names and IP addresses for the subject alternative name (servers).
+        client: a client certificate (extended key usage clientAuth) rather than a server one (serverAuth).
+    """
+    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem)
+    ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ConfigError("the CA key must be an EC key made by `fedcore certs init`")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH]),
+            critical=False,
+        )
+    )
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    if not client and not names:
+        names.append(x509.DNSName(common_name))
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return Identity(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def _write(path: Path, data: bytes, *, private: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def init_certs(
+    out: Path, *, hosts: Sequence[str] = ("localhost", "127.0.0.1"), clients: Sequence[str] = ()
+) -> list[Path]:
+    """Write a CA, a server identity for ``hosts``, one identity and one token per client into ``out``.
+
+    An existing CA in ``out`` is reused (so more clients can be added later); server and client files are
+    overwritten; tokens of clients not named again are kept.
+
+    Returns:
+        The files written.
+
+    Raises:
+        ConfigError: a client id is empty or not usable as a file name.
+    """
+    for cid in clients:
+        if not cid or "/" in cid or cid.startswith(".") or not cid.isprintable() or " " in cid:
+            raise ConfigError(f"client id {cid!r} cannot be used (no spaces, slashes or leading dots)")
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    ca_pem, ca_key = out / "ca.pem", out / "ca.key"
+    if ca_pem.exists() and ca_key.exists():
+        ca = Identity(ca_pem.read_bytes(), ca_key.read_bytes())
+    else:
+        ca = make_ca()
+        _write(ca_pem, ca.cert_pem, private=False)
+        _write(ca_key, ca.key_pem, private=True)
+        written += [ca_pem, ca_key]
+    server = issue(ca, hosts[0] if hosts else "localhost", hosts=hosts, client=False)
+    _write(out / "server.pem", server.cert_pem, private=False)
+    _write(out / "server.key", server.key_pem, private=True)
+    written += [out / "server.pem", out / "server.key"]
+    tokens_path = out / "tokens.txt"
+    tokens: dict[str, str] = {}
+    if tokens_path.exists():
+        for line in tokens_path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and not line.startswith("#"):
+                tokens[parts[0]] = parts[1]
+    for cid in clients:
+        ident = issue(ca, cid, client=True)
+        _write(out / "clients" / f"{cid}.pem", ident.cert_pem, private=False)
+        _write(out / "clients" / f"{cid}.key", ident.key_pem, private=True)
+        written += [out / "clients" / f"{cid}.pem", out / "clients" / f"{cid}.key"]
+        tokens[cid] = secrets.token_urlsafe(32)
+    if clients:
+        text = "# client_id token  (give each client its own line's token; the server reads this file)\n"
+        text += "".join(f"{cid} {tok}\n" for cid, tok in sorted(tokens.items()))
+        _write(tokens_path, text.encode(), private=True)
+        written.append(tokens_path)
+    return written

@@ -1,0 +1,305 @@
+"""``fedcore server start``: the coordinator process.
+
+It builds the strategy and the initial model (from the same Task the clients run, or a checkpoint file), opens
+the state directory (resuming after its newest checkpoint), starts the gRPC service and the Prometheus endpoint,
+and runs :func:`server.round_loop.run_rounds` over the :class:`~server.grpc_pool.GrpcClientPool`. After every
+round the record goes to SQLite and history.csv and the global model to an atomic checkpoint; nothing of a
+finished round stays in memory. SIGTERM (and Ctrl-C) stops cleanly: the last checkpoint stays, and a restart
+on the same state directory resumes at the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from fedcore.config import apply_overrides, from_mapping, load_toml
+from fedcore.errors import ConfigError
+from fedcore.seeding import derive_seed
+from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
+from fedcore.task import EvalResult, FitConfig, TaskContext, load_task_factory
+from fedcore.tensors import NamedArrays, from_state_dict, to_state_dict
+from fedcore.wire import DEFAULT_CHUNK_BYTES
+from server.grpc_pool import GrpcClientPool, PoolConfig
+from server.metrics import ServerMetrics
+from server.round_loop import EvaluateFn, RoundConfig, RoundRecord, ServerState, run_rounds
+from server.service import AuthPolicy, CoordinatorService, build_server, load_tokens
+from server.state import StateStore, load_checkpoint
+
+log = logging.getLogger("fedcore.server")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Everything ``fedcore server start`` needs; a TOML file with these keys (tables ``[strategy]``,
+    ``[sampling]``, ``[train]``, ``[task_options]``), every top-level key also a ``--flag``.
+
+    Attributes:
+        address: where to listen, ``host:port`` (port 0 picks a free one; the chosen port is printed).
+        state_dir: SQLite database, checkpoints, history.csv and spill files; reusing it resumes the run.
+        task: the task factory ``module:attr`` (initial model and server-side evaluation).
+        task_options: string options for the task factory (for the demo task: dataset, partition, model ...).
+        data_dir: data directory handed to the task.
+        initial: start from this safetensors model/checkpoint instead of the task's fresh model.
+        rounds: total rounds. seed: the run's seed.
+        evaluate: evaluate the global model with the server's task after each round (needs its test data).
+        evaluate_every, round_timeout_s, wait_for_clients_s, min_fit_results, max_round_attempts: see
+            :class:`server.round_loop.RoundConfig`.
+        heartbeat_interval_s, liveness_timeout_s, max_payload_bytes, chunk_bytes: see
+            :class:`server.grpc_pool.PoolConfig`.
+        max_workers: gRPC worker threads; each connected client holds up to two, so keep it above 2x clients.
+        insecure: serve plaintext (no TLS). Prints a warning; for tests and trusted networks only.
+        tls_cert, tls_key: the server's certificate chain and key (PEM), required unless ``insecure``.
+        client_ca: CA certificate (PEM) for client certificates: turns on mutual TLS, the certificate's common
+            name must equal the client id.
+        tokens_file: ``client_id token`` lines: only these clients may join, each with its token.
+        revoked: client ids refused at join.
+        metrics_port: Prometheus endpoint port (None: off).
+        linger_s: after the last round, keep answering for this long so daemons learn the run finished.
+        strategy, sampling, train: the strategy, client selection and local training settings.
+    """
+
+    address: str = "0.0.0.0:8443"
+    state_dir: Path = Path("fedcore-state")
+    task: str | None = None
+    task_options: Mapping[str, str] = field(default_factory=dict)
+    data_dir: Path | None = None
+    initial: Path | None = None
+    rounds: int = 10
+    seed: int = 0
+    evaluate: bool = True
+    evaluate_every: int = 1
+    round_timeout_s: float | None = 600.0
+    wait_for_clients_s: float = 300.0
+    min_fit_results: int = 1
+    max_round_attempts: int = 3
+    heartbeat_interval_s: float = 5.0
+    liveness_timeout_s: float = 15.0
+    max_payload_bytes: int = 8 << 30
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_workers: int = 64
+    insecure: bool = False
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    client_ca: Path | None = None
+    tokens_file: Path | None = None
+    revoked: tuple[str, ...] = ()
+    metrics_port: int | None = None
+    linger_s: float = 5.0
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
+    train: FitConfig = field(default_factory=FitConfig)
+
+    def __post_init__(self) -> None:
+        if self.task is None and self.initial is None:
+            raise ConfigError("give the server a task (--task module:attr) or an initial model (--initial FILE)")
+        if not self.insecure and (self.tls_cert is None or self.tls_key is None):
+            raise ConfigError(
+                "TLS is on by default: give --tls-cert and --tls-key (make them with `fedcore certs init`), "
+                "or pass --insecure for plaintext on a trusted network"
+            )
+        if self.client_ca is not None and self.insecure:
+            raise ConfigError("client_ca (mutual TLS) cannot be combined with --insecure")
+        if self.max_workers < 4:
+            raise ConfigError(f"max_workers must be >= 4, got {self.max_workers}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must be a TCP port, got {self.metrics_port}")
+        if self.linger_s < 0:
+            raise ConfigError(f"linger_s must be >= 0, got {self.linger_s}")
+
+    def round_config(self) -> RoundConfig:
+        """The round loop's settings."""
+        return RoundConfig(
+            num_rounds=self.rounds,
+            seed=self.seed,
+            round_timeout_s=self.round_timeout_s,
+            wait_for_clients_s=self.wait_for_clients_s,
+            min_fit_results=self.min_fit_results,
+            max_round_attempts=self.max_round_attempts,
+            evaluate_every=self.evaluate_every,
+        )
+
+
+def load_server_config(path: Path | None, overrides: list[str]) -> ServerConfig:
+    """Build the config from an optional TOML file plus ``key=value`` overrides.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or invalid value.
+    """
+    data: dict[str, Any] = load_toml(path) if path is not None else {}
+    return from_mapping(ServerConfig, apply_overrides(data, overrides))
+
+
+def initial_parameters(model_fn: Callable[[], torch.nn.Module], seed: int) -> NamedArrays:
+    """The initial global model, initialized from a generator keyed by (seed, "init").
+
+    The same key as the simulation harness's, so the same seed starts simulation and deployment alike.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "init"))
+        return from_state_dict(model_fn().state_dict())
+
+
+def server_credentials(config: ServerConfig) -> Any:
+    """gRPC server credentials from the config's PEM files (None with ``insecure``).
+
+    Raises:
+        ConfigError: a file cannot be read.
+    """
+    import grpc
+
+    if config.insecure:
+        return None
+
+    def read(path: Path | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {str(path)!r}: {exc}") from exc
+
+    key, cert, ca = read(config.tls_key), read(config.tls_cert), read(config.client_ca)
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class _Stop(Exception):
+    """Raised in the main thread by the SIGTERM handler."""
+
+
+def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> ServerState | None:
+    """Run the coordinator until the last round (or SIGTERM). Returns the final state (None if stopped).
+
+    Raises:
+        ConfigError: bad files or address. RoundFailed: a round missed its quorum too often, or too few clients.
+    """
+    if config.insecure:
+        echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
+    store = StateStore(config.state_dir)
+    strategy = build_strategy(config.strategy, config.train, config.sampling)
+    server_task = None
+    if config.task is not None:
+        factory = load_task_factory(config.task)
+        server_task = factory(
+            TaskContext(role="server", seed=config.seed, data_dir=config.data_dir, options=dict(config.task_options))
+        )
+    resumed = store.latest_checkpoint()
+    initial: ServerState | NamedArrays
+    if resumed is not None:
+        initial = resumed
+        echo(f"resuming after round {resumed.round} from {config.state_dir}")
+    elif config.initial is not None:
+        loaded = load_checkpoint(config.initial)
+        initial = ServerState(round=0, parameters=loaded.parameters, optimizer_state=loaded.optimizer_state)
+        if not loaded.optimizer_state:
+            initial = loaded.parameters
+    else:
+        assert server_task is not None  # guaranteed by ServerConfig validation
+        initial = initial_parameters(server_task.build_model, config.seed)
+
+    evaluate_fn: EvaluateFn | None = None
+    if server_task is not None and config.evaluate:
+        eval_model = server_task.build_model()
+        task = server_task
+
+        def evaluate_fn(parameters: NamedArrays, rnd: int) -> EvalResult:
+            eval_model.load_state_dict(to_state_dict(parameters))
+            return task.evaluate(eval_model, strategy.evaluate_batch_size)
+
+    metrics = ServerMetrics()
+    if config.metrics_port is not None:
+        metrics.serve(config.metrics_port)
+    auth = AuthPolicy(
+        tokens=load_tokens(config.tokens_file) if config.tokens_file is not None else {},
+        require_client_cert=config.client_ca is not None,
+        revoked=frozenset(config.revoked),
+    )
+    if auth.open:
+        echo("WARNING: no tokens file and no client CA: any client id may join")
+    pool = GrpcClientPool(
+        PoolConfig(
+            spill_dir=store.spill,
+            seed=config.seed,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            liveness_timeout_s=config.liveness_timeout_s,
+            max_payload_bytes=config.max_payload_bytes,
+            chunk_bytes=config.chunk_bytes,
+        ),
+        metrics,
+    )
+    service = _RecordingService(pool, auth, metrics, store)
+    server, port = build_server(
+        service,
+        config.address,
+        credentials=server_credentials(config),
+        max_workers=config.max_workers,
+        chunk_bytes=config.chunk_bytes,
+    )
+    host = config.address.rsplit(":", 1)[0]
+    server.start()
+    echo(f"fedcore server listening on {host}:{port} ({'plaintext' if config.insecure else 'TLS'})")
+    sys.stdout.flush()
+
+    def on_round_end(record: RoundRecord, state: ServerState) -> None:
+        if record.round > 0:
+            store.save_checkpoint(state)
+            metrics.rounds.inc()
+            metrics.current_round.set(record.round)
+            metrics.round_seconds.observe(record.seconds)
+        store.record_round(record)
+        row = record.as_row()
+        acc = row.get("test_accuracy")
+        echo(
+            f"round {record.round}: {len(record.accepted)} update(s), {len(record.failures)} failure(s)"
+            + (f", test accuracy {acc:.4f}" if isinstance(acc, float) else "")
+            + f", {record.seconds:.2f} s"
+        )
+        sys.stdout.flush()
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            raise _Stop()
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    final: ServerState | None = None
+    try:
+        final, _ = run_rounds(
+            pool, strategy, initial, config.round_config(), evaluate_fn=evaluate_fn, on_round_end=on_round_end
+        )
+        echo(f"finished {final.round} rounds; checkpoints and history in {config.state_dir}")
+        pool.finish()
+        time.sleep(config.linger_s)
+    except (_Stop, KeyboardInterrupt):
+        echo(f"stopping (signal); restart with the same state directory to resume ({config.state_dir})")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        server.stop(grace=1.0).wait(5)
+        pool.close()
+        store.close()
+    return final
+
+
+class _RecordingService(CoordinatorService):
+    """The service, also noting joins in the state database."""
+
+    def __init__(self, pool: GrpcClientPool, auth: AuthPolicy, metrics: ServerMetrics, store: StateStore) -> None:
+        super().__init__(pool, auth, metrics)
+        self._store = store
+
+    def Join(self, request: Any, context: Any) -> Any:  # noqa: N802 - name fixed by the gRPC service
+        reply = super().Join(request, context)
+        self._store.record_join(request.client_id)
+        return reply

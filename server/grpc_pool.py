@@ -1,0 +1,431 @@
+"""The gRPC client pool: connected client daemons behind the :class:`server.pool.ClientPool` seam.
+
+The round loop calls :meth:`GrpcClientPool.run` exactly as it calls the in-memory pool; the gRPC service
+(:mod:`server.service`) feeds this pool from the network side: joins, heartbeats, long-poll pulls and pushes.
+
+- Registry and liveness: a client is *available* while its session is alive. A reaper thread marks a client
+  gone once no call or heartbeat arrived for ``liveness_timeout_s``, and fails its outstanding task at once
+  (not at the round deadline).
+- Instructions: each ``run`` writes the global model once to a payload file in the spill directory; every
+  selected client streams it from there, so no per-client copy is held in RAM.
+- Replies: a pushed update is spilled to a file by the service, digest-checked, and only then handed here; the
+  pool maps it read-only (``np.memmap``) when the round loop asks for the next reply, so the loop folds it from
+  disk, and drops its pages after the fold. Replies that arrive after the round's deadline are discarded with a
+  logged reason and never reach a later round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from fedcore.errors import ConfigError, FedcoreError, RoundFailed
+from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage
+from fedcore.proto.v1 import fedcore_pb2 as pb
+from fedcore.wire import (
+    DEFAULT_CHUNK_BYTES,
+    PayloadFile,
+    open_safetensors,
+    reply_from_header,
+    save_payload,
+    task_header,
+)
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("fedcore.server")
+
+_COMPLETED_MEMORY = 4096
+"""How many finished task ids are remembered to answer repeated pushes as duplicates."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """Liveness, limits and where spill files go.
+
+    Attributes:
+        spill_dir: directory for payload files (global model per round, received updates); created if missing.
+        seed: the run's seed, told to clients at join (their data split and randomness derive from it).
+        heartbeat_interval_s: how often clients are asked to send a heartbeat. > 0.
+        liveness_timeout_s: a client silent this long is marked gone and its task failed; > heartbeat interval.
+        max_payload_bytes: largest update a client may push, in bytes (refused before it is read).
+        chunk_bytes: payload chunk size on the wire, in bytes.
+        max_poll_s: longest a pull may wait for a task before answering idle.
+    """
+
+    spill_dir: Path
+    seed: int = 0
+    heartbeat_interval_s: float = 5.0
+    liveness_timeout_s: float = 15.0
+    max_payload_bytes: int = 8 << 30
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_poll_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval_s > 0:
+            raise ConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if not self.liveness_timeout_s > self.heartbeat_interval_s:
+            raise ConfigError(
+                f"liveness_timeout_s ({self.liveness_timeout_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}); 3x is a good choice"
+            )
+        if self.max_payload_bytes < 1:
+            raise ConfigError(f"max_payload_bytes must be >= 1, got {self.max_payload_bytes}")
+        if not 1024 <= self.chunk_bytes <= 64 << 20:
+            raise ConfigError(f"chunk_bytes must be in [1 KiB, 64 MiB], got {self.chunk_bytes}")
+        if not self.max_poll_s > 0:
+            raise ConfigError(f"max_poll_s must be > 0, got {self.max_poll_s}")
+
+
+@dataclass(eq=False)
+class Task:
+    """One outstanding instruction for one client (at most one per client at a time)."""
+
+    task_id: str
+    client_id: str
+    round: int
+    stage: Stage
+    header: pb.TaskHeader
+    payload: PayloadFile
+    replies: queue.Queue[tuple[Task, Reply | pb.ResultHeader, Path | None]]
+    closed: bool = False
+
+
+@dataclass(eq=False)
+class _Client:
+    client_id: str
+    session: str
+    last_seen: float
+    task: Task | None = None
+
+
+@dataclass
+class _Run:
+    finished: bool = False
+    completed: deque[str] = field(default_factory=lambda: deque(maxlen=_COMPLETED_MEMORY))
+
+
+class GrpcClientPool:
+    """A :class:`~server.pool.ClientPool` over client daemons connected through :mod:`server.service`.
+
+    Args:
+        config: liveness, limits and spill directory.
+        metrics: optional Prometheus metrics to update.
+    """
+
+    def __init__(self, config: PoolConfig, metrics: ServerMetrics | None = None) -> None:
+        self.config = config
+        self._metrics = metrics
+        config.spill_dir.mkdir(parents=True, exist_ok=True)
+        self._cond = threading.Condition()
+        self._clients: dict[str, _Client] = {}
+        self._sessions: dict[str, str] = {}
+        self._run = _Run()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="fedcore-liveness", daemon=True)
+        self._reaper.start()
+
+    # ---------------------------------------------------------------- ClientPool
+    def available(self) -> list[str]:
+        """Ids of clients with a live session, sorted."""
+        with self._cond:
+            return sorted(self._clients)
+
+    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
+        """Block until ``num_clients`` are connected (at most ``timeout_s``), then return the connected ids.
+
+        Raises:
+            RoundFailed: the timeout passed; says how many are connected and how many are needed.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._clients) < num_clients:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    raise RoundFailed(
+                        f"{len(self._clients)} client(s) connected after waiting {timeout_s:.0f} s, {num_clients} "
+                        "needed; start more client daemons, check their logs for connection errors, or lower "
+                        "sampling.min_fit_clients / min_fit_results"
+                    )
+                self._cond.wait(min(remaining, 1.0))
+            log.info("%d client(s) connected (%d needed)", len(self._clients), num_clients)
+            return sorted(self._clients)
+
+    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None) -> Iterator[Reply]:
+        """Hand each client its instruction and yield one reply or Failure per client as they arrive."""
+        if not instructions:
+            return
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
+        replies: queue.Queue[tuple[Task, Reply | pb.ResultHeader, Path | None]] = queue.Queue()
+        files: dict[int, PayloadFile] = {}
+        outstanding: dict[str, Task] = {}
+        immediate: list[Failure] = []
+        for instruction in instructions.values():
+            key = id(instruction.parameters)
+            if key not in files:
+                name = f"global-r{instruction.round}-{instruction.stage.value}-{uuid.uuid4().hex[:8]}.safetensors"
+                files[key] = save_payload(self.config.spill_dir / name, instruction.parameters)
+        with self._cond:
+            for client_id, instruction in instructions.items():
+                client = self._clients.get(client_id)
+                if client is None:
+                    immediate.append(self._failure(client_id, instruction, "client is not connected"))
+                    continue
+                payload = files[id(instruction.parameters)]
+                task_id = uuid.uuid4().hex
+                task = Task(
+                    task_id=task_id,
+                    client_id=client_id,
+                    round=instruction.round,
+                    stage=instruction.stage,
+                    header=task_header(instruction, task_id=task_id, payload_bytes=payload.size),
+                    payload=payload,
+                    replies=replies,
+                )
+                if client.task is not None:
+                    client.task.closed = True
+                client.task = task
+                outstanding[task_id] = task
+            self._cond.notify_all()
+        try:
+            yield from immediate
+            while outstanding:
+                wait = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if wait <= 0:
+                    break
+                try:
+                    task, body, path = replies.get(timeout=wait)
+                except queue.Empty:
+                    continue
+                with self._cond:
+                    if outstanding.pop(task.task_id, None) is None:
+                        continue
+                    self._close(task, completed=True)
+                reply = self._materialize(task, body, path)
+                yield reply
+                _drop_pages(reply)
+            for task in outstanding.values():
+                log.warning(
+                    "round %d: client %s gave no %s reply within the deadline of %s s",
+                    task.round,
+                    task.client_id,
+                    task.stage.value,
+                    timeout_s,
+                )
+                yield Failure(
+                    client_id=task.client_id,
+                    round=task.round,
+                    stage=task.stage,
+                    reason=f"no reply within the round deadline of {timeout_s} s",
+                )
+        finally:
+            with self._cond:
+                for task in outstanding.values():
+                    self._close(task, completed=False)
+            self._drain(replies)
+            for payload in files.values():
+                payload.path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------- service side
+    def join(self, client_id: str) -> str:
+        """Open a session for ``client_id`` (replacing an older one: a restarted client rejoins at once)."""
+        session = secrets.token_urlsafe(24)
+        with self._cond:
+            old = self._clients.get(client_id)
+            if old is not None:
+                self._sessions.pop(old.session, None)
+            client = _Client(client_id=client_id, session=session, last_seen=time.monotonic())
+            if old is not None:
+                client.task = old.task  # an unanswered task is delivered again to the restarted daemon
+            self._clients[client_id] = client
+            self._sessions[session] = client_id
+            self._cond.notify_all()
+            self._set_connected()
+        log.info("client %s joined%s", client_id, " (rejoined)" if old is not None else "")
+        return session
+
+    def leave(self, session: str) -> None:
+        """Close a session; the client's outstanding task fails at once."""
+        with self._cond:
+            client = self._client(session)
+            if client is not None:
+                self._remove(client, "client left")
+
+    def touch(self, session: str) -> str | None:
+        """Record that the session's client is alive; its client id, or None for an unknown session."""
+        with self._cond:
+            client = self._client(session)
+            if client is None:
+                return None
+            client.last_seen = time.monotonic()
+            return client.client_id
+
+    def pull(self, session: str, wait_s: float) -> tuple[Task, BinaryIO] | bool:
+        """Wait up to ``wait_s`` for the session's task; return it with its payload file opened, or whether the
+        run is finished (False: nothing yet, poll again).
+
+        Raises:
+            KeyError: unknown or expired session.
+        """
+        deadline = time.monotonic() + min(max(wait_s, 0.0), self.config.max_poll_s)
+        with self._cond:
+            while True:
+                client = self._client(session)
+                if client is None:
+                    raise KeyError(session)
+                client.last_seen = time.monotonic()
+                task = client.task
+                if task is not None and not task.closed:
+                    return task, task.payload.path.open("rb")
+                if self._run.finished:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    return False
+                self._cond.wait(min(remaining, 1.0))
+
+    def lookup(self, session: str, task_id: str) -> tuple[str, Task | None, str]:
+        """Check a push before its payload is read: ``(client id, task or None, reason)``.
+
+        The task is None with ``reason == "duplicate"`` for a result already taken, else with the reason it is
+        refused (late, unknown task).
+
+        Raises:
+            KeyError: unknown or expired session.
+        """
+        with self._cond:
+            client = self._client(session)
+            if client is None:
+                raise KeyError(session)
+            client.last_seen = time.monotonic()
+            task = client.task
+            if task is not None and task.task_id == task_id and not task.closed:
+                return client.client_id, task, ""
+            if task_id in self._run.completed:
+                return client.client_id, None, "duplicate"
+            return client.client_id, None, "no open task with this id (the round closed or the task was cancelled)"
+
+    def deliver(self, task: Task, body: pb.ResultHeader | Failure, path: Path | None) -> str:
+        """Hand a received reply (header + verified spill file, or a Failure) to the round it belongs to.
+
+        Returns ``""`` when taken, else why it was discarded (the spill file is then deleted).
+        """
+        with self._cond:
+            if task.closed:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+                if task.task_id in self._run.completed:
+                    return "duplicate"
+                log.warning(
+                    "round %d: discarding a late result of client %s (the round closed)", task.round, task.client_id
+                )
+                return f"late: round {task.round} already closed"
+            task.replies.put((task, body, path))
+            return ""
+
+    def new_spill_path(self, task: Task) -> Path:
+        """A fresh file name in the spill directory for an incoming payload of ``task``."""
+        return self.config.spill_dir / f"update-{task.client_id}-{task.task_id}-{uuid.uuid4().hex[:6]}.part"
+
+    def finish(self) -> None:
+        """Mark the run finished: idle pulls now tell daemons they may exit."""
+        with self._cond:
+            self._run.finished = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the liveness thread and wake every waiter."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._reaper.join(timeout=5)
+
+    # ------------------------------------------------------------------ helpers
+    def _client(self, session: str) -> _Client | None:
+        client_id = self._sessions.get(session)
+        return None if client_id is None else self._clients.get(client_id)
+
+    def _remove(self, client: _Client, reason: str) -> None:
+        self._clients.pop(client.client_id, None)
+        self._sessions.pop(client.session, None)
+        task = client.task
+        if task is not None and not task.closed:
+            log.warning("round %d: client %s is gone (%s); failing its task now", task.round, client.client_id, reason)
+            failure = Failure(client_id=client.client_id, round=task.round, stage=task.stage, reason=reason)
+            task.replies.put((task, failure, None))
+        self._set_connected()
+        self._cond.notify_all()
+
+    def _close(self, task: Task, *, completed: bool) -> None:
+        task.closed = True
+        if completed:
+            self._run.completed.append(task.task_id)
+        client = self._clients.get(task.client_id)
+        if client is not None and client.task is task:
+            client.task = None
+
+    def _reap_loop(self) -> None:
+        period = min(0.25, self.config.liveness_timeout_s / 10)
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            with self._cond:
+                for client in list(self._clients.values()):
+                    silent = now - client.last_seen
+                    if silent > self.config.liveness_timeout_s:
+                        self._remove(client, f"client gone: no heartbeat for {silent:.1f} s")
+
+    def _set_connected(self) -> None:
+        if self._metrics is not None:
+            self._metrics.connected.set(len(self._clients))
+
+    def _failure(self, client_id: str, instruction: Instruction, reason: str) -> Failure:
+        return Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason)
+
+    def _materialize(self, task: Task, body: Reply | pb.ResultHeader, path: Path | None) -> Reply:
+        if not isinstance(body, pb.ResultHeader):
+            return body
+        try:
+            parameters = None
+            if path is not None:
+                parameters, _ = open_safetensors(path, round=task.round, client_id=task.client_id)
+            return reply_from_header(body, client_id=task.client_id, parameters=parameters)
+        except FedcoreError as exc:
+            log.warning("round %d: rejected the reply of client %s: %s", task.round, task.client_id, exc)
+            return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=str(exc))
+        finally:
+            if path is not None:
+                path.unlink(missing_ok=True)  # the mapping keeps the data readable until it is dropped
+
+    @staticmethod
+    def _drain(replies: queue.Queue[tuple[Task, Reply | pb.ResultHeader, Path | None]]) -> None:
+        while True:
+            try:
+                _, _, path = replies.get_nowait()
+            except queue.Empty:
+                return
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+
+def _drop_pages(reply: Reply) -> None:
+    """Release the page-cache pages a folded update mapped, so they do not count towards server memory."""
+    if not isinstance(reply, FitRes):
+        return
+    for array in reply.parameters.values():
+        handle = getattr(array, "_mmap", None)
+        if isinstance(array, np.memmap) and isinstance(handle, mmap.mmap):
+            with contextlib.suppress(OSError, ValueError):
+                handle.madvise(mmap.MADV_DONTNEED)
