@@ -70,6 +70,7 @@ class DaemonConfig:
         give_up_after_s: stop when the server stays unreachable this long (None: never).
         exit_when_finished: exit once the server says the run is over.
         max_payload_bytes: largest global model accepted from the server.
+        threads: torch intra-op threads for local training (None: torch's default, one per core).
     """
 
     server: str
@@ -91,6 +92,7 @@ class DaemonConfig:
     give_up_after_s: float | None = None
     exit_when_finished: bool = True
     max_payload_bytes: int = 8 << 30
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.client_id:
@@ -101,6 +103,8 @@ class DaemonConfig:
             raise ConfigError("--insecure cannot be combined with certificates")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ConfigError("need 0 < backoff_initial_s <= backoff_max_s")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if not self.poll_s > 0:
             raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
 
@@ -174,6 +178,10 @@ class ClientDaemon:
     # ------------------------------------------------------------------- main
     def run(self) -> int:
         """Serve until finished or stopped. Returns the process exit code (0 finished/stopped, 3 gave up)."""
+        if self.config.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.config.threads)
         delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         unreachable_since: float | None = None
         while not self._stop.is_set():
@@ -308,6 +316,7 @@ class ClientDaemon:
     def _execute(self, instruction: Instruction) -> Reply:
         assert self._task is not None  # set by _join
         started = time.perf_counter()
+        log.info("round %d %s started", instruction.round, instruction.stage.value)
         try:
             reply: Reply = run_instruction(self._task, instruction, self.config.client_id)
         except FedcoreError as exc:

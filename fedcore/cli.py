@@ -278,6 +278,7 @@ def _add_client(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     start.add_argument("--backoff-max-s", type=float, default=30.0, help="longest reconnect delay")
     start.add_argument("--give-up-after-s", type=float, help="exit when the server stays unreachable this long")
     start.add_argument("--stay", action="store_true", help="keep running after the server's run finishes")
+    start.add_argument("--threads", type=int, help="torch threads for local training (default: one per core)")
     start.set_defaults(func=_cmd_client_start)
 
 
@@ -313,6 +314,7 @@ def _cmd_client_start(args: argparse.Namespace) -> int:
         backoff_max_s=args.backoff_max_s,
         give_up_after_s=args.give_up_after_s,
         exit_when_finished=not args.stay,
+        threads=args.threads,
     )
     if config.insecure:
         print("WARNING: connecting without TLS (--insecure): the model and updates travel in plaintext")

@@ -101,6 +101,7 @@ class Task:
     payload: PayloadFile
     replies: queue.Queue[tuple[Task, Reply | pb.ResultHeader, Path | None]]
     closed: bool = False
+    answered: bool = False
 
 
 @dataclass(eq=False)
@@ -288,7 +289,7 @@ class GrpcClientPool:
                     raise KeyError(session)
                 client.last_seen = time.monotonic()
                 task = client.task
-                if task is not None and not task.closed:
+                if task is not None and not task.closed and not task.answered:
                     return task, task.payload.path.open("rb")
                 if self._run.finished:
                     return True
@@ -313,7 +314,7 @@ class GrpcClientPool:
             client.last_seen = time.monotonic()
             task = client.task
             if task is not None and task.task_id == task_id and not task.closed:
-                return client.client_id, task, ""
+                return client.client_id, (None if task.answered else task), "duplicate" if task.answered else ""
             if task_id in self._run.completed:
                 return client.client_id, None, "duplicate"
             return client.client_id, None, "no open task with this id (the round closed or the task was cancelled)"
@@ -333,6 +334,11 @@ class GrpcClientPool:
                     "round %d: discarding a late result of client %s (the round closed)", task.round, task.client_id
                 )
                 return f"late: round {task.round} already closed"
+            if task.answered:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+                return "duplicate"
+            task.answered = True
             task.replies.put((task, body, path))
             return ""
 
@@ -362,7 +368,7 @@ class GrpcClientPool:
         self._clients.pop(client.client_id, None)
         self._sessions.pop(client.session, None)
         task = client.task
-        if task is not None and not task.closed:
+        if task is not None and not task.closed and not task.answered:
             log.warning("round %d: client %s is gone (%s); failing its task now", task.round, client.client_id, reason)
             failure = Failure(client_id=client.client_id, round=task.round, stage=task.stage, reason=reason)
             task.replies.put((task, failure, None))

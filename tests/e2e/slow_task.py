@@ -1,0 +1,33 @@
+"""A demo task whose training also sleeps (option ``sleep_s``), so a test can act while a round is in flight."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from fedcore.task import FitConfig, Task, TaskContext, TrainContext, TrainResult
+from simulations.tasks import demo_task
+
+
+class _Slow:
+    def __init__(self, inner: Task, sleep_s: float) -> None:
+        self._inner = inner
+        self._sleep_s = sleep_s
+
+    def build_model(self) -> torch.nn.Module:
+        return self._inner.build_model()
+
+    def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        time.sleep(self._sleep_s)
+        return self._inner.train(model, config, context)
+
+    def evaluate(self, model: torch.nn.Module, batch_size: int):  # type: ignore[no-untyped-def]
+        return self._inner.evaluate(model, batch_size)
+
+
+def slow_demo_task(context: TaskContext) -> Task:
+    options = dict(context.options)
+    sleep_s = float(options.pop("sleep_s", "0"))
+    return _Slow(demo_task(dataclasses.replace(context, options=options)), sleep_s)

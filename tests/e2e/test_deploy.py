@@ -1,0 +1,152 @@
+"""Deployment end to end: a real `fedcore server start` and real `fedcore client start` daemons on 127.0.0.1.
+
+- 4 daemons finish 3 rounds on mnist-5k and the final global model equals the in-process simulation's with the
+  same seed and partition (the same round loop and client runner on both sides);
+- kill -9 the server after round 2 and restart it on the same state directory: it resumes at round 3, the daemons
+  reconnect by themselves, and the final model equals the uninterrupted run's;
+- kill -9 a daemon mid-round: the server notices within seconds (heartbeats) and closes the round with the
+  remaining quorum, long before the round deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedcore.tensors import NamedArrays
+from server.state import load_checkpoint
+from simulations.config import DataConfig, ModelConfig, OutputConfig, SimulationConfig
+from simulations.harness import client_ids, run_simulation, task_options
+from tests.e2e.deploy_helpers import Proc, client_args, free_port, server_args
+
+pytestmark = pytest.mark.slow
+
+NUM_CLIENTS = 4
+ROUNDS = 3
+SEED = 7
+
+
+def _config(out: Path) -> SimulationConfig:
+    from fedcore.strategy import SamplingConfig
+    from fedcore.task import FitConfig
+
+    return SimulationConfig(
+        seed=SEED,
+        rounds=ROUNDS,
+        data=DataConfig(dataset="mnist-5k", num_clients=NUM_CLIENTS, partition="dirichlet", alpha=0.5),
+        model=ModelConfig(name="2nn"),
+        sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=NUM_CLIENTS),
+        train=FitConfig(local_epochs=1, batch_size=32, lr=0.05),
+        output=OutputConfig(dir=out, progress=False, plot=False),
+    )
+
+
+def _round_flags() -> list[str]:
+    return [
+        "--seed", str(SEED), "--rounds", str(ROUNDS), "--fraction-fit", "1.0",
+        "--min-fit-clients", str(NUM_CLIENTS), "--epochs", "1", "--batch-size", "32", "--lr", "0.05",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> NamedArrays:
+    """The in-process simulation's final global model, with one torch thread as the daemons (OMP_NUM_THREADS=1):
+    float sums inside torch's kernels depend on the thread count, so equal models need equal counts."""
+    out = tmp_path_factory.mktemp("simulation")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_simulation(_config(out), echo=lambda _: None).final.parameters
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_same_model(got: NamedArrays, want: NamedArrays) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def _start_clients(port: int, options: dict[str, str], log_dir: Path, *extra: str) -> list[Proc]:
+    return [
+        Proc(cid, client_args(port, cid, i, NUM_CLIENTS, options, *extra), log_dir)
+        for i, cid in enumerate(client_ids(NUM_CLIENTS))
+    ]
+
+
+def test_four_daemons_match_the_simulation(tmp_path: Path, reference: NamedArrays) -> None:
+    options = task_options(_config(tmp_path))
+    port = free_port()
+    state = tmp_path / "state"
+    server = Proc("server", server_args(port, state, options, *_round_flags()), tmp_path)
+    clients = _start_clients(port, options, tmp_path)
+    try:
+        server.wait_for_line("listening on", 60)
+        assert server.wait(150) == 0, server.text()
+        for client in clients:
+            assert client.wait(30) == 0, client.text()
+    finally:
+        for proc in [server, *clients]:
+            proc.close()
+    final = load_checkpoint(state / "checkpoints" / f"round-{ROUNDS:06d}.safetensors")
+    assert final.round == ROUNDS
+    _assert_same_model(final.parameters, reference)
+    history = (state / "history.csv").read_text().splitlines()
+    assert len(history) == 1 + ROUNDS + 1  # header, round 0 (initial evaluation), rounds 1..3
+
+
+def test_server_killed_after_round_2_resumes_and_matches(tmp_path: Path, reference: NamedArrays) -> None:
+    options = task_options(_config(tmp_path))
+    port = free_port()
+    state = tmp_path / "state"
+    args = server_args(port, state, options, *_round_flags())
+    server = Proc("server", args, tmp_path)
+    clients = _start_clients(port, options, tmp_path)
+    restarted: Proc | None = None
+    try:
+        server.wait_for_line("round 2:", 120)
+        server.kill9()
+        assert not (state / "checkpoints" / f"round-{ROUNDS:06d}.safetensors").exists()
+        restarted = Proc("server-restarted", args, tmp_path)
+        restarted.wait_for_line("resuming after round 2", 60)
+        assert restarted.wait(120) == 0, restarted.text()
+        assert "round 1:" not in restarted.text() and "round 3:" in restarted.text()
+        for client in clients:
+            assert client.wait(30) == 0, client.text()
+    finally:
+        for proc in [server, *clients, *([restarted] if restarted else [])]:
+            proc.close()
+    final = load_checkpoint(state / "checkpoints" / f"round-{ROUNDS:06d}.safetensors")
+    _assert_same_model(final.parameters, reference)
+
+
+def test_client_killed_mid_round_closes_round_with_quorum(tmp_path: Path) -> None:
+    options = task_options(_config(tmp_path))
+    port = free_port()
+    state = tmp_path / "state"
+    deadline_s = 120
+    flags = [
+        "--seed", str(SEED), "--rounds", "2", "--fraction-fit", "1.0", "--min-fit-clients", "3",
+        "--min-fit-results", "3", "--round-timeout-s", str(deadline_s), "--no-evaluate",
+    ]  # fmt: skip
+    server = Proc("server", server_args(port, state, options, *flags), tmp_path)
+    slow = ["--task", "tests.e2e.slow_task:slow_demo_task", "--task-option", "sleep_s=4"]
+    clients = _start_clients(port, options, tmp_path, *slow)
+    try:
+        victim = clients[-1]
+        victim.wait_for_line("round 1 fit started", 120)
+        victim.kill9()
+        killed_at = time.monotonic()
+        closed_at = server.wait_for_line("round 1: 3 update(s), 1 failure(s)", 60)
+        # liveness timeout 2.5 s + the survivors' 4 s of training, far below the 120 s deadline
+        assert closed_at - killed_at < 20
+        assert "no heartbeat" in server.text()
+        assert server.wait(120) == 0, server.text()
+        assert "round 2: 3 update(s), 0 failure(s)" in server.text()
+    finally:
+        for proc in [server, *clients]:
+            proc.close()
