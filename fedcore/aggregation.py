@@ -7,20 +7,26 @@ many clients report (DESIGN.md, "Aggregation is streaming"). The sum is kept in 
 float32 model): the error then no longer grows with the number of clients, and 1000 float32 updates average
 to within ~1e-7 relative of an exact reference, where a float32 running sum drifts to ~1e-6..1e-5.
 
-Speed: an update is folded in cache-sized blocks (``_BLOCK`` elements): multiply into a preallocated float64
-scratch block, then add it into the float64 sum in place (no full-size temporaries). Single-threaded numpy on
-purpose: a torch version with 2 intra-op threads was faster on an idle 2-core VM (~5-7 vs ~4 GB/s) but stalled
-~100x when another process held a core (OpenMP barriers per block), which a shared server cannot risk.
-Before folding, the update is validated in a separate read-only pass, so a rejected update never touches
-the running sum. ``bench/aggregation.py`` measures it against flwr and the machine's ``a += b`` bandwidth.
+Speed: an update is folded in cache-sized blocks (``_BLOCK`` elements): cast into a preallocated float64
+scratch block, scale it, then add it into the float64 sum in place (no full-size temporaries). The blocks are
+spread over a small persistent pool of Python threads (numpy releases the GIL inside its loops), each pulling
+the next block from a shared counter, so a thread that another process slows down just takes fewer blocks.
+Every element's result depends only on that element, never on which thread computed its block, so the sum is
+bit-for-bit the same whatever the thread count or timing. No torch / OpenMP / BLAS threads: those spin at
+barriers and stalled ~100x when another process held a core, which a shared server cannot risk.
+Before folding, the update is validated in a separate read-only pass (same pool), so a rejected update never
+touches the running sum. ``bench/aggregation.py`` measures it against flwr and the machine's ``a += b``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -29,9 +35,44 @@ from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, s
 
 __all__ = ["WeightedMean", "mean", "weighted_average", "weighted_metrics"]
 
-_BLOCK = 1 << 17
-"""Elements per fold block: 1 MiB of float64 sum + 1 MiB of float64 scratch stay in L2/L3. Measured on the 2-core
-dev VM (numpy, 1 thread): 16K → 2.9, 64K → 2.9-3.8, 128K → 4.0, 256K → 3.3 GB/s."""
+_BLOCK = 1 << 16
+"""Elements per block (one task for a thread): 512 KiB of float64 sum + 512 KiB of float64 scratch per thread.
+Chosen by measurement with bench/aggregation.py on the 2-core dev VM (see the module docstring)."""
+
+_MAX_THREADS = 8
+"""Upper bound on the default thread count: the fold is memory-bound, more threads only add contention."""
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _reset_pool_after_fork() -> None:
+    # a forked child inherits the executor object but not its threads: submitting to it would hang forever
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_pool_after_fork)
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The process-wide pool that runs the helper threads (created on first use; threads start lazily)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_MAX_THREADS - 1, thread_name_prefix="fedcore-aggregate")
+        return _pool
+
+
+def _default_threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_THREADS, cpus))
+
 
 # safetensors dtype codes (https://github.com/huggingface/safetensors, format spec) -> little-endian numpy
 _ST_DTYPES: dict[str, str] = {
@@ -58,14 +99,17 @@ class WeightedMean:
     Args:
         spec: names, shapes and dtypes of the model's tensors (e.g. ``spec_of(global_params)``). Every update
             must match it exactly. Supported dtypes: floating (float16/32/64), integer and bool.
+        threads: how many threads fold an update (the calling thread is one of them); default: the CPUs this
+            process may run on, at most 8. The result does not depend on it, bit for bit.
 
     Raises:
-        ConfigError: the spec is empty, has duplicate names or a complex / non-numeric dtype.
+        ConfigError: the spec is empty, has duplicate names or a complex / non-numeric dtype, or ``threads`` < 1.
 
-    Memory: one float64 array per tensor (2x a float32 model), plus two fixed scratch blocks.
+    Memory: one float64 array per tensor (2x a float32 model), plus one fixed scratch block per thread.
+    Not thread-safe: one caller at a time per instance (the instance runs its own helper threads).
     """
 
-    def __init__(self, spec: Sequence[TensorSpec]) -> None:
+    def __init__(self, spec: Sequence[TensorSpec], *, threads: int | None = None) -> None:
         spec = tuple(spec)
         if not spec:
             raise ConfigError("WeightedMean needs a non-empty spec (the model's tensors)")
@@ -76,9 +120,22 @@ class WeightedMean:
             kind = np.dtype(s.dtype).kind
             if kind not in "fiub":
                 raise ConfigError(f"tensor {s.name!r} has dtype {s.dtype}; only real numeric dtypes can be averaged")
+        if threads is None:
+            threads = _default_threads()
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
         self._spec = spec
         self._sums: dict[str, np.ndarray] = {s.name: np.zeros(math.prod(s.shape), np.float64) for s in spec}
-        self._scratch = np.empty(_BLOCK, dtype=np.float64)
+        # work items: (tensor name, start, end), in spec order; a tensor spans ceil(size / _BLOCK) of them
+        self._blocks: list[tuple[str, int, int]] = [
+            (name, i, min(i + _BLOCK, total.size))
+            for name, total in self._sums.items()
+            for i in range(0, max(total.size, 1), _BLOCK)
+        ]
+        self._float_blocks = [b for b in self._blocks if np.dtype(self._dtype(b[0])).kind == "f"]
+        self._threads = min(threads, len(self._blocks))
+        self._scratch = [np.empty(min(_BLOCK, max(t.size for t in self._sums.values())), np.float64)]
+        self._scratch += [np.empty_like(self._scratch[0]) for _ in range(self._threads - 1)]
         self._total_weight = 0.0
         self._clients: list[str] = []
         self._count = 0
@@ -87,6 +144,11 @@ class WeightedMean:
     def spec(self) -> tuple[TensorSpec, ...]:
         """The tensor specs every update must match."""
         return self._spec
+
+    @property
+    def threads(self) -> int:
+        """How many threads fold an update (the caller's included)."""
+        return self._threads
 
     @property
     def count(self) -> int:
@@ -123,7 +185,7 @@ class WeightedMean:
         w = self._check_weight(weight, client_id=client_id, round=round)
         check_spec(update, self._spec, round=round, client_id=client_id)
         flat = {name: np.ascontiguousarray(update[name]).reshape(-1) for name in self._sums}
-        _check_finite_fast(flat, round=round, client_id=client_id)
+        self._check_finite(flat, round=round, client_id=client_id)
         self._fold(flat, w, client_id)
 
     def add_bytes(
@@ -151,7 +213,7 @@ class WeightedMean:
         """
         w = self._check_weight(weight, client_id=client_id, round=round)
         flat = _view_payload(payload, self._spec, round=round, client_id=client_id)
-        _check_finite_fast(flat, round=round, client_id=client_id)
+        self._check_finite(flat, round=round, client_id=client_id)
         self._fold(flat, w, client_id)
 
     def result(self) -> NamedArrays:
@@ -168,21 +230,20 @@ class WeightedMean:
                 "clients must report a positive number of examples",
                 stage="aggregate",
             )
-        out: NamedArrays = {}
-        scratch = self._scratch
-        for s in self._spec:
-            total = self._sums[s.name]
-            dtype = np.dtype(s.dtype)
-            result = np.empty(total.shape, dtype=dtype)
-            for i in range(0, total.size, _BLOCK):
-                j = min(i + _BLOCK, total.size)
-                blk = scratch[: j - i]
-                np.divide(total[i:j], self._total_weight, out=blk)
-                if dtype.kind in "iub":
-                    np.rint(blk, out=blk)
-                np.copyto(result[i:j], blk, casting="unsafe")
-            out[s.name] = result.reshape(s.shape)
-        return out
+        flat_out = {s.name: np.empty(math.prod(s.shape), dtype=s.dtype) for s in self._spec}
+        total_weight = self._total_weight
+
+        def divide(worker: int, k: int) -> None:
+            name, i, j = self._blocks[k]
+            blk = self._scratch[worker][: j - i]
+            np.divide(self._sums[name][i:j], total_weight, out=blk)
+            result = flat_out[name]
+            if result.dtype.kind in "iub":
+                np.rint(blk, out=blk)
+            np.copyto(result[i:j], blk, casting="unsafe")
+
+        self._parallel(len(self._blocks), divide)
+        return {s.name: flat_out[s.name].reshape(s.shape) for s in self._spec}
 
     def _client_names(self) -> str:
         shown = ", ".join(repr(c) for c in self._clients[:10])
@@ -204,32 +265,83 @@ class WeightedMean:
             raise UpdateRejected(f"weight {weight!r} overflows the total weight", round=round, client_id=client_id)
         return w
 
+    def _dtype(self, name: str) -> str:
+        return next(s.dtype for s in self._spec if s.name == name)
+
+    def _parallel(self, n_tasks: int, task: Callable[[int, int], None]) -> None:
+        """Run ``task(worker, k)`` for every ``k < n_tasks`` on up to ``self._threads`` threads; return when all ran.
+
+        Each thread (the caller is worker 0) pulls the next ``k`` from a shared counter, so a thread that the OS
+        descheduled delays the others by at most one block. ``worker`` selects that thread's scratch buffer.
+        """
+        workers = min(self._threads, n_tasks)
+        if workers <= 1:
+            for k in range(n_tasks):
+                task(0, k)
+            return
+        lock = threading.Lock()
+        next_k = 0
+        failed = False
+
+        def run(worker: int) -> None:
+            nonlocal next_k, failed
+            while True:
+                with lock:
+                    k = next_k
+                    next_k += 1
+                    if k >= n_tasks or failed:
+                        return
+                try:
+                    task(worker, k)
+                except BaseException:
+                    failed = True
+                    raise
+
+        pool = _executor()
+        helpers: list[Future[None]] = [pool.submit(run, worker) for worker in range(1, workers)]
+        try:
+            run(0)
+        finally:
+            for helper in helpers:
+                helper.result()  # waits; re-raises a helper's exception
+
+    def _check_finite(self, flat: Mapping[str, np.ndarray], *, round: int | None, client_id: str | None) -> None:
+        """Same verdict as :func:`check_finite`, in one read-only parallel pass without full-size temporaries.
+
+        A block's sum is finite only if every element is; a non-finite block sum (NaN/Inf, or a rare overflow
+        of finite values) triggers the exact element-wise check of that tensor, which raises NonFiniteError
+        naming it (the first such tensor in spec order, whatever the thread timing).
+        """
+        blocks = self._float_blocks
+        suspect = np.zeros(len(blocks), dtype=bool)
+
+        def check(worker: int, k: int) -> None:
+            name, i, j = blocks[k]
+            if not np.isfinite(flat[name][i:j].sum()):
+                suspect[k] = True
+
+        self._parallel(len(blocks), check)
+        if suspect.any():
+            for name in dict.fromkeys(blocks[k][0] for k in np.flatnonzero(suspect)):
+                check_finite({name: flat[name]}, round=round, client_id=client_id)
+
     def _fold(self, flat: Mapping[str, np.ndarray], w: float, client_id: str | None) -> None:
         if w > 0.0:
-            s64 = self._scratch
-            for name, total in self._sums.items():
-                u = flat[name]
-                for i in range(0, u.size, _BLOCK):
-                    j = min(i + _BLOCK, u.size)
-                    # the product is formed in float64 too: a float32 product (faster, ~4 vs ~3 GB/s) errs by
-                    # 6e-8 of |w·u|, which cancellation across clients turned into 1e-3 relative error
-                    part = s64[: j - i]
-                    np.multiply(u[i:j], w, out=part, dtype=np.float64)
-                    np.add(total[i:j], part, out=total[i:j])
+
+            def fold(worker: int, k: int) -> None:
+                name, i, j = self._blocks[k]
+                total = self._sums[name][i:j]
+                # the product is formed in float64 too: a float32 product (faster) errs by 6e-8 of |w·u|, which
+                # cancellation across clients turned into 1e-3 relative error
+                part = self._scratch[worker][: j - i]
+                np.copyto(part, flat[name][i:j])
+                np.multiply(part, w, out=part)
+                np.add(total, part, out=total)
+
+            self._parallel(len(self._blocks), fold)
         self._total_weight += w
         self._count += 1
         self._clients.append(client_id if client_id is not None else f"#{self._count}")
-
-
-def _check_finite_fast(flat: Mapping[str, np.ndarray], *, round: int | None, client_id: str | None) -> None:
-    """Same verdict as :func:`check_finite`, in one read-only pass and without a full-size bool temporary.
-
-    A sum is finite only if every element is; a non-finite sum (NaN/Inf, or a rare overflow) falls back to
-    the exact element-wise check, which raises NonFiniteError naming the tensor.
-    """
-    for name, u in flat.items():
-        if u.dtype.kind == "f" and not np.isfinite(u.sum()):
-            check_finite({name: u}, round=round, client_id=client_id)
 
 
 def _view_payload(

@@ -7,8 +7,9 @@ import pytest
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.server.strategy.aggregate import aggregate, aggregate_inplace
 
+from fedcore import aggregation
 from fedcore.aggregation import WeightedMean, mean, weighted_average, weighted_metrics
-from fedcore.errors import AggregationError, NonFiniteError, PayloadError, UpdateRejected
+from fedcore.errors import AggregationError, ConfigError, NonFiniteError, PayloadError, UpdateRejected
 from fedcore.tensors import encode, spec_of
 
 
@@ -202,3 +203,72 @@ def test_mean_and_helpers() -> None:
     assert metrics == pytest.approx({"acc": 0.8, "loss": 3.2})
     with pytest.raises(AggregationError, match="'acc'"):
         weighted_metrics([(0, {"acc": 0.5})])
+
+
+def _multi_block_clients(rng: np.random.Generator, n: int) -> list[tuple[dict[str, np.ndarray], float]]:
+    # tensors of several blocks (and an odd tail), a tiny one and an integer one, to cross block boundaries
+    size = 3 * aggregation._BLOCK + 17
+    return [
+        (
+            {
+                "a": (rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3)).astype(np.float32),
+                "b": rng.standard_normal(3).astype(np.float32),
+                "n": rng.integers(-1000, 1000, 5),
+            },
+            float(rng.uniform(0.5, 1000.0)),
+        )
+        for _ in range(n)
+    ]
+
+
+def test_threads_give_bit_identical_results() -> None:
+    # every element is computed the same way whichever thread takes its block: the bytes must not depend on
+    # the thread count or the timing (repeated runs with several threads), nor on add vs add_bytes
+    clients = _multi_block_clients(np.random.default_rng(5), 6)
+    spec = spec_of(clients[0][0])
+    outs = []
+    for threads, rep in [(1, 0), (2, 0), (2, 1), (3, 0), (5, 0)]:
+        acc = WeightedMean(spec, threads=threads)
+        assert acc.threads == threads
+        for k, (update, w) in enumerate(clients):
+            if (k + rep) % 2:
+                acc.add_bytes(encode(update), w)
+            else:
+                acc.add(update, w)
+        outs.append((acc.result(), {n: t.copy() for n, t in acc._sums.items()}))
+    for result, sums in outs[1:]:
+        for s in spec:
+            assert result[s.name].tobytes() == outs[0][0][s.name].tobytes()
+            assert sums[s.name].tobytes() == outs[0][1][s.name].tobytes()
+
+
+def test_threaded_rejection_leaves_sum_unchanged() -> None:
+    # a NaN in the last block of a multi-block tensor, an Inf in a later tensor: with several threads the check
+    # still completes before any block is folded, and the error names the first bad tensor in spec order
+    clients = _multi_block_clients(np.random.default_rng(6), 2)
+    spec = spec_of(clients[0][0])
+    acc = WeightedMean(spec, threads=3)
+    acc.add(*clients[0])
+    before = _snapshot(acc)
+    bad = {name: arr.copy() for name, arr in clients[1][0].items()}
+    bad["a"][-1] = np.nan
+    bad["b"][0] = np.inf
+    for _ in range(3):
+        with pytest.raises(NonFiniteError, match="'a'"):
+            acc.add(bad, 2.0, client_id="m")
+        with pytest.raises(NonFiniteError, match="'a'"):
+            acc.add_bytes(encode(bad), 2.0, client_id="m")
+        _assert_same_snapshot(before, _snapshot(acc))
+    bad["a"][-1] = 1.0
+    with pytest.raises(NonFiniteError, match="'b'"):
+        acc.add(bad, 2.0, client_id="m")
+    _assert_same_snapshot(before, _snapshot(acc))
+
+
+def test_threads_argument_validated() -> None:
+    spec = spec_of({"w": np.zeros(3, np.float32)})
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="threads"):
+            WeightedMean(spec, threads=bad)  # type: ignore[arg-type]
+    assert WeightedMean(spec, threads=4).threads == 1  # never more threads than blocks
+    assert WeightedMean(spec).threads >= 1
