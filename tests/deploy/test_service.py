@@ -1,0 +1,294 @@
+"""The gRPC pool and service in one process on 127.0.0.1: bad updates, limits, liveness, authentication, state."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from fedcore.errors import RoundFailed
+from fedcore.messages import Failure, FitIns, FitRes
+from fedcore.proto.v1 import fedcore_pb2 as pb
+from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
+from fedcore.strategy import SamplingConfig, Strategy
+from fedcore.task import FitConfig
+from fedcore.tensors import NamedArrays, decode, encode
+from fedcore.wire import iter_bytes_chunks
+from privacy.tls import init_certs
+from server.grpc_pool import GrpcClientPool, PoolConfig
+from server.round_loop import RoundConfig, ServerState, run_rounds
+from server.service import AuthPolicy, CoordinatorService, build_server, hash_token, load_tokens
+from server.state import StateStore, load_checkpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+GLOBAL: NamedArrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, dtype=np.float32)}
+
+
+class Harness:
+    def __init__(
+        self, tmp: Path, *, auth: AuthPolicy | None = None, credentials: object = None, **pool_kw: object
+    ) -> None:
+        self.pool = GrpcClientPool(PoolConfig(spill_dir=tmp / "spill", **pool_kw))  # type: ignore[arg-type]
+        service = CoordinatorService(self.pool, auth or AuthPolicy())
+        self.server, self.port = build_server(
+            service, "127.0.0.1:0", credentials=credentials, max_workers=16, chunk_bytes=self.pool.config.chunk_bytes
+        )
+        self.server.start()
+
+    def stub(self, channel_credentials: grpc.ChannelCredentials | None = None) -> pb_grpc.CoordinatorStub:
+        target = f"127.0.0.1:{self.port}"
+        if channel_credentials is None:
+            channel = grpc.insecure_channel(target)
+        else:
+            channel = grpc.secure_channel(
+                target, channel_credentials, options=[("grpc.ssl_target_name_override", "localhost")]
+            )
+        return pb_grpc.CoordinatorStub(channel)
+
+    def close(self) -> None:
+        self.server.stop(0)
+        self.pool.close()
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Harness]:
+    h = Harness(tmp_path, max_payload_bytes=4096, chunk_bytes=1024, heartbeat_interval_s=0.2, liveness_timeout_s=1.0)
+    yield h
+    h.close()
+
+
+def _pull(stub: pb_grpc.CoordinatorStub, session: str) -> tuple[pb.TaskHeader, NamedArrays]:
+    for _ in range(50):
+        chunks = list(stub.PullTask(pb.PullTaskRequest(session=session, wait_s=0.5)))
+        if chunks[0].WhichOneof("body") == "header":
+            data = b"".join(c.data for c in chunks[1:-1])
+            assert hashlib.sha256(data).digest() == chunks[-1].trailer.sha256
+            return chunks[0].header, decode(data)
+    raise AssertionError("no task")
+
+
+def _push(
+    stub: pb_grpc.CoordinatorStub,
+    session: str,
+    header: pb.TaskHeader,
+    payload: bytes,
+    *,
+    announce: int | None = None,
+    send: bytes | None = None,
+    digest: bytes | None = None,
+) -> pb.PushReply:
+    body = payload if send is None else send
+
+    def stream() -> Iterator[pb.ResultChunk]:
+        yield pb.ResultChunk(
+            header=pb.ResultHeader(
+                session=session,
+                task_id=header.task_id,
+                round=header.round,
+                stage=pb.STAGE_FIT,
+                num_examples=10,
+                payload_bytes=len(payload) if announce is None else announce,
+            )
+        )
+        for piece in iter_bytes_chunks(body, 1024):
+            yield pb.ResultChunk(data=piece)
+        yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest or hashlib.sha256(payload).digest()))
+
+    return stub.PushResult(stream())
+
+
+Behaviour = Callable[[pb_grpc.CoordinatorStub, str, pb.TaskHeader, NamedArrays], pb.PushReply]
+
+
+def _client(h: Harness, client_id: str, behaviour: Behaviour, out: dict[str, pb.PushReply]) -> threading.Thread:
+    stub = h.stub()
+    session = stub.Join(pb.JoinRequest(client_id=client_id)).session
+
+    def run() -> None:
+        header, params = _pull(stub, session)
+        out[client_id] = behaviour(stub, session, header, params)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _good(stub: pb_grpc.CoordinatorStub, session: str, header: pb.TaskHeader, params: NamedArrays) -> pb.PushReply:
+    return _push(stub, session, header, encode({k: v + 1 for k, v in params.items()}))
+
+
+BAD: dict[str, Behaviour] = {
+    "wrong-shape": lambda s, ss, h, p: _push(s, ss, h, encode({"w": np.zeros((3, 2), np.float32), "b": p["b"]})),
+    "nan": lambda s, ss, h, p: _push(s, ss, h, encode({"w": p["w"] * np.nan, "b": p["b"]})),
+    "truncated": lambda s, ss, h, p: _push(s, ss, h, (e := encode(p)), send=e[:-16]),
+    "corrupted": lambda s, ss, h, p: _push(s, ss, h, (e := encode(p)), send=e[:-1] + b"\x07"),
+    "oversized": lambda s, ss, h, p: _push(s, ss, h, encode(p), announce=10**9),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness: Harness, kind: str) -> None:
+    replies: dict[str, pb.PushReply] = {}
+    threads = [_client(harness, "good", _good, replies), _client(harness, "bad", BAD[kind], replies)]
+    strategy = Strategy(sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2), fit=FitConfig())
+    final, records = run_rounds(
+        harness.pool, strategy, dict(GLOBAL), RoundConfig(num_rounds=1, round_timeout_s=20, wait_for_clients_s=5)
+    )
+    for t in threads:
+        t.join(10)
+    for name, value in GLOBAL.items():
+        np.testing.assert_array_equal(final.parameters[name], value + 1)  # the good update alone
+    (record,) = records
+    assert record.accepted == ("good",)
+    (failure,) = record.failures
+    assert failure.client_id == "bad" and failure.round == 1
+    reason = {
+        "wrong-shape": "shape",
+        "nan": "NaN",
+        "truncated": "truncated",
+        "corrupted": "SHA-256",
+        "oversized": "exceeds the limit",
+    }[kind]
+    assert reason in failure.reason
+    if kind in ("truncated", "corrupted", "oversized"):
+        assert not replies["bad"].accepted and reason in replies["bad"].reason
+    assert not list((harness.pool.config.spill_dir).glob("*.part"))
+
+
+def test_silent_client_fails_fast_and_late_push_is_discarded(harness: Harness) -> None:
+    stub = harness.stub()
+    session = stub.Join(pb.JoinRequest(client_id="quiet")).session
+    ins = FitIns(round=1, parameters=dict(GLOBAL), config=FitConfig(), seed=0)
+    started = time.monotonic()
+    replies = list(harness.pool.run({"quiet": ins}, timeout_s=30))
+    assert time.monotonic() - started < 5
+    (reply,) = replies
+    assert isinstance(reply, Failure) and "no heartbeat" in reply.reason
+    assert harness.pool.available() == []
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Heartbeat(pb.HeartbeatRequest(session=session))
+        list(stub.PullTask(pb.PullTaskRequest(session=session, wait_s=0.1)))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_deadline_and_duplicate_push(harness: Harness) -> None:
+    stub = harness.stub()
+    session = stub.Join(pb.JoinRequest(client_id="c")).session
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.1):
+            stub.Heartbeat(pb.HeartbeatRequest(session=session))
+
+    threading.Thread(target=beat, daemon=True).start()
+    ins = FitIns(round=1, parameters=dict(GLOBAL), config=FitConfig(), seed=0)
+    got: list[object] = []
+    runner = threading.Thread(target=lambda: got.extend(harness.pool.run({"c": ins}, timeout_s=30)))
+    runner.start()
+    header, params = _pull(stub, session)
+    first = _push(stub, session, header, encode(params))
+    again = _push(stub, session, header, encode(params))
+    runner.join(10)
+    assert first.accepted and again.accepted and again.duplicate
+    assert len(got) == 1 and isinstance(got[0], FitRes)
+    # a task that misses its deadline yields a Failure, and its late push is discarded
+    late: list[object] = []
+    runner = threading.Thread(target=lambda: late.extend(harness.pool.run({"c": ins}, timeout_s=0.5)))
+    runner.start()
+    header, params = _pull(stub, session)
+    runner.join(10)
+    assert isinstance(late[0], Failure) and "deadline" in late[0].reason
+    reply = _push(stub, session, header, encode(params))
+    assert not reply.accepted and ("closed" in reply.reason or "no open task" in reply.reason)
+    stop.set()
+
+
+def test_wait_for_says_how_many_are_connected(harness: Harness) -> None:
+    harness.stub().Join(pb.JoinRequest(client_id="one"))
+    with pytest.raises(RoundFailed, match=r"1 client\(s\) connected .* 3 needed"):
+        harness.pool.wait_for(3, 0.3)
+
+
+def test_tokens_and_revocation(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("# comment\nalice s3cret\nbob other\n")
+    policy = AuthPolicy(tokens=load_tokens(tokens), revoked=frozenset({"bob"}))
+    assert policy.tokens["alice"] == hash_token("s3cret")
+    h = Harness(tmp_path, auth=policy)
+    try:
+        stub = h.stub()
+        assert stub.Join(pb.JoinRequest(client_id="alice", token="s3cret")).session
+        for client_id, token, code in [
+            ("alice", "wrong", grpc.StatusCode.UNAUTHENTICATED),
+            ("mallory", "s3cret", grpc.StatusCode.UNAUTHENTICATED),
+            ("bob", "other", grpc.StatusCode.PERMISSION_DENIED),
+        ]:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Join(pb.JoinRequest(client_id=client_id, token=token))
+            assert info.value.code() == code
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.PullTask(pb.PullTaskRequest(session="forged", wait_s=0.1)))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        h.close()
+
+
+def test_mutual_tls_checks_the_certificate_name(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    init_certs(certs, clients=["client-000", "client-001"])
+    server_creds = grpc.ssl_server_credentials(
+        [((certs / "server.key").read_bytes(), (certs / "server.pem").read_bytes())],
+        root_certificates=(certs / "ca.pem").read_bytes(),
+        require_client_auth=True,
+    )
+    h = Harness(tmp_path, auth=AuthPolicy(require_client_cert=True), credentials=server_creds)
+
+    def creds(name: str | None) -> grpc.ChannelCredentials:
+        if name is None:
+            return grpc.ssl_channel_credentials(root_certificates=(certs / "ca.pem").read_bytes())
+        return grpc.ssl_channel_credentials(
+            root_certificates=(certs / "ca.pem").read_bytes(),
+            private_key=(certs / "clients" / f"{name}.key").read_bytes(),
+            certificate_chain=(certs / "clients" / f"{name}.pem").read_bytes(),
+        )
+
+    try:
+        assert h.stub(creds("client-000")).Join(pb.JoinRequest(client_id="client-000"), timeout=10).session
+        with pytest.raises(grpc.RpcError) as info:
+            h.stub(creds("client-001")).Join(pb.JoinRequest(client_id="client-000"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            h.stub(creds(None)).Join(pb.JoinRequest(client_id="client-000"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # handshake refused without a client certificate
+    finally:
+        h.close()
+
+
+def test_state_checkpoints_are_atomic_and_resume(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state")
+    assert store.latest_checkpoint() is None
+    for rnd in (1, 2, 3):
+        state = ServerState(
+            round=rnd, parameters={k: v + rnd for k, v in GLOBAL.items()}, optimizer_state={"m/w": GLOBAL["w"] * rnd}
+        )
+        store.save_checkpoint(state)
+    names = sorted(p.name for p in store.checkpoints.iterdir())
+    assert names == ["round-000002.safetensors", "round-000003.safetensors"]  # newest two, no temporaries
+    latest = store.latest_checkpoint()
+    assert latest is not None and latest.round == 3
+    np.testing.assert_array_equal(latest.parameters["w"], GLOBAL["w"] + 3)
+    np.testing.assert_array_equal(latest.optimizer_state["m/w"], GLOBAL["w"] * 3)
+    (store.checkpoints / "round-000004.safetensors").write_bytes(b"\x00" * 3)
+    with pytest.raises(Exception, match="round-000004"):
+        load_checkpoint(store.checkpoints / "round-000004.safetensors")
+    store.record_join("a")
+    store.record_join("a")
+    assert store.clients() == [("a", 2)]
+    store.close()
