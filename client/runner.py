@@ -8,14 +8,36 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
+from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, FedcoreError, PayloadError
 from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes, Instruction, Stage
 from fedcore.seeding import derive_seed
-from fedcore.task import EvalResult, Task, TrainContext, TrainResult
+from fedcore.task import EvalResult, Task, TaskContext, TrainContext, TrainResult
 from fedcore.tensors import NamedArrays, check_spec, from_state_dict, spec_of, to_state_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelTraining:
+    """Train fit instructions with the parallel engine (:func:`fedcore.engine.train_with_plan`).
+
+    The engine's workers rebuild the task in their own processes, so it is named by its factory rather than
+    passed as an object.
+
+    Attributes:
+        task_factory: ``"module:attr"`` of the task factory (the one the daemon was started with).
+        task_context: the context that factory gets in every worker.
+        plan: the parallel plan; a plan of all ones trains in-process.
+        timeout_s: kill the workers and fail the instruction after this many seconds (None: no limit).
+    """
+
+    task_factory: str
+    task_context: TaskContext
+    plan: ParallelPlan
+    timeout_s: float | None = None
 
 
 def load_parameters(model: torch.nn.Module, parameters: NamedArrays, *, round: int, client_id: str) -> None:
@@ -35,6 +57,7 @@ def run_instruction(
     client_id: str,
     *,
     model: torch.nn.Module | None = None,
+    parallel: ParallelTraining | None = None,
 ) -> FitRes | EvaluateRes:
     """Execute one instruction with ``task`` on this client.
 
@@ -43,6 +66,7 @@ def run_instruction(
         instruction: :class:`FitIns` (train one round) or :class:`EvaluateIns`.
         client_id: this client's id (keys its random streams together with the seed and round).
         model: a model of the task's architecture to reuse (its state is overwritten); built if None.
+        parallel: train fit instructions under this parallel plan (evaluation stays in-process).
 
     Returns:
         :class:`FitRes` with the trained parameters in the global model's names and dtypes, or
@@ -51,6 +75,7 @@ def run_instruction(
     Raises:
         PayloadError: the global parameters do not fit the task's model.
         ClientTaskError: the task raised, returned a negative example count or a non-finite loss.
+        EngineError: a parallel worker failed (names the rank and the cause).
     """
     if model is None:
         with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten; keep global RNG untouched
@@ -58,6 +83,8 @@ def run_instruction(
     load_parameters(model, instruction.parameters, round=instruction.round, client_id=client_id)
     try:
         if isinstance(instruction, FitIns):
+            if parallel is not None and not parallel.plan.is_single_process:
+                return _fit_parallel(parallel, instruction, client_id)
             return _fit(task, model, instruction, client_id)
         return _evaluate(task, model, instruction, client_id)
     except FedcoreError:
@@ -109,6 +136,28 @@ def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> Fit
         parameters=updated,
         num_examples=result.num_examples,
         metrics=metrics,
+    )
+
+
+def _fit_parallel(parallel: ParallelTraining, ins: FitIns, client_id: str) -> FitRes:
+    from fedcore.engine import train_with_plan
+
+    started = time.perf_counter()
+    updated, result = train_with_plan(
+        parallel.task_factory,
+        parallel.task_context,
+        ins.parameters,
+        ins.config,
+        parallel.plan,
+        seed=ins.seed,
+        round=ins.round,
+        client_id=client_id,
+        timeout_s=parallel.timeout_s,
+    )
+    metrics = dict(result.metrics)
+    metrics["fit_seconds"] = time.perf_counter() - started
+    return FitRes(
+        client_id=client_id, round=ins.round, parameters=updated, num_examples=result.num_examples, metrics=metrics
     )
 
 

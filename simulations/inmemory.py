@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from client.runner import run_instruction
+from client.runner import ParallelTraining, run_instruction
 from fedcore.errors import FedcoreError, RoundFailed
 from fedcore.messages import Failure, Instruction, Reply
 from fedcore.task import Task
@@ -26,14 +26,21 @@ class InMemoryPool:
     Args:
         client_ids: the virtual clients' ids.
         make_task: builds the task (data shard) of one client; called once per client, on first use.
+        parallel: optionally, per client, a parallel plan to train its fit instructions with (None: in-process).
     """
 
-    def __init__(self, client_ids: Sequence[str], make_task: Callable[[str], Task]) -> None:
+    def __init__(
+        self,
+        client_ids: Sequence[str],
+        make_task: Callable[[str], Task],
+        parallel: Callable[[str], ParallelTraining | None] | None = None,
+    ) -> None:
         if len(set(client_ids)) != len(client_ids):
             raise ValueError("client ids must be unique")
         self._ids = list(client_ids)
         self._make_task = make_task
         self._tasks: dict[str, Task] = {}
+        self._parallel = parallel
 
     def available(self) -> list[str]:
         """All virtual clients are always available."""
@@ -58,7 +65,8 @@ class InMemoryPool:
         """Run each instruction in turn and yield its reply; a client that raises yields a Failure."""
         for client_id, instruction in instructions.items():
             try:
-                yield run_instruction(self.task(client_id), instruction, client_id)
+                plan = self._parallel(client_id) if self._parallel is not None else None
+                yield run_instruction(self.task(client_id), instruction, client_id, parallel=plan)
             except FedcoreError as exc:
                 yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
             except Exception as exc:  # a bug in user code must not kill the whole simulation

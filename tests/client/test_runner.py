@@ -1,0 +1,82 @@
+"""The client-side runner: validation of what comes in and goes out, and the parallel-engine path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from client.runner import ParallelTraining, run_instruction
+from fedcore.engine.plan import ParallelPlan
+from fedcore.errors import ClientTaskError, PayloadError
+from fedcore.messages import EvaluateIns, FitIns, FitRes
+from fedcore.strategy import SamplingConfig, Strategy
+from fedcore.task import FitConfig, TaskContext
+from server.round_loop import RoundConfig, run_rounds
+from simulations.inmemory import InMemoryPool
+from tests.engine import engine_tasks
+
+CONFIG = FitConfig(local_epochs=2, batch_size=8, lr=0.05, momentum=0.9, mu=0.1)
+SPEC = f"{engine_tasks.__name__}:mlp_task"
+
+
+def context(cid: str) -> TaskContext:
+    return TaskContext(client_id=cid, seed=5, options={"n": {"a": "40", "b": "24"}[cid]})
+
+
+def test_fit_returns_the_global_names_and_dtypes_and_counts_examples() -> None:
+    task = engine_tasks.mlp_task(context("a"))
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    reply = run_instruction(task, FitIns(round=1, parameters=initial, config=CONFIG, seed=1), "a")
+    assert isinstance(reply, FitRes)
+    assert list(reply.parameters) == list(initial)
+    assert all(reply.parameters[n].dtype == initial[n].dtype for n in initial)
+    assert reply.num_examples == 40
+    assert not all(np.array_equal(reply.parameters[n], initial[n]) for n in initial)
+
+
+def test_mismatched_global_model_is_refused_before_training() -> None:
+    task = engine_tasks.mlp_task(context("a"))
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    wrong = {n: (a[:1] if a.ndim else a) for n, a in initial.items()}
+    with pytest.raises(PayloadError, match="shape"):
+        run_instruction(task, FitIns(round=2, parameters=wrong, config=CONFIG, seed=1), "a")
+
+
+def test_a_task_that_raises_becomes_a_client_task_error_with_context() -> None:
+    task = engine_tasks.mlp_task(context("a"))
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    broken = type(task)(model_fn=task.model_fn, train_data=(task.train_data[0][:, :3], task.train_data[1]))  # type: ignore[index]
+    with pytest.raises(ClientTaskError, match=r"round 4, client 'a', stage fit.*RuntimeError"):
+        run_instruction(broken, FitIns(round=4, parameters=initial, config=CONFIG, seed=1), "a")
+
+
+def test_evaluate_reports_loss_and_accuracy() -> None:
+    task = engine_tasks.mlp_task(context("b"))
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    reply = run_instruction(task, EvaluateIns(round=1, parameters=initial), "b")
+    assert reply.num_examples == 24  # type: ignore[union-attr]
+    assert 0.0 <= reply.metrics["accuracy"] <= 1.0  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_round_with_a_pipelined_client_equals_the_round_on_one_device() -> None:
+    """One client trains on a 2-stage 1F1B pipeline (2 processes), the other in-process; same global model."""
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    strategy = Strategy(fit=CONFIG, sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
+    pipeline = ParallelPlan(pipeline=2, split_points=("2",), microbatches=4, schedule="1f1b")  # type: ignore[arg-type]
+
+    def run(plan_for_a: ParallelPlan | None) -> dict[str, np.ndarray]:
+        def parallel(cid: str) -> ParallelTraining | None:
+            if cid != "a" or plan_for_a is None:
+                return None
+            return ParallelTraining(task_factory=SPEC, task_context=context(cid), plan=plan_for_a, timeout_s=120)
+
+        pool = InMemoryPool(["a", "b"], lambda cid: engine_tasks.mlp_task(context(cid)), parallel)
+        return run_rounds(pool, strategy, initial, RoundConfig(num_rounds=1, seed=9))[0].parameters
+
+    with_pipeline, on_one_device = run(pipeline), run(None)
+    for name in initial:
+        torch.testing.assert_close(
+            torch.from_numpy(with_pipeline[name]), torch.from_numpy(on_one_device[name]), atol=1e-5, rtol=1e-5
+        )
