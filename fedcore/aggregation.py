@@ -100,7 +100,7 @@ class WeightedMean:
         spec: names, shapes and dtypes of the model's tensors (e.g. ``spec_of(global_params)``). Every update
             must match it exactly. Supported dtypes: floating (float16/32/64), integer and bool.
         threads: how many threads fold an update (the calling thread is one of them); default: the CPUs this
-            process may run on, at most 8. The result does not depend on it, bit for bit.
+            process may run on; at most 8 and at most one per block. The result does not depend on it, bit for bit.
 
     Raises:
         ConfigError: the spec is empty, has duplicate names or a complex / non-numeric dtype, or ``threads`` < 1.
@@ -132,8 +132,9 @@ class WeightedMean:
             for name, total in self._sums.items()
             for i in range(0, max(total.size, 1), _BLOCK)
         ]
-        self._float_blocks = [b for b in self._blocks if np.dtype(self._dtype(b[0])).kind == "f"]
-        self._threads = min(threads, len(self._blocks))
+        floating = {s.name for s in spec if np.dtype(s.dtype).kind == "f"}
+        self._float_blocks = [b for b in self._blocks if b[0] in floating]
+        self._threads = min(threads, _MAX_THREADS, len(self._blocks))
         self._scratch = [np.empty(min(_BLOCK, max(t.size for t in self._sums.values())), np.float64)]
         self._scratch += [np.empty_like(self._scratch[0]) for _ in range(self._threads - 1)]
         self._total_weight = 0.0
@@ -264,9 +265,6 @@ class WeightedMean:
         if not math.isfinite(self._total_weight + w):
             raise UpdateRejected(f"weight {weight!r} overflows the total weight", round=round, client_id=client_id)
         return w
-
-    def _dtype(self, name: str) -> str:
-        return next(s.dtype for s in self._spec if s.name == name)
 
     def _parallel(self, n_tasks: int, task: Callable[[int, int], None]) -> None:
         """Run ``task(worker, k)`` for every ``k < n_tasks`` on up to ``self._threads`` threads; return when all ran.
