@@ -22,7 +22,8 @@ from pathlib import Path
 
 import grpc
 
-from client.runner import run_instruction
+from client.runner import ParallelTraining, run_instruction
+from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ConfigError, FedcoreError, TransportError
 from fedcore.messages import Failure, Instruction, Reply
 from fedcore.proto.v1 import fedcore_pb2 as pb
@@ -71,6 +72,8 @@ class DaemonConfig:
         exit_when_finished: exit once the server says the run is over.
         max_payload_bytes: largest global model accepted from the server.
         threads: torch intra-op threads for local training (None: torch's default, one per core).
+        parallel: train each round under this parallel plan (data/sharded/pipeline parallel, see
+            :mod:`fedcore.engine`); None or a plan of all ones trains in this process.
     """
 
     server: str
@@ -93,6 +96,7 @@ class DaemonConfig:
     exit_when_finished: bool = True
     max_payload_bytes: int = 8 << 30
     threads: int | None = None
+    parallel: ParallelPlan | None = None
 
     def __post_init__(self) -> None:
         if not self.client_id:
@@ -139,6 +143,7 @@ class ClientDaemon:
         self._chunk_bytes = DEFAULT_CHUNK_BYTES
         self._task: Task | None = None
         self._task_seed: int | None = None
+        self._parallel: ParallelTraining | None = None
         self._rng = random.Random()
 
     def stop(self) -> None:
@@ -233,18 +238,21 @@ class ClientDaemon:
         self._heartbeat_s = max(0.1, reply.heartbeat_interval_s)
         self._chunk_bytes = reply.chunk_bytes or DEFAULT_CHUNK_BYTES
         if self._task is None or self._task_seed != reply.seed:
-            self._task = self._factory(
-                TaskContext(
-                    role="client",
-                    client_id=self.config.client_id,
-                    partition_id=self.config.partition_id,
-                    num_partitions=self.config.num_partitions,
-                    data_dir=self.config.data_dir,
-                    seed=reply.seed,
-                    options=dict(self.config.task_options),
-                )
+            context = TaskContext(
+                role="client",
+                client_id=self.config.client_id,
+                partition_id=self.config.partition_id,
+                num_partitions=self.config.num_partitions,
+                data_dir=self.config.data_dir,
+                seed=reply.seed,
+                options=dict(self.config.task_options),
             )
+            self._task = self._factory(context)
             self._task_seed = reply.seed
+            plan = self.config.parallel
+            if plan is not None and not plan.is_single_process:
+                plan.check_model(self._task.build_model())  # a bad split point fails here, before any round
+                self._parallel = ParallelTraining(task_factory=self.config.task, task_context=context, plan=plan)
         self._session_ok.set()
         log.info("joined %s as %s", self.config.server, self.config.client_id)
 
@@ -318,7 +326,7 @@ class ClientDaemon:
         started = time.perf_counter()
         log.info("round %d %s started", instruction.round, instruction.stage.value)
         try:
-            reply: Reply = run_instruction(self._task, instruction, self.config.client_id)
+            reply: Reply = run_instruction(self._task, instruction, self.config.client_id, parallel=self._parallel)
         except FedcoreError as exc:
             log.warning("round %d %s failed: %s", instruction.round, instruction.stage.value, exc)
             reply = Failure(

@@ -10,8 +10,12 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from fedcore.errors import FedcoreError
+from fedcore.errors import ConfigError, FedcoreError
+
+if TYPE_CHECKING:
+    from fedcore.engine.plan import ParallelPlan
 
 #: simulate's shortcut flags and the recipe key each one sets.
 SIMULATE_SHORTCUTS = {
@@ -279,6 +283,15 @@ def _add_client(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     start.add_argument("--give-up-after-s", type=float, help="exit when the server stays unreachable this long")
     start.add_argument("--stay", action="store_true", help="keep running after the server's run finishes")
     start.add_argument("--threads", type=int, help="torch threads for local training (default: one per core)")
+    start.add_argument(
+        "--parallel",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="train under a parallel plan, e.g. --parallel dp=2 pp=2 split_points=blocks.4 microbatches=8 "
+        "schedule=1f1b (see the README's section on large models)",
+    )
+    start.add_argument("--parallel-config", help="TOML file whose [parallel] table is the plan")
     start.set_defaults(func=_cmd_client_start)
 
 
@@ -297,6 +310,7 @@ def _cmd_client_start(args: argparse.Namespace) -> int:
     if args.token_file:
         token = Path(args.token_file).read_text().strip()
     config = DaemonConfig(
+        parallel=_parallel_plan(args.parallel_config, args.parallel),
         server=args.server,
         client_id=args.client_id,
         task=args.task,
@@ -319,6 +333,25 @@ def _cmd_client_start(args: argparse.Namespace) -> int:
     if config.insecure:
         print("WARNING: connecting without TLS (--insecure): the model and updates travel in plaintext")
     return ClientDaemon(config).run()
+
+
+def _parallel_plan(path: str | None, pairs: list[str]) -> ParallelPlan | None:
+    """The client's parallel plan: ``--parallel-config``'s ``[parallel]`` table, overridden by ``--parallel``."""
+    if path is None and not pairs:
+        return None
+    from fedcore.config import load_toml
+    from fedcore.engine.plan import ParallelPlan
+
+    table = load_toml(path).get("parallel", {}) if path is not None else {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"[parallel] in {path!r} must be a table")
+    merged: dict[str, object] = dict(table)
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--parallel expects key=value, got {item!r}")
+        merged[key.strip()] = value.strip()
+    return ParallelPlan.from_mapping(merged)
 
 
 def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
