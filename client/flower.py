@@ -1,0 +1,389 @@
+"""Run an existing Flower ``NumPyClient`` unchanged under fedcore, as a :class:`fedcore.task.Task`.
+
+A Flower client speaks in lists of numpy arrays (``get_parameters(config)``, ``fit(parameters, config)``,
+``evaluate(parameters, config)``; flwr 1.x, ``flwr.client.NumPyClient``). fedcore speaks in torch modules whose
+state dict is the model. :class:`FlowerTask` bridges the two without a second code path: its model is a
+:class:`FlowerParameters` module holding one *buffer* per array, so the client-side runner
+(:func:`client.runner.run_instruction`), the gRPC daemon and the simulation pools drive it like any other task.
+
+Names and order: the i-th array of ``get_parameters`` is the buffer ``param_{i:04d}`` (``param_0000``,
+``param_0001``, ...), with its shape and dtype preserved; the server aggregates those names.
+
+The ``config`` dict a Flower client receives in ``fit`` (see :func:`fit_config_dict`)::
+
+    server_round   int    the federated round, 1-based
+    seed           int    a 63-bit seed keyed by (run seed, round, client id): seed local shuffling with it
+    local_epochs   int    FitConfig.local_epochs (E)
+    batch_size     int    FitConfig.batch_size (B)
+    lr             float  FitConfig.lr (client learning rate)
+    momentum       float  FitConfig.momentum
+    weight_decay   float  FitConfig.weight_decay
+    mu             float  FitConfig.mu (FedProx proximal coefficient; 0 = FedAvg)
+    max_steps      int    FitConfig.max_steps (only present when set)
+
+and in ``evaluate``: ``{"batch_size": int}``.
+
+Use from the command line (both the server, for the initial model, and each daemon)::
+
+    # mymodule.py
+    def client_fn(context: flwr.common.Context) -> flwr.client.Client:
+        pid = context.node_config["partition-id"]
+        return MyNumPyClient(load_partition(pid)).to_client()
+
+    factory = flower_task_factory(client_fn)
+
+    fedcore client start --task mymodule:factory --partition-id 0 --num-partitions 2 ...
+
+The Flower ``Context`` a ``client_fn`` gets is built by :func:`flower_context`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol, cast
+
+import numpy as np
+import torch
+
+from fedcore.errors import ClientTaskError, ConfigError, PayloadError
+from fedcore.task import EvalResult, FitConfig, Task, TaskContext, TaskFactory, TrainContext, TrainResult
+
+log = logging.getLogger("fedcore.client")
+
+FlowerScalar = bool | bytes | float | int | str
+"""Flower's ``Scalar``: the value type of its config and metrics dicts."""
+
+
+class NumPyClientLike(Protocol):
+    """The three methods of ``flwr.client.NumPyClient`` fedcore calls (flwr need not be installed to type them)."""
+
+    def get_parameters(self, config: dict[str, FlowerScalar]) -> list[np.ndarray]: ...
+
+    def fit(
+        self, parameters: list[np.ndarray], config: dict[str, FlowerScalar]
+    ) -> tuple[list[np.ndarray], int, dict[str, FlowerScalar]]: ...
+
+    def evaluate(
+        self, parameters: list[np.ndarray], config: dict[str, FlowerScalar]
+    ) -> tuple[float, int, dict[str, FlowerScalar]]: ...
+
+
+def buffer_name(index: int) -> str:
+    """The fedcore tensor name of the ``index``-th Flower array: ``param_0000``, ``param_0001``, ..."""
+    return f"param_{index:04d}"
+
+
+class FlowerParameters(torch.nn.Module):
+    """A module whose state dict is a Flower parameter list: buffer ``param_{i:04d}`` holds array ``i``.
+
+    Args:
+        arrays: the arrays in Flower's order; copied (C order), shapes and dtypes kept, 0-d arrays stay 0-d.
+
+    Raises:
+        PayloadError: an array's dtype has no torch equivalent (object, strings, ...).
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        super().__init__()
+        for index, array in enumerate(arrays):
+            try:
+                tensor = torch.from_numpy(np.array(array, order="C", copy=True))
+            except TypeError as exc:
+                raise PayloadError(
+                    f"array {index} ({buffer_name(index)}) has dtype {array.dtype}, which torch cannot hold; "
+                    "return numeric arrays from get_parameters"
+                ) from exc
+            self.register_buffer(buffer_name(index), tensor)
+
+    def arrays(self) -> list[np.ndarray]:
+        """The buffers as a fresh list of numpy arrays (copies, in Flower's order)."""
+        return [buf.detach().cpu().numpy().copy() for _, buf in self.named_buffers()]
+
+    def assign(self, arrays: Sequence[np.ndarray], *, round: int | None = None, client_id: str | None = None) -> None:
+        """Copy ``arrays`` into the buffers after checking count, shapes and dtypes.
+
+        Raises:
+            PayloadError: the count, a shape or a dtype differs; names the first offending array.
+        """
+        buffers = list(self.named_buffers())
+        if len(arrays) != len(buffers):
+            raise PayloadError(
+                f"the Flower client returned {len(arrays)} array(s) from fit, expected {len(buffers)} (one per array "
+                "of get_parameters); return the whole model, in the same order",
+                round=round,
+                client_id=client_id,
+                stage="fit",
+            )
+        for index, ((name, buf), array) in enumerate(zip(buffers, arrays, strict=True)):
+            if not isinstance(array, np.ndarray):
+                raise PayloadError(
+                    f"fit returned a {type(array).__name__} as array {index} ({name}); return numpy arrays",
+                    round=round,
+                    client_id=client_id,
+                    stage="fit",
+                )
+            want_shape = tuple(buf.shape)
+            want_dtype = buf.numpy().dtype
+            if tuple(array.shape) != want_shape:
+                raise PayloadError(
+                    f"fit returned array {index} ({name}) with shape {tuple(array.shape)}, expected {want_shape}",
+                    round=round,
+                    client_id=client_id,
+                    stage="fit",
+                )
+            if array.dtype != want_dtype:
+                raise PayloadError(
+                    f"fit returned array {index} ({name}) with dtype {array.dtype}, expected {want_dtype}; cast it "
+                    f"back (e.g. .astype(np.{want_dtype.name})) before returning",
+                    round=round,
+                    client_id=client_id,
+                    stage="fit",
+                )
+        with torch.no_grad():
+            for (_, buf), array in zip(buffers, arrays, strict=True):
+                buf.copy_(torch.from_numpy(np.require(array, requirements="C")))
+
+
+def fit_config_dict(config: FitConfig, *, server_round: int, seed: int) -> dict[str, FlowerScalar]:
+    """The Flower ``config`` dict for ``fit`` (keys in the module docstring); plain ints and floats only."""
+    out: dict[str, FlowerScalar] = {
+        "server_round": int(server_round),
+        "seed": int(seed),
+        "local_epochs": int(config.local_epochs),
+        "batch_size": int(config.batch_size),
+        "lr": float(config.lr),
+        "momentum": float(config.momentum),
+        "weight_decay": float(config.weight_decay),
+        "mu": float(config.mu),
+    }
+    if config.max_steps is not None:
+        out["max_steps"] = int(config.max_steps)
+    return out
+
+
+def scalar_metrics(metrics: object, *, stage: str) -> dict[str, float]:
+    """Keep the numeric entries (bool, int, float, numpy numbers) of a Flower metrics dict, as floats.
+
+    String and bytes values, which fedcore's metrics cannot carry, are dropped (logged at debug level).
+
+    Raises:
+        ClientTaskError: ``metrics`` is not a dict.
+    """
+    if not isinstance(metrics, dict):
+        raise ClientTaskError(
+            f"the Flower client's {stage} returned metrics of type {type(metrics).__name__}, not a dict"
+        )
+    kept: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, (bool, np.bool_, numbers.Real)):
+            kept[str(key)] = float(value)
+        else:
+            log.debug("dropping non-numeric Flower metric %r (%s)", key, type(value).__name__)
+    return kept
+
+
+def _count(value: object, *, what: str, round: int | None, client_id: str | None, stage: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ClientTaskError(
+            f"the Flower client's {stage} returned {what}={value!r} ({type(value).__name__}); it must be an int",
+            round=round,
+            client_id=client_id,
+            stage=stage,
+        )
+    return int(value)
+
+
+class FlowerTask:
+    """A :class:`fedcore.task.Task` that drives a Flower ``NumPyClient``.
+
+    Args:
+        client: the Flower client (a ``NumPyClient``, or the ``Client`` its ``to_client()`` returns).
+
+    Raises:
+        ConfigError: ``client`` is neither (no ``get_parameters``/``fit``/``evaluate`` to call).
+    """
+
+    def __init__(self, client: object) -> None:
+        self.client = as_numpy_client(client)
+
+    def build_model(self) -> torch.nn.Module:
+        """A :class:`FlowerParameters` module of the client's ``get_parameters({})``.
+
+        Raises:
+            ClientTaskError: ``get_parameters`` did not return a non-empty list of numpy arrays.
+        """
+        arrays = self.client.get_parameters({})
+        if not isinstance(arrays, (list, tuple)) or not arrays or not all(isinstance(a, np.ndarray) for a in arrays):
+            raise ClientTaskError(
+                "the Flower client's get_parameters({}) must return a non-empty list of numpy arrays (the model), "
+                f"got {type(arrays).__name__}",
+                stage="build",
+            )
+        return FlowerParameters(arrays)
+
+    def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        """One round of ``client.fit``; the returned arrays replace the module's buffers.
+
+        Raises:
+            ClientTaskError: ``fit`` did not return ``(list of arrays, int, dict)``.
+            PayloadError: the returned arrays differ in count, shape or dtype from the global model.
+        """
+        module = _flower_module(model)
+        rnd, cid = context.round, context.client_id
+        flower_config = fit_config_dict(config, server_round=rnd, seed=context.generator.initial_seed())
+        result = self.client.fit(module.arrays(), flower_config)
+        if not isinstance(result, tuple) or len(result) != 3 or not isinstance(result[0], (list, tuple)):
+            raise ClientTaskError(
+                "the Flower client's fit must return (parameters: list of numpy arrays, num_examples: int, "
+                f"metrics: dict), got {_describe(result)}",
+                round=rnd,
+                client_id=cid,
+                stage="fit",
+            )
+        arrays, num_examples, metrics = result
+        count = _count(num_examples, what="num_examples", round=rnd, client_id=cid, stage="fit")
+        module.assign(list(arrays), round=rnd, client_id=cid)
+        return TrainResult(num_examples=count, metrics=scalar_metrics(metrics, stage="fit"))
+
+    def evaluate(self, model: torch.nn.Module, batch_size: int) -> EvalResult:
+        """``client.evaluate`` on the module's arrays.
+
+        Raises:
+            ClientTaskError: ``evaluate`` did not return ``(loss: float, num_examples: int, metrics: dict)``.
+        """
+        module = _flower_module(model)
+        result = self.client.evaluate(module.arrays(), {"batch_size": int(batch_size)})
+        if not isinstance(result, tuple) or len(result) != 3 or not isinstance(result[0], numbers.Real):
+            raise ClientTaskError(
+                "the Flower client's evaluate must return (loss: float, num_examples: int, metrics: dict), got "
+                f"{_describe(result)}",
+                stage="evaluate",
+            )
+        loss, num_examples, metrics = result
+        count = _count(num_examples, what="num_examples", round=None, client_id=None, stage="evaluate")
+        return EvalResult(loss=float(loss), num_examples=count, metrics=scalar_metrics(metrics, stage="evaluate"))
+
+
+def _flower_module(model: torch.nn.Module) -> FlowerParameters:
+    if not isinstance(model, FlowerParameters):
+        raise ClientTaskError(
+            f"a FlowerTask trains the FlowerParameters module it builds, got a {type(model).__name__}"
+        )
+    return model
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, tuple):
+        return "a tuple of (" + ", ".join(type(v).__name__ for v in value) + ")"
+    return f"a {type(value).__name__}"
+
+
+def as_numpy_client(client: object) -> NumPyClientLike:
+    """Unwrap what a Flower ``client_fn`` returns to the ``NumPyClient`` fedcore calls.
+
+    Accepts a ``NumPyClient`` (or any object with ``get_parameters``, ``fit`` and ``evaluate`` taking arrays),
+    or the ``Client`` wrapper ``NumPyClient.to_client()`` returns (whose ``numpy_client`` attribute is unwrapped).
+
+    Raises:
+        ConfigError: a plain Flower ``Client`` (message-based API) or an object without those methods.
+    """
+    inner = getattr(client, "numpy_client", None)
+    if inner is not None:
+        client = inner
+    missing = [m for m in ("get_parameters", "fit", "evaluate") if not callable(getattr(client, m, None))]
+    if missing:
+        raise ConfigError(
+            f"{type(client).__name__} is not a Flower NumPyClient (missing {', '.join(missing)}); fedcore runs "
+            "flwr.client.NumPyClient subclasses or what their to_client() returns"
+        )
+    try:
+        from flwr.client import Client as FlowerClient
+        from flwr.client import NumPyClient
+    except ImportError:  # flwr is optional: a duck-typed client needs no flwr
+        return cast(NumPyClientLike, client)
+    if isinstance(client, FlowerClient):
+        raise ConfigError(
+            f"{type(client).__name__} is a message-based flwr.client.Client; fedcore runs NumPyClient subclasses "
+            "(or the Client their to_client() returns)"
+        )
+    if isinstance(client, NumPyClient) and type(client).get_parameters is NumPyClient.get_parameters:
+        raise ConfigError(
+            f"{type(client).__name__} does not implement get_parameters; fedcore builds the model from it "
+            "(the initial global model on the server, the tensor names and shapes on every client)"
+        )
+    return cast(NumPyClientLike, client)
+
+
+def _option_value(text: str) -> bool | int | float | str:
+    """A ``--task-option`` string as Flower's run_config would type it: bool, int, float, else the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def flower_context(context: TaskContext) -> Any:
+    """The ``flwr.common.Context`` a Flower ``client_fn`` gets for fedcore's ``context``.
+
+    - ``node_id``: a stable 63-bit number from the client id (SHA-256), ``run_id`` 0, an empty ``state``;
+    - ``node_config``: ``partition-id`` and ``num-partitions`` (Flower's simulation keys) when fedcore has them,
+      ``data-dir`` when given, ``fedcore-role`` (``"client"`` or ``"server"``) and ``fedcore-client-id``;
+    - ``run_config``: the task options (``--task-option key=value``), values typed as bool/int/float when they
+      parse as such, else strings.
+
+    Raises:
+        ConfigError: flwr is not installed.
+    """
+    try:
+        from flwr.common import Context, RecordDict
+    except ImportError as exc:
+        raise ConfigError("a Flower client_fn needs flwr installed (pip install flwr)") from exc
+    node_config: dict[str, bool | int | float | str] = {
+        "fedcore-role": context.role,
+        "fedcore-client-id": context.client_id,
+    }
+    if context.partition_id is not None:
+        node_config["partition-id"] = int(context.partition_id)
+    if context.num_partitions is not None:
+        node_config["num-partitions"] = int(context.num_partitions)
+    if context.data_dir is not None:
+        node_config["data-dir"] = str(context.data_dir)
+    node_id = int.from_bytes(hashlib.sha256(context.client_id.encode()).digest()[:8], "little") >> 1
+    run_config = {str(k): _option_value(str(v)) for k, v in context.options.items()}
+    return Context(run_id=0, node_id=node_id, node_config=node_config, state=RecordDict(), run_config=run_config)
+
+
+def flower_task_factory(
+    client_fn: Callable[[Any], object], *, context: Literal["flower", "fedcore"] = "flower"
+) -> TaskFactory:
+    """Turn a Flower ``client_fn`` into a fedcore task factory (for ``--task module:attr``).
+
+    Args:
+        client_fn: returns a ``NumPyClient`` (or its ``to_client()``) for one client.
+        context: what ``client_fn`` takes: ``"flower"`` a ``flwr.common.Context`` (:func:`flower_context`), as
+            Flower's ``ClientApp(client_fn=...)`` does; ``"fedcore"`` the :class:`fedcore.task.TaskContext`.
+
+    The factory is also called for the server (``context.role == "server"``, no partition id): the server builds
+    the initial global model from that client's ``get_parameters`` and, unless ``--no-evaluate``, evaluates the
+    global model with its ``evaluate``. Bind the factory to a module-level name so daemons (and parallel
+    workers) can import it.
+
+    Raises:
+        ConfigError: ``context`` is neither value; (when called) ``client_fn`` returned no NumPyClient.
+    """
+    if context not in ("flower", "fedcore"):
+        raise ConfigError(f"context must be 'flower' or 'fedcore', got {context!r}")
+
+    def factory(task_context: TaskContext) -> Task:
+        argument = flower_context(task_context) if context == "flower" else task_context
+        return FlowerTask(client_fn(argument))
+
+    return factory

@@ -1,0 +1,253 @@
+"""The Flower NumPyClient adapter: a real ``flwr.client.NumPyClient`` driven through fedcore's one client path.
+
+- through :func:`client.runner.run_instruction` it gives exactly what calling its ``fit``/``evaluate`` gives;
+- rounds through the in-memory pool and :func:`server.round_loop.run_rounds` equal flwr's own
+  ``flwr.server.strategy.aggregate.aggregate`` of the clients' direct fit results;
+- wrong returns (count, shape, dtype, type) fail with a clear PayloadError / ClientTaskError;
+- ``flower_task_factory`` makes a fedcore task factory of a Flower ``client_fn(context)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.client import NumPyClient
+from flwr.common import Context
+from flwr.server.strategy.aggregate import aggregate
+
+from client.flower import FlowerParameters, FlowerTask, fit_config_dict, flower_task_factory
+from client.runner import run_instruction
+from fedcore.errors import ClientTaskError, ConfigError, PayloadError
+from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes
+from fedcore.seeding import derive_seed
+from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
+from fedcore.task import FitConfig, TaskContext, load_task_factory
+from fedcore.tensors import NamedArrays, from_state_dict
+from server.round_loop import RoundConfig, run_rounds
+from simulations.inmemory import InMemoryPool
+
+FEATURES, CLASSES = 5, 3
+CONFIG = FitConfig(local_epochs=2, batch_size=8, lr=0.3, mu=0.05)
+SEED = 11
+
+
+def _data(partition: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1000 + partition)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = (x[:, 0] + partition * x[:, 1] > 0).astype(np.int64) + (x[:, 2] > 1)
+    return x, y
+
+
+class LogRegClient(NumPyClient):
+    """Multinomial logistic regression in numpy, the way a Flower user writes it: W (float32), b (float64),
+    and a 0-d float64 temperature that is never trained; mini-batch SGD with FedProx's proximal term,
+    shuffled with the seed fedcore sends."""
+
+    def __init__(self, partition: int, n: int) -> None:
+        self.x, self.y = _data(partition, n)
+        self.w = np.zeros((FEATURES, CLASSES), np.float32)
+        self.b = np.full(CLASSES, 0.1, np.float64)
+        self.t = np.array(1.0)
+
+    def get_parameters(self, config):  # type: ignore[no-untyped-def]
+        return [self.w, self.b, self.t]
+
+    def _probs(self, x: np.ndarray) -> np.ndarray:
+        logits = (x @ self.w + self.b) / self.t
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        return p / p.sum(axis=1, keepdims=True)
+
+    def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+        w0, b0, self.t = parameters
+        self.w, self.b = w0.copy(), b0.copy()
+        rng = np.random.default_rng(config["seed"])
+        lr, mu, bs = config["lr"], config["mu"], config["batch_size"]
+        losses = []
+        for _ in range(config["local_epochs"]):
+            order = rng.permutation(len(self.y))
+            for start in range(0, len(order), bs):
+                idx = order[start : start + bs]
+                p = self._probs(self.x[idx])
+                losses.append(-np.log(p[np.arange(len(idx)), self.y[idx]]).mean())
+                p[np.arange(len(idx)), self.y[idx]] -= 1.0
+                grad_w = self.x[idx].T @ p / len(idx) + mu * (self.w - w0)
+                grad_b = p.mean(axis=0) + mu * (self.b - b0)
+                self.w = (self.w - lr * grad_w).astype(np.float32)
+                self.b = self.b - lr * grad_b
+        return [self.w, self.b, self.t], len(self.y), {"train_loss": float(np.mean(losses)), "note": "text"}
+
+    def evaluate(self, parameters, config):  # type: ignore[no-untyped-def]
+        self.w, self.b, self.t = parameters
+        p = self._probs(self.x)
+        loss = float(-np.log(p[np.arange(len(self.y)), self.y]).mean())
+        return (
+            loss,
+            len(self.y),
+            {"accuracy": float((p.argmax(axis=1) == self.y).mean()), "batch": config["batch_size"]},
+        )
+
+
+SIZES = {"c0": 40, "c1": 25, "c2": 61}
+
+
+def _client(cid: str) -> LogRegClient:
+    return LogRegClient(int(cid[1:]), SIZES[cid])
+
+
+def _initial() -> NamedArrays:
+    return from_state_dict(FlowerTask(_client("c0")).build_model().state_dict())
+
+
+def _direct_fit(cid: str, parameters: list[np.ndarray], rnd: int) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+    config = fit_config_dict(CONFIG, server_round=rnd, seed=derive_seed(SEED, rnd, cid))
+    return _client(cid).fit([a.copy() for a in parameters], config)
+
+
+def test_model_holds_one_buffer_per_array_with_shapes_and_dtypes() -> None:
+    initial = _initial()
+    assert list(initial) == ["param_0000", "param_0001", "param_0002"]
+    assert [(a.shape, a.dtype) for a in initial.values()] == [
+        ((FEATURES, CLASSES), np.float32),
+        ((CLASSES,), np.float64),
+        ((), np.float64),
+    ]
+    np.testing.assert_array_equal(initial["param_0001"], np.full(CLASSES, 0.1))
+    assert not list(FlowerParameters([np.ones(2)]).parameters())  # buffers only: nothing for autograd
+
+
+def test_runner_fit_gives_exactly_what_the_numpy_client_gives() -> None:
+    initial = _initial()
+    reply = run_instruction(
+        FlowerTask(_client("c1")), FitIns(round=3, parameters=initial, config=CONFIG, seed=SEED), "c1"
+    )
+    assert isinstance(reply, FitRes)
+    arrays, num_examples, metrics = _direct_fit("c1", list(initial.values()), 3)
+    assert list(reply.parameters) == list(initial)
+    for got, want in zip(reply.parameters.values(), arrays, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(reply.parameters["param_0000"], initial["param_0000"])
+    assert reply.num_examples == num_examples == SIZES["c1"]
+    assert {k: v for k, v in reply.metrics.items() if k != "fit_seconds"} == {"train_loss": metrics["train_loss"]}
+
+
+def test_runner_evaluate_gives_exactly_what_the_numpy_client_gives() -> None:
+    initial = _initial()
+    trained = _direct_fit("c2", list(initial.values()), 1)[0]
+    parameters = dict(zip(initial, trained, strict=True))
+    reply = run_instruction(FlowerTask(_client("c2")), EvaluateIns(round=1, parameters=parameters, batch_size=64), "c2")
+    assert isinstance(reply, EvaluateRes)
+    loss, num_examples, metrics = _client("c2").evaluate(trained, {"batch_size": 64})
+    assert (reply.loss, reply.num_examples) == (loss, num_examples)
+    assert reply.metrics == {"accuracy": metrics["accuracy"], "batch": 64.0}
+
+
+def test_rounds_equal_flowers_own_aggregate_of_the_direct_fits() -> None:
+    strategy = build_strategy(StrategyConfig(), CONFIG, SamplingConfig(fraction_fit=1.0, min_fit_clients=3))
+    pool = InMemoryPool(sorted(SIZES), lambda cid: FlowerTask(_client(cid)))
+    initial = _initial()
+    final, records = run_rounds(pool, strategy, initial, RoundConfig(num_rounds=2, seed=SEED))
+    assert [r.accepted for r in records] == [("c0", "c1", "c2")] * 2
+    # flwr's aggregate multiplies in the layer's dtype; fedcore folds float32 updates with float64 products
+    # (DESIGN.md). So flwr's function gets float64 copies, and its result is cast back to each layer's dtype
+    # before the next round, as fedcore stores the global model.
+    dtypes = [a.dtype for a in initial.values()]
+    expected = list(initial.values())
+    for rnd in (1, 2):
+        fits = [_direct_fit(cid, expected, rnd) for cid in sorted(SIZES)]
+        results = [([a.astype(np.float64) for a in arrays], n) for arrays, n, _ in fits]
+        expected = [a.astype(d) for a, d in zip(aggregate(results), dtypes, strict=True)]
+    for name, want in zip(final.parameters, expected, strict=True):
+        np.testing.assert_allclose(final.parameters[name], want, rtol=1e-6, err_msg=name)
+    assert final.parameters["param_0000"].dtype == np.float32
+
+
+class _Broken(LogRegClient):
+    def __init__(self, how: str) -> None:
+        super().__init__(0, 10)
+        self.how = how
+
+    def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+        arrays, n, metrics = super().fit(parameters, config)
+        if self.how == "count":
+            return arrays[:2], n, metrics
+        if self.how == "shape":
+            return [arrays[0][:, :2], *arrays[1:]], n, metrics
+        if self.how == "dtype":
+            return [arrays[0].astype(np.float64), *arrays[1:]], n, metrics
+        if self.how == "examples":
+            return arrays, float(n), metrics
+        return arrays, n  # not a 3-tuple
+
+
+@pytest.mark.parametrize(
+    ("how", "error", "match"),
+    [
+        ("count", PayloadError, r"returned 2 array\(s\) from fit, expected 3"),
+        ("shape", PayloadError, r"array 0 \(param_0000\) with shape \(5, 2\), expected \(5, 3\)"),
+        ("dtype", PayloadError, r"array 0 \(param_0000\) with dtype float64, expected float32"),
+        ("examples", ClientTaskError, r"num_examples=10.0 \(float\); it must be an int"),
+        ("tuple", ClientTaskError, r"must return \(parameters: list of numpy arrays, num_examples: int"),
+    ],
+)
+def test_wrong_returns_are_refused_with_a_clear_error(how: str, error: type[Exception], match: str) -> None:
+    ins = FitIns(round=2, parameters=_initial(), config=CONFIG, seed=SEED)
+    with pytest.raises(error, match=match) as info:
+        run_instruction(FlowerTask(_Broken(how)), ins, "c9")
+    assert "round 2, client 'c9', stage fit" in str(info.value)
+
+
+def test_a_wrong_update_is_a_failure_and_the_round_goes_on() -> None:
+    strategy = build_strategy(StrategyConfig(), CONFIG, SamplingConfig(fraction_fit=1.0, min_fit_clients=3))
+    tasks = {"c0": FlowerTask(_client("c0")), "c1": FlowerTask(_client("c1")), "c9": FlowerTask(_Broken("shape"))}
+    _, records = run_rounds(
+        InMemoryPool(sorted(tasks), tasks.__getitem__), strategy, _initial(), RoundConfig(num_rounds=1)
+    )
+    assert records[0].accepted == ("c0", "c1")
+    assert [f.client_id for f in records[0].failures] == ["c9"] and "shape" in records[0].failures[0].reason
+
+
+def client_fn(context: Context):  # type: ignore[no-untyped-def]
+    """A Flower ClientApp-style client_fn, as in Flower's quickstarts."""
+    partition = int(context.node_config.get("partition-id", 0))
+    return LogRegClient(partition, int(context.run_config["n"])).to_client()
+
+
+factory = flower_task_factory(client_fn)
+
+
+def test_factory_gives_the_client_fn_a_flower_context() -> None:
+    loaded = load_task_factory(f"{__name__}:factory")
+    task = loaded(TaskContext(client_id="c2", partition_id=2, num_partitions=3, options={"n": "17"}))
+    assert isinstance(task, FlowerTask)
+    client = task.client
+    assert isinstance(client, LogRegClient)  # to_client() unwrapped
+    assert len(client.y) == 17
+    np.testing.assert_array_equal(client.x, _data(2, 17)[0])
+    server_task = loaded(TaskContext(role="server", options={"n": "5"}))
+    assert list(from_state_dict(server_task.build_model().state_dict())) == list(_initial())
+
+    seen: list[TaskContext] = []
+
+    def own_client_fn(ctx: TaskContext) -> LogRegClient:
+        seen.append(ctx)
+        return _client("c0")
+
+    own = flower_task_factory(own_client_fn, context="fedcore")
+    ctx = TaskContext(client_id="c0")
+    assert isinstance(own(ctx), FlowerTask) and seen == [ctx]
+
+
+def test_what_is_not_a_numpy_client_is_refused() -> None:
+    class NoParameters(NumPyClient):
+        pass
+
+    with pytest.raises(ConfigError, match="does not implement get_parameters"):
+        FlowerTask(NoParameters())
+    with pytest.raises(ConfigError, match="not a Flower NumPyClient"):
+        FlowerTask(object())
+    with pytest.raises(ConfigError, match="'flower' or 'fedcore'"):
+        flower_task_factory(client_fn, context="other")  # type: ignore[arg-type]
