@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -404,6 +405,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fedcore's own errors are printed as one clear line (exit code 2), not a traceback.
     """
+    # OpenMP threads that spin while waiting (libgomp's default) slow torch several-fold when another process
+    # shares the cores, which is the normal case on a data holder's machine or a CI runner; passive waiting
+    # costs little when the machine is idle. Set before torch is imported (sub-commands import it lazily).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
