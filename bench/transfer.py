@@ -1,19 +1,21 @@
 """Benchmark: send a model to a client and an update back over loopback gRPC with TLS; compare to raw TCP.
 
-    python bench/transfer.py                 # 1 GiB model (the issue's figure)
-    python bench/transfer.py --mib 3200      # above protobuf's 2 GiB cap: one full round trip
-    python bench/transfer.py --mib 256       # quick run
+    python bench/transfer.py                    # 1 GiB model (the issue's figure)
+    python bench/transfer.py --mib 3072         # above protobuf's 2 GiB cap: one full round trip (~7 GiB RSS)
+    python bench/transfer.py --mib 256          # quick run
+    python bench/transfer.py --chunk-mib 16     # another chunk size (default: fedcore.wire.DEFAULT_CHUNK_BYTES)
 
 The server side is the real one (GrpcClientPool + CoordinatorService, TLS from privacy.tls): the global model is
-streamed from its payload file in 4 MiB chunks with a SHA-256 trailer, and the update is spilled to disk and
-digest-checked. The client side receives into a SHA-256 (no copy kept) and pushes one in-memory payload. The raw
-baseline sends the same number of bytes over a plain loopback TCP socket in the same process.
+streamed from its payload file in chunks with a SHA-256 trailer, and the update is spilled to disk and
+digest-checked. The client side does what the daemon does: the chunk-codec stub (no protobuf copies), a
+PayloadReceiver into a preallocated buffer with the SHA-256 on a helper thread, and one in-memory payload pushed
+as views with its digest computed alongside. The raw baseline sends the same number of bytes over a plain
+loopback TCP socket in the same process (both ends in one process, as the gRPC ends are).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import socket
 import tempfile
 import threading
@@ -26,9 +28,19 @@ import numpy as np
 
 from fedcore.messages import FitIns, FitRes
 from fedcore.proto.v1 import fedcore_pb2 as pb
-from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
-from fedcore.wire import DEFAULT_CHUNK_BYTES, iter_bytes_chunks, safetensors_header
+from fedcore.wire import (
+    DEFAULT_CHUNK_BYTES,
+    TRANSFER_OPTIONS,
+    BackgroundDigest,
+    BufferSink,
+    DataChunk,
+    PayloadReceiver,
+    chunk_body,
+    coordinator_stub,
+    iter_views,
+    safetensors_header,
+)
 from privacy.tls import init_certs
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.service import AuthPolicy, CoordinatorService, build_server
@@ -67,58 +79,74 @@ def raw_tcp(num_bytes: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=1024, help="model size in MiB (float32)")
+    parser.add_argument(
+        "--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / (1 << 20), help="payload chunk size in MiB"
+    )
     args = parser.parse_args()
+    chunk_bytes = int(args.chunk_mib * (1 << 20))
     tmp = Path(tempfile.mkdtemp(prefix="fedcore-bench-"))
     certs = tmp / "certs"
     init_certs(certs, clients=["bench"])
     n = args.mib * (1 << 20) // 4
     model = {"w": np.ones(n, dtype=np.float32)}
-    pool = GrpcClientPool(PoolConfig(spill_dir=tmp / "spill", max_payload_bytes=1 << 40))
+    pool = GrpcClientPool(PoolConfig(spill_dir=tmp / "spill", max_payload_bytes=1 << 40, chunk_bytes=chunk_bytes))
     creds = grpc.ssl_server_credentials([((certs / "server.key").read_bytes(), (certs / "server.pem").read_bytes())])
     server, port = build_server(
-        CoordinatorService(pool, AuthPolicy()), "127.0.0.1:0", credentials=creds, max_workers=8, chunk_bytes=4 << 20
+        CoordinatorService(pool, AuthPolicy()), "127.0.0.1:0", credentials=creds, max_workers=8, chunk_bytes=chunk_bytes
     )
     server.start()
+    cap = chunk_bytes + (1 << 20)
     channel = grpc.secure_channel(
         f"127.0.0.1:{port}",
         grpc.ssl_channel_credentials(root_certificates=(certs / "ca.pem").read_bytes()),
         options=[
             ("grpc.ssl_target_name_override", "localhost"),
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", cap),
+            ("grpc.max_send_message_length", cap),
+            *TRANSFER_OPTIONS,
         ],
     )
-    stub = pb_grpc.CoordinatorStub(channel)
+    stub = coordinator_stub(channel)  # the daemon's stub: payload chunks without protobuf copies
     session = stub.Join(pb.JoinRequest(client_id="bench")).session
+    done = threading.Event()
+
+    def heartbeat() -> None:  # as the daemon does: a long transfer must not look like a dead client
+        while not done.wait(2.0):
+            stub.Heartbeat(pb.HeartbeatRequest(session=session), timeout=10)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
     got: list[object] = []
     ins = FitIns(round=1, parameters=model, config=FitConfig(), seed=0)
     runner = threading.Thread(target=lambda: got.extend(pool.run({"bench": ins}, timeout_s=3600)))
     runner.start()
 
-    # down: the global model
+    # down: the global model, received as the daemon receives it (size limit, preallocated buffer, SHA-256
+    # overlapped on a helper thread, trailer checked)
     started = time.perf_counter()
     header: pb.TaskHeader | None = None
-    digest = hashlib.sha256()
     size = 0
     while header is None:
         for chunk in stub.PullTask(pb.PullTaskRequest(session=session, wait_s=5)):
-            kind = chunk.WhichOneof("body")
-            if kind == "header":
+            kind, data = chunk_body(chunk)
+            if kind == "header" and not isinstance(chunk, memoryview):
                 header = chunk.header
+                sink = BufferSink(header.payload_bytes)
+                receiver = PayloadReceiver(sink, announced=header.payload_bytes, limit=1 << 40)
                 started = time.perf_counter()
             elif kind == "data":
-                digest.update(chunk.data)
-                size += len(chunk.data)
-            elif kind == "trailer":
-                assert digest.digest() == chunk.trailer.sha256
+                receiver.write(data)
+                size += len(data)
+            elif kind == "trailer" and not isinstance(chunk, memoryview):
+                receiver.finish(chunk.trailer.sha256)
     down_s = time.perf_counter() - started
+    del sink, receiver
 
-    # up: the update (one in-memory payload, as the daemon sends it)
+    # up: the update (one in-memory payload, as the daemon sends it: views, digest on a helper thread)
     payload = bytearray(safetensors_header(model))
-    payload += memoryview(model["w"]).cast("B")
-    sha = hashlib.sha256(payload).digest()
+    payload += model["w"].data.cast("B")
+    model.clear()  # the pool wrote its payload file at the start of the round; keep one copy of the model
 
-    def stream() -> Iterator[pb.ResultChunk]:
+    def stream() -> Iterator[pb.ResultChunk | DataChunk]:
         assert header is not None
         yield pb.ResultChunk(
             header=pb.ResultHeader(
@@ -130,14 +158,16 @@ def main() -> None:
                 payload_bytes=len(payload),
             )
         )
-        for piece in iter_bytes_chunks(payload):
-            yield pb.ResultChunk(data=piece)
-        yield pb.ResultChunk(trailer=pb.Trailer(sha256=sha))
+        for piece in iter_views(payload, chunk_bytes):
+            yield DataChunk(piece)
+        yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest.digest()))
 
     started = time.perf_counter()
-    reply = stub.PushResult(stream())
+    digest = BackgroundDigest(payload)
+    reply = stub.PushResult(stream())  # type: ignore[arg-type]  # the stub's serializer takes DataChunk
     up_s = time.perf_counter() - started
     runner.join(600)
+    done.set()
     assert reply.accepted and isinstance(got[0], FitRes), (reply, got)
     del got[:]
     server.stop(0)
@@ -145,7 +175,10 @@ def main() -> None:
     raw_s = raw_tcp(size)
     gib = size / (1 << 30)
     raw = gib / raw_s
-    print(f"payload {size / (1 << 20):.0f} MiB ({'above' if size > (2 << 30) else 'below'} the 2 GiB protobuf cap)")
+    print(
+        f"payload {size / (1 << 20):.0f} MiB ({'above' if size > (2 << 30) else 'below'} the 2 GiB protobuf cap), "
+        f"chunks of {chunk_bytes / (1 << 20):g} MiB"
+    )
     print(f"raw loopback TCP        : {raw:6.2f} GiB/s")
     print(f"gRPC+TLS model download : {gib / down_s:6.2f} GiB/s  ({gib / down_s / raw:5.1%} of raw; target >= 50%)")
     print(

@@ -11,7 +11,6 @@ server treats a repeated push as a duplicate, so retrying is harmless.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import random
 import threading
@@ -32,9 +31,15 @@ from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
 from fedcore.tensors import decode, encode
 from fedcore.wire import (
     DEFAULT_CHUNK_BYTES,
+    TRANSFER_OPTIONS,
+    BackgroundDigest,
+    BufferSink,
+    DataChunk,
     PayloadReceiver,
+    chunk_body,
+    coordinator_stub,
     instruction_from_header,
-    iter_bytes_chunks,
+    iter_views,
     result_header,
 )
 
@@ -161,6 +166,7 @@ class ClientDaemon:
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.enable_retries", 0),
+            *TRANSFER_OPTIONS,
         ]
         if cfg.insecure:
             return grpc.insecure_channel(cfg.server, options=options)
@@ -191,7 +197,7 @@ class ClientDaemon:
         unreachable_since: float | None = None
         while not self._stop.is_set():
             channel = self._channel()
-            stub = pb_grpc.CoordinatorStub(channel)
+            stub = coordinator_stub(channel)  # payload chunks without protobuf copies
             heartbeat: threading.Thread | None = None
             try:
                 self._join(stub)
@@ -288,12 +294,12 @@ class ClientDaemon:
         stream = stub.PullTask(pb.PullTaskRequest(session=self._session, wait_s=self.config.poll_s), timeout=timeout)
         try:
             first = next(stream, None)
-            if first is None:
+            if first is None or isinstance(first, memoryview):
                 return False
             if first.WhichOneof("body") == "idle":
                 return bool(first.idle.finished)
             header = first.header
-            sink = io.BytesIO()
+            sink = BufferSink(header.payload_bytes)  # allocated at the first chunk, after the limit check
             receiver = PayloadReceiver(
                 sink,
                 announced=header.payload_bytes,
@@ -302,14 +308,15 @@ class ClientDaemon:
                 client_id=self.config.client_id,
             )
             digest: bytes | None = None
-            for chunk in stream:
-                kind = chunk.WhichOneof("body")
-                if kind == "data":
-                    receiver.write(chunk.data)
-                elif kind == "trailer":
-                    digest = chunk.trailer.sha256
-                    break
-            receiver.finish(digest)
+            with receiver:
+                for chunk in stream:
+                    kind, data = chunk_body(chunk)
+                    if kind == "data":
+                        receiver.write(data)
+                    elif kind == "trailer" and not isinstance(chunk, memoryview):
+                        digest = chunk.trailer.sha256
+                        break
+                receiver.finish(digest)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise _SessionLost() from exc
@@ -317,7 +324,9 @@ class ClientDaemon:
         except FedcoreError as exc:
             log.warning("discarding a damaged task payload (%s); pulling again", exc)
             return False
-        parameters = decode(sink.getvalue(), allow_nonfinite=True, round=header.round, client_id=self.config.client_id)
+        parameters = decode(
+            bytes(sink.buffer), allow_nonfinite=True, round=header.round, client_id=self.config.client_id
+        )
         del sink
         return header.task_id, instruction_from_header(header, parameters)
 
@@ -349,12 +358,13 @@ class ClientDaemon:
         payload = b""
         if not isinstance(reply, Failure) and hasattr(reply, "parameters"):
             payload = encode(reply.parameters)
+        digest = BackgroundDigest(payload)  # overlaps the first push
         delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         for attempt in range(1, 1000):
             if self._stop.is_set():
                 return
             try:
-                answer = stub.PushResult(self._result_stream(task_id, reply, payload), timeout=600)
+                answer = stub.PushResult(self._result_stream(task_id, reply, payload, digest), timeout=600)  # type: ignore[arg-type]  # the stub's serializer takes DataChunk
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                     # the server restarted: join again and push under the new session (the task may be gone)
@@ -376,15 +386,15 @@ class ClientDaemon:
     def _rejoin(self, stub: pb_grpc.CoordinatorStub) -> None:
         self._join(stub)
 
-    def _result_stream(self, task_id: str, reply: Reply, payload: bytes) -> Iterator[pb.ResultChunk]:
-        import hashlib
-
+    def _result_stream(
+        self, task_id: str, reply: Reply, payload: bytes, digest: BackgroundDigest
+    ) -> Iterator[pb.ResultChunk | DataChunk]:
         header = result_header(reply, session=self._session, task_id=task_id, payload_bytes=len(payload))
         yield pb.ResultChunk(header=header)
         if payload:
-            for piece in iter_bytes_chunks(payload, self._chunk_bytes):
-                yield pb.ResultChunk(data=piece)
-            yield pb.ResultChunk(trailer=pb.Trailer(sha256=hashlib.sha256(payload).digest()))
+            for piece in iter_views(payload, self._chunk_bytes):
+                yield DataChunk(piece)
+            yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest.digest()))
 
 
 def _details(exc: grpc.RpcError) -> str:

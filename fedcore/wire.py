@@ -17,17 +17,21 @@ import hashlib
 import json
 import math
 import os
+import queue
 import struct
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import grpc
 import numpy as np
 
 from fedcore.errors import PayloadError
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Reply, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
+from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays
 
@@ -229,16 +233,27 @@ def iter_file_chunks(path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iter
 
 def iter_bytes_chunks(data: bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
     """Yield ``data`` in pieces of at most ``chunk_bytes`` (one copy per piece, none of the whole)."""
+    for piece in iter_views(data, chunk_bytes):
+        yield bytes(piece)
+
+
+def iter_views(data: bytes | bytearray | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[memoryview]:
+    """Yield ``data`` in views of at most ``chunk_bytes`` (no copy)."""
     view = memoryview(data).cast("B")
     for i in range(0, len(view), chunk_bytes):
-        yield bytes(view[i : i + chunk_bytes])
+        yield view[i : i + chunk_bytes]
 
 
 class PayloadReceiver:
     """Receives one chunked payload into ``sink`` while checking its announced size, a limit and its digest.
 
+    Size checks run in :meth:`write`, on the caller's thread, before a chunk is accepted. Writing to the sink and
+    the SHA-256 run on a helper thread (both release the GIL), overlapped with receiving the next chunks; at most
+    ``_QUEUE_DEPTH`` chunks wait for it. Use it as a context manager (or call :meth:`close`) so the helper thread
+    stops when a transfer is abandoned.
+
     Args:
-        sink: where the bytes go (a spill file, or a BytesIO on a client).
+        sink: where the bytes go (a spill file, or a :class:`BufferSink` on a client).
         announced: the size the header announced.
         limit: the largest payload accepted, in bytes.
         round, client_id: context for error messages.
@@ -249,8 +264,16 @@ class PayloadReceiver:
             or its SHA-256 differs from the trailer's.
     """
 
+    _QUEUE_DEPTH = 8
+
     def __init__(
-        self, sink: BinaryIO, *, announced: int, limit: int, round: int | None = None, client_id: str | None = None
+        self,
+        sink: BinaryIO | BufferSink,
+        *,
+        announced: int,
+        limit: int,
+        round: int | None = None,
+        client_id: str | None = None,
     ) -> None:
         self._round, self._client_id = round, client_id
         if announced < 0:
@@ -264,6 +287,9 @@ class PayloadReceiver:
         self._announced = announced
         self._received = 0
         self._digest = hashlib.sha256()
+        self._queue: queue.Queue[bytes | memoryview | None] = queue.Queue(self._QUEUE_DEPTH)
+        self._error: BaseException | None = None
+        self._worker: threading.Thread | None = None
 
     @property
     def received(self) -> int:
@@ -273,22 +299,57 @@ class PayloadReceiver:
     def _fail(self, message: str) -> PayloadError:
         return PayloadError(message, round=self._round, client_id=self._client_id, stage="transfer")
 
-    def write(self, data: bytes) -> None:
-        """Take one chunk."""
+    def _drain(self) -> None:
+        while True:
+            data = self._queue.get()
+            if data is None:
+                return
+            if self._error is not None:
+                continue  # keep draining so the receiving thread never blocks
+            try:
+                self._sink.write(data)
+                self._digest.update(data)
+            except BaseException as exc:  # re-raised on the receiving thread
+                self._error = exc
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Take one chunk (kept by reference until it is written: do not reuse its buffer)."""
         if self._received + len(data) > self._announced:
+            self.close()
             raise self._fail(
                 f"received more than the announced {self._announced} bytes; the payload is rejected (corrupted "
                 "stream or a misbehaving client)"
             )
-        self._sink.write(data)
-        self._digest.update(data)
+        if self._error is not None:
+            self.close()
+            raise self._error
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._drain, name="fedcore-payload-sink", daemon=True)
+            self._worker.start()
+        self._queue.put(data)
         self._received += len(data)
+
+    def close(self) -> None:
+        """Stop the helper thread once the queued chunks are written (idempotent)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            self._queue.put(None)
+            worker.join()
+
+    def __enter__(self) -> PayloadReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def finish(self, sha256: bytes | None) -> None:
         """Check the trailer: all announced bytes arrived and their digest matches ``sha256``.
 
         ``sha256`` is None when the stream ended without a trailer.
         """
+        self.close()
+        if self._error is not None:
+            raise self._error
         if sha256 is None or self._received != self._announced:
             raise self._fail(
                 f"payload truncated: {self._received} of {self._announced} bytes arrived"
@@ -296,6 +357,146 @@ class PayloadReceiver:
             )
         if self._digest.digest() != sha256:
             raise self._fail("payload corrupted: SHA-256 of the received bytes differs from the trailer")
+
+
+class BufferSink:
+    """An in-memory sink of exactly ``size`` bytes, allocated at the first write (so a receiver can refuse an
+    oversized announcement before any memory is taken); one copy per chunk, no regrowth."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._buffer: bytearray | None = None
+        self._pos = 0
+
+    @property
+    def buffer(self) -> bytearray:
+        """The whole buffer (``size`` bytes)."""
+        if self._buffer is None:
+            self._buffer = bytearray(self._size)
+        return self._buffer
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Append ``data``; raises PayloadError past the end."""
+        n = len(data)
+        if self._pos + n > self._size:
+            raise PayloadError(f"payload overflows its announced {self._size} bytes")
+        memoryview(self.buffer)[self._pos : self._pos + n] = data
+        self._pos += n
+        return n
+
+
+class BackgroundDigest:
+    """SHA-256 of ``data`` computed on a helper thread (hashlib releases the GIL), so it overlaps sending."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._value = b""
+        self._thread = threading.Thread(target=self._run, args=(data,), name="fedcore-digest", daemon=True)
+        self._thread.start()
+
+    def _run(self, data: bytes | bytearray | memoryview) -> None:
+        self._value = hashlib.sha256(data).digest()
+
+    def digest(self) -> bytes:
+        """Wait for and return the digest."""
+        self._thread.join()
+        return self._value
+
+
+TRANSFER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.experimental.tcp_read_chunk_size", 4 << 20),
+    ("grpc.experimental.tcp_min_read_chunk_size", 1 << 20),
+    ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
+)
+"""gRPC options for bulk payloads, for servers and client channels: read the socket in large pieces."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# chunk codec: TaskChunk / ResultChunk data messages without protobuf copies
+#
+# ``data`` is field 2 (length-delimited) of both TaskChunk and ResultChunk. A data chunk is encoded by hand (tag,
+# varint length, bytes: one copy) and decoded to a memoryview into the received message (no copy). The encoding
+# is the protobuf encoding, so stock generated stubs on the other side interoperate. Every other message goes
+# through protobuf.
+
+_DATA_TAG = 0x12
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+class DataChunk:
+    """An outgoing payload chunk, encoded on the gRPC thread by :func:`serialize_chunk`."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data = data
+
+
+def serialize_chunk(message: DataChunk | pb.TaskChunk | pb.ResultChunk) -> bytes:
+    """gRPC serializer for TaskChunk / ResultChunk streams: a :class:`DataChunk` with one copy, else protobuf."""
+    if isinstance(message, DataChunk):
+        data = message.data
+        return b"".join((bytes((_DATA_TAG,)), _varint(len(data)), data))
+    return message.SerializeToString()
+
+
+def _chunk_parser(
+    message_type: type[pb.TaskChunk] | type[pb.ResultChunk],
+) -> Callable[[bytes], memoryview | pb.TaskChunk | pb.ResultChunk]:
+    def parse(raw: bytes) -> memoryview | pb.TaskChunk | pb.ResultChunk:
+        if raw[:1] == bytes((_DATA_TAG,)):
+            length = shift = 0
+            for pos in range(1, min(len(raw), 11)):
+                byte = raw[pos]
+                length |= (byte & 0x7F) << shift
+                shift += 7
+                if byte < 0x80:
+                    if pos + 1 + length == len(raw):  # exactly one data field: the common case
+                        return memoryview(raw)[pos + 1 :]
+                    break
+        return message_type.FromString(raw)
+
+    return parse
+
+
+parse_task_chunk = _chunk_parser(pb.TaskChunk)
+"""gRPC deserializer for TaskChunk: a data chunk as a read-only memoryview, anything else as a TaskChunk."""
+parse_result_chunk = _chunk_parser(pb.ResultChunk)
+"""gRPC deserializer for ResultChunk: a data chunk as a read-only memoryview, anything else as a ResultChunk."""
+
+
+def coordinator_stub(channel: grpc.Channel) -> pb_grpc.CoordinatorStub:
+    """A ``fedcore.v1.Coordinator`` stub whose payload streams use the chunk codec (pushes take
+    :class:`DataChunk` items; pulled data chunks arrive as memoryviews)."""
+    stub = pb_grpc.CoordinatorStub(channel)
+    stub.PullTask = channel.unary_stream(  # type: ignore[method-assign]
+        "/fedcore.v1.Coordinator/PullTask",
+        request_serializer=pb.PullTaskRequest.SerializeToString,
+        response_deserializer=parse_task_chunk,
+        _registered_method=True,
+    )
+    stub.PushResult = channel.stream_unary(  # type: ignore[method-assign]
+        "/fedcore.v1.Coordinator/PushResult",
+        request_serializer=serialize_chunk,
+        response_deserializer=pb.PushReply.FromString,
+        _registered_method=True,
+    )
+    return stub
+
+
+def chunk_body(chunk: memoryview | pb.TaskChunk | pb.ResultChunk) -> tuple[str | None, memoryview | bytes]:
+    """``(kind, data)`` of a received chunk: kind is the oneof name (``"data"``, ``"header"``, ...)."""
+    if isinstance(chunk, memoryview):
+        return "data", chunk
+    kind = chunk.WhichOneof("body")
+    return kind, chunk.data if kind == "data" else b""
 
 
 # ---------------------------------------------------------------------------------------------------------------

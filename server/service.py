@@ -24,7 +24,14 @@ from fedcore.errors import ConfigError, FedcoreError
 from fedcore.messages import Failure, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
-from fedcore.wire import PayloadReceiver
+from fedcore.wire import (
+    TRANSFER_OPTIONS,
+    DataChunk,
+    PayloadReceiver,
+    chunk_body,
+    parse_result_chunk,
+    serialize_chunk,
+)
 from server.grpc_pool import GrpcClientPool, Task
 from server.metrics import ServerMetrics
 
@@ -157,7 +164,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._pool.leave(request.session)
         return pb.LeaveReply()
 
-    def PullTask(self, request: pb.PullTaskRequest, context: grpc.ServicerContext) -> Iterator[pb.TaskChunk]:  # noqa: N802 - name fixed by the gRPC service
+    def PullTask(  # type: ignore[override]  # noqa: N802 - name fixed by the gRPC service; yields DataChunk too
+        self, request: pb.PullTaskRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.TaskChunk | DataChunk]:
         client_id = self._session_client(request.session, context)
         try:
             got = self._pool.pull(request.session, request.wait_s)
@@ -176,15 +185,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if not piece:
                     break
                 sent += len(piece)
-                yield pb.TaskChunk(data=piece)
+                yield DataChunk(piece)  # encoded by serialize_chunk without a protobuf copy
         yield pb.TaskChunk(trailer=pb.Trailer(sha256=task.payload.sha256))
         if self._metrics is not None:
             self._metrics.bytes_out.inc(sent)
         log.debug("sent round %d %s task to %s (%d bytes)", task.round, task.stage.value, client_id, sent)
 
-    def PushResult(self, request_iterator: Iterator[pb.ResultChunk], context: grpc.ServicerContext) -> pb.PushReply:  # noqa: N802 - name fixed by the gRPC service
+    def PushResult(  # noqa: N802 - name fixed by the gRPC service
+        self, request_iterator: Iterator[pb.ResultChunk | memoryview], context: grpc.ServicerContext
+    ) -> pb.PushReply:
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("body") != "header":
+        if first is None or isinstance(first, memoryview) or first.WhichOneof("body") != "header":
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a ResultHeader")
         header = first.header
         client_id = self._session_client(header.session, context)
@@ -208,22 +219,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self,
         task: Task,
         header: pb.ResultHeader,
-        chunks: Iterator[pb.ResultChunk],
+        chunks: Iterator[pb.ResultChunk | memoryview],
         context: grpc.ServicerContext,
     ) -> pb.PushReply:
         limit = self._pool.config.max_payload_bytes
         path = self._pool.new_spill_path(task)
         try:
-            with path.open("wb") as sink:
-                receiver = PayloadReceiver(
+            with (
+                path.open("wb") as sink,
+                PayloadReceiver(
                     sink, announced=header.payload_bytes, limit=limit, round=task.round, client_id=task.client_id
-                )
+                ) as receiver,
+            ):
                 digest: bytes | None = None
                 for chunk in chunks:
-                    kind = chunk.WhichOneof("body")
+                    kind, data = chunk_body(chunk)
                     if kind == "data":
-                        receiver.write(chunk.data)
-                    elif kind == "trailer":
+                        receiver.write(data)
+                    elif kind == "trailer" and not isinstance(chunk, memoryview):
                         digest = chunk.trailer.sha256
                         break
                     else:
@@ -269,6 +282,43 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, "this session belongs to another client certificate")
 
 
+def _add_service(service: CoordinatorService, server: grpc.Server) -> None:
+    """Register ``service`` like the generated ``add_CoordinatorServicer_to_server``, except that payload chunks
+    use :mod:`fedcore.wire`'s chunk codec (same bytes on the wire, no protobuf copies of the data)."""
+    handlers = {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            service.Join,
+            request_deserializer=pb.JoinRequest.FromString,
+            response_serializer=pb.JoinReply.SerializeToString,
+        ),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(
+            service.Heartbeat,
+            request_deserializer=pb.HeartbeatRequest.FromString,
+            response_serializer=pb.HeartbeatReply.SerializeToString,
+        ),
+        "PullTask": grpc.unary_stream_rpc_method_handler(
+            service.PullTask,
+            request_deserializer=pb.PullTaskRequest.FromString,
+            response_serializer=serialize_chunk,
+        ),
+        "PushResult": grpc.stream_unary_rpc_method_handler(
+            service.PushResult,
+            request_deserializer=parse_result_chunk,
+            response_serializer=pb.PushReply.SerializeToString,
+        ),
+        "Leave": grpc.unary_unary_rpc_method_handler(
+            service.Leave,
+            request_deserializer=pb.LeaveRequest.FromString,
+            response_serializer=pb.LeaveReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+    server.add_registered_method_handlers(_SERVICE, handlers)
+
+
+_SERVICE = "fedcore.v1.Coordinator"
+
+
 def build_server(
     service: CoordinatorService,
     address: str,
@@ -296,8 +346,9 @@ def build_server(
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.so_reuseport", 0),
     ]
+    options += list(TRANSFER_OPTIONS)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
-    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    _add_service(service, server)
     try:
         port = (
             server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)

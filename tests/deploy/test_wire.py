@@ -128,3 +128,33 @@ def test_instruction_and_reply_conversion() -> None:
     fail = Failure(client_id="x", round=5, stage=Stage.EVALUATE, reason="boom")
     got_fail = reply_from_header(result_header(fail, session="s", task_id="t2"), client_id="c", parameters=None)
     assert isinstance(got_fail, Failure) and "boom" in got_fail.reason and got_fail.stage is Stage.EVALUATE
+
+
+def test_chunk_codec_is_protobuf_compatible_and_copy_free() -> None:
+    from fedcore.proto.v1 import fedcore_pb2 as pb
+    from fedcore.wire import BufferSink, DataChunk, chunk_body, parse_result_chunk, parse_task_chunk, serialize_chunk
+
+    for size in (0, 1, 127, 128, 300_000):
+        data = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+        raw = serialize_chunk(DataChunk(memoryview(data)))
+        assert raw == pb.TaskChunk(data=data).SerializeToString() == pb.ResultChunk(data=data).SerializeToString()
+        for parse in (parse_task_chunk, parse_result_chunk):
+            kind, body = chunk_body(parse(raw))
+            assert kind == "data" and bytes(body) == data
+    header = pb.TaskChunk(trailer=pb.Trailer(sha256=b"d" * 32))
+    parsed = parse_task_chunk(serialize_chunk(header))
+    assert chunk_body(parsed)[0] == "trailer" and not isinstance(parsed, memoryview)
+    # a data field followed by another field is not taken as a bare data chunk
+    twice = pb.TaskChunk(data=b"ab").SerializeToString() + pb.TaskChunk(trailer=pb.Trailer()).SerializeToString()
+    assert chunk_body(parse_task_chunk(twice))[0] == "trailer"
+    # the receiving buffer is allocated only after the announced size passed the limit
+    sink = BufferSink(1 << 40)
+    with pytest.raises(PayloadError, match="exceeds the limit"):
+        PayloadReceiver(sink, announced=1 << 40, limit=1 << 20)
+    payload = b"q" * 5000
+    sink = BufferSink(len(payload))
+    with PayloadReceiver(sink, announced=len(payload), limit=len(payload)) as receiver:
+        for i in range(0, len(payload), 999):
+            receiver.write(memoryview(payload)[i : i + 999])
+        receiver.finish(hashlib.sha256(payload).digest())
+    assert bytes(sink.buffer) == payload
