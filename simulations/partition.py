@@ -219,8 +219,8 @@ def dirichlet_client_centric(
 
     ``prior`` is the global class frequency vector. Each client then receives its samples drawn class by class
     from ``q`` without replacement; when a class runs out, ``q`` is renormalized over the classes that still
-    have samples, and if all of ``q``'s mass sits on exhausted classes the remaining classes' prior is used
-    instead (never a NaN probability). Samples are drawn in multinomial batches with the exhausted draws
+    have samples, and if all of ``q``'s mass sits on exhausted classes the client draws a fresh mix
+    ``Dir(alpha * prior)`` over the classes that remain, so a small alpha stays skewed (never a NaN probability). Samples are drawn in multinomial batches with the exhausted draws
     redrawn, which has the same distribution as drawing them one by one.
 
     Args:
@@ -270,8 +270,16 @@ def dirichlet_client_centric(
         while need > 0:
             left = counts - taken
             weights = np.where(left > 0, q, 0.0)
-            if weights.sum() <= 0:
-                weights = np.where(left > 0, prior, 0.0)
+            if not weights.sum() > 0:
+                # q's mass is all on exhausted classes: redraw the mix over the remaining classes, keeping
+                # its skew (falling back to the prior here would make tiny alphas nearly IID).
+                remaining = left > 0
+                redrawn = rng.dirichlet(alpha * prior[remaining])
+                if not np.all(np.isfinite(redrawn)) or not redrawn.sum() > 0:
+                    redrawn = prior[remaining] / prior[remaining].sum()
+                q = np.zeros_like(prior)
+                q[remaining] = redrawn
+                weights = q
             draws = rng.multinomial(need, weights / weights.sum())
             grant = np.minimum(draws, left)
             for c in np.flatnonzero(grant):
@@ -363,12 +371,16 @@ def quantity_skew(
             "lower min_partition_size or num_clients"
         )
     rng = numpy_rng(seed, "quantity")
-    weights = rng.lognormal(0.0, sigma, num_clients)
+    # Normalize lognormal(0, sigma) draws in log space: exp(z - max z) never overflows, however large sigma is.
+    log_weights = rng.normal(0.0, sigma, num_clients)
+    weights = np.exp(log_weights - log_weights.max())
     shares = weights / weights.sum() * spare
     extra = np.floor(shares).astype(np.int64)
     leftover = spare - int(extra.sum())
     extra[np.argsort(extra - shares, kind="stable")[:leftover]] += 1  # largest fractional parts first
     sizes = extra + min_partition_size
+    if int(sizes.sum()) != n or int(sizes.min()) < min_partition_size:  # guard the invariant, never duplicate
+        raise PartitionError(f"quantity skew produced sizes summing to {int(sizes.sum())} for {n} samples")
     order = rng.permutation(n)
     return _finish(np.split(order, np.cumsum(sizes)[:-1]))
 

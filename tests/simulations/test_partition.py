@@ -10,6 +10,7 @@ import numpy.typing as npt
 import pandas as pd
 import pytest
 
+import simulations.partition as partition_mod
 from fedcore.errors import ConfigError, PartitionError
 from simulations.partition import (
     dirichlet_class_centric,
@@ -200,3 +201,27 @@ def test_natural_split_by_column() -> None:
 def test_invalid_inputs_raise_clear_errors(call: Callable[[], object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         call()
+
+
+def test_quantity_skew_with_huge_sigma_still_assigns_every_sample_once() -> None:
+    """lognormal(0, 300) overflows float64; the weights must be normalized in log space."""
+    parts = partition_mod.quantity_skew(1438, 10, 0, sigma=300.0, min_partition_size=1)
+    merged = np.concatenate(parts)
+    assert len(merged) == 1438 and len(np.unique(merged)) == 1438
+    assert min(len(p) for p in parts) >= 1
+
+
+def test_client_centric_gets_more_skewed_as_alpha_shrinks() -> None:
+    """When a client's dominant class runs out, its fallback mix must stay skewed, not revert to the prior."""
+    from simulations.report import class_counts, skew_summary
+
+    labels = np.repeat(np.arange(10), 144)
+
+    def tv_distance(alpha: float) -> float:
+        parts = partition_mod.dirichlet_client_centric(labels, 10, 0, alpha=alpha)
+        return skew_summary(class_counts(labels, parts, 10))["mean_tv_distance"]
+
+    tv = {alpha: tv_distance(alpha) for alpha in (1e-1, 1e-4, 1e-8)}
+    assert tv[1e-4] >= tv[1e-1] - 0.05
+    assert tv[1e-8] >= tv[1e-1] - 0.05
+    assert tv[1e-8] > 0.7
