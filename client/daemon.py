@@ -195,16 +195,20 @@ class ClientDaemon:
             torch.set_num_threads(self.config.threads)
         delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         unreachable_since: float | None = None
+        shown_hint = ""
         while not self._stop.is_set():
             channel = self._channel()
             stub = coordinator_stub(channel)  # payload chunks without protobuf copies
             heartbeat: threading.Thread | None = None
             try:
-                self._join(stub)
+                seed = self._join(stub)
                 unreachable_since = None
                 delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
+                # heartbeats start before the task is built: loading data can outlast the server's liveness
+                # timeout, and the session must stay alive meanwhile
                 heartbeat = threading.Thread(target=self._heartbeat_loop, args=(stub,), daemon=True)
                 heartbeat.start()
+                self._prepare_task(seed)
                 if self._serve(stub):
                     log.info("the server finished the run; exiting")
                     self._leave(stub)
@@ -222,9 +226,16 @@ class ClientDaemon:
                 now = time.monotonic()
                 unreachable_since = unreachable_since if unreachable_since is not None else now
                 limit = self.config.give_up_after_s
+                hint = "" if self._session else tls_hint(exc, self.config)
+                if hint and hint != shown_hint:
+                    log.warning("%s", hint)  # once per distinct cause, not on every retry
+                    shown_hint = hint
                 if limit is not None and now - unreachable_since > limit:
                     log.error(
-                        "server %s unreachable for %.0f s; giving up", self.config.server, now - unreachable_since
+                        "server %s unreachable for %.0f s; giving up%s",
+                        self.config.server,
+                        now - unreachable_since,
+                        f" ({hint})" if hint else "",
                     )
                     return 3
                 delay = next(delays)
@@ -237,30 +248,41 @@ class ClientDaemon:
                 channel.close()
         return 0
 
-    def _join(self, stub: pb_grpc.CoordinatorStub) -> None:
+    def _join(self, stub: pb_grpc.CoordinatorStub) -> int:
+        """Open a session; returns the run's seed (for :meth:`_prepare_task`). Heartbeats may start at once."""
         self._session = ""
         reply = stub.Join(pb.JoinRequest(client_id=self.config.client_id, token=self.config.token), timeout=30)
         self._session = reply.session
         self._heartbeat_s = max(0.1, reply.heartbeat_interval_s)
         self._chunk_bytes = reply.chunk_bytes or DEFAULT_CHUNK_BYTES
-        if self._task is None or self._task_seed != reply.seed:
-            context = TaskContext(
-                role="client",
-                client_id=self.config.client_id,
-                partition_id=self.config.partition_id,
-                num_partitions=self.config.num_partitions,
-                data_dir=self.config.data_dir,
-                seed=reply.seed,
-                options=dict(self.config.task_options),
-            )
-            self._task = self._factory(context)
-            self._task_seed = reply.seed
-            plan = self.config.parallel
-            if plan is not None and not plan.is_single_process:
-                plan.check_model(self._task.build_model())  # a bad split point fails here, before any round
-                self._parallel = ParallelTraining(task_factory=self.config.task, task_context=context, plan=plan)
         self._session_ok.set()
         log.info("joined %s as %s", self.config.server, self.config.client_id)
+        return int(reply.seed)
+
+    def _prepare_task(self, seed: int) -> None:
+        """Build the task for the run's ``seed`` (loads the data; may take long), unless built for it already.
+
+        Called with the heartbeat thread running, so the session stays alive however long it takes.
+        """
+        if self._task is not None and self._task_seed == seed:
+            return
+        context = TaskContext(
+            role="client",
+            client_id=self.config.client_id,
+            partition_id=self.config.partition_id,
+            num_partitions=self.config.num_partitions,
+            data_dir=self.config.data_dir,
+            seed=seed,
+            options=dict(self.config.task_options),
+        )
+        started = time.perf_counter()
+        self._task = self._factory(context)
+        self._task_seed = seed
+        plan = self.config.parallel
+        if plan is not None and not plan.is_single_process:
+            plan.check_model(self._task.build_model())  # a bad split point fails here, before any round
+            self._parallel = ParallelTraining(task_factory=self.config.task, task_context=context, plan=plan)
+        log.info("task ready in %.2f s", time.perf_counter() - started)
 
     def _heartbeat_loop(self, stub: pb_grpc.CoordinatorStub) -> None:
         while self._session_ok.is_set() and not self._stop.wait(self._heartbeat_s):
@@ -331,7 +353,7 @@ class ClientDaemon:
         return header.task_id, instruction_from_header(header, parameters)
 
     def _execute(self, instruction: Instruction) -> Reply:
-        assert self._task is not None  # set by _join
+        assert self._task is not None  # set by _prepare_task
         started = time.perf_counter()
         log.info("round %d %s started", instruction.round, instruction.stage.value)
         try:
@@ -384,7 +406,8 @@ class ClientDaemon:
             return
 
     def _rejoin(self, stub: pb_grpc.CoordinatorStub) -> None:
-        self._join(stub)
+        # the heartbeat thread of run() is still running and picks up the new session
+        self._prepare_task(self._join(stub))
 
     def _result_stream(
         self, task_id: str, reply: Reply, payload: bytes, digest: BackgroundDigest
@@ -395,6 +418,43 @@ class ClientDaemon:
             for piece in iter_views(payload, self._chunk_bytes):
                 yield DataChunk(piece)
             yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest.digest()))
+
+
+def tls_hint(exc: grpc.RpcError, config: DaemonConfig) -> str:
+    """A hint for a join that failed in the TLS handshake, or "" when ``exc`` does not look like one.
+
+    gRPC reports handshake failures as UNAVAILABLE: a server certificate this client cannot verify shows its
+    cause in the details; a client certificate the server does not trust shows only as "Socket closed" (the
+    server ends the handshake), so that hint is a "may".
+    """
+    code = exc.code() if hasattr(exc, "code") else None
+    if config.insecure or code != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    text = _details(exc)
+    lowered = text.lower()
+    if "hostname verification" in lowered or "no match found for server name" in lowered:
+        return (
+            "TLS: the server certificate is not issued to the name this client connects to; pass --server-name "
+            "with a name in the server certificate (or connect by such a name)"
+        )
+    if "wrong_version_number" in lowered:
+        return (
+            "TLS: the server did not answer with TLS; it may have been started with --insecure (then pass "
+            "--insecure here too)"
+        )
+    if "handshake failed" in lowered or "certificate" in lowered:
+        return (
+            "TLS: this client could not verify the server certificate; check that --ca-cert is the CA that "
+            "signed the server's --tls-cert, and --server-name if you connect by an address not in the "
+            "certificate"
+        )
+    if config.cert is not None and ("socket closed" in lowered or "connection reset" in lowered):
+        return (
+            "TLS: the server closed the connection during the handshake; it may not trust this client "
+            f"certificate: check --cert {config.cert} / --key {config.key}, and that the CA given to the "
+            "server as --client-ca signed it"
+        )
+    return ""
 
 
 def _details(exc: grpc.RpcError) -> str:

@@ -185,11 +185,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if not piece:
                     break
                 sent += len(piece)
+                # counted as each chunk is handed to gRPC: a client that has read the whole payload may cancel
+                # the stream before this generator runs past its last yield, so nothing may be counted after it
+                if self._metrics is not None:
+                    self._metrics.bytes_out.inc(len(piece))
                 yield DataChunk(piece)  # encoded by serialize_chunk without a protobuf copy
+        log.debug("sending round %d %s task to %s (%d bytes)", task.round, task.stage.value, client_id, sent)
         yield pb.TaskChunk(trailer=pb.Trailer(sha256=task.payload.sha256))
-        if self._metrics is not None:
-            self._metrics.bytes_out.inc(sent)
-        log.debug("sent round %d %s task to %s (%d bytes)", task.round, task.stage.value, client_id, sent)
 
     def PushResult(  # noqa: N802 - name fixed by the gRPC service
         self, request_iterator: Iterator[pb.ResultChunk | memoryview], context: grpc.ServicerContext
