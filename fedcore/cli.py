@@ -54,7 +54,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any recipe value, e.g. --set train.lr=0.1 --set strategy.name=fedadam",
+        help="override any recipe value (wins over the flags below), e.g. --set train.lr=0.1",
     )
     p.add_argument("--rounds", type=int)
     p.add_argument("--seed", type=int)
@@ -79,16 +79,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from simulations.config import load_recipe
     from simulations.harness import run_simulation
 
-    overrides = list(args.overrides)
+    overrides = []
     for flag, key in SIMULATE_SHORTCUTS.items():
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={_toml_literal(value)}")
     if args.no_progress:
         overrides.append("output.progress=false")
+    overrides += args.overrides  # explicit --set comes last, so it wins over the shortcut flags
     config = load_recipe(args.recipe, overrides)
-    run_simulation(config)
-    return 0
+    result = run_simulation(config)
+    return 3 if result.diverged else 0
 
 
 def _toml_literal(value: object) -> str:
@@ -121,11 +122,12 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     from simulations.report import class_counts, format_summary, plot_heatmap, skew_summary
     from simulations.tasks import prepare_data
 
-    overrides = list(args.overrides)
+    overrides = ["sampling.min_fit_clients=1"]  # no training here: sampling must not limit the client count
     for flag in ("seed", "dataset", "data_dir", "clients", "partition", "alpha"):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{SIMULATE_SHORTCUTS[flag]}={_toml_literal(value)}")
+    overrides += args.overrides
     config = load_recipe(args.recipe, overrides)
     prepared = prepare_data(config.data, config.seed)
     counts = class_counts(prepared.labels, prepared.partitions, prepared.num_classes)
@@ -427,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except FedcoreError as exc:
+        print(f"fedcore: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the user gave cannot be read or written
         print(f"fedcore: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,10 @@ class FitConfig:
     max_steps: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("lr", "momentum", "weight_decay", "mu"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
         if self.local_epochs < 1:
             raise ConfigError(f"local_epochs must be >= 1, got {self.local_epochs}")
         if self.batch_size < 1:

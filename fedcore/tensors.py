@@ -149,6 +149,8 @@ def read_metadata(data: bytes) -> dict[str, str]:
 
 
 def _read_header(data: bytes) -> dict[str, object]:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise PayloadError(f"a payload must be bytes, got {type(data).__name__}")
     if len(data) < 8:
         raise PayloadError(f"payload of {len(data)} bytes is too short to be safetensors (truncated?)")
     (header_len,) = struct.unpack("<Q", data[:8])
@@ -157,8 +159,8 @@ def _read_header(data: bytes) -> dict[str, object]:
             f"safetensors header claims {header_len} bytes but only {len(data) - 8} follow (truncated payload)"
         )
     try:
-        header = json.loads(data[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = json.loads(bytes(data[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise PayloadError(f"safetensors header is not valid JSON (corrupted payload): {exc}") from exc
     if not isinstance(header, dict):
         raise PayloadError("safetensors header is not a JSON object (corrupted payload)")
@@ -191,7 +193,7 @@ def decode(
     header = _read_header(data)
     try:
         loaded = _st_load(bytes(data))
-    except (SafetensorError, ValueError, TypeError, OverflowError) as exc:
+    except (SafetensorError, ValueError, TypeError, OverflowError, KeyError, RecursionError) as exc:
         raise PayloadError(
             f"payload is not valid safetensors (truncated or corrupted): {exc}", round=round, client_id=client_id
         ) from exc
@@ -200,8 +202,11 @@ def decode(
     else:
         meta = header.get("__metadata__") or {}
         raw = meta.get(_ORDER_KEY) if isinstance(meta, dict) else None
-        order = json.loads(raw) if isinstance(raw, str) else sorted(loaded)
-        if sorted(order) != sorted(loaded):
+        try:
+            order = json.loads(raw) if isinstance(raw, str) else sorted(loaded)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise PayloadError(f"payload's recorded tensor order is not valid JSON (corrupted payload): {exc}") from exc
+        if not isinstance(order, list) or not all(isinstance(n, str) for n in order) or sorted(order) != sorted(loaded):
             raise PayloadError("payload's recorded tensor order does not match its tensors (corrupted payload)")
     arrays: NamedArrays = {}
     for name in order:

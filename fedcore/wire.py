@@ -180,7 +180,7 @@ def open_safetensors(
             raise fail(f"safetensors header claims {header_len} bytes but only {size - 8} follow (truncated)")
         try:
             header = json.loads(fh.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise fail(f"safetensors header is not valid JSON (corrupted payload): {exc}") from exc
     if not isinstance(header, dict):
         raise fail("safetensors header is not a JSON object (corrupted payload)")
@@ -203,8 +203,11 @@ def open_safetensors(
             raise fail(f"tensor {name!r}: {end - start} bytes do not hold shape {shape} of {dtype.name}")
         entries[name] = (dtype, shape, start, end)
     order_raw = raw_meta.get(ORDER_KEY)
-    order = json.loads(order_raw) if isinstance(order_raw, str) else sorted(entries)
-    if not isinstance(order, list) or sorted(order) != sorted(entries):
+    try:
+        order = json.loads(order_raw) if isinstance(order_raw, str) else sorted(entries)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise fail(f"payload's recorded tensor order is not valid JSON (corrupted payload): {exc}") from exc
+    if not isinstance(order, list) or not all(isinstance(n, str) for n in order) or sorted(order) != sorted(entries):
         raise fail("payload's recorded tensor order does not match its tensors (corrupted payload)")
     arrays: NamedArrays = {}
     for name in order:

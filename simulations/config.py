@@ -7,6 +7,7 @@ CLI as ``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,20 +61,26 @@ class DataConfig:
             raise ConfigError(f"unknown partition {self.partition!r}; choose one of {', '.join(PARTITION_NAMES)}")
         if self.num_clients < 1:
             raise ConfigError(f"num_clients must be >= 1, got {self.num_clients}")
-        if not self.alpha > 0:
-            raise ConfigError(f"alpha must be > 0, got {self.alpha}")
+        if self.data_dir is not None and str(self.data_dir).strip() in ("", "."):
+            raise ConfigError("data_dir is empty; give the directory that holds the dataset files, or leave it unset")
+        if not (0 < self.alpha < math.inf):
+            raise ConfigError(f"alpha must be a finite number > 0, got {self.alpha}")
         if self.shards_per_client < 1:
             raise ConfigError(f"shards_per_client must be >= 1, got {self.shards_per_client}")
-        if self.min_partition_size < 0 or self.max_redraws < 1:
-            raise ConfigError("min_partition_size must be >= 0 and max_redraws >= 1")
-        if not self.sigma > 0:
-            raise ConfigError(f"sigma must be > 0, got {self.sigma}")
+        if self.min_partition_size < 0:
+            raise ConfigError(f"min_partition_size must be >= 0, got {self.min_partition_size}")
+        if not 1 <= self.max_redraws <= 10_000:
+            raise ConfigError(f"max_redraws must be in 1..10000, got {self.max_redraws}")
+        if not 0 < self.sigma <= 50:
+            raise ConfigError(f"sigma must be in (0, 50] (lognormal shape of client sizes), got {self.sigma}")
         if (self.dataset == "synthetic") != (self.partition == "natural"):
             raise ConfigError(
                 "the synthetic dataset comes split by device: use partition = 'natural' with it, and only with it"
             )
-        if self.synthetic_alpha < 0 or self.synthetic_beta < 0:
-            raise ConfigError("synthetic_alpha and synthetic_beta are standard deviations and must be >= 0")
+        for name in ("synthetic_alpha", "synthetic_beta"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1000:
+                raise ConfigError(f"{name} is a standard deviation and must be in [0, 1000], got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +114,10 @@ class OutputConfig:
     progress: bool = True
     plot: bool = True
 
+    def __post_init__(self) -> None:
+        if str(self.dir).strip() in ("", "."):
+            raise ConfigError("output.dir is empty; give a directory for the run's results (e.g. runs/my-run)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class SimulationConfig:
@@ -130,8 +141,10 @@ class SimulationConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if not 1 <= self.rounds <= 1_000_000:
+            raise ConfigError(f"rounds must be in 1..1000000, got {self.rounds}")
+        if self.train.local_epochs > 10_000:
+            raise ConfigError(f"train.local_epochs must be <= 10000, got {self.train.local_epochs}")
         if self.evaluate_every < 1:
             raise ConfigError(f"evaluate_every must be >= 1, got {self.evaluate_every}")
         if self.sampling.min_fit_clients > self.data.num_clients:

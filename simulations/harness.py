@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from fedcore.config import to_mapping
+from fedcore.errors import ConfigError
 from fedcore.seeding import derive_seed
 from fedcore.strategy import build_strategy
 from fedcore.task import EvalResult, TaskContext
@@ -33,6 +35,7 @@ from simulations.tasks import demo_task
 log = logging.getLogger("fedcore.simulation")
 
 COLUMNS = ("round", "clients", "train_loss", "test_loss", "test_accuracy", "seconds")
+OUTPUT_FILES = ("config.json", "history.csv", "history.png", "model.safetensors")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class SimulationResult:
         final: the final server state (round, global model, optimizer state).
         wall_seconds: wall time of the whole run, data loading included.
         csv_path, plot_path, model_path: where the history, the plot and the final model were written.
+        diverged: the global model's test loss became NaN or infinite (the learning rate is too high).
     """
 
     history: pd.DataFrame
@@ -53,6 +57,7 @@ class SimulationResult:
     csv_path: Path
     plot_path: Path | None
     model_path: Path
+    diverged: bool = False
 
 
 def task_options(config: SimulationConfig) -> dict[str, str]:
@@ -102,8 +107,13 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     """
     started = time.perf_counter()
     out_dir = Path(config.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(to_mapping(config), indent=2) + "\n")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
+            (out_dir / name).unlink(missing_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(to_mapping(config), indent=2) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
     options = task_options(config)
     ids = client_ids(config.data.num_clients)
     index = {cid: i for i, cid in enumerate(ids)}
@@ -130,8 +140,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         return server_task.evaluate(eval_model, strategy.evaluate_batch_size)
 
     csv_path = out_dir / "history.csv"
-    csv_path.unlink(missing_ok=True)
     rows: list[Mapping[str, object]] = []
+    divergent_rounds: list[int] = []
     progress = tqdm(total=config.rounds, desc="rounds", unit="round", disable=not config.output.progress, leave=False)
     say = tqdm.write if config.output.progress else echo
     if config.output.progress:
@@ -143,6 +153,9 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         pd.DataFrame([row]).to_csv(csv_path, mode="a", header=not csv_path.exists(), index=False)
         if config.output.progress:
             say(_format_row(row))
+        if record.eval_loss is not None and not math.isfinite(record.eval_loss):
+            divergent_rounds.append(record.round)
+            log.warning("round %d: test loss %s: training diverged", record.round, record.eval_loss)
         if record.round > 0:
             progress.update(1)
             acc = record.eval_metrics.get("accuracy")
@@ -167,12 +180,24 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     wall = time.perf_counter() - started
     accuracy = history["test_accuracy"].dropna()
     final_acc = float(accuracy.iloc[-1]) if len(accuracy) else float("nan")
+    diverged = bool(divergent_rounds)
+    if diverged:
+        echo(
+            "WARNING: training diverged: the global model's test loss became NaN or infinite; "
+            "lower train.lr (or strategy.server_lr) and run again"
+        )
     echo(
         f"final test accuracy {final_acc:.4f} after {final.round} rounds in {wall:.1f} s; "
         f"history: {csv_path}; plot: {plot_path if plot_path else 'off'}"
     )
     return SimulationResult(
-        history=history, final=final, wall_seconds=wall, csv_path=csv_path, plot_path=plot_path, model_path=model_path
+        history=history,
+        final=final,
+        wall_seconds=wall,
+        csv_path=csv_path,
+        plot_path=plot_path,
+        model_path=model_path,
+        diverged=diverged,
     )
 
 

@@ -52,7 +52,14 @@ def test_overrides_are_typed_and_do_not_mutate_the_input() -> None:
         (["train.bogus=1"], "unknown key.*'bogus'.*known keys: batch_size"),
         (["rounds=abc"], "rounds: expected an integer"),
         (["strategy.name=fedmagic"], "unknown strategy 'fedmagic'"),
-        (["data.alpha=0"], "alpha must be > 0"),
+        (["data.alpha=0"], "alpha must be a finite number > 0"),
+        (["data.alpha=inf"], "alpha must be a finite number > 0"),
+        (["train.lr=inf"], "lr must be a finite number"),
+        (["train.mu=nan"], "mu must be a finite number"),
+        (["output.dir=''"], "output.dir is empty"),
+        (["data.sigma=1000"], r"sigma must be in \(0, 50\]"),
+        (["rounds=99999999999999"], r"rounds must be in 1\.\.1000000"),
+        (["data.max_redraws=100000000"], "max_redraws must be in 1..10000"),
         (["data.dataset=synthetic"], "partition = 'natural'"),
         (["sampling.fraction_fit=1.5"], r"fraction_fit must be in \(0, 1\]"),
         (["sampling.min_fit_clients=500"], "exceeds data.num_clients=100"),
@@ -69,6 +76,12 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
     bad.write_text("rounds = = 3\n")
     with pytest.raises(ConfigError, match=r"bad\.toml.*not valid TOML"):
         load_recipe(bad)
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match=r"binary\.toml.*not valid TOML"):
+        load_recipe(binary)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_recipe(tmp_path)  # a directory
     with pytest.raises(ConfigError, match="does not exist"):
         load_recipe(tmp_path / "missing.toml")
 

@@ -1,0 +1,61 @@
+"""Hostile payloads: whatever a client sends, decoding raises PayloadError, never another exception."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedcore.errors import PayloadError
+from fedcore.tensors import decode, encode
+from fedcore.wire import open_safetensors
+
+
+def payload(header: object, body: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+HOSTILE = {
+    "deeply nested header": payload(b"[" * 100_000 + b"]" * 100_000),
+    "order metadata not JSON": payload(
+        {"__metadata__": {"fedcore.order": "{not json"}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+        b"\0\0\0\0",
+    ),
+    "order metadata deeply nested": payload(
+        {
+            "__metadata__": {"fedcore.order": "[" * 100_000 + "]" * 100_000},
+            "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        },
+        b"\0\0\0\0",
+    ),
+    "order metadata of numbers": payload(
+        {"__metadata__": {"fedcore.order": "[1]"}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+        b"\0\0\0\0",
+    ),
+    "unknown dtype": payload({"w": {"dtype": "BF17", "shape": [1], "data_offsets": [0, 2]}}, b"\0\0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_decode_turns_hostile_payloads_into_payload_errors(name: str) -> None:
+    with pytest.raises(PayloadError):
+        decode(HOSTILE[name])
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_wire_reader_turns_hostile_payloads_into_payload_errors(name: str, tmp_path: Path) -> None:
+    path = tmp_path / "update.safetensors"
+    path.write_bytes(HOSTILE[name])
+    with pytest.raises(PayloadError):
+        open_safetensors(path)
+
+
+def test_decode_accepts_any_bytes_like_and_refuses_other_types() -> None:
+    data = encode({"w": np.arange(3, dtype=np.float32)})
+    np.testing.assert_array_equal(decode(memoryview(data))["w"], np.arange(3, dtype=np.float32))
+    with pytest.raises(PayloadError, match="must be bytes"):
+        decode(None)  # type: ignore[arg-type]
