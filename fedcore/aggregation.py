@@ -20,8 +20,10 @@ touches the running sum. ``bench/aggregation.py`` measures it against flwr and t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
 import struct
 import threading
@@ -41,6 +43,12 @@ Chosen by measurement with bench/aggregation.py on the 2-core dev VM (see the mo
 
 _MAX_THREADS = 8
 """Upper bound on the default thread count: the fold is memory-bound, more threads only add contention."""
+
+_MAPPED_SUM_BYTES = 1 << 20
+"""Running sums of at least this many bytes live in their own anonymous mapping, so that
+``result(release=True)`` can hand the unused tail of the buffer back to the OS."""
+
+_PAGE = mmap.PAGESIZE
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -105,7 +113,12 @@ class WeightedMean:
     Raises:
         ConfigError: the spec is empty, has duplicate names or a complex / non-numeric dtype, or ``threads`` < 1.
 
-    Memory: one float64 array per tensor (2x a float32 model), plus one fixed scratch block per thread.
+    Memory: one float64 array per tensor (2x a float32 model), plus one fixed scratch block per thread; the pages
+    of a sum are only allocated when the first update touches them. An update given as read-only file mappings
+    (``np.memmap`` with mode ``"r"``, as the server maps spilled updates) has its pages unmapped block by block
+    right after they were read, so folding it adds no resident memory however large it is (the file stays the
+    source of the data). ``result(release=True)`` turns the sums into the result in place (peak: the sums, 2x;
+    after it: the result, 1x).
     Not thread-safe: one caller at a time per instance (the instance runs its own helper threads).
     """
 
@@ -125,7 +138,7 @@ class WeightedMean:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
         self._spec = spec
-        self._sums: dict[str, np.ndarray] = {s.name: np.zeros(math.prod(s.shape), np.float64) for s in spec}
+        self._sums: dict[str, np.ndarray] = {s.name: _zeros64(math.prod(s.shape)) for s in spec}
         # work items: (tensor name, start, end), in spec order; a tensor spans ceil(size / _BLOCK) of them
         self._blocks: list[tuple[str, int, int]] = [
             (name, i, min(i + _BLOCK, total.size))
@@ -140,6 +153,7 @@ class WeightedMean:
         self._total_weight = 0.0
         self._clients: list[str] = []
         self._count = 0
+        self._released = False
 
     @property
     def spec(self) -> tuple[TensorSpec, ...]:
@@ -183,11 +197,13 @@ class WeightedMean:
             PayloadError: names, shapes or dtypes differ from the spec.
             NonFiniteError: a floating tensor holds NaN or Inf.
         """
+        self._check_open()
         w = self._check_weight(weight, client_id=client_id, round=round)
         check_spec(update, self._spec, round=round, client_id=client_id)
         flat = {name: np.ascontiguousarray(update[name]).reshape(-1) for name in self._sums}
-        self._check_finite(flat, round=round, client_id=client_id)
-        self._fold(flat, w, client_id)
+        mapped = {name: m for name in self._sums if (m := _file_mapping(update[name], flat[name])) is not None}
+        self._check_finite(flat, round=round, client_id=client_id, mapped=mapped)
+        self._fold(flat, w, client_id, mapped=mapped)
 
     def add_bytes(
         self,
@@ -212,17 +228,26 @@ class WeightedMean:
             PayloadError: truncated or corrupted bytes; names, shapes or dtypes differ from the spec.
             NonFiniteError: a floating tensor holds NaN or Inf.
         """
+        self._check_open()
         w = self._check_weight(weight, client_id=client_id, round=round)
         flat = _view_payload(payload, self._spec, round=round, client_id=client_id)
         self._check_finite(flat, round=round, client_id=client_id)
         self._fold(flat, w, client_id)
 
-    def result(self) -> NamedArrays:
+    def result(self, *, release: bool = False) -> NamedArrays:
         """Return the weighted mean, each tensor cast back to its spec dtype (integers rounded to nearest).
 
+        Args:
+            release: build the result inside the running sums' own memory (tensor by tensor, front to back) and
+                hand the unused rest of each large sum back to the OS, so the peak stays at the sums' size (2x a
+                float32 model) and only the result (1x) remains. The accumulator is spent afterwards: ``add`` and
+                ``result`` raise. Same values, bit for bit, as without it.
+
         Raises:
-            AggregationError: nothing was added, or the weights sum to 0; the message names the clients.
+            AggregationError: nothing was added, or the weights sum to 0 (the message names the clients), or the
+                accumulator was already spent by ``result(release=True)``.
         """
+        self._check_open()
         if self._count == 0:
             raise AggregationError("no updates were added; nothing to aggregate", stage="aggregate")
         if self._total_weight <= 0.0:
@@ -231,6 +256,8 @@ class WeightedMean:
                 "clients must report a positive number of examples",
                 stage="aggregate",
             )
+        if release:
+            return self._result_in_place()
         flat_out = {s.name: np.empty(math.prod(s.shape), dtype=s.dtype) for s in self._spec}
         total_weight = self._total_weight
 
@@ -245,6 +272,40 @@ class WeightedMean:
 
         self._parallel(len(self._blocks), divide)
         return {s.name: flat_out[s.name].reshape(s.shape) for s in self._spec}
+
+    def _result_in_place(self) -> NamedArrays:
+        """``result(release=True)``: the same per-element operations as :meth:`result`, written over the sums.
+
+        Output element ``k`` (itemsize <= 8) occupies bytes that belong to float64 elements ``<= k``, which were
+        read before it is written when the blocks run in order on one thread; hence no parallel blocks here.
+        """
+        self._released = True
+        total_weight = self._total_weight
+        blk_all = self._scratch[0]
+        out: NamedArrays = {}
+        sums, self._sums = self._sums, {}
+        for s in self._spec:
+            total = sums.pop(s.name)
+            dtype = np.dtype(s.dtype)
+            n = total.size
+            target = total if dtype == np.float64 else total.view(np.uint8)[: n * dtype.itemsize].view(dtype)
+            for i in range(0, n, _BLOCK):
+                j = min(i + _BLOCK, n)
+                blk = blk_all[: j - i]
+                np.divide(total[i:j], total_weight, out=blk)
+                if dtype.kind in "iub":
+                    np.rint(blk, out=blk)
+                np.copyto(target[i:j], blk, casting="unsafe")
+            _release_tail(total, n * dtype.itemsize)
+            out[s.name] = target.reshape(s.shape)
+            del total, target
+        return out
+
+    def _check_open(self) -> None:
+        if self._released:
+            raise AggregationError(
+                "this accumulator was spent by result(release=True); make a new WeightedMean", stage="aggregate"
+            )
 
     def _client_names(self) -> str:
         shown = ", ".join(repr(c) for c in self._clients[:10])
@@ -303,7 +364,14 @@ class WeightedMean:
             for helper in helpers:
                 helper.result()  # waits; re-raises a helper's exception
 
-    def _check_finite(self, flat: Mapping[str, np.ndarray], *, round: int | None, client_id: str | None) -> None:
+    def _check_finite(
+        self,
+        flat: Mapping[str, np.ndarray],
+        *,
+        round: int | None,
+        client_id: str | None,
+        mapped: Mapping[str, mmap.mmap] | None = None,
+    ) -> None:
         """Same verdict as :func:`check_finite`, in one read-only parallel pass without full-size temporaries.
 
         A block's sum is finite only if every element is; a non-finite block sum (NaN/Inf, or a rare overflow
@@ -317,13 +385,22 @@ class WeightedMean:
             name, i, j = blocks[k]
             if not np.isfinite(flat[name][i:j].sum()):
                 suspect[k] = True
+            if mapped and name in mapped:
+                _drop_mapped(mapped[name], flat[name], i, j)
 
         self._parallel(len(blocks), check)
         if suspect.any():
             for name in dict.fromkeys(blocks[k][0] for k in np.flatnonzero(suspect)):
                 check_finite({name: flat[name]}, round=round, client_id=client_id)
 
-    def _fold(self, flat: Mapping[str, np.ndarray], w: float, client_id: str | None) -> None:
+    def _fold(
+        self,
+        flat: Mapping[str, np.ndarray],
+        w: float,
+        client_id: str | None,
+        *,
+        mapped: Mapping[str, mmap.mmap] | None = None,
+    ) -> None:
         if w > 0.0:
 
             def fold(worker: int, k: int) -> None:
@@ -335,11 +412,60 @@ class WeightedMean:
                 np.copyto(part, flat[name][i:j])
                 np.multiply(part, w, out=part)
                 np.add(total, part, out=total)
+                if mapped and name in mapped:
+                    _drop_mapped(mapped[name], flat[name], i, j)
 
             self._parallel(len(self._blocks), fold)
         self._total_weight += w
         self._count += 1
         self._clients.append(client_id if client_id is not None else f"#{self._count}")
+
+
+def _zeros64(n: int) -> np.ndarray:
+    """A zero float64 vector; a large one in its own anonymous mapping (pages allocated on first touch)."""
+    if n * 8 < _MAPPED_SUM_BYTES:
+        return np.zeros(n, np.float64)
+    return np.frombuffer(mmap.mmap(-1, n * 8), dtype=np.float64, count=n)
+
+
+def _release_tail(total: np.ndarray, used: int) -> None:
+    """Hand the pages of ``total``'s buffer past its first ``used`` bytes back to the OS (large sums only)."""
+    base = total.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = -(-used // _PAGE) * _PAGE
+    if start < len(base):
+        with contextlib.suppress(OSError, ValueError):  # else the tail simply stays resident
+            base.madvise(mmap.MADV_DONTNEED, start, len(base) - start)
+
+
+def _file_mapping(array: np.ndarray, flat: np.ndarray) -> mmap.mmap | None:
+    """The read-only file mapping behind ``array`` (a ``np.memmap`` opened with mode "r") when ``flat`` views it.
+
+    Only such mappings are released after reading: their pages come back from the file if touched again. Private
+    (copy-on-write) or anonymous memory is never released.
+    """
+    if not isinstance(array, np.memmap) or array.mode != "r" or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    handle = getattr(array, "_mmap", None)
+    if not isinstance(handle, mmap.mmap) or not np.shares_memory(array, flat):
+        return None
+    return handle
+
+
+def _drop_mapped(handle: mmap.mmap, flat: np.ndarray, i: int, j: int) -> None:
+    """Unmap the pages of ``flat[i:j]`` (rounded out to whole pages) from the read-only file mapping ``handle``."""
+    try:
+        base = np.frombuffer(handle, dtype=np.uint8).ctypes.data
+        start = flat.ctypes.data - base + i * flat.itemsize
+        end = min(len(handle), -(-(start + (j - i) * flat.itemsize) // _PAGE) * _PAGE)
+        start -= start % _PAGE
+        if end > start:
+            handle.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):  # pragma: no cover - a closed mapping: nothing left to release
+        pass
 
 
 def _view_payload(

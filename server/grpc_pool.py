@@ -179,6 +179,7 @@ class GrpcClientPool:
             if key not in files:
                 name = f"global-r{instruction.round}-{instruction.stage.value}-{uuid.uuid4().hex[:8]}.safetensors"
                 files[key] = save_payload(self.config.spill_dir / name, instruction.parameters)
+                _drop_pages(instruction.parameters)  # a global model mapped from its checkpoint: pages read once
         with self._cond:
             for client_id, instruction in instructions.items():
                 client = self._clients.get(client_id)
@@ -217,7 +218,9 @@ class GrpcClientPool:
                     self._close(task, completed=True)
                 reply = self._materialize(task, body, path)
                 yield reply
-                _drop_pages(reply)
+                if isinstance(reply, FitRes):
+                    _drop_pages(reply.parameters)
+                del reply
             for task in outstanding.values():
                 log.warning(
                     "round %d: client %s gave no %s reply within the deadline of %s s",
@@ -426,12 +429,12 @@ class GrpcClientPool:
                 path.unlink(missing_ok=True)
 
 
-def _drop_pages(reply: Reply) -> None:
-    """Release the page-cache pages a folded update mapped, so they do not count towards server memory."""
-    if not isinstance(reply, FitRes):
-        return
-    for array in reply.parameters.values():
+def _drop_pages(arrays: Mapping[str, np.ndarray]) -> None:
+    """Unmap the pages of read-only file-mapped arrays (a folded update, a global model mapped from its
+    checkpoint), so they no longer count towards server memory; touching them again reads them back from the file.
+    Other arrays are left alone."""
+    for array in arrays.values():
         handle = getattr(array, "_mmap", None)
-        if isinstance(array, np.memmap) and isinstance(handle, mmap.mmap):
+        if isinstance(array, np.memmap) and array.mode == "r" and isinstance(handle, mmap.mmap):
             with contextlib.suppress(OSError, ValueError):
                 handle.madvise(mmap.MADV_DONTNEED)

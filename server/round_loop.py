@@ -5,10 +5,20 @@ Aggregation is streaming (:class:`fedcore.aggregation.WeightedMean`): each updat
 running sum the moment it arrives, so server memory stays near the model size whatever the number of clients.
 A bad update (wrong names/shapes/dtypes, NaN/Inf, negative example count) is rejected with its reason and never
 touches the global model; failures are returned next to results in each :class:`RoundRecord`.
+
+Memory (FedAvg, float32 model of size M): the running sum is 2M (float64); an update mapped from a spill file is
+unmapped block by block as it is folded; the sum becomes the average in place (``result(release=True)``), so a
+round peaks near 2M on top of the global model. A deployment's ``on_round_end`` may hand back the state mapped
+read-only from its checkpoint file (clean file pages instead of anonymous memory); nothing of a finished round
+is kept (``keep_records=False``), and after each round freed memory is returned to the OS (``gc`` and glibc's
+``malloc_trim``). Debug logs give the resident set at each stage (logger ``fedcore.server.memory``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +35,7 @@ from fedcore.tensors import NamedArrays, check_finite, spec_of
 from server.pool import ClientPool
 
 log = logging.getLogger("fedcore.server")
+mem_log = logging.getLogger("fedcore.server.memory")
 
 EvaluateFn = Callable[[NamedArrays, int], EvalResult]
 """Centralized evaluation: ``(global parameters, round) -> EvalResult`` on the server's held-out data."""
@@ -132,7 +143,9 @@ class RoundRecord:
         return row
 
 
-RoundCallback = Callable[[RoundRecord, ServerState], None]
+RoundCallback = Callable[[RoundRecord, ServerState], "ServerState | None"]
+"""Called after each round with its record and the new state; may return an equal state to continue from instead
+(e.g. the same arrays mapped read-only from the checkpoint just written), or None to keep the state as is."""
 
 
 def run_rounds(
@@ -143,6 +156,7 @@ def run_rounds(
     *,
     evaluate_fn: EvaluateFn | None = None,
     on_round_end: RoundCallback | None = None,
+    keep_records: bool = True,
 ) -> tuple[ServerState, list[RoundRecord]]:
     """Run rounds ``initial.round + 1 .. config.num_rounds``.
 
@@ -153,10 +167,14 @@ def run_rounds(
         config: number of rounds, seed, deadlines and quorum.
         evaluate_fn: optional centralized evaluation of the global model.
         on_round_end: called after each completed round with its record and the new state (checkpointing,
-            progress, CSV); the state is not kept in memory by the loop afterwards.
+            progress, CSV); it may return the state to continue from (the same values, e.g. mapped from the
+            checkpoint it wrote). The loop keeps no other reference to a finished round's state.
+        keep_records: collect the per-round records in the returned list; a long-running server that stores
+            them elsewhere (on_round_end) passes False, so nothing per round accumulates in memory.
 
     Returns:
-        The final state and the per-round records (round 0 holds the initial model's evaluation on a fresh run).
+        The final state and the per-round records (round 0 holds the initial model's evaluation on a fresh run;
+        empty with ``keep_records=False``).
 
     Raises:
         RoundFailed: a round missed its quorum ``max_round_attempts`` times, or too few clients connected.
@@ -173,9 +191,10 @@ def run_rounds(
         record = RoundRecord(
             round=0, eval_loss=result.loss, eval_metrics=dict(result.metrics), seconds=time.perf_counter() - started
         )
-        records.append(record)
+        if keep_records:
+            records.append(record)
         if on_round_end is not None:
-            on_round_end(record, state)
+            state = on_round_end(record, state) or state
     for rnd in range(state.round + 1, config.num_rounds + 1):
         started = time.perf_counter()
         state, record = _fit_round(pool, strategy, state, config, rnd)
@@ -183,10 +202,59 @@ def run_rounds(
         if evaluate_now:
             record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn)
         record = _replace(record, seconds=time.perf_counter() - started)
-        records.append(record)
+        if keep_records:
+            records.append(record)
         if on_round_end is not None:
-            on_round_end(record, state)
+            state = on_round_end(record, state) or state
+        del record
+        release_memory()
+        _trace(rnd, "round end")
     return state, records
+
+
+def release_memory() -> None:
+    """Collect garbage and ask glibc to return freed heap memory to the OS (no-op elsewhere)."""
+    gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+_TRIM: list[Callable[[int], int] | None] = []
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not _TRIM:
+        fn: Callable[[int], int] | None = None
+        name = ctypes.util.find_library("c")
+        if name is not None:
+            try:
+                fn = ctypes.CDLL(name).malloc_trim
+            except (OSError, AttributeError):  # not glibc
+                fn = None
+        _TRIM.append(fn)
+    return _TRIM[0]
+
+
+def resident_mib() -> tuple[float, float] | None:
+    """``(VmRSS, VmHWM)`` of this process in MiB from /proc/self/status, or None where there is no procfs."""
+    try:
+        with open("/proc/self/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh if line.startswith(("VmRSS", "VmHWM")))
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _trace(rnd: int, stage: str) -> None:
+    if mem_log.isEnabledFor(logging.DEBUG):
+        got = resident_mib()
+        if got is not None:
+            mem_log.debug("round %d %s: rss %.1f MiB, peak %.1f MiB", rnd, stage, *got)
 
 
 def _replace(record: RoundRecord, **changes: object) -> RoundRecord:
@@ -209,6 +277,7 @@ def _fit_round(
             cid: FitIns(round=rnd, parameters=state.parameters, config=strategy.fit, seed=config.seed)
             for cid in selected
         }
+        _trace(rnd, "round start")
         accumulator = WeightedMean(spec_of(state.parameters))
         accepted: list[str] = []
         failures: list[Failure] = []
@@ -221,18 +290,21 @@ def _fit_round(
             if not isinstance(reply, FitRes) or reply.round != rnd or reply.client_id not in instructions:
                 log.warning("round %d: discarding an unexpected reply %r", rnd, type(reply).__name__)
                 continue
+            client_id, num_examples, fit_metrics = reply.client_id, reply.num_examples, reply.metrics
             try:
-                if reply.num_examples < 0:
-                    raise AggregationError(f"negative example count {reply.num_examples}")
-                accumulator.add(
-                    reply.parameters, strategy.weight(reply.num_examples), client_id=reply.client_id, round=rnd
-                )
+                if num_examples < 0:
+                    raise AggregationError(f"negative example count {num_examples}")
+                accumulator.add(reply.parameters, strategy.weight(num_examples), client_id=client_id, round=rnd)
             except FedcoreError as exc:
-                log.warning("round %d: rejected the update of client %s: %s", rnd, reply.client_id, exc)
-                failures.append(Failure(client_id=reply.client_id, round=rnd, stage=Stage.FIT, reason=str(exc)))
+                log.warning("round %d: rejected the update of client %s: %s", rnd, client_id, exc)
+                failures.append(Failure(client_id=client_id, round=rnd, stage=Stage.FIT, reason=str(exc)))
                 continue
-            accepted.append(reply.client_id)
-            metric_rows.append((reply.num_examples, reply.metrics))
+            finally:
+                del reply  # the update's file mapping goes with it
+                _trim_heap()  # transfer buffers freed while it arrived: back to the OS now, not at round end
+            accepted.append(client_id)
+            metric_rows.append((num_examples, fit_metrics))
+        _trace(rnd, f"folded {len(accepted)} update(s)")
         all_failures.extend(failures)
         try:
             if len(accepted) < config.min_fit_results:
@@ -242,11 +314,15 @@ def _fit_round(
                     + "; ".join(f"{f.client_id}: {f.reason}" for f in failures[:5]),
                     round=rnd,
                 )
-            average = accumulator.result()
+            average = accumulator.result(release=True)  # the running sum becomes the average in place
+            del accumulator
+            _trace(rnd, "average")
             parameters, optimizer_state = strategy.server_optimizer.step(
                 state.parameters, average, state.optimizer_state
             )
-            check_finite(parameters, round=rnd)
+            del average
+            _check_finite_blocks(parameters, round=rnd)
+            _trace(rnd, "server step")
         except FedcoreError as exc:
             if attempt == config.max_round_attempts:
                 raise RoundFailed(
@@ -267,6 +343,17 @@ def _fit_round(
         )
         return ServerState(round=rnd, parameters=parameters, optimizer_state=optimizer_state), record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
+def _check_finite_blocks(arrays: NamedArrays, *, round: int) -> None:
+    """:func:`check_finite` without a full-size temporary: block sums first, the exact check only on a bad one."""
+    for name, array in arrays.items():
+        if array.dtype.kind not in "fc":
+            continue
+        flat = array.reshape(-1)
+        for i in range(0, flat.size, 1 << 20):
+            if not np.isfinite(flat[i : i + (1 << 20)].sum()):
+                check_finite({name: array}, round=round)
 
 
 def _safe_weighted_metrics(rows: list[tuple[int, Mapping[str, float]]]) -> dict[str, float]:

@@ -156,16 +156,23 @@ class StateStore:
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self, state: ServerState) -> Path:
         """Write the global model and optimizer state of ``state.round`` atomically; keep the newest two."""
-        arrays: dict[str, np.ndarray] = {_PARAM + n: a for n, a in state.parameters.items()}
-        arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
         path = self.checkpoints / f"round-{state.round:06d}.safetensors"
-        save_payload(path, arrays, {"round": str(state.round)})
+        _write_state(path, state)
         for old in sorted(self.checkpoints.glob("round-*.safetensors"))[:-_KEEP_CHECKPOINTS]:
             old.unlink(missing_ok=True)
         return path
 
-    def latest_checkpoint(self) -> ServerState | None:
-        """The newest checkpoint as a :class:`ServerState` (arrays loaded into memory), or None.
+    def map_initial(self, state: ServerState) -> ServerState:
+        """Write a fresh run's initial state to the spill directory and return it mapped read-only from there
+        (see :func:`load_checkpoint`), so the server holds it as clean file pages during round 1 as it holds
+        each later round's model mapped from its checkpoint. Not a checkpoint: a restart does not resume from it."""
+        path = self.spill / f"initial-r{state.round:06d}.safetensors"
+        _write_state(path, state)
+        return load_checkpoint(path, mapped=True)
+
+    def latest_checkpoint(self, *, mapped: bool = False) -> ServerState | None:
+        """The newest checkpoint as a :class:`ServerState` (arrays loaded into memory, or mapped: see
+        :func:`load_checkpoint`), or None.
 
         Raises:
             PayloadError: the newest checkpoint is unreadable (the message names the file).
@@ -173,30 +180,44 @@ class StateStore:
         found = sorted(self.checkpoints.glob("round-*.safetensors"))
         if not found:
             return None
-        return load_checkpoint(found[-1])
+        return load_checkpoint(found[-1], mapped=mapped)
 
 
-def load_checkpoint(path: Path) -> ServerState:
+def _write_state(path: Path, state: ServerState) -> None:
+    arrays: dict[str, np.ndarray] = {_PARAM + n: a for n, a in state.parameters.items()}
+    arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
+    save_payload(path, arrays, {"round": str(state.round)})
+
+
+def load_checkpoint(path: Path, *, mapped: bool = False) -> ServerState:
     """Read a checkpoint written by :meth:`StateStore.save_checkpoint` (or a plain safetensors model: round 0).
+
+    Args:
+        path: the safetensors file.
+        mapped: return read-only ``np.memmap`` views of the file instead of copies in memory: its pages are clean
+            file pages that the OS can drop and read back, not anonymous memory (the server holds its global
+            model this way between rounds). The file must stay in place while the arrays are used (on POSIX an
+            unlinked file stays readable through its mapping).
 
     Raises:
         PayloadError: truncated or corrupted file, or a round that is not a number.
     """
     try:
-        mapped, metadata = open_safetensors(path)
+        views, metadata = open_safetensors(path)
     except FileNotFoundError as exc:
         raise PayloadError(f"checkpoint {str(path)!r} does not exist") from exc
     except PayloadError as exc:
         raise PayloadError(f"checkpoint {str(path)!r} is unreadable: {exc.message}") from exc
     params: NamedArrays = {}
     opt: NamedArrays = {}
-    for name, array in mapped.items():
+    for name, array in views.items():
+        value = array if mapped else np.array(array)
         if name.startswith(_PARAM):
-            params[name[len(_PARAM) :]] = np.array(array)
+            params[name[len(_PARAM) :]] = value
         elif name.startswith(_OPT):
-            opt[name[len(_OPT) :]] = np.array(array)
+            opt[name[len(_OPT) :]] = value
         else:
-            params[name] = np.array(array)
+            params[name] = value
     try:
         rnd = int(metadata.get("round", "0"))
     except ValueError as exc:

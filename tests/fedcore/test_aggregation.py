@@ -272,3 +272,78 @@ def test_threads_argument_validated() -> None:
             WeightedMean(spec, threads=bad)  # type: ignore[arg-type]
     assert WeightedMean(spec, threads=4).threads == 1  # never more threads than blocks
     assert WeightedMean(spec).threads >= 1
+
+
+def _mixed_updates(n: int = 3) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+    rng = np.random.default_rng(7)
+    base = {
+        "big": rng.standard_normal(300_001).astype(np.float32),  # > 1 MiB of float64: its own mapping
+        "half": rng.standard_normal((5, 7)).astype(np.float16),
+        "steps": np.array([3], np.int64),
+        "count": np.arange(6, dtype=np.int32),
+        "flag": np.array([True, False]),
+        "f64": rng.standard_normal(9),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+    updates = [{k: (v + k_i).astype(v.dtype) if v.dtype != bool else v for k, v in base.items()} for k_i in range(n)]
+    return base, updates
+
+
+def test_result_release_is_bit_identical_and_spends_the_accumulator() -> None:
+    base, updates = _mixed_updates()
+    plain, released = WeightedMean(spec_of(base), threads=2), WeightedMean(spec_of(base), threads=2)
+    for k, update in enumerate(updates):
+        plain.add(update, 1.5 + k)
+        released.add(update, 1.5 + k)
+    want = plain.result()
+    got = released.result(release=True)
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        assert np.array_equal(got[name], want[name]), name
+    with pytest.raises(AggregationError, match="spent"):
+        released.result()
+    with pytest.raises(AggregationError, match="spent"):
+        released.add(updates[0], 1.0)
+
+
+def test_result_release_frees_the_unused_half_of_a_large_sum() -> None:
+    spec = spec_of({"w": np.zeros(1 << 20, np.float32)})  # 8 MiB of float64 sum
+    acc = WeightedMean(spec, threads=1)
+    acc.add({"w": np.ones(1 << 20, np.float32)}, 2.0)
+    out = acc.result(release=True)["w"]
+    np.testing.assert_array_equal(out, 1.0)
+    out[:] = 5.0  # the result is an ordinary writable array
+    assert out.flags.writeable and out.sum() == 5.0 * (1 << 20)
+
+
+def test_updates_mapped_from_files_fold_like_in_memory_ones(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fedcore.wire import open_safetensors, save_payload
+
+    base, updates = _mixed_updates()
+    in_memory, from_files = WeightedMean(spec_of(base), threads=2), WeightedMean(spec_of(base), threads=2)
+    for k, update in enumerate(updates):
+        in_memory.add(update, 2.0 + k)
+        path = save_payload(tmp_path / f"u{k}.safetensors", update).path
+        mapped, _ = open_safetensors(path)
+        from_files.add(mapped, 2.0 + k)
+        # the pages were released after the fold, but the data is still readable from the file
+        for name in update:
+            assert np.array_equal(mapped[name], update[name])
+    _assert_same_snapshot(_snapshot(in_memory), _snapshot(from_files))
+
+
+def test_a_rejected_mapped_update_leaves_the_sum_untouched(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fedcore.wire import open_safetensors, save_payload
+
+    base, updates = _mixed_updates(1)
+    acc = WeightedMean(spec_of(base), threads=2)
+    acc.add(updates[0], 1.0)
+    before = _snapshot(acc)
+    bad = dict(updates[0])
+    bad["big"] = bad["big"].copy()
+    bad["big"][12345] = np.nan
+    mapped, _ = open_safetensors(save_payload(tmp_path / "bad.safetensors", bad).path)
+    with pytest.raises(NonFiniteError, match="big"):
+        acc.add(mapped, 1.0)
+    _assert_same_snapshot(before, _snapshot(acc))

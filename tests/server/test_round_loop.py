@@ -190,3 +190,29 @@ def test_fedprox_mu_zero_equals_fedavg_and_mu_positive_changes_updates(
     # The proximal term pulls local models toward the global one: the global model moves less.
     assert drift_prox < drift_avg
     assert not all(np.array_equal(fedavg[n], prox[n]) for n in fedavg)
+
+
+def test_on_round_end_may_hand_back_the_state_and_records_need_not_be_kept(
+    shards: list[tuple[torch.Tensor, torch.Tensor]], tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    from server.round_loop import ServerState
+    from server.state import StateStore, load_checkpoint
+
+    initial = initial_parameters(model_fn, seed=1)
+    config = RoundConfig(num_rounds=3, seed=5)
+    reference, _ = run_rounds(make_pool(shards), all_clients(), initial, config)
+    store = StateStore(tmp_path / "state")
+    seen: list[int] = []
+
+    def mapped_from_checkpoint(record, state: ServerState) -> ServerState:  # type: ignore[no-untyped-def]
+        seen.append(record.round)
+        return load_checkpoint(store.save_checkpoint(state), mapped=True)
+
+    start = store.map_initial(ServerState(round=0, parameters=initial, optimizer_state={}))
+    final, records = run_rounds(
+        make_pool(shards), all_clients(), start, config, on_round_end=mapped_from_checkpoint, keep_records=False
+    )
+    assert records == [] and seen == [1, 2, 3]
+    assert all(isinstance(a, np.memmap) for a in final.parameters.values())  # the loop continued from the files
+    for name, array in reference.parameters.items():
+        assert np.array_equal(final.parameters[name], array), name  # bit for bit
