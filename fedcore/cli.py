@@ -174,6 +174,7 @@ SERVER_FLAGS: dict[str, type] = {
     "client_ca": str,
     "tokens_file": str,
     "metrics_port": int,
+    "metrics_address": str,
     "linger_s": float,
 }
 
@@ -212,13 +213,6 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--task-option", action="append", default=[], metavar="KEY=VALUE", help="option for the task factory"
     )
     start.add_argument("--revoke", action="append", default=[], metavar="CLIENT_ID", help="refuse this client id")
-    start.add_argument(
-        "--metrics-address",
-        default="127.0.0.1",
-        metavar="HOST",
-        help="interface the Prometheus endpoint (--metrics-port) listens on; default 127.0.0.1 (this machine "
-        "only); 0.0.0.0 for every IPv4 interface, so that a Prometheus server elsewhere can scrape it",
-    )
     start.add_argument("--insecure", action="store_true", default=None, help="plaintext gRPC (prints a warning)")
     start.add_argument("--no-evaluate", action="store_true", help="no server-side evaluation")
     start.set_defaults(func=_cmd_server_start)
@@ -227,10 +221,8 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def _cmd_server_start(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from server import metrics as server_metrics
     from server.app import load_server_config, run_server
 
-    server_metrics.DEFAULT_METRICS_ADDRESS = args.metrics_address  # where run_server's endpoint listens
     overrides = list(args.overrides)
     for name in SERVER_FLAGS:
         value = getattr(args, name)

@@ -70,6 +70,8 @@ class ServerConfig:
         tokens_file: ``client_id token`` lines: only these clients may join, each with its token.
         revoked: client ids refused at join.
         metrics_port: Prometheus endpoint port (None: off).
+        metrics_address: interface the Prometheus endpoint listens on (default loopback only; "0.0.0.0" lets a
+            Prometheus server on another machine scrape it).
         linger_s: after the last round, keep answering for this long so daemons learn the run finished.
         strategy, sampling, train: the strategy, client selection and local training settings.
     """
@@ -100,6 +102,7 @@ class ServerConfig:
     tokens_file: Path | None = None
     revoked: tuple[str, ...] = ()
     metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
     linger_s: float = 5.0
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
@@ -227,7 +230,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
 
     metrics = ServerMetrics()
     if config.metrics_port is not None:
-        metrics.serve(config.metrics_port)
+        metrics.serve(config.metrics_port, config.metrics_address)
     auth = AuthPolicy(
         tokens=load_tokens(config.tokens_file) if config.tokens_file is not None else {},
         require_client_cert=config.client_ca is not None,

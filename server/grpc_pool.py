@@ -395,6 +395,8 @@ class GrpcClientPool:
                     silent = now - client.last_seen
                     if silent > self.config.liveness_timeout_s:
                         self._remove(client, f"client gone: no heartbeat for {silent:.1f} s")
+                        if self._metrics is not None:
+                            self._metrics.dropped.inc()
 
     def _set_connected(self) -> None:
         if self._metrics is not None:

@@ -13,8 +13,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 #: Where :meth:`ServerMetrics.serve` listens when no address is given: loopback only, so the endpoint is not
-#: reachable from other machines unless asked for. ``fedcore server start --metrics-address`` replaces it for
-#: the server process.
+#: reachable from other machines unless asked for (``ServerConfig.metrics_address`` / ``--metrics-address``).
 DEFAULT_METRICS_ADDRESS = "127.0.0.1"
 
 
@@ -37,6 +36,11 @@ class ServerMetrics:
             "dropped for missed heartbeats",
             registry=self.registry,
         )
+        self.dropped = Counter(
+            "fedcore_clients_dropped",
+            "Clients marked gone because their heartbeats stopped (their task of the round failed at once)",
+            registry=self.registry,
+        )
         self.round_seconds = Histogram(
             "fedcore_round_duration_seconds",
             "Wall time of a round, evaluation included",
@@ -47,8 +51,8 @@ class ServerMetrics:
     def serve(self, port: int, address: str | None = None) -> tuple[str, int]:
         """Start the ``/metrics`` HTTP endpoint on ``address:port`` in a daemon thread.
 
-        ``address`` None means :data:`DEFAULT_METRICS_ADDRESS` (loopback unless the CLI set another); port 0
-        picks a free one. Returns the bound host and port.
+        ``address`` None means :data:`DEFAULT_METRICS_ADDRESS` (loopback); port 0 picks a free one. Returns the
+        bound host and port.
         """
         host = DEFAULT_METRICS_ADDRESS if address is None else address
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)

@@ -22,6 +22,7 @@ from fedcore.tensors import NamedArrays, decode, encode
 from fedcore.wire import iter_bytes_chunks
 from privacy.tls import init_certs
 from server.grpc_pool import GrpcClientPool, PoolConfig
+from server.metrics import ServerMetrics
 from server.round_loop import RoundConfig, ServerState, run_rounds
 from server.service import AuthPolicy, CoordinatorService, build_server, hash_token, load_tokens
 from server.state import StateStore, load_checkpoint
@@ -35,8 +36,9 @@ class Harness:
     def __init__(
         self, tmp: Path, *, auth: AuthPolicy | None = None, credentials: object = None, **pool_kw: object
     ) -> None:
-        self.pool = GrpcClientPool(PoolConfig(spill_dir=tmp / "spill", **pool_kw))  # type: ignore[arg-type]
-        service = CoordinatorService(self.pool, auth or AuthPolicy())
+        self.metrics = ServerMetrics()
+        self.pool = GrpcClientPool(PoolConfig(spill_dir=tmp / "spill", **pool_kw), self.metrics)  # type: ignore[arg-type]
+        service = CoordinatorService(self.pool, auth or AuthPolicy(), self.metrics)
         self.server, self.port = build_server(
             service, "127.0.0.1:0", credentials=credentials, max_workers=16, chunk_bytes=self.pool.config.chunk_bytes
         )
@@ -172,6 +174,7 @@ def test_silent_client_fails_fast_and_late_push_is_discarded(harness: Harness) -
     (reply,) = replies
     assert isinstance(reply, Failure) and "no heartbeat" in reply.reason
     assert harness.pool.available() == []
+    assert harness.metrics.dropped._value.get() == 1
     with pytest.raises(grpc.RpcError) as info:
         stub.Heartbeat(pb.HeartbeatRequest(session=session))
         list(stub.PullTask(pb.PullTaskRequest(session=session, wait_s=0.1)))
