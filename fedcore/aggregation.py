@@ -21,11 +21,9 @@ touches the running sum. ``bench/aggregation.py`` measures it against flwr and t
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import mmap
 import os
-import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +31,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from fedcore.errors import AggregationError, ConfigError, PayloadError, UpdateRejected
-from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, spec_of
+from fedcore.tensors import (
+    NamedArrays,
+    TensorSpec,
+    check_finite,
+    check_spec,
+    parse_header,
+    spec_of,
+    split_payload,
+)
 
 __all__ = ["WeightedMean", "mean", "weighted_average", "weighted_metrics"]
 
@@ -80,23 +86,6 @@ def _default_threads() -> int:
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
     return max(1, min(_MAX_THREADS, cpus))
-
-
-# safetensors dtype codes (https://github.com/huggingface/safetensors, format spec) -> little-endian numpy
-_ST_DTYPES: dict[str, str] = {
-    "F64": "<f8",
-    "F32": "<f4",
-    "F16": "<f2",
-    "I64": "<i8",
-    "I32": "<i4",
-    "I16": "<i2",
-    "I8": "i1",
-    "U64": "<u8",
-    "U32": "<u4",
-    "U16": "<u2",
-    "U8": "u1",
-    "BOOL": "?",
-}
 
 
 class WeightedMean:
@@ -479,35 +468,10 @@ def _view_payload(
     def fail(message: str) -> PayloadError:
         return PayloadError(message, round=round, client_id=client_id, stage="decode")
 
-    data = memoryview(payload).cast("B")
-    if len(data) < 8:
-        raise fail(f"payload of {len(data)} bytes is too short to be safetensors (truncated?)")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > len(data) - 8:
-        raise fail(f"safetensors header claims {header_len} bytes but only {len(data) - 8} follow (truncated)")
-    try:
-        header = json.loads(bytes(data[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise fail(f"safetensors header is not valid JSON (corrupted payload): {exc}") from exc
-    if not isinstance(header, dict):
-        raise fail("safetensors header is not a JSON object (corrupted payload)")
-    header.pop("__metadata__", None)
-    body = 8 + header_len
-    body_len = len(data) - body
+    header_json, body_len, body = split_payload(payload, round=round, client_id=client_id)
+    parsed, _ = parse_header(header_json, body_len, round=round, client_id=client_id, require_order=False)
+    entries = {n: (e.dtype, e.shape, e.start, e.end) for n, e in parsed.items()}
     arrays: dict[str, np.ndarray] = {}
-    entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-    for name, info in header.items():
-        try:
-            dtype = np.dtype(_ST_DTYPES[info["dtype"]])
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise fail(f"tensor {name!r} has an invalid or unsupported header entry {info!r}") from exc
-        if min(shape, default=0) < 0 or not 0 <= start <= end <= body_len:
-            raise fail(f"tensor {name!r} has data offsets {start}..{end} outside the {body_len}-byte body (truncated)")
-        if end - start != math.prod(shape) * dtype.itemsize:
-            raise fail(f"tensor {name!r}: {end - start} bytes do not hold shape {shape} of {dtype.name}")
-        entries[name] = (dtype, shape, start, end)
     want = {s.name: s for s in spec}
     if set(entries) != set(want):
         # same message as check_spec (missing / unexpected names); placeholders carry only the names

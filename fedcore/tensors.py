@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load as _st_load
 from safetensors.numpy import save as _st_save
 
 from fedcore.errors import NonFiniteError, PayloadError
@@ -112,6 +111,109 @@ def check_spec(
             )
 
 
+#: safetensors dtype codes (the format's specification) and the little-endian numpy dtypes fedcore maps them to.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor lies in a safetensors body: dtype, shape and byte offsets ``[start, end)``."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def parse_header(
+    header_json: bytes,
+    body_len: int,
+    *,
+    round: int | None = None,
+    client_id: str | None = None,
+    require_order: bool = True,
+) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Validate a safetensors header strictly and return its tensors (in recorded order) and user metadata.
+
+    The one header check shared by every reader (:func:`decode`, the streaming aggregator, the wire's file
+    reader), so that they all accept exactly the same payloads: a JSON object; string metadata; for each tensor a
+    known dtype, a shape of non-negative integers and integer data offsets whose length matches the shape; and,
+    as the format requires, tensors that tile the body exactly (no overlap, no hole, no trailing bytes).
+
+    Args:
+        header_json: the header bytes (after the 8-byte length prefix).
+        body_len: the number of bytes after the header.
+        round, client_id: context for error messages.
+        require_order: the recorded tensor order must name exactly the tensors present; when false (the caller
+            orders by an expected spec and reports name mismatches itself) a stale order is ignored.
+
+    Raises:
+        PayloadError: anything malformed, naming the tensor.
+    """
+
+    def fail(message: str) -> PayloadError:
+        return PayloadError(message, round=round, client_id=client_id, stage="decode")
+
+    try:
+        header = json.loads(bytes(header_json))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise fail(f"safetensors header is not valid JSON (corrupted payload): {exc}") from exc
+    if not isinstance(header, dict):
+        raise fail("safetensors header is not a JSON object (corrupted payload)")
+    raw_meta = header.pop("__metadata__", None) or {}
+    if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
+        raise fail("safetensors metadata is not an object of strings (corrupted payload)")
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        try:
+            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+            shape_raw, offsets = info["shape"], info["data_offsets"]
+            if not isinstance(shape_raw, list) or not isinstance(offsets, list) or len(offsets) != 2:
+                raise TypeError("shape and data_offsets must be lists")
+            if not all(type(v) is int for v in [*shape_raw, *offsets]):
+                raise TypeError("shape and data_offsets must hold integers")
+        except (KeyError, TypeError) as exc:
+            raise fail(f"tensor {name!r} has an invalid or unsupported header entry {info!r}") from exc
+        shape, (start, end) = tuple(shape_raw), offsets
+        if min(shape, default=0) < 0 or not 0 <= start <= end <= body_len:
+            raise fail(f"tensor {name!r} has data offsets {start}..{end} outside the {body_len}-byte body (truncated)")
+        if end - start != int(np.prod(shape, dtype=object)) * dtype.itemsize:
+            raise fail(f"tensor {name!r}: {end - start} bytes do not hold shape {shape} of {dtype.name}")
+        entries[name] = TensorEntry(dtype, shape, start, end)
+    position = 0
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].start, item[1].end)):
+        if entry.start != position:
+            what = "overlaps the previous tensor" if entry.start < position else "leaves a gap before it"
+            raise fail(f"tensor {name!r} at byte {entry.start} {what} (corrupted payload)")
+        position = entry.end
+    if position != body_len:
+        raise fail(f"{body_len - position} bytes after the last tensor (corrupted payload)")
+    order_raw = raw_meta.get(_ORDER_KEY)
+    try:
+        order = json.loads(order_raw) if isinstance(order_raw, str) else sorted(entries)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise fail(f"payload's recorded tensor order is not valid JSON (corrupted payload): {exc}") from exc
+    if not isinstance(order, list) or not all(isinstance(n, str) for n in order) or sorted(order) != sorted(entries):
+        if require_order:
+            raise fail("payload's recorded tensor order does not match its tensors (corrupted payload)")
+        order = sorted(entries)
+    metadata = {str(k): v for k, v in raw_meta.items() if k != _ORDER_KEY}
+    return {n: entries[n] for n in order}, metadata
+
+
 def encode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
     """Serialize ``arrays`` to safetensors bytes, keeping their order in the header metadata.
 
@@ -139,32 +241,31 @@ def read_metadata(data: bytes) -> dict[str, str]:
     """Return the user metadata of a safetensors payload (without fedcore's own keys).
 
     Raises:
-        PayloadError: the header is truncated or not valid JSON.
+        PayloadError: the payload is truncated or its header is malformed.
     """
-    header = _read_header(data)
-    raw = header.get("__metadata__") or {}
-    if not isinstance(raw, dict):
-        raise PayloadError("safetensors metadata is not a JSON object (corrupted payload)")
-    return {str(k): str(v) for k, v in raw.items() if k != _ORDER_KEY}
+    header_json, body_len, _ = split_payload(data)
+    return parse_header(header_json, body_len)[1]
 
 
-def _read_header(data: bytes) -> dict[str, object]:
+def split_payload(data: bytes, *, round: int | None = None, client_id: str | None = None) -> tuple[bytes, int, int]:
+    """``(header bytes, body length, body offset)`` of a safetensors payload, checking the length prefix.
+
+    Raises:
+        PayloadError: not bytes-like, or shorter than its length prefix says.
+    """
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise PayloadError(f"a payload must be bytes, got {type(data).__name__}")
+        raise PayloadError(f"a payload must be bytes, got {type(data).__name__}", round=round, client_id=client_id)
     if len(data) < 8:
-        raise PayloadError(f"payload of {len(data)} bytes is too short to be safetensors (truncated?)")
-    (header_len,) = struct.unpack("<Q", data[:8])
+        message = f"payload of {len(data)} bytes is too short to be safetensors (truncated?)"
+        raise PayloadError(message, round=round, client_id=client_id)
+    (header_len,) = struct.unpack("<Q", bytes(data[:8]))
     if header_len > len(data) - 8:
         raise PayloadError(
-            f"safetensors header claims {header_len} bytes but only {len(data) - 8} follow (truncated payload)"
+            f"safetensors header claims {header_len} bytes but only {len(data) - 8} follow (truncated payload)",
+            round=round,
+            client_id=client_id,
         )
-    try:
-        header = json.loads(bytes(data[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise PayloadError(f"safetensors header is not valid JSON (corrupted payload): {exc}") from exc
-    if not isinstance(header, dict):
-        raise PayloadError("safetensors header is not a JSON object (corrupted payload)")
-    return header
+    return bytes(data[8 : 8 + header_len]), len(data) - 8 - header_len, 8 + header_len
 
 
 def decode(
@@ -178,40 +279,30 @@ def decode(
     """Parse safetensors bytes into ordered named arrays and validate them.
 
     Args:
-        data: a payload produced by :func:`encode` (or any safetensors file).
+        data: a payload produced by :func:`encode` (or any safetensors file), as any bytes-like object.
         expected: if given, the names, shapes and dtypes the payload must have; the result follows its order.
         allow_nonfinite: accept NaN/Inf values (off by default: updates with them are rejected).
         round, client_id: context for error messages.
 
     Returns:
-        ``name -> array``, writable arrays in the order of ``expected`` (or the encoder's order).
+        ``name -> array``, writable copies in the order of ``expected`` (or the encoder's order).
 
     Raises:
-        PayloadError: truncated or corrupted bytes; names, shapes or dtypes differ from ``expected``.
+        PayloadError: truncated or corrupted bytes (see :func:`parse_header`); names, shapes or dtypes differ
+            from ``expected``.
         NonFiniteError: a floating tensor holds NaN or Inf and ``allow_nonfinite`` is false.
     """
-    header = _read_header(data)
-    try:
-        loaded = _st_load(bytes(data))
-    except (SafetensorError, ValueError, TypeError, OverflowError, KeyError, RecursionError) as exc:
-        raise PayloadError(
-            f"payload is not valid safetensors (truncated or corrupted): {exc}", round=round, client_id=client_id
-        ) from exc
-    if expected is not None:
-        order = [s.name for s in expected]
-    else:
-        meta = header.get("__metadata__") or {}
-        raw = meta.get(_ORDER_KEY) if isinstance(meta, dict) else None
-        try:
-            order = json.loads(raw) if isinstance(raw, str) else sorted(loaded)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise PayloadError(f"payload's recorded tensor order is not valid JSON (corrupted payload): {exc}") from exc
-        if not isinstance(order, list) or not all(isinstance(n, str) for n in order) or sorted(order) != sorted(loaded):
-            raise PayloadError("payload's recorded tensor order does not match its tensors (corrupted payload)")
-    arrays: NamedArrays = {}
-    for name in order:
-        if name in loaded:
-            arrays[name] = loaded[name]
+    header_json, body_len, body = split_payload(data, round=round, client_id=client_id)
+    entries, _ = parse_header(header_json, body_len, round=round, client_id=client_id, require_order=expected is None)
+    view = memoryview(data).cast("B")
+    loaded = {
+        name: np.frombuffer(view[body + e.start : body + e.end], dtype=e.dtype.newbyteorder("<"))
+        .reshape(e.shape)
+        .astype(e.dtype, copy=True)
+        for name, e in entries.items()
+    }
+    order = [s.name for s in expected] if expected is not None else list(entries)
+    arrays: NamedArrays = {name: loaded[name] for name in order if name in loaded}
     for name in loaded:
         arrays.setdefault(name, loaded[name])
     if expected is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import queue
 import struct
@@ -33,7 +32,7 @@ from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, 
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
-from fedcore.tensors import NamedArrays
+from fedcore.tensors import NamedArrays, parse_header
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Payload chunk size on the wire (4 MiB: well under gRPC's default 4 MiB+ message cap once framed)."""
@@ -59,7 +58,6 @@ _TO_ST = {
     "uint8": "U8",
     "bool": "BOOL",
 }
-_FROM_ST = {code: name for name, code in _TO_ST.items()}
 
 _STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE}
 _STAGE_FROM_PB = {v: k for k, v in _STAGE_TO_PB.items()}
@@ -167,48 +165,21 @@ def open_safetensors(
         PayloadError: truncated or corrupted file.
     """
 
-    def fail(message: str) -> PayloadError:
-        return PayloadError(message, round=round, client_id=client_id, stage="decode")
-
     size = path.stat().st_size
     with path.open("rb") as fh:
         prefix = fh.read(8)
         if len(prefix) < 8:
-            raise fail(f"payload of {size} bytes is too short to be safetensors (truncated?)")
+            message = f"payload of {size} bytes is too short to be safetensors (truncated?)"
+            raise PayloadError(message, round=round, client_id=client_id, stage="decode")
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > size - 8:
-            raise fail(f"safetensors header claims {header_len} bytes but only {size - 8} follow (truncated)")
-        try:
-            header = json.loads(fh.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise fail(f"safetensors header is not valid JSON (corrupted payload): {exc}") from exc
-    if not isinstance(header, dict):
-        raise fail("safetensors header is not a JSON object (corrupted payload)")
-    raw_meta = header.pop("__metadata__", None) or {}
-    if not isinstance(raw_meta, dict):
-        raise fail("safetensors metadata is not a JSON object (corrupted payload)")
+            message = f"safetensors header claims {header_len} bytes but only {size - 8} follow (truncated)"
+            raise PayloadError(message, round=round, client_id=client_id, stage="decode")
+        header_json = fh.read(header_len)
     body = 8 + header_len
-    body_len = size - body
-    entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-    for name, info in header.items():
-        try:
-            dtype = np.dtype(_FROM_ST[info["dtype"]])
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise fail(f"tensor {name!r} has an invalid or unsupported header entry {info!r}") from exc
-        if min(shape, default=0) < 0 or not 0 <= start <= end <= body_len:
-            raise fail(f"tensor {name!r} has data offsets {start}..{end} outside the {body_len}-byte body (truncated)")
-        if end - start != math.prod(shape) * dtype.itemsize:
-            raise fail(f"tensor {name!r}: {end - start} bytes do not hold shape {shape} of {dtype.name}")
-        entries[name] = (dtype, shape, start, end)
-    order_raw = raw_meta.get(ORDER_KEY)
-    try:
-        order = json.loads(order_raw) if isinstance(order_raw, str) else sorted(entries)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise fail(f"payload's recorded tensor order is not valid JSON (corrupted payload): {exc}") from exc
-    if not isinstance(order, list) or not all(isinstance(n, str) for n in order) or sorted(order) != sorted(entries):
-        raise fail("payload's recorded tensor order does not match its tensors (corrupted payload)")
+    parsed, metadata = parse_header(header_json, size - body, round=round, client_id=client_id)
+    entries = {n: (e.dtype, e.shape, e.start, e.end) for n, e in parsed.items()}
+    order = list(parsed)
     arrays: NamedArrays = {}
     for name in order:
         dtype, shape, start, end = entries[name]
@@ -216,7 +187,6 @@ def open_safetensors(
             arrays[name] = np.zeros(shape, dtype=dtype)
         else:
             arrays[name] = np.memmap(path, dtype=dtype, mode="r", offset=body + start, shape=shape)
-    metadata = {str(k): str(v) for k, v in raw_meta.items() if k != ORDER_KEY}
     return arrays, metadata
 
 

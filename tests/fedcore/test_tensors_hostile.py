@@ -59,3 +59,37 @@ def test_decode_accepts_any_bytes_like_and_refuses_other_types() -> None:
     np.testing.assert_array_equal(decode(memoryview(data))["w"], np.arange(3, dtype=np.float32))
     with pytest.raises(PayloadError, match="must be bytes"):
         decode(None)  # type: ignore[arg-type]
+
+
+LAYOUT = {
+    "two tensors sharing bytes": payload(
+        {
+            "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "v": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        },
+        bytes(8),
+    ),
+    "a hole before a tensor": payload({"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12)),
+    "trailing bytes": payload({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12)),
+    "fractional shape": payload({"w": {"dtype": "F32", "shape": [2.7], "data_offsets": [0, 8]}}, bytes(8)),
+    "string shape": payload({"w": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}}, bytes(8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT))
+def test_every_reader_refuses_the_same_malformed_layouts(name: str, tmp_path: Path) -> None:
+    """decode, the streaming aggregator and the wire's file reader share one header check."""
+    from fedcore.aggregation import WeightedMean
+    from fedcore.tensors import TensorSpec
+
+    spec = [TensorSpec("w", (2,), "float32")] + ([TensorSpec("v", (2,), "float32")] if "sharing" in name else [])
+    with pytest.raises(PayloadError):
+        decode(LAYOUT[name])
+    accumulator = WeightedMean(spec)
+    with pytest.raises(PayloadError):
+        accumulator.add_bytes(LAYOUT[name], 1.0, client_id="c")
+    assert accumulator.count == 0
+    path = tmp_path / "update.safetensors"
+    path.write_bytes(LAYOUT[name])
+    with pytest.raises(PayloadError):
+        open_safetensors(path)
