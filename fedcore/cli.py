@@ -35,6 +35,7 @@ SIMULATE_SHORTCUTS = {
     "lr": "train.lr",
     "mu": "train.mu",
     "out": "output.dir",
+    "task": "task.factory",
 }
 
 
@@ -71,6 +72,12 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--lr", type=float, help="client learning rate")
     p.add_argument("--mu", type=float, help="FedProx proximal coefficient")
     p.add_argument("--out", help="output directory (default runs/latest)")
+    p.add_argument(
+        "--task",
+        help="your own task factory module:attr (importable, e.g. via PYTHONPATH); each virtual client i of N gets "
+        "TaskContext(partition_id=i, num_partitions=N); default: the built-in demo task",
+    )
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="option for --task")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or per-round table")
     p.set_defaults(func=_cmd_simulate)
 
@@ -86,6 +93,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={_toml_literal(value)}")
     if args.no_progress:
         overrides.append("output.progress=false")
+    for item in args.task_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--task-option expects key=value, got {item!r}")
+        overrides.append(f"task.options.{key.strip()}={_toml_literal(value)}")
     overrides += args.overrides  # explicit --set comes last, so it wins over the shortcut flags
     config = load_recipe(args.recipe, overrides)
     result = run_simulation(config)

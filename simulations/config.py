@@ -100,6 +100,36 @@ class ModelConfig:
             raise ConfigError(f"unknown model {self.name!r}; choose one of {', '.join(MODEL_NAMES)}")
 
 
+DEMO_TASK = "simulations.tasks:demo_task"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """Which task the virtual clients run.
+
+    Attributes:
+        factory: ``module:attr`` of a task factory (:data:`fedcore.task.TaskFactory`). The default, the built-in
+            demo task, takes its settings from ``[data]`` and ``[model]``. Any other factory is called once per
+            virtual client with ``TaskContext(role="client", client_id, partition_id=i, num_partitions=N,
+            data_dir, seed, options)`` and once with ``role="server"`` (initial model, centralized evaluation),
+            exactly as ``fedcore client`` and ``fedcore server`` call it.
+        options: string options handed to a custom factory (``--task-option key=value``).
+        server_evaluation: evaluate the global model with the server-role task after each evaluated round (its
+            ``evaluate`` must then have held-out data).
+    """
+
+    factory: str = DEMO_TASK
+    options: dict[str, str] = field(default_factory=dict)
+    server_evaluation: bool = True
+
+    def __post_init__(self) -> None:
+        module, sep, attr = self.factory.partition(":")
+        if not (module and sep and attr):
+            raise ConfigError(f"task.factory must look like module:attr, got {self.factory!r}")
+        if self.factory == DEMO_TASK and self.options:
+            raise ConfigError("the demo task takes its settings from [data] and [model], not task.options")
+
+
 @dataclass(frozen=True, kw_only=True)
 class OutputConfig:
     """Where and how results are written.
@@ -127,7 +157,7 @@ class SimulationConfig:
         seed: the run's seed (partition, initial model, client selection, every client's randomness).
         rounds: number of federated rounds.
         evaluate_every: evaluate the global model on the test set every this many rounds (and after the last).
-        data, model, strategy, sampling, train, output: the component configs.
+        data, model, task, strategy, sampling, train, output: the component configs.
     """
 
     seed: int = 0
@@ -135,6 +165,7 @@ class SimulationConfig:
     evaluate_every: int = 1
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     strategy: StrategyConfig = field(default_factory=lambda: StrategyConfig(name="fedavg"))
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=0.1, min_fit_clients=2))
     train: FitConfig = field(default_factory=lambda: FitConfig(local_epochs=1, batch_size=32, lr=0.05))

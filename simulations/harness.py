@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,10 +26,10 @@ from fedcore.config import to_mapping
 from fedcore.errors import ConfigError
 from fedcore.seeding import derive_seed
 from fedcore.strategy import build_strategy
-from fedcore.task import EvalResult, TaskContext
+from fedcore.task import EvalResult, Task, TaskContext, TaskFactory, load_task_factory
 from fedcore.tensors import NamedArrays, encode, from_state_dict, to_state_dict
 from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
-from simulations.config import SimulationConfig
+from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.inmemory import InMemoryPool
 from simulations.tasks import demo_task
 
@@ -114,35 +115,41 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         (out_dir / "config.json").write_text(json.dumps(to_mapping(config), indent=2) + "\n")
     except OSError as exc:
         raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
-    options = task_options(config)
+    demo = config.task.factory == DEMO_TASK
+    factory: TaskFactory = demo_task if demo else load_task_factory(config.task.factory)
+    options = task_options(config) if demo else dict(config.task.options)
+    data_dir = None if demo else config.data.data_dir
     ids = client_ids(config.data.num_clients)
     index = {cid: i for i, cid in enumerate(ids)}
 
-    def make_task(cid: str) -> object:
-        return demo_task(
-            TaskContext(
-                role="client",
-                client_id=cid,
-                partition_id=index[cid],
-                num_partitions=len(ids),
-                seed=config.seed,
-                options=options,
-            )
+    def make_task(cid: str) -> Task:
+        context = TaskContext(
+            role="client",
+            client_id=cid,
+            partition_id=index[cid],
+            num_partitions=len(ids),
+            data_dir=data_dir,
+            seed=config.seed,
+            options=options,
         )
+        return factory(context)
 
-    server_task = demo_task(TaskContext(role="server", seed=config.seed, options=options))
+    server_task = factory(TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options))
     strategy = build_strategy(config.strategy, config.train, config.sampling)
-    pool = InMemoryPool(ids, make_task)  # type: ignore[arg-type]
-    eval_model = server_task.build_model()
+    pool = InMemoryPool(ids, make_task)
 
     def evaluate(parameters: NamedArrays, rnd: int) -> EvalResult:
-        eval_model.load_state_dict(to_state_dict(parameters))
-        return server_task.evaluate(eval_model, strategy.evaluate_batch_size)
+        with torch.random.fork_rng(devices=[]):
+            model = server_task.build_model()
+        model.load_state_dict(to_state_dict(parameters))
+        return server_task.evaluate(model, strategy.evaluate_batch_size)
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []
     divergent_rounds: list[int] = []
-    progress = tqdm(total=config.rounds, desc="rounds", unit="round", disable=not config.output.progress, leave=False)
+    # The bar only on a terminal: piped into a file or `tee`, its redraws would garble the per-round table.
+    bar = config.output.progress and sys.stderr.isatty()
+    progress = tqdm(total=config.rounds, desc="rounds", unit="round", disable=not bar, leave=False)
     say = tqdm.write if config.output.progress else echo
     if config.output.progress:
         say(" ".join(f"{c:>10}" for c in COLUMNS))
@@ -163,6 +170,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
                 progress.set_postfix(acc=f"{acc:.4f}")
 
     initial = initial_parameters(server_task.build_model, config.seed)
+    evaluate_fn = evaluate if config.task.server_evaluation else None
     round_config = RoundConfig(
         num_rounds=config.rounds,
         seed=config.seed,
@@ -170,7 +178,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         evaluate_every=config.evaluate_every,
     )
     try:
-        final, _ = run_rounds(pool, strategy, initial, round_config, evaluate_fn=evaluate, on_round_end=on_round_end)
+        final, _ = run_rounds(pool, strategy, initial, round_config, evaluate_fn=evaluate_fn, on_round_end=on_round_end)
     finally:
         progress.close()
     model_path = out_dir / "model.safetensors"
@@ -211,6 +219,10 @@ def plot_history(history: pd.DataFrame, path: Path) -> Path:
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
     evaluated = history.dropna(subset=["test_accuracy"])
     ax_acc.plot(evaluated["round"], evaluated["test_accuracy"], marker=".", color="tab:blue")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_acc, ax_loss):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_acc.set_xlabel("round")
     ax_acc.set_ylabel("test accuracy")
     ax_acc.grid(alpha=0.3)
