@@ -290,6 +290,8 @@ class ClientDaemon:
                 stub.Heartbeat(pb.HeartbeatRequest(session=self._session), timeout=max(2.0, self._heartbeat_s * 2))
             except grpc.RpcError as exc:
                 log.debug("heartbeat failed: %s", _details(exc))
+            except ValueError:  # the channel was closed under us (reconnecting or stopping): this loop is done
+                return
 
     def _leave(self, stub: pb_grpc.CoordinatorStub) -> None:
         with contextlib.suppress(grpc.RpcError):

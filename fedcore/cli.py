@@ -190,6 +190,34 @@ SERVER_FLAGS: dict[str, type] = {
     "linger_s": float,
 }
 
+#: Help for the ``server start`` flags (each is also a key of ``server.app.ServerConfig``).
+SERVER_FLAG_HELP = {
+    "address": "HOST:PORT to listen on (default 0.0.0.0:8443)",
+    "state_dir": "SQLite state, checkpoints, history.csv; restarting on it resumes the run",
+    "task": "task factory module:attr: the initial model and server-side evaluation (e.g. simulations.tasks:demo_task)",
+    "data_dir": "data directory handed to the server-side task (its held-out data)",
+    "initial": "start from this safetensors model instead of the task's freshly initialized one",
+    "rounds": "number of federated rounds",
+    "seed": "run seed: client selection and every client's randomness derive from it",
+    "evaluate_every": "evaluate the global model every this many rounds",
+    "round_timeout_s": "round deadline: close with the results in hand if the quorum reported",
+    "wait_for_clients_s": "how long to wait for enough clients before a round",
+    "min_fit_results": "quorum: accepted updates a round needs",
+    "max_round_attempts": "selections tried per round before the run fails",
+    "heartbeat_interval_s": "how often clients send heartbeats",
+    "liveness_timeout_s": "a client silent this long is dropped and its task failed",
+    "max_payload_bytes": "largest update accepted from a client",
+    "chunk_bytes": "payload chunk size on the wire",
+    "max_workers": "gRPC server threads (keep above 2x the number of clients)",
+    "tls_cert": "server certificate (PEM)",
+    "tls_key": "server private key (PEM)",
+    "client_ca": "CA that signs client certificates: turns on mutual TLS",
+    "tokens_file": "file of 'client_id token' lines: only these clients may join",
+    "metrics_port": "serve Prometheus metrics on this port",
+    "metrics_address": "interface for the metrics endpoint (default 127.0.0.1; 0.0.0.0 for remote scraping)",
+    "linger_s": "keep serving this long after the last round so that clients learn the run is over",
+}
+
 #: ``server start`` shortcuts for nested keys.
 SERVER_SHORTCUTS: dict[str, tuple[str, type]] = {
     "strategy": ("strategy.name", str),
@@ -218,7 +246,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     start.add_argument("--config", help="server TOML file (keys of server.app.ServerConfig)")
     start.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     for name, kind in SERVER_FLAGS.items():
-        start.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
+        start.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, help=SERVER_FLAG_HELP.get(name))
     for name, (key, kind) in SERVER_SHORTCUTS.items():
         start.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, help=f"sets {key}")
     start.add_argument(

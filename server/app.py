@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from fedcore.config import apply_overrides, from_mapping, load_toml
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, PayloadError
 from fedcore.seeding import derive_seed
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, load_task_factory
-from fedcore.tensors import NamedArrays, check_finite, from_state_dict, to_state_dict
+from fedcore.tensors import NamedArrays, check_finite, check_spec, from_state_dict, spec_of, to_state_dict
 from fedcore.wire import DEFAULT_CHUNK_BYTES
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.metrics import ServerMetrics
@@ -208,6 +208,17 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     resumed = store.latest_checkpoint(mapped=True)
     initial: ServerState
     if resumed is not None:
+        if server_task is not None:
+            with torch.random.fork_rng(devices=[]):
+                expected = spec_of(from_state_dict(server_task.build_model().state_dict()))
+            try:
+                check_spec(resumed.parameters, expected)
+            except PayloadError as exc:
+                raise ConfigError(
+                    f"the checkpoint in {str(config.state_dir)!r} (round {resumed.round}) is of another model than "
+                    f"the task builds ({exc.message}); use a new --state-dir for a new run, or the task options "
+                    "of the run being resumed"
+                ) from None
         initial = resumed
         echo(f"resuming after round {resumed.round} from {config.state_dir}")
     else:

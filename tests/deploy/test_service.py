@@ -295,3 +295,24 @@ def test_state_checkpoints_are_atomic_and_resume(tmp_path: Path) -> None:
     store.record_join("a")
     assert store.clients() == [("a", 2)]
     store.close()
+
+
+def test_server_refuses_to_resume_a_checkpoint_of_another_model(tmp_path: Path) -> None:
+    """A state directory from another run (another model) is refused at start, not after clients trained."""
+    from fedcore.errors import ConfigError
+    from server.app import ServerConfig, run_server
+
+    store = StateStore(tmp_path / "state")
+    store.save_checkpoint(ServerState(round=2, parameters=dict(GLOBAL), optimizer_state={}))
+    store.close()
+    config = ServerConfig(
+        insecure=True,
+        address="127.0.0.1:0",
+        state_dir=tmp_path / "state",
+        task="simulations.tasks:demo_task",
+        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
+        rounds=3,
+        wait_for_clients_s=1.0,
+    )
+    with pytest.raises(ConfigError, match=r"round 2\) is of another model.*new --state-dir"):
+        run_server(config, echo=lambda _: None)
