@@ -54,7 +54,7 @@ class EvaluateIns:
 
     round: int
     parameters: NamedArrays
-    batch_size: int = 1024
+    batch_size: int = 256
     stage: Stage = Stage.EVALUATE
 
 

@@ -104,7 +104,7 @@ class Strategy:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     weighting: Literal["examples", "uniform"] = "examples"
     server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
-    evaluate_batch_size: int = 1024
+    evaluate_batch_size: int = 256
 
     def __post_init__(self) -> None:
         if self.weighting not in ("examples", "uniform"):

@@ -103,7 +103,7 @@ def evaluate_supervised(
     x: torch.Tensor,
     y: torch.Tensor,
     *,
-    batch_size: int = 1024,
+    batch_size: int = 256,
     loss_fn: LossFn | None = None,
 ) -> EvalResult:
     """Mean loss and accuracy of a classifier on ``(x, y)``.

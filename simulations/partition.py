@@ -220,7 +220,8 @@ def dirichlet_client_centric(
     ``prior`` is the global class frequency vector. Each client then receives its samples drawn class by class
     from ``q`` without replacement; when a class runs out, ``q`` is renormalized over the classes that still
     have samples, and if all of ``q``'s mass sits on exhausted classes the client draws a fresh mix
-    ``Dir(alpha * prior)`` over the classes that remain, so a small alpha stays skewed (never a NaN probability). Samples are drawn in multinomial batches with the exhausted draws
+    ``Dir(alpha * prior)`` over the classes that remain, so a small alpha stays skewed (never a NaN
+    probability). Samples are drawn in multinomial batches with the exhausted draws
     redrawn, which has the same distribution as drawing them one by one.
 
     Args:
