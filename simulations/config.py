@@ -161,12 +161,12 @@ class SimulationConfig:
     """
 
     seed: int = 0
-    rounds: int = 40
-    evaluate_every: int = 1
+    rounds: int = 30
+    evaluate_every: int = 5
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    strategy: StrategyConfig = field(default_factory=lambda: StrategyConfig(name="fedavg"))
+    strategy: StrategyConfig = field(default_factory=lambda: StrategyConfig(name="fedavgm", server_momentum=0.7))
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=0.1, min_fit_clients=2))
     train: FitConfig = field(default_factory=lambda: FitConfig(local_epochs=1, batch_size=32, lr=0.05))
     output: OutputConfig = field(default_factory=OutputConfig)
