@@ -7,9 +7,10 @@ many clients report (DESIGN.md, "Aggregation is streaming"). The sum is kept in 
 float32 model): the error then no longer grows with the number of clients, and 1000 float32 updates average
 to within ~1e-7 relative of an exact reference, where a float32 running sum drifts to ~1e-6..1e-5.
 
-Speed: an update is folded in cache-sized blocks (``_BLOCK`` elements): cast into a preallocated float64
-scratch block, scale it, then add it into the float64 sum in place (no full-size temporaries). The blocks are
-spread over a small persistent pool of Python threads (numpy releases the GIL inside its loops), each pulling
+Speed: an update is folded in cache-sized blocks (``_BLOCK`` elements), each in one fused pass
+(:func:`fedcore.kernels.fold_block`: cast, scale and add into the float64 sum in place; numpy's cast-scale-add
+through a scratch block for other dtypes). The blocks are spread over a small persistent pool of Python
+threads (the kernels and numpy release the GIL), each pulling
 the next block from a shared counter, so a thread that another process slows down just takes fewer blocks.
 Every element's result depends only on that element, never on which thread computed its block, so the sum is
 bit-for-bit the same whatever the thread count or timing. No torch / OpenMP / BLAS threads: those spin at
@@ -31,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from fedcore.errors import AggregationError, ConfigError, PayloadError, UpdateRejected
+from fedcore.kernels import FUSED_DTYPES, all_finite, fold_block
 from fedcore.tensors import (
     NamedArrays,
     TensorSpec,
@@ -43,9 +45,10 @@ from fedcore.tensors import (
 
 __all__ = ["WeightedMean", "mean", "weighted_average", "weighted_metrics"]
 
-_BLOCK = 1 << 16
-"""Elements per block (one task for a thread): 512 KiB of float64 sum + 512 KiB of float64 scratch per thread.
-Chosen by measurement with bench/aggregation.py on the 2-core dev VM (see the module docstring)."""
+_BLOCK = 1 << 18
+"""Elements per block (one task for a thread): 2 MiB of float64 sum per block. With the fused kernels the block
+no longer needs to fit in L2 (one streaming pass); 64K..1M measured within noise on the 2-core dev VM with
+bench/aggregation.py --block, and larger blocks mean fewer Python task hand-offs."""
 
 _MAX_THREADS = 8
 """Upper bound on the default thread count: the fold is memory-bound, more threads only add contention."""
@@ -372,7 +375,9 @@ class WeightedMean:
 
         def check(worker: int, k: int) -> None:
             name, i, j = blocks[k]
-            if not np.isfinite(flat[name][i:j].sum()):
+            block = flat[name][i:j]
+            finite = all_finite(block) if block.dtype in FUSED_DTYPES else np.isfinite(block.sum())
+            if not finite:
                 suspect[k] = True
             if mapped and name in mapped:
                 _drop_mapped(mapped[name], flat[name], i, j)
@@ -397,10 +402,14 @@ class WeightedMean:
                 total = self._sums[name][i:j]
                 # the product is formed in float64 too: a float32 product (faster) errs by 6e-8 of |w·u|, which
                 # cancellation across clients turned into 1e-3 relative error
-                part = self._scratch[worker][: j - i]
-                np.copyto(part, flat[name][i:j])
-                np.multiply(part, w, out=part)
-                np.add(total, part, out=total)
+                update = flat[name][i:j]
+                if update.dtype in FUSED_DTYPES:
+                    fold_block(total, update, w)  # one fused pass: cast, scale, add
+                else:
+                    part = self._scratch[worker][: j - i]
+                    np.copyto(part, update)
+                    np.multiply(part, w, out=part)
+                    np.add(total, part, out=total)
                 if mapped and name in mapped:
                     _drop_mapped(mapped[name], flat[name], i, j)
 

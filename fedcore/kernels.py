@@ -1,0 +1,36 @@
+"""Fused element-wise kernels for the streaming aggregator, compiled with numba.
+
+Each kernel does in one pass over a block what numpy would do in two or three (cast, scale, add; or an
+all-finite test), so the fold moves each byte of the update once. They release the GIL (``nogil=True``) and
+are driven by :mod:`fedcore.aggregation`'s own thread pool, one block per call: numba's threading layer is not
+used, so results never depend on thread timing and no OpenMP threads spin while another process holds a core.
+No fastmath: ``total[i] + w * float64(u[i])`` is rounded exactly as numpy's cast-multiply-add rounds it.
+
+Compiled on first use and cached on disk (``cache=True``); for dtypes other than float32/float64 updates the
+aggregator keeps its numpy path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+#: update dtypes the fused kernels are used for.
+FUSED_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+@njit(nogil=True, cache=True)
+def fold_block(total: np.ndarray, update: np.ndarray, weight: float) -> None:  # pragma: no cover - compiled
+    """``total[i] += weight * float64(update[i])`` for a float64 ``total`` and a float32/float64 ``update``."""
+    for i in range(total.size):
+        total[i] += weight * np.float64(update[i])
+
+
+@njit(nogil=True, cache=True)
+def all_finite(block: np.ndarray) -> bool:  # pragma: no cover - compiled
+    """True when no element of the float32/float64 ``block`` is NaN or infinite (``v - v`` is 0 only then)."""
+    for i in range(block.size):
+        v = block[i]
+        if v - v != 0:  # NaN - NaN and inf - inf are NaN, which compares unequal to everything
+            return False
+    return True
