@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedcore.strategy import StrategyConfig
 from fedcore.tensors import NamedArrays
 from server.state import load_checkpoint
 from simulations.config import DataConfig, ModelConfig, OutputConfig, SimulationConfig
@@ -39,6 +40,7 @@ def _config(out: Path) -> SimulationConfig:
         rounds=ROUNDS,
         data=DataConfig(dataset="mnist-5k", num_clients=NUM_CLIENTS, partition="dirichlet", alpha=0.5),
         model=ModelConfig(name="2nn"),
+        strategy=StrategyConfig(name="fedavg"),  # the server's default; the simulation's is FedAvgM
         sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=NUM_CLIENTS),
         train=FitConfig(local_epochs=1, batch_size=32, lr=0.05),
         output=OutputConfig(dir=out, progress=False, plot=False),

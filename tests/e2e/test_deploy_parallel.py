@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcore.strategy import SamplingConfig
+from fedcore.strategy import SamplingConfig, StrategyConfig
 from fedcore.task import FitConfig
 from server.state import load_checkpoint
 from simulations.config import DataConfig, ModelConfig, OutputConfig, SimulationConfig
@@ -26,6 +26,7 @@ def test_daemon_with_data_parallel_plan_matches_the_simulation(tmp_path: Path) -
         rounds=1,
         data=DataConfig(dataset="mnist-5k", num_clients=2, partition="iid"),
         model=ModelConfig(name="2nn"),
+        strategy=StrategyConfig(name="fedavg"),  # the server's default; the simulation's is FedAvgM
         sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2),
         train=FitConfig(local_epochs=1, batch_size=32, lr=0.05),
         output=OutputConfig(dir=tmp_path / "simulation", progress=False, plot=False),
