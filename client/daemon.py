@@ -42,6 +42,7 @@ from fedcore.wire import (
     iter_views,
     result_header,
 )
+from privacy.tls import read_pem
 
 log = logging.getLogger("fedcore.client")
 
@@ -173,16 +174,8 @@ class ClientDaemon:
         if cfg.server_name:
             options.append(("grpc.ssl_target_name_override", cfg.server_name))
 
-        def read(path: Path | None) -> bytes | None:
-            if path is None:
-                return None
-            try:
-                return path.read_bytes()
-            except OSError as exc:
-                raise ConfigError(f"cannot read {str(path)!r}: {exc}") from exc
-
         credentials = grpc.ssl_channel_credentials(
-            root_certificates=read(cfg.ca_cert), private_key=read(cfg.key), certificate_chain=read(cfg.cert)
+            root_certificates=read_pem(cfg.ca_cert), private_key=read_pem(cfg.key), certificate_chain=read_pem(cfg.cert)
         )
         return grpc.secure_channel(cfg.server, credentials, options=options)
 

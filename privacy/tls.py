@@ -38,6 +38,20 @@ class Identity:
     key_pem: bytes
 
 
+def read_pem(path: Path | None) -> bytes | None:
+    """The bytes of a PEM file the user named (None when no path was given).
+
+    Raises:
+        ConfigError: the file cannot be read; the message names it.
+    """
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {str(path)!r}: {exc}") from exc
+
+
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()

@@ -35,6 +35,7 @@ from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_str
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, load_task_factory
 from fedcore.tensors import NamedArrays, check_finite, check_spec, from_state_dict, spec_of, to_state_dict
 from fedcore.wire import DEFAULT_CHUNK_BYTES
+from privacy.tls import read_pem
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.metrics import ServerMetrics
 from server.round_loop import EvaluateFn, RoundConfig, RoundRecord, ServerState, resident_mib, run_rounds
@@ -171,15 +172,7 @@ def server_credentials(config: ServerConfig) -> Any:
     if config.insecure:
         return None
 
-    def read(path: Path | None) -> bytes | None:
-        if path is None:
-            return None
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {str(path)!r}: {exc}") from exc
-
-    key, cert, ca = read(config.tls_key), read(config.tls_cert), read(config.client_ca)
+    key, cert, ca = read_pem(config.tls_key), read_pem(config.tls_cert), read_pem(config.client_ca)
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
