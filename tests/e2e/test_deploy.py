@@ -131,8 +131,9 @@ def test_client_killed_mid_round_closes_round_with_quorum(tmp_path: Path) -> Non
     port = free_port()
     state = tmp_path / "state"
     deadline_s = 120
+    # All 4 must be connected for round 1 (so the victim is certainly selected); 3 results make the quorum.
     flags = [
-        "--seed", str(SEED), "--rounds", "2", "--fraction-fit", "1.0", "--min-fit-clients", "3",
+        "--seed", str(SEED), "--rounds", "1", "--fraction-fit", "1.0", "--min-fit-clients", "4",
         "--min-fit-results", "3", "--round-timeout-s", str(deadline_s), "--no-evaluate",
     ]  # fmt: skip
     server = Proc("server", server_args(port, state, options, *flags), tmp_path)
@@ -147,8 +148,9 @@ def test_client_killed_mid_round_closes_round_with_quorum(tmp_path: Path) -> Non
         # liveness timeout 2.5 s + the survivors' 4 s of training, far below the 120 s deadline
         assert closed_at - killed_at < 20
         assert "no heartbeat" in server.text()
-        assert server.wait(120) == 0, server.text()
-        assert "round 2: 3 update(s), 0 failure(s)" in server.text()
+        assert server.wait(120) == 0, server.text()  # the run finishes normally without the dead client
+        for survivor in clients[:-1]:
+            assert survivor.wait(30) == 0, survivor.text()
     finally:
         for proc in [server, *clients]:
             proc.close()
