@@ -17,7 +17,7 @@ from fedcore.errors import ClientTaskError, FedcoreError, PayloadError
 from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes, Instruction, Stage
 from fedcore.seeding import derive_seed
 from fedcore.task import EvalResult, Task, TaskContext, TrainContext, TrainResult
-from fedcore.tensors import NamedArrays, check_spec, from_state_dict, spec_of, to_state_dict
+from fedcore.tensors import NamedArrays, check_spec, from_state_dict, state_spec, to_state_dict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +46,7 @@ def load_parameters(model: torch.nn.Module, parameters: NamedArrays, *, round: i
     Raises:
         PayloadError: names, shapes or dtypes differ from the model's state dict.
     """
-    own = from_state_dict(model.state_dict())
-    check_spec(parameters, spec_of(own), round=round, client_id=client_id)
+    check_spec(parameters, state_spec(model.state_dict()), round=round, client_id=client_id)
     model.load_state_dict(to_state_dict(parameters), strict=True)
 
 

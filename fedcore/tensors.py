@@ -24,7 +24,8 @@ from fedcore.errors import NonFiniteError, PayloadError
 NamedArrays = dict[str, np.ndarray]
 """Ordered ``name -> array`` mapping; insertion order is the parameter order."""
 
-_ORDER_KEY = "fedcore.order"
+ORDER_KEY = "fedcore.order"
+"""Header metadata key holding the tensor order (safetensors itself does not keep it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,21 @@ class TensorSpec:
 def spec_of(arrays: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
     """Return the ordered specs (name, shape, dtype) of ``arrays``."""
     return tuple(TensorSpec(n, tuple(int(d) for d in a.shape), a.dtype.name) for n, a in arrays.items())
+
+
+def state_spec(state: Mapping[str, object]) -> tuple[TensorSpec, ...]:
+    """The ordered specs of a ``torch`` state dict, read from the tensors' metadata (no copy of the data).
+
+    Equals ``spec_of(from_state_dict(state))`` for the dtypes numpy can hold.
+    """
+    import torch
+
+    specs = []
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise PayloadError(f"state entry {name!r} is a {type(value).__name__}, not a tensor")
+        specs.append(TensorSpec(name, tuple(int(d) for d in value.shape), str(value.dtype).removeprefix("torch.")))
+    return tuple(specs)
 
 
 def num_bytes(arrays: Mapping[str, np.ndarray]) -> int:
@@ -201,7 +217,7 @@ def parse_header(
         position = entry.end
     if position != body_len:
         raise fail(f"{body_len - position} bytes after the last tensor (corrupted payload)")
-    order_raw = raw_meta.get(_ORDER_KEY)
+    order_raw = raw_meta.get(ORDER_KEY)
     try:
         order = json.loads(order_raw) if isinstance(order_raw, str) else sorted(entries)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -210,7 +226,7 @@ def parse_header(
         if require_order:
             raise fail("payload's recorded tensor order does not match its tensors (corrupted payload)")
         order = sorted(entries)
-    metadata = {str(k): v for k, v in raw_meta.items() if k != _ORDER_KEY}
+    metadata = {str(k): v for k, v in raw_meta.items() if k != ORDER_KEY}
     return {n: entries[n] for n in order}, metadata
 
 
@@ -228,9 +244,9 @@ def encode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None 
         PayloadError: a name is reserved or a dtype is unsupported.
     """
     meta = dict(metadata or {})
-    if _ORDER_KEY in meta:
-        raise PayloadError(f"metadata key {_ORDER_KEY!r} is reserved")
-    meta[_ORDER_KEY] = json.dumps(list(arrays))
+    if ORDER_KEY in meta:
+        raise PayloadError(f"metadata key {ORDER_KEY!r} is reserved")
+    meta[ORDER_KEY] = json.dumps(list(arrays))
     try:
         return bytes(_st_save({n: np.require(a, requirements="C") for n, a in arrays.items()}, metadata=meta))
     except (SafetensorError, ValueError, TypeError) as exc:

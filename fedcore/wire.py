@@ -32,32 +32,17 @@ from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, 
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
-from fedcore.tensors import NamedArrays, parse_header
+from fedcore.tensors import ORDER_KEY, SAFETENSORS_DTYPES, NamedArrays, parse_header
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Payload chunk size on the wire (4 MiB: well under gRPC's default 4 MiB+ message cap once framed)."""
 
-ORDER_KEY = "fedcore.order"
-"""Header metadata key holding the tensor order (the same key :mod:`fedcore.tensors` writes)."""
 
 _HEADER_ALIGN = 8
 _READ_BLOCK = 1 << 20
 
-# numpy dtype name <-> safetensors dtype code (safetensors format specification)
-_TO_ST = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint64": "U64",
-    "uint32": "U32",
-    "uint16": "U16",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
+# numpy dtype name -> safetensors dtype code (the inverse of fedcore.tensors.SAFETENSORS_DTYPES)
+_TO_ST = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 
 _STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE}
 _STAGE_FROM_PB = {v: k for k, v in _STAGE_TO_PB.items()}

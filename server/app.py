@@ -33,7 +33,7 @@ from fedcore.errors import ConfigError, PayloadError
 from fedcore.seeding import derive_seed
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, load_task_factory
-from fedcore.tensors import NamedArrays, check_finite, check_spec, from_state_dict, spec_of, to_state_dict
+from fedcore.tensors import NamedArrays, check_finite, check_spec, from_state_dict, state_spec, to_state_dict
 from fedcore.wire import DEFAULT_CHUNK_BYTES
 from privacy.tls import read_pem
 from server.grpc_pool import GrpcClientPool, PoolConfig
@@ -203,7 +203,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     if resumed is not None:
         if server_task is not None:
             with torch.random.fork_rng(devices=[]):
-                expected = spec_of(from_state_dict(server_task.build_model().state_dict()))
+                expected = state_spec(server_task.build_model().state_dict())
             try:
                 check_spec(resumed.parameters, expected)
             except PayloadError as exc:

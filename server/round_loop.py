@@ -22,7 +22,8 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -201,7 +202,7 @@ def run_rounds(
         evaluate_now = rnd % config.evaluate_every == 0 or rnd == config.num_rounds
         if evaluate_now:
             record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn)
-        record = _replace(record, seconds=time.perf_counter() - started)
+        record = replace(record, seconds=time.perf_counter() - started)
         if keep_records:
             records.append(record)
         if on_round_end is not None:
@@ -255,12 +256,6 @@ def _trace(rnd: int, stage: str) -> None:
         got = resident_mib()
         if got is not None:
             mem_log.debug("round %d %s: rss %.1f MiB, peak %.1f MiB", rnd, stage, *got)
-
-
-def _replace(record: RoundRecord, **changes: object) -> RoundRecord:
-    from dataclasses import replace
-
-    return replace(record, **changes)  # type: ignore[arg-type]
 
 
 def _fit_round(
@@ -370,7 +365,7 @@ def _evaluate_round(
     record: RoundRecord,
     evaluate_fn: EvaluateFn | None,
 ) -> RoundRecord:
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     if evaluate_fn is not None:
         result = evaluate_fn(state.parameters, state.round)
         changes["eval_loss"] = result.loss
@@ -395,4 +390,4 @@ def _evaluate_round(
             changes["federated_eval_loss"] = merged.pop("loss")
             changes["federated_eval_metrics"] = merged
         changes["failures"] = tuple(failures)
-    return _replace(record, **changes)
+    return replace(record, **changes)
