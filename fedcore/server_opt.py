@@ -18,6 +18,7 @@ dtype of its parameter. Only floating tensors are optimized; integer buffers (e.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -59,6 +60,33 @@ def _check_finite_number(
         raise ConfigError(f"{name} must be a finite number {lo}{hi}, got {value!r}")
 
 
+def _apply(
+    params: NamedArrays,
+    average: NamedArrays,
+    rule: Callable[[str, np.ndarray, np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]],
+) -> tuple[NamedArrays, NamedArrays]:
+    """The loop every server optimizer shares: integer tensors take the average; each floating tensor ``x`` gets
+    ``rule(name, x, Δ = average − x)`` computed in float64, and the new parameters and state are cast back to
+    ``x``'s dtype. Inputs are not mutated.
+
+    Raises:
+        PayloadError: ``average`` names other tensors than ``params``.
+    """
+    _check_keys(params, average)
+    new_params: NamedArrays = {}
+    new_state: NamedArrays = {}
+    for name, x in params.items():
+        avg = average[name]
+        if not _is_float(x):
+            new_params[name] = np.array(avg, dtype=x.dtype, copy=True)
+            continue
+        x64 = x.astype(np.float64)
+        new_x, state = rule(name, x64, avg.astype(np.float64) - x64)
+        new_params[name] = new_x.astype(x.dtype)
+        new_state.update({key: value.astype(x.dtype) for key, value in state.items()})
+    return new_params, new_state
+
+
 def _check_keys(params: NamedArrays, average: NamedArrays) -> None:
     if set(params) != set(average):
         raise PayloadError(
@@ -98,25 +126,17 @@ class ServerSGD:
 
     def step(self, params: NamedArrays, average: NamedArrays, state: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
         """One server step; see the class docstring. Inputs are not mutated."""
-        _check_keys(params, average)
         if self._is_fedavg:
+            _check_keys(params, average)
             return {n: np.array(average[n], copy=True) for n in params}, {}
-        new_params: NamedArrays = {}
-        new_state: NamedArrays = {}
-        for name, x in params.items():
-            avg = average[name]
-            if not _is_float(x):
-                new_params[name] = np.array(avg, dtype=x.dtype, copy=True)
-                continue
-            x64 = x.astype(np.float64)
-            delta = avg.astype(np.float64) - x64
+
+        def rule(name: str, x64: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             if self.momentum > 0.0:
                 v = self.momentum * state[f"v/{name}"].astype(np.float64) + delta
-                new_state[f"v/{name}"] = v.astype(x.dtype)
-            else:
-                v = delta
-            new_params[name] = (x64 + self.lr * v).astype(x.dtype)
-        return new_params, new_state
+                return x64 + self.lr * v, {f"v/{name}": v}
+            return x64 + self.lr * delta, {}
+
+        return _apply(params, average, rule)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,16 +192,8 @@ class ServerAdaptive:
 
     def step(self, params: NamedArrays, average: NamedArrays, state: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
         """One server step; see the class docstring. Inputs are not mutated."""
-        _check_keys(params, average)
-        new_params: NamedArrays = {}
-        new_state: NamedArrays = {}
-        for name, x in params.items():
-            avg = average[name]
-            if not _is_float(x):
-                new_params[name] = np.array(avg, dtype=x.dtype, copy=True)
-                continue
-            x64 = x.astype(np.float64)
-            delta = avg.astype(np.float64) - x64
+
+        def rule(name: str, x64: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             m = self.beta1 * state[f"m/{name}"].astype(np.float64) + (1.0 - self.beta1) * delta
             v = state[f"v/{name}"].astype(np.float64)
             d2 = delta * delta
@@ -191,7 +203,6 @@ class ServerAdaptive:
                 v = self.beta2 * v + (1.0 - self.beta2) * d2
             else:
                 v = v - (1.0 - self.beta2) * d2 * np.sign(v - d2)
-            new_params[name] = (x64 + self.lr * m / (np.sqrt(v) + self.tau)).astype(x.dtype)
-            new_state[f"m/{name}"] = m.astype(x.dtype)
-            new_state[f"v/{name}"] = v.astype(x.dtype)
-        return new_params, new_state
+            return x64 + self.lr * m / (np.sqrt(v) + self.tau), {f"m/{name}": m, f"v/{name}": v}
+
+        return _apply(params, average, rule)
