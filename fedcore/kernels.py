@@ -6,8 +6,9 @@ are driven by :mod:`fedcore.aggregation`'s own thread pool, one block per call: 
 used, so results never depend on thread timing and no OpenMP threads spin while another process holds a core.
 No fastmath: ``total[i] + w * float64(u[i])`` is rounded exactly as numpy's cast-multiply-add rounds it.
 
-Compiled on first use and cached on disk (``cache=True``); for dtypes other than float32/float64 updates the
-aggregator keeps its numpy path.
+Compiled on first use in each process (about a second for both, numba's import included), not cached on disk: several
+processes (a server and its tests, workers) starting at once would otherwise race on the cache files. For
+dtypes other than float32/float64 the aggregator keeps its numpy path.
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ import numpy as np
 from numba import njit
 
 #: update dtypes the fused kernels are used for.
-FUSED_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+FUSED_DTYPES: frozenset[np.dtype] = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True)
 def fold_block(total: np.ndarray, update: np.ndarray, weight: float) -> None:  # pragma: no cover - compiled
     """``total[i] += weight * float64(update[i])`` for a float64 ``total`` and a float32/float64 ``update``."""
     for i in range(total.size):
         total[i] += weight * np.float64(update[i])
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True)
 def all_finite(block: np.ndarray) -> bool:  # pragma: no cover - compiled
     """True when no element of the float32/float64 ``block`` is NaN or infinite (``v - v`` is 0 only then)."""
     for i in range(block.size):
@@ -34,3 +35,13 @@ def all_finite(block: np.ndarray) -> bool:  # pragma: no cover - compiled
         if v - v != 0:  # NaN - NaN and inf - inf are NaN, which compares unequal to everything
             return False
     return True
+
+
+def warm_up() -> None:
+    """Compile both kernels for float32 and float64 updates now (a server calls this before it listens, so the
+    first round's fold does not hold the GIL for a compile while heartbeats wait)."""
+    total = np.zeros(1)
+    for dtype in FUSED_DTYPES:
+        block = np.ones(1, dtype=dtype)
+        fold_block(total, block, 1.0)
+        all_finite(block)

@@ -30,6 +30,7 @@ import torch
 
 from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.errors import ConfigError, PayloadError
+from fedcore.kernels import warm_up as warm_up_kernels
 from fedcore.seeding import derive_seed
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, load_task_factory
@@ -189,6 +190,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     if config.insecure:
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
     _return_large_blocks_to_the_os()
+    warm_up_kernels()
     store = StateStore(config.state_dir)
     strategy = build_strategy(config.strategy, config.train, config.sampling)
     server_task = None
