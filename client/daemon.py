@@ -24,11 +24,11 @@ import grpc
 from client.runner import ParallelTraining, run_instruction
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ConfigError, FedcoreError, TransportError
-from fedcore.messages import Failure, Instruction, Reply
+from fedcore.messages import Failure, Instruction, Reply, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
-from fedcore.tensors import decode, encode
+from fedcore.tensors import NamedArrays, decode
 from fedcore.wire import (
     DEFAULT_CHUNK_BYTES,
     TRANSFER_OPTIONS,
@@ -36,10 +36,10 @@ from fedcore.wire import (
     BufferSink,
     DataChunk,
     PayloadReceiver,
-    chunk_body,
     coordinator_stub,
     instruction_from_header,
-    iter_views,
+    iter_data_chunks,
+    payload_segments,
     result_header,
 )
 from privacy.tls import read_pem
@@ -310,30 +310,7 @@ class ClientDaemon:
         timeout = self.config.poll_s + 600.0
         stream = stub.PullTask(pb.PullTaskRequest(session=self._session, wait_s=self.config.poll_s), timeout=timeout)
         try:
-            first = next(stream, None)
-            if first is None or isinstance(first, memoryview):
-                return False
-            if first.WhichOneof("body") == "idle":
-                return bool(first.idle.finished)
-            header = first.header
-            sink = BufferSink(header.payload_bytes)  # allocated at the first chunk, after the limit check
-            receiver = PayloadReceiver(
-                sink,
-                announced=header.payload_bytes,
-                limit=self.config.max_payload_bytes,
-                round=header.round,
-                client_id=self.config.client_id,
-            )
-            digest: bytes | None = None
-            with receiver:
-                for chunk in stream:
-                    kind, data = chunk_body(chunk)
-                    if kind == "data":
-                        receiver.write(data)
-                    elif kind == "trailer" and not isinstance(chunk, memoryview):
-                        digest = chunk.trailer.sha256
-                        break
-                receiver.finish(digest)
+            got = receive_task(stream, max_payload_bytes=self.config.max_payload_bytes, client_id=self.config.client_id)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise _SessionLost() from exc
@@ -341,10 +318,9 @@ class ClientDaemon:
         except FedcoreError as exc:
             log.warning("discarding a damaged task payload (%s); pulling again", exc)
             return False
-        parameters = decode(
-            bytes(sink.buffer), allow_nonfinite=True, round=header.round, client_id=self.config.client_id
-        )
-        del sink
+        if isinstance(got, bool):
+            return got
+        header, parameters = got
         return header.task_id, instruction_from_header(header, parameters)
 
     def _execute(self, instruction: Instruction) -> Reply:
@@ -372,16 +348,24 @@ class ClientDaemon:
         return reply
 
     def _push(self, stub: pb_grpc.CoordinatorStub, task_id: str, reply: Reply) -> None:
-        payload = b""
+        segments: list[memoryview] = []
         if not isinstance(reply, Failure) and hasattr(reply, "parameters"):
-            payload = encode(reply.parameters)
-        digest = BackgroundDigest(payload)  # overlaps the first push
+            try:
+                segments = payload_segments(reply.parameters)  # views of the update: no encoded copy of the model
+            except FedcoreError as exc:  # e.g. a dtype safetensors cannot hold: the server hears why
+                log.warning("round %d: cannot send the update: %s", reply.round, exc)
+                reply = Failure(client_id=self.config.client_id, round=reply.round, stage=Stage.FIT, reason=str(exc))
+        digest = BackgroundDigest(segments)  # overlaps the first push
         delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         for attempt in range(1, 1000):
             if self._stop.is_set():
                 return
+            header = result_header(
+                reply, session=self._session, task_id=task_id, payload_bytes=sum(len(s) for s in segments)
+            )
             try:
-                answer = stub.PushResult(self._result_stream(task_id, reply, payload, digest), timeout=600)  # type: ignore[arg-type]  # the stub's serializer takes DataChunk
+                chunks = result_chunks(header, segments, digest, self._chunk_bytes)
+                answer = stub.PushResult(chunks, timeout=600)  # type: ignore[arg-type]  # the stub's serializer takes DataChunk
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                     # the server restarted: join again and push under the new session (the task may be gone)
@@ -404,15 +388,49 @@ class ClientDaemon:
         # the heartbeat thread of run() is still running and picks up the new session
         self._prepare_task(self._join(stub))
 
-    def _result_stream(
-        self, task_id: str, reply: Reply, payload: bytes, digest: BackgroundDigest
-    ) -> Iterator[pb.ResultChunk | DataChunk]:
-        header = result_header(reply, session=self._session, task_id=task_id, payload_bytes=len(payload))
-        yield pb.ResultChunk(header=header)
-        if payload:
-            for piece in iter_views(payload, self._chunk_bytes):
-                yield DataChunk(piece)
-            yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest.digest()))
+
+def receive_task(
+    chunks: Iterator[memoryview | pb.TaskChunk], *, max_payload_bytes: int, client_id: str
+) -> tuple[pb.TaskHeader, NamedArrays] | bool:
+    """Read one ``PullTask`` stream: the task header and its payload, decoded.
+
+    The payload is received into one buffer allocated after its announced size passed ``max_payload_bytes``,
+    with its SHA-256 computed alongside on a helper thread and checked against the trailer; the returned arrays
+    are views into that buffer (no further copy of the model).
+
+    Returns:
+        ``(header, parameters)``; or a bool when the server had no task: True when the run is finished, False
+        when there is nothing yet (or the stream ended early), so the caller polls again.
+
+    Raises:
+        PayloadError: the payload is over the limit, truncated, corrupted or not safetensors.
+        grpc.RpcError: the call failed.
+    """
+    first = next(chunks, None)
+    if first is None or isinstance(first, memoryview):
+        return False
+    if first.WhichOneof("body") == "idle":
+        return bool(first.idle.finished)
+    header = first.header
+    sink = BufferSink(header.payload_bytes)  # allocated at the first chunk, after the limit check
+    receiver = PayloadReceiver(
+        sink, announced=header.payload_bytes, limit=max_payload_bytes, round=header.round, client_id=client_id
+    )
+    with receiver:
+        receiver.finish(receiver.read_until_trailer(chunks))
+    parameters = decode(sink.buffer, allow_nonfinite=True, copy=False, round=header.round, client_id=client_id)
+    return header, parameters
+
+
+def result_chunks(
+    header: pb.ResultHeader, segments: list[memoryview], digest: BackgroundDigest, chunk_bytes: int
+) -> Iterator[pb.ResultChunk | DataChunk]:
+    """One ``PushResult`` stream: the header, the payload ``segments`` (see :func:`fedcore.wire.payload_segments`)
+    cut into framed chunks of ``chunk_bytes`` (each byte copied once), then the trailer with ``digest``."""
+    yield pb.ResultChunk(header=header)
+    if segments:
+        yield from iter_data_chunks(segments, chunk_bytes)
+        yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest.digest()))
 
 
 def tls_hint(exc: grpc.RpcError, config: DaemonConfig) -> str:

@@ -263,7 +263,9 @@ def read_metadata(data: bytes) -> dict[str, str]:
     return parse_header(header_json, body_len)[1]
 
 
-def split_payload(data: bytes, *, round: int | None = None, client_id: str | None = None) -> tuple[bytes, int, int]:
+def split_payload(
+    data: bytes | bytearray | memoryview, *, round: int | None = None, client_id: str | None = None
+) -> tuple[bytes, int, int]:
     """``(header bytes, body length, body offset)`` of a safetensors payload, checking the length prefix.
 
     Raises:
@@ -285,10 +287,11 @@ def split_payload(data: bytes, *, round: int | None = None, client_id: str | Non
 
 
 def decode(
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     expected: Sequence[TensorSpec] | None = None,
     *,
     allow_nonfinite: bool = False,
+    copy: bool = True,
     round: int | None = None,
     client_id: str | None = None,
 ) -> NamedArrays:
@@ -298,10 +301,15 @@ def decode(
         data: a payload produced by :func:`encode` (or any safetensors file), as any bytes-like object.
         expected: if given, the names, shapes and dtypes the payload must have; the result follows its order.
         allow_nonfinite: accept NaN/Inf values (off by default: updates with them are rejected).
+        copy: False to return arrays that share memory with ``data`` where they can (``data`` writable, e.g. a
+            ``bytearray``; the tensor aligned for its dtype; native byte order), which saves copying the whole
+            payload once more; ``data`` must then stay unchanged for as long as the arrays are used. Arrays that
+            cannot be views are copied.
         round, client_id: context for error messages.
 
     Returns:
-        ``name -> array``, writable copies in the order of ``expected`` (or the encoder's order).
+        ``name -> array``, writable, in the order of ``expected`` (or the encoder's order); copies unless
+        ``copy`` is False.
 
     Raises:
         PayloadError: truncated or corrupted bytes (see :func:`parse_header`); names, shapes or dtypes differ
@@ -311,12 +319,12 @@ def decode(
     header_json, body_len, body = split_payload(data, round=round, client_id=client_id)
     entries, _ = parse_header(header_json, body_len, round=round, client_id=client_id, require_order=expected is None)
     view = memoryview(data).cast("B")
-    loaded = {
-        name: np.frombuffer(view[body + e.start : body + e.end], dtype=e.dtype.newbyteorder("<"))
-        .reshape(e.shape)
-        .astype(e.dtype, copy=True)
-        for name, e in entries.items()
-    }
+    share = not copy and not view.readonly
+    loaded: NamedArrays = {}
+    for name, e in entries.items():
+        array = np.frombuffer(view[body + e.start : body + e.end], dtype=e.dtype.newbyteorder("<")).reshape(e.shape)
+        keep = share and array.flags.aligned and array.dtype.isnative
+        loaded[name] = array if keep else array.astype(e.dtype, copy=True)
     order = [s.name for s in expected] if expected is not None else list(entries)
     arrays: NamedArrays = {name: loaded[name] for name in order if name in loaded}
     for name in loaded:

@@ -13,13 +13,14 @@ read-only ``np.memmap`` views, so the server folds an update from disk (DESIGN.m
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import queue
 import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -50,11 +51,14 @@ _STAGE_FROM_PB = {v: k for k, v in _STAGE_TO_PB.items()}
 
 @dataclass(frozen=True)
 class PayloadFile:
-    """A payload written to disk: where, how many bytes, and their SHA-256."""
+    """A payload written to disk: where, how many payload bytes, their SHA-256, and the framing (None: the file
+    is the plain safetensors payload; else it holds wire-framed chunks of ``frame_bytes``, see
+    :func:`save_payload`)."""
 
     path: Path
     size: int
     sha256: bytes
+    frame_bytes: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -79,6 +83,26 @@ def safetensors_header(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, 
     return struct.pack("<Q", len(text)) + text
 
 
+def _raw_view(array: np.ndarray) -> memoryview:
+    """The little-endian C-order bytes of ``array`` as a flat byte view (a copy only when the layout needs one)."""
+    flat = np.require(array, requirements="C").reshape(-1)
+    if flat.dtype.byteorder == ">":
+        flat = flat.astype(flat.dtype.newbyteorder("<"))
+    return flat.view(np.uint8).data if flat.size else memoryview(b"")
+
+
+def payload_segments(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> list[memoryview]:
+    """The safetensors payload of ``arrays`` as views, in order: the header, then each tensor's bytes.
+
+    Nothing is copied (except tensors that are not C-contiguous little-endian); the views share memory with
+    ``arrays``, which must not change while the views are in use.
+
+    Raises:
+        PayloadError: a dtype safetensors cannot hold.
+    """
+    return [memoryview(safetensors_header(arrays, metadata)), *(_raw_view(a) for a in arrays.values())]
+
+
 def write_safetensors(
     fh: BinaryIO, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
 ) -> tuple[int, bytes]:
@@ -91,35 +115,80 @@ def write_safetensors(
         PayloadError: a dtype safetensors cannot hold.
     """
     digest = hashlib.sha256()
-    head = safetensors_header(arrays, metadata)
-    fh.write(head)
-    digest.update(head)
-    size = len(head)
-    for array in arrays.values():
-        flat = np.require(array, requirements="C").reshape(-1)
-        if flat.dtype.byteorder == ">":
-            flat = flat.astype(flat.dtype.newbyteorder("<"))
-        raw = flat.view(np.uint8).data if flat.size else memoryview(b"")
-        for i in range(0, len(raw), _READ_BLOCK * 16):
-            piece = raw[i : i + _READ_BLOCK * 16]
+    size = 0
+    for segment in payload_segments(arrays, metadata):
+        for i in range(0, len(segment), _READ_BLOCK * 16):
+            piece = segment[i : i + _READ_BLOCK * 16]
             fh.write(piece)
             digest.update(piece)
-        size += len(raw)
+        size += len(segment)
     return size, digest.digest()
 
 
 def save_payload(
-    path: Path, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+    path: Path,
+    arrays: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    frame_bytes: int | None = None,
+    durable: bool = True,
 ) -> PayloadFile:
-    """Write ``arrays`` to ``path`` atomically (temporary file, fsync, rename) and return its size and digest."""
+    """Write ``arrays`` to ``path`` atomically (temporary file, rename) and return its size and digest.
+
+    Args:
+        path: the file to write.
+        arrays, metadata: the tensors (in order) and extra header metadata.
+        frame_bytes: if given, the file holds the payload already framed for the wire: one encoded data chunk
+            per ``frame_bytes`` of payload (see :func:`framed_sizes`), so a sender hands each chunk to gRPC as it
+            reads it, without another copy. ``size`` and ``sha256`` are those of the payload itself.
+        durable: fsync the file and its directory before returning (a checkpoint); False for a file that is
+            only sent and is written again after a crash, which saves waiting for the disk.
+
+    Raises:
+        PayloadError: a dtype safetensors cannot hold.
+        OSError: the file cannot be written (disk full, permissions).
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    segments = payload_segments(arrays, metadata)
+    size = sum(len(s) for s in segments)
     with tmp.open("wb") as fh:
-        size, digest = write_safetensors(fh, arrays, metadata)
-        fh.flush()
-        os.fsync(fh.fileno())
+        if frame_bytes is None:
+            preallocate(fh, size)
+            size, digest = write_safetensors(fh, arrays, metadata)
+        else:
+            preallocate(fh, sum(framed for _, framed in framed_sizes(size, frame_bytes)))
+            hasher = hashlib.sha256()
+            for chunk in iter_data_chunks(segments, frame_bytes):
+                fh.write(chunk.framed)
+                hasher.update(chunk.payload)
+            digest = hasher.digest()
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return PayloadFile(path=path, size=size, sha256=digest)
+    if durable:
+        _fsync_dir(path.parent)
+    return PayloadFile(path=path, size=size, sha256=digest, frame_bytes=frame_bytes)
+
+
+def preallocate(fh: BinaryIO, size: int) -> None:
+    """Reserve ``size`` bytes of disk for the open file ``fh`` before it is written.
+
+    Writing into reserved space avoids the file system's block allocation on every write, which made spill writes
+    stall on this project's test machines (ext4: 0.3 to 3.5 GiB/s without, 2.6 to 4.5 GiB/s with). Where the file
+    system cannot reserve space, nothing happens.
+
+    Raises:
+        OSError: ``ENOSPC``, the disk has no room for ``size`` bytes.
+    """
+    if size <= 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fh.fileno(), 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise
+        # EOPNOTSUPP and friends: the file system cannot reserve; plain writes still work
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -179,27 +248,11 @@ def open_safetensors(
 # chunking
 
 
-def iter_file_chunks(path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
-    """Yield the bytes of ``path`` in pieces of at most ``chunk_bytes``."""
-    with path.open("rb") as fh:
-        while True:
-            piece = fh.read(chunk_bytes)
-            if not piece:
-                return
-            yield piece
-
-
-def iter_bytes_chunks(data: bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+def iter_bytes_chunks(data: bytes | bytearray | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
     """Yield ``data`` in pieces of at most ``chunk_bytes`` (one copy per piece, none of the whole)."""
-    for piece in iter_views(data, chunk_bytes):
-        yield bytes(piece)
-
-
-def iter_views(data: bytes | bytearray | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[memoryview]:
-    """Yield ``data`` in views of at most ``chunk_bytes`` (no copy)."""
     view = memoryview(data).cast("B")
     for i in range(0, len(view), chunk_bytes):
-        yield view[i : i + chunk_bytes]
+        yield bytes(view[i : i + chunk_bytes])
 
 
 class PayloadReceiver:
@@ -287,6 +340,25 @@ class PayloadReceiver:
         self._queue.put(data)
         self._received += len(data)
 
+    def read_until_trailer(self, chunks: Iterator[memoryview | pb.TaskChunk | pb.ResultChunk]) -> bytes | None:
+        """:meth:`write` each data chunk of ``chunks`` until the trailer; return the trailer's SHA-256, or None
+        when the stream ended without one. Call :meth:`finish` with it to check the payload.
+
+        Raises:
+            PayloadError: a message other than data or the trailer arrived inside the payload, or (from
+                :meth:`write`) more bytes than announced.
+        """
+        for chunk in chunks:
+            kind, data = chunk_body(chunk)
+            if kind == "data":
+                self.write(data)
+            elif kind == "trailer" and not isinstance(chunk, memoryview):
+                return chunk.trailer.sha256
+            else:
+                self.close()
+                raise self._fail(f"unexpected {kind or 'empty'} message inside a payload")
+        return None
+
     def close(self) -> None:
         """Stop the helper thread once the queued chunks are written (idempotent)."""
         worker, self._worker = self._worker, None
@@ -344,15 +416,21 @@ class BufferSink:
 
 
 class BackgroundDigest:
-    """SHA-256 of ``data`` computed on a helper thread (hashlib releases the GIL), so it overlaps sending."""
+    """SHA-256 of ``data`` (one buffer, or a sequence of buffers hashed in order, such as
+    :func:`payload_segments`) computed on a helper thread (hashlib releases the GIL), so it overlaps sending.
+    The buffers must not change until :meth:`digest` returns."""
 
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+    def __init__(self, data: bytes | bytearray | memoryview | Sequence[memoryview]) -> None:
         self._value = b""
-        self._thread = threading.Thread(target=self._run, args=(data,), name="fedcore-digest", daemon=True)
+        parts = [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
+        self._thread = threading.Thread(target=self._run, args=(parts,), name="fedcore-digest", daemon=True)
         self._thread.start()
 
-    def _run(self, data: bytes | bytearray | memoryview) -> None:
-        self._value = hashlib.sha256(data).digest()
+    def _run(self, parts: list[bytes | bytearray | memoryview]) -> None:
+        hasher = hashlib.sha256()
+        for part in parts:
+            hasher.update(part)
+        self._value = hasher.digest()
 
     def digest(self) -> bytes:
         """Wait for and return the digest."""
@@ -388,20 +466,65 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _frame_prefix(length: int) -> bytes:
+    return bytes((_DATA_TAG,)) + _varint(length)
+
+
 class DataChunk:
-    """An outgoing payload chunk, encoded on the gRPC thread by :func:`serialize_chunk`."""
+    """An outgoing payload chunk, already encoded as a ``TaskChunk``/``ResultChunk`` data message.
 
-    __slots__ = ("data",)
+    gRPC sends ``framed`` as it is (:func:`serialize_chunk` returns it), so the chunk's bytes are copied once, when
+    it is built, and never again by fedcore. ``payload`` is a view of the chunk's data (without the framing).
+    """
 
-    def __init__(self, data: bytes | memoryview) -> None:
-        self.data = data
+    __slots__ = ("framed", "prefix")
+
+    def __init__(self, framed: bytes, prefix: int) -> None:
+        self.framed = framed
+        self.prefix = prefix
+
+    @classmethod
+    def of(cls, *pieces: bytes | bytearray | memoryview) -> DataChunk:
+        """Frame the concatenation of ``pieces`` (one copy)."""
+        prefix = _frame_prefix(sum(len(p) for p in pieces))
+        return cls(b"".join((prefix, *pieces)), len(prefix))
+
+    @property
+    def payload(self) -> memoryview:
+        """The chunk's data bytes (a view, no copy)."""
+        return memoryview(self.framed)[self.prefix :]
+
+
+def framed_sizes(size: int, frame_bytes: int) -> Iterator[tuple[int, int]]:
+    """``(data bytes, framed bytes)`` of each chunk of a ``size``-byte payload cut every ``frame_bytes``."""
+    for start in range(0, size, frame_bytes):
+        n = min(frame_bytes, size - start)
+        yield n, len(_frame_prefix(n)) + n
+
+
+def iter_data_chunks(segments: Sequence[memoryview], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[DataChunk]:
+    """Cut the concatenation of ``segments`` (e.g. :func:`payload_segments`) into framed chunks of ``chunk_bytes``
+    (the last one shorter), copying each byte once and never holding the whole payload."""
+    pieces: list[memoryview] = []
+    filled = 0
+    for segment in segments:
+        view = memoryview(segment).cast("B")
+        while len(view):
+            take = min(chunk_bytes - filled, len(view))
+            pieces.append(view[:take])
+            filled += take
+            view = view[take:]
+            if filled == chunk_bytes:
+                yield DataChunk.of(*pieces)
+                pieces, filled = [], 0
+    if filled:
+        yield DataChunk.of(*pieces)
 
 
 def serialize_chunk(message: DataChunk | pb.TaskChunk | pb.ResultChunk) -> bytes:
-    """gRPC serializer for TaskChunk / ResultChunk streams: a :class:`DataChunk` with one copy, else protobuf."""
+    """gRPC serializer for TaskChunk / ResultChunk streams: a :class:`DataChunk` as it is, else protobuf."""
     if isinstance(message, DataChunk):
-        data = message.data
-        return b"".join((bytes((_DATA_TAG,)), _varint(len(data)), data))
+        return message.framed
     return message.SerializeToString()
 
 

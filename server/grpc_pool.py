@@ -178,7 +178,13 @@ class GrpcClientPool:
             key = id(instruction.parameters)
             if key not in files:
                 name = f"global-r{instruction.round}-{instruction.stage.value}-{uuid.uuid4().hex[:8]}.safetensors"
-                files[key] = save_payload(self.config.spill_dir / name, instruction.parameters)
+                # framed for the wire; not fsynced: after a crash the round is run again from the checkpoint
+                files[key] = save_payload(
+                    self.config.spill_dir / name,
+                    instruction.parameters,
+                    frame_bytes=self.config.chunk_bytes,
+                    durable=False,
+                )
                 _drop_pages(instruction.parameters)  # a global model mapped from its checkpoint: pages read once
         with self._cond:
             for client_id, instruction in instructions.items():

@@ -20,7 +20,7 @@ from typing import NoReturn
 
 import grpc
 
-from fedcore.errors import ConfigError, FedcoreError
+from fedcore.errors import ConfigError, FedcoreError, PayloadError, TransportError
 from fedcore.messages import Failure, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
@@ -28,8 +28,9 @@ from fedcore.wire import (
     TRANSFER_OPTIONS,
     DataChunk,
     PayloadReceiver,
-    chunk_body,
+    framed_sizes,
     parse_result_chunk,
+    preallocate,
     serialize_chunk,
 )
 from server.grpc_pool import GrpcClientPool, Task
@@ -179,17 +180,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         sent = 0
         with fh:
             yield pb.TaskChunk(header=task.header)
-            chunk_bytes = self._pool.config.chunk_bytes
-            while True:
-                piece = fh.read(chunk_bytes)
-                if not piece:
-                    break
-                sent += len(piece)
+            frame_bytes = task.payload.frame_bytes
+            assert frame_bytes is not None, "the pool writes every task payload framed for the wire"
+            # the file holds the chunks already framed: each is sent as read, without another copy
+            for size, framed in framed_sizes(task.payload.size, frame_bytes):
+                chunk = DataChunk(fh.read(framed), framed - size)
+                if len(chunk.framed) != framed:
+                    raise PayloadError(f"payload file {task.payload.path} is shorter than recorded", round=task.round)
+                sent += size
                 # counted as each chunk is handed to gRPC: a client that has read the whole payload may cancel
                 # the stream before this generator runs past its last yield, so nothing may be counted after it
                 if self._metrics is not None:
-                    self._metrics.bytes_out.inc(len(piece))
-                yield DataChunk(piece)  # encoded by serialize_chunk without a protobuf copy
+                    self._metrics.bytes_out.inc(size)
+                yield chunk
         log.debug("sending round %d %s task to %s (%d bytes)", task.round, task.stage.value, client_id, sent)
         yield pb.TaskChunk(trailer=pb.Trailer(sha256=task.payload.sha256))
 
@@ -233,16 +236,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     sink, announced=header.payload_bytes, limit=limit, round=task.round, client_id=task.client_id
                 ) as receiver,
             ):
-                digest: bytes | None = None
-                for chunk in chunks:
-                    kind, data = chunk_body(chunk)
-                    if kind == "data":
-                        receiver.write(data)
-                    elif kind == "trailer" and not isinstance(chunk, memoryview):
-                        digest = chunk.trailer.sha256
-                        break
-                    else:
-                        raise FedcoreError("unexpected message inside a payload", round=task.round)
+                try:  # after the receiver accepted the announced size, before a byte is written
+                    preallocate(sink, header.payload_bytes)
+                except OSError as exc:
+                    raise TransportError(
+                        f"no room in the spill directory for an update of {header.payload_bytes} bytes ({exc}); "
+                        "free disk space or point spill_dir elsewhere",
+                        round=task.round,
+                        client_id=task.client_id,
+                    ) from exc
+                digest = receiver.read_until_trailer(chunks)
                 if not context.is_active():
                     # the connection broke mid-push: the daemon retries the same task
                     path.unlink(missing_ok=True)

@@ -3,6 +3,7 @@ hints when the TLS handshake fails."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -10,10 +11,23 @@ from pathlib import Path
 from typing import cast
 
 import grpc
+import numpy as np
 import pytest
 
-from client.daemon import ClientDaemon, DaemonConfig
+from client.daemon import ClientDaemon, DaemonConfig, receive_task, result_chunks
+from fedcore.errors import PayloadError
+from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.task import Task, TaskContext
+from fedcore.tensors import decode
+from fedcore.wire import (
+    BackgroundDigest,
+    chunk_body,
+    iter_data_chunks,
+    parse_result_chunk,
+    parse_task_chunk,
+    payload_segments,
+    serialize_chunk,
+)
 from privacy.tls import init_certs
 from server.service import AuthPolicy
 from tests.deploy.test_service import Harness
@@ -129,3 +143,52 @@ def test_no_tls_hint_when_the_server_is_down(certs: tuple[Path, Path], caplog: p
     caplog.set_level(logging.INFO, logger="fedcore.client")
     assert ClientDaemon(config, factory=lambda ctx: cast(Task, object())).run() == 3
     assert not [r for r in caplog.records if r.getMessage().startswith("TLS:")]
+
+
+def _task_stream(arrays: dict[str, np.ndarray], *, chunk_bytes: int, digest: bytes | None = None) -> list[object]:
+    """A PullTask stream as the daemon's stub delivers it: header, data chunks as memoryviews, trailer."""
+    segments = payload_segments(arrays)
+    size = sum(len(s) for s in segments)
+    payload = b"".join(bytes(s) for s in segments)
+    header = pb.TaskChunk(header=pb.TaskHeader(task_id="t1", round=3, stage=pb.STAGE_FIT, payload_bytes=size))
+    data = [parse_task_chunk(serialize_chunk(c)) for c in iter_data_chunks(segments, chunk_bytes)]
+    trailer = pb.TaskChunk(trailer=pb.Trailer(sha256=digest or hashlib.sha256(payload).digest()))
+    return [header, *data, trailer]
+
+
+def test_receive_task_decodes_views_of_one_checked_buffer() -> None:
+    arrays = {"w": np.arange(1000, dtype=np.float32).reshape(10, 100), "step": np.array(4, np.int64)}
+    got = receive_task(iter(_task_stream(arrays, chunk_bytes=333)), max_payload_bytes=1 << 20, client_id="c1")  # type: ignore[arg-type]
+    assert not isinstance(got, bool)
+    header, params = got
+    assert header.task_id == "t1" and list(params) == ["w", "step"]
+    np.testing.assert_array_equal(params["w"], arrays["w"])
+    assert int(params["step"]) == 4 and params["w"].base is not None  # a view of the receive buffer
+    params["w"] += 1  # writable: the runner may load it in place
+
+    with pytest.raises(PayloadError, match="SHA-256") as info:
+        receive_task(
+            iter(_task_stream(arrays, chunk_bytes=333, digest=b"x" * 32)), max_payload_bytes=1 << 20, client_id="c1"
+        )  # type: ignore[arg-type]
+    assert info.value.round == 3 and info.value.client_id == "c1"
+    with pytest.raises(PayloadError, match="exceeds the limit"):
+        receive_task(iter(_task_stream(arrays, chunk_bytes=333)), max_payload_bytes=100, client_id="c1")  # type: ignore[arg-type]
+    idle = [pb.TaskChunk(idle=pb.Idle(finished=True))]
+    assert receive_task(iter(idle), max_payload_bytes=100, client_id="c1") is True  # type: ignore[arg-type]
+
+
+def test_result_chunks_stream_the_update_without_an_encoded_copy() -> None:
+    update = {"w": np.linspace(0, 1, 5000, dtype=np.float32), "b": np.ones(3, np.float64)}
+    segments = payload_segments(update)
+    header = pb.ResultHeader(task_id="t1", round=2, payload_bytes=sum(len(s) for s in segments))
+    messages = list(result_chunks(header, segments, BackgroundDigest(segments), 4096))
+    parsed = [parse_result_chunk(serialize_chunk(m)) for m in messages]
+    assert chunk_body(parsed[0])[0] == "header" and chunk_body(parsed[-1])[0] == "trailer"
+    payload = b"".join(bytes(chunk_body(m)[1]) for m in parsed[1:-1])
+    assert len(payload) == header.payload_bytes and len(parsed) == 2 + -(-len(payload) // 4096)
+    assert parsed[-1].trailer.sha256 == hashlib.sha256(payload).digest()  # type: ignore[union-attr]
+    out = decode(payload)
+    np.testing.assert_array_equal(out["w"], update["w"])
+    np.testing.assert_array_equal(out["b"], update["b"])
+    # a failure carries no payload: header only
+    assert len(list(result_chunks(pb.ResultHeader(failure="boom"), [], BackgroundDigest([]), 4096))) == 1

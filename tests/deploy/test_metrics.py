@@ -53,7 +53,7 @@ def test_bytes_out_counts_a_download_whose_client_cancels_after_the_trailer(tmp_
         received = 0
         for chunk in stream:
             if isinstance(chunk, DataChunk):
-                received += len(chunk.data)
+                received += len(chunk.payload)
             elif chunk.WhichOneof("body") == "trailer":
                 break
         stream.close()  # what gRPC does when the client cancels: GeneratorExit at the trailer's yield

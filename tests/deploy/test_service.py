@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +25,7 @@ from fedcore.wire import iter_bytes_chunks
 from privacy.tls import init_certs
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.metrics import ServerMetrics
-from server.round_loop import RoundConfig, ServerState, run_rounds
+from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
 from server.service import AuthPolicy, CoordinatorService, build_server, hash_token, load_tokens
 from server.state import StateStore, load_checkpoint
 
@@ -135,10 +137,12 @@ BAD: dict[str, Behaviour] = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(BAD))
-def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness: Harness, kind: str) -> None:
+def _round_with_a_good_client(
+    harness: Harness, other: str, behaviour: Behaviour
+) -> tuple[dict[str, pb.PushReply], RoundRecord]:
+    """One round with client "good" (adds 1) and ``other``; checks the global model is the good update alone."""
     replies: dict[str, pb.PushReply] = {}
-    threads = [_client(harness, "good", _good, replies), _client(harness, "bad", BAD[kind], replies)]
+    threads = [_client(harness, "good", _good, replies), _client(harness, other, behaviour, replies)]
     strategy = Strategy(sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2), fit=FitConfig())
     final, records = run_rounds(
         harness.pool, strategy, dict(GLOBAL), RoundConfig(num_rounds=1, round_timeout_s=20, wait_for_clients_s=5)
@@ -146,8 +150,14 @@ def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness:
     for t in threads:
         t.join(10)
     for name, value in GLOBAL.items():
-        np.testing.assert_array_equal(final.parameters[name], value + 1)  # the good update alone
+        np.testing.assert_array_equal(final.parameters[name], value + 1)
     (record,) = records
+    return replies, record
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness: Harness, kind: str) -> None:
+    replies, record = _round_with_a_good_client(harness, "bad", BAD[kind])
     assert record.accepted == ("good",)
     (failure,) = record.failures
     assert failure.client_id == "bad" and failure.round == 1
@@ -162,6 +172,23 @@ def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness:
     if kind in ("truncated", "corrupted", "oversized"):
         assert not replies["bad"].accepted and reason in replies["bad"].reason
     assert not list((harness.pool.config.spill_dir).glob("*.part"))
+
+
+def test_an_update_that_does_not_fit_on_disk_is_refused_before_it_is_read(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.posix_fallocate
+
+    def disk_full_for_updates(fd: int, offset: int, length: int) -> None:
+        if "update-big" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", disk_full_for_updates)
+    replies, record = _round_with_a_good_client(harness, "big", _good)
+    assert record.accepted == ("good",)
+    assert not replies["big"].accepted and "no room in the spill directory" in replies["big"].reason
+    assert not list(harness.pool.config.spill_dir.glob("*.part"))
 
 
 def test_silent_client_fails_fast_and_late_push_is_discarded(harness: Harness) -> None:

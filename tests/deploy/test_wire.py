@@ -16,10 +16,12 @@ from fedcore.task import FitConfig
 from fedcore.tensors import decode
 from fedcore.wire import (
     PayloadReceiver,
+    framed_sizes,
     instruction_from_header,
     iter_bytes_chunks,
-    iter_file_chunks,
+    iter_data_chunks,
     open_safetensors,
+    payload_segments,
     reply_from_header,
     result_header,
     save_payload,
@@ -85,10 +87,37 @@ def test_chunks_round_trip_with_digest() -> None:
     assert _receive(chunks, len(payload), hashlib.sha256(payload).digest()) == payload
 
 
-def test_file_chunks(tmp_path: Path) -> None:
-    path = tmp_path / "f"
-    path.write_bytes(b"x" * 2500)
-    assert [len(c) for c in iter_file_chunks(path, 1000)] == [1000, 1000, 500]
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 100, 1 << 20])
+def test_data_chunks_cut_the_payload_exactly_and_frame_it_as_protobuf(chunk_bytes: int) -> None:
+    from fedcore.proto.v1 import fedcore_pb2 as pb
+
+    arrays = _arrays()
+    arrays["transposed"] = np.arange(12, dtype=np.float32).reshape(3, 4).T  # not C-contiguous
+    arrays["big_endian"] = np.arange(3, dtype=">i4")
+    segments = payload_segments(arrays)
+    chunks = list(iter_data_chunks(segments, chunk_bytes))
+    payload = b"".join(bytes(c.payload) for c in chunks)
+    assert len(payload) == sum(len(s) for s in segments)
+    assert all(len(c.payload) == chunk_bytes for c in chunks[:-1]) and 0 < len(chunks[-1].payload) <= chunk_bytes
+    for chunk in chunks[:3]:
+        assert chunk.framed == pb.TaskChunk(data=bytes(chunk.payload)).SerializeToString()
+    decoded = decode(payload)
+    assert list(decoded) == list(arrays)
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(decoded[name], array)
+        assert decoded[name].dtype == array.dtype.newbyteorder("=")
+
+
+def test_framed_payload_file_holds_the_wire_chunks(tmp_path: Path) -> None:
+    arrays = _arrays()
+    plain = save_payload(tmp_path / "plain.safetensors", arrays)
+    framed = save_payload(tmp_path / "framed.bin", arrays, frame_bytes=100, durable=False)
+    body = plain.path.read_bytes()
+    assert (framed.size, framed.sha256, framed.frame_bytes) == (len(body), hashlib.sha256(body).digest(), 100)
+    expected = b"".join(c.framed for c in iter_data_chunks([memoryview(body)], 100))
+    assert framed.path.read_bytes() == expected
+    assert [n for n, _ in framed_sizes(framed.size, 100)] == [100] * (len(body) // 100) + [len(body) % 100]
+    assert sum(f for _, f in framed_sizes(framed.size, 100)) == len(expected)
 
 
 def test_truncated_corrupted_and_oversized_payloads_are_rejected_with_context() -> None:
@@ -136,7 +165,9 @@ def test_chunk_codec_is_protobuf_compatible_and_copy_free() -> None:
 
     for size in (0, 1, 127, 128, 300_000):
         data = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
-        raw = serialize_chunk(DataChunk(memoryview(data)))
+        chunk = DataChunk.of(memoryview(data))
+        raw = serialize_chunk(chunk)
+        assert raw is chunk.framed and bytes(chunk.payload) == data
         assert raw == pb.TaskChunk(data=data).SerializeToString() == pb.ResultChunk(data=data).SerializeToString()
         for parse in (parse_task_chunk, parse_result_chunk):
             kind, body = chunk_body(parse(raw))
@@ -158,3 +189,23 @@ def test_chunk_codec_is_protobuf_compatible_and_copy_free() -> None:
             receiver.write(memoryview(payload)[i : i + 999])
         receiver.finish(hashlib.sha256(payload).digest())
     assert bytes(sink.buffer) == payload
+
+
+def test_a_stray_message_inside_a_payload_is_rejected() -> None:
+    from fedcore.proto.v1 import fedcore_pb2 as pb
+
+    payload = b"q" * 300
+    stream = [
+        pb.ResultChunk(data=payload[:100]),
+        pb.ResultChunk(header=pb.ResultHeader(task_id="again")),
+        pb.ResultChunk(data=payload[100:]),
+        pb.ResultChunk(trailer=pb.Trailer(sha256=hashlib.sha256(payload).digest())),
+    ]
+    with (
+        PayloadReceiver(io.BytesIO(), announced=300, limit=1000, round=2, client_id="c") as receiver,
+        pytest.raises(PayloadError, match="unexpected header message inside a payload"),
+    ):
+        receiver.read_until_trailer(iter(stream))
+    receiver = PayloadReceiver(io.BytesIO(), announced=300, limit=1000)
+    assert receiver.read_until_trailer(iter([stream[0], stream[2], stream[3]])) == stream[3].trailer.sha256
+    receiver.finish(stream[3].trailer.sha256)

@@ -50,6 +50,31 @@ def test_decoded_arrays_are_writable() -> None:
     out["z.weight"] += 1
 
 
+def test_decode_without_copy_shares_a_writable_buffer_and_copies_what_it_must() -> None:
+    from fedcore.wire import payload_segments
+
+    model = _model()
+    buffer = bytearray(encode(model))
+    raw = np.frombuffer(buffer, np.uint8)
+    shared = decode(buffer, copy=False)
+    for name, array in model.items():
+        assert np.array_equal(shared[name], array) and shared[name].flags.writeable
+        assert np.shares_memory(shared[name], raw)
+    # read-only bytes cannot be shared: writable copies
+    copied = decode(bytes(buffer), copy=False)
+    assert all(a.flags.writeable and not np.shares_memory(a, raw) for a in copied.values())
+    # a float32 tensor right after 3 bytes of int8 is misaligned in the buffer: copied, values intact
+    odd = {"i8": np.array([1, 2, 3], np.int8), "f32": np.array([0.5, -2.0], np.float32)}
+    misaligned = bytearray(b"".join(bytes(s) for s in payload_segments(odd)))
+    out = decode(misaligned, copy=False)
+    assert np.shares_memory(out["i8"], np.frombuffer(misaligned, np.uint8))
+    assert (
+        not np.shares_memory(out["f32"], np.frombuffer(misaligned, np.uint8))
+        and out["f32"].flags.aligned
+        and np.array_equal(out["f32"], odd["f32"])
+    )
+
+
 def test_truncated_and_garbage_bytes() -> None:
     payload = encode(_model())
     for data in (payload[:-1], payload[: len(payload) // 2], payload[:5], b""):
