@@ -23,7 +23,7 @@ import grpc
 
 from client.runner import ParallelTraining, run_instruction
 from fedcore.engine.plan import ParallelPlan
-from fedcore.errors import ConfigError, FedcoreError, TransportError
+from fedcore.errors import ConfigError, FedcoreError, PayloadError, TransportError
 from fedcore.messages import Failure, Instruction, Reply, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
@@ -36,6 +36,7 @@ from fedcore.wire import (
     BufferSink,
     DataChunk,
     PayloadReceiver,
+    chunk_body,
     coordinator_stub,
     instruction_from_header,
     iter_data_chunks,
@@ -119,6 +120,16 @@ class DaemonConfig:
             raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
 
 
+class DamagedTask(FedcoreError):
+    """A task whose header arrived but which cannot be used: its payload is over the limit, truncated, corrupted
+    or not safetensors, or its settings are invalid. ``header`` names the task; ``cause`` is the error."""
+
+    def __init__(self, header: pb.TaskHeader, cause: FedcoreError) -> None:
+        super().__init__(cause.message, round=cause.round, client_id=cause.client_id, stage=cause.stage)
+        self.header = header
+        self.cause = cause
+
+
 class _SessionLost(Exception):
     """The server no longer knows our session: join again."""
 
@@ -151,6 +162,7 @@ class ClientDaemon:
         self._task_seed: int | None = None
         self._parallel: ParallelTraining | None = None
         self._rng = random.Random()
+        self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
 
     def stop(self) -> None:
         """Ask the daemon to stop after the current call."""
@@ -311,17 +323,45 @@ class ClientDaemon:
         stream = stub.PullTask(pb.PullTaskRequest(session=self._session, wait_s=self.config.poll_s), timeout=timeout)
         try:
             got = receive_task(stream, max_payload_bytes=self.config.max_payload_bytes, client_id=self.config.client_id)
+            if isinstance(got, bool):
+                return got
+            header, parameters = got
+            try:
+                instruction = instruction_from_header(header, parameters)
+            except FedcoreError as exc:  # an unknown stage or invalid settings: the task cannot run here
+                raise DamagedTask(header, exc) from exc
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise _SessionLost() from exc
             raise
         except FedcoreError as exc:
-            log.warning("discarding a damaged task payload (%s); pulling again", exc)
+            if isinstance(exc, DamagedTask):
+                # tell the server at once, so the round goes on without waiting for its deadline and this task is
+                # not handed out again
+                self._report_unusable(stub, exc.header, exc.cause)
+            if self._damage_delays is None:
+                self._damage_delays = backoff_delays(
+                    self.config.backoff_initial_s, self.config.backoff_max_s, self._rng
+                )
+            delay = next(self._damage_delays)
+            log.warning("discarded a task that cannot be used (%s); pulling again in %.1f s", exc, delay)
+            self._stop.wait(delay)
             return False
-        if isinstance(got, bool):
-            return got
-        header, parameters = got
-        return header.task_id, instruction_from_header(header, parameters)
+        self._damage_delays = None
+        return header.task_id, instruction
+
+    def _report_unusable(self, stub: pb_grpc.CoordinatorStub, header: pb.TaskHeader, cause: FedcoreError) -> None:
+        failure = pb.ResultHeader(
+            session=self._session,
+            task_id=header.task_id,
+            round=header.round,
+            stage=header.stage,
+            failure=f"the client could not use the task: {cause}",
+        )
+        try:
+            stub.PushResult(iter([pb.ResultChunk(header=failure)]), timeout=30)
+        except grpc.RpcError as exc:
+            log.warning("could not tell the server about the unusable task: %s", _details(exc))
 
     def _execute(self, instruction: Instruction) -> Reply:
         assert self._task is not None  # set by _prepare_task
@@ -403,22 +443,30 @@ def receive_task(
         when there is nothing yet (or the stream ended early), so the caller polls again.
 
     Raises:
-        PayloadError: the payload is over the limit, truncated, corrupted or not safetensors.
+        DamagedTask: the header arrived but the payload is over the limit, truncated, corrupted or not
+            safetensors (``cause`` says which).
+        PayloadError: the stream did not start with a header or an idle message.
         grpc.RpcError: the call failed.
     """
     first = next(chunks, None)
-    if first is None or isinstance(first, memoryview):
+    if first is None:
         return False
-    if first.WhichOneof("body") == "idle":
+    kind = chunk_body(first)[0]
+    if kind == "idle" and not isinstance(first, memoryview):
         return bool(first.idle.finished)
+    if kind != "header" or isinstance(first, memoryview):
+        raise PayloadError(f"a task stream must start with a header, not a {kind or 'empty'} message", stage="transfer")
     header = first.header
-    sink = BufferSink(header.payload_bytes)  # allocated at the first chunk, after the limit check
-    receiver = PayloadReceiver(
-        sink, announced=header.payload_bytes, limit=max_payload_bytes, round=header.round, client_id=client_id
-    )
-    with receiver:
-        receiver.finish(receiver.read_until_trailer(chunks))
-    parameters = decode(sink.buffer, allow_nonfinite=True, copy=False, round=header.round, client_id=client_id)
+    try:
+        sink = BufferSink(header.payload_bytes)  # allocated at the first chunk, after the limit check
+        receiver = PayloadReceiver(
+            sink, announced=header.payload_bytes, limit=max_payload_bytes, round=header.round, client_id=client_id
+        )
+        with receiver:
+            receiver.finish(receiver.read_until_trailer(chunks))
+        parameters = decode(sink.buffer, allow_nonfinite=True, copy=False, round=header.round, client_id=client_id)
+    except FedcoreError as exc:
+        raise DamagedTask(header, exc) from exc
     return header, parameters
 
 

@@ -154,6 +154,24 @@ class TensorEntry:
     end: int
 
 
+_MAX_DIMS = 64  # numpy's limit on array dimensions (numpy >= 2)
+
+
+def _fits_in_memory(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether numpy can build an array of ``shape``: the byte size, with zero-length dimensions counted as 1
+    (numpy refuses ``(0, 2**64)`` as well), stays below ``2**63``."""
+    size = itemsize
+    for dim in shape:
+        size *= max(dim, 1)
+        if size >= 1 << 63:
+            return False
+    return True
+
+
+def _short(shape: tuple[int, ...]) -> str:
+    return str(list(shape)) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...] ({len(shape)} dims)"
+
+
 def parse_header(
     header_json: bytes,
     body_len: int,
@@ -206,6 +224,11 @@ def parse_header(
         shape, (start, end) = tuple(shape_raw), offsets
         if min(shape, default=0) < 0 or not 0 <= start <= end <= body_len:
             raise fail(f"tensor {name!r} has data offsets {start}..{end} outside the {body_len}-byte body (truncated)")
+        if len(shape) > _MAX_DIMS or not _fits_in_memory(shape, dtype.itemsize):
+            raise fail(
+                f"tensor {name!r} has shape {_short(shape)}, which no array can have (at most {_MAX_DIMS} dimensions "
+                "and fewer than 2**63 bytes, counting zero-length dimensions as 1)"
+            )
         if end - start != int(np.prod(shape, dtype=object)) * dtype.itemsize:
             raise fail(f"tensor {name!r}: {end - start} bytes do not hold shape {shape} of {dtype.name}")
         entries[name] = TensorEntry(dtype, shape, start, end)

@@ -347,14 +347,18 @@ class PayloadReceiver:
         when the stream ended without one. Call :meth:`finish` with it to check the payload.
 
         Raises:
-            PayloadError: a message other than data or the trailer arrived inside the payload, or (from
-                :meth:`write`) more bytes than announced.
+            PayloadError: a message other than data or the trailer arrived inside the payload, anything followed
+                the trailer, or (from :meth:`write`) more bytes than announced.
         """
         for chunk in chunks:
             kind, data = chunk_body(chunk)
             if kind == "data":
                 self.write(data)
             elif kind == "trailer" and not isinstance(chunk, memoryview):
+                extra = next(chunks, None)
+                if extra is not None:
+                    self.close()
+                    raise self._fail(f"a {chunk_body(extra)[0] or 'empty'} message followed the trailer")
                 return chunk.trailer.sha256
             else:
                 self.close()
@@ -387,6 +391,8 @@ class PayloadReceiver:
                 f"payload truncated: {self._received} of {self._announced} bytes arrived"
                 + ("" if sha256 is not None else " and no trailer")
             )
+        if len(sha256) != self._digest.digest_size:
+            raise self._fail(f"malformed trailer: its SHA-256 has {len(sha256)} bytes, not {self._digest.digest_size}")
         if self._digest.digest() != sha256:
             raise self._fail("payload corrupted: SHA-256 of the received bytes differs from the trailer")
 

@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +102,8 @@ class Task:
     replies: queue.Queue[tuple[Task, Reply | pb.ResultHeader, Path | None]]
     closed: bool = False
     answered: bool = False
+    rejection: str = ""  # why the server refused the pushed result ("" when it took it)
+    receiving: bool = False  # a push of this task is being read
 
 
 @dataclass(eq=False)
@@ -115,7 +117,18 @@ class _Client:
 @dataclass
 class _Run:
     finished: bool = False
-    completed: deque[str] = field(default_factory=lambda: deque(maxlen=_COMPLETED_MEMORY))
+    # task id -> "" when its result was taken, else why it was refused; the most recent _COMPLETED_MEMORY tasks
+    completed: OrderedDict[str, str] = field(default_factory=OrderedDict)
+
+    def remember(self, task: Task) -> None:
+        self.completed[task.task_id] = task.rejection
+        while len(self.completed) > _COMPLETED_MEMORY:
+            self.completed.popitem(last=False)
+
+
+def _repeat_answer(rejection: str) -> str:
+    """What a repeated push of an answered task is told: a duplicate of a taken result, or the original refusal."""
+    return f"already refused: {rejection}" if rejection else "duplicate"
 
 
 class GrpcClientPool:
@@ -290,7 +303,8 @@ class GrpcClientPool:
         Raises:
             KeyError: unknown or expired session.
         """
-        deadline = time.monotonic() + min(max(wait_s, 0.0), self.config.max_poll_s)
+        wait = wait_s if wait_s > 0 else 0.0  # NaN and negatives: do not wait
+        deadline = time.monotonic() + min(wait, self.config.max_poll_s)
         with self._cond:
             while True:
                 client = self._client(session)
@@ -323,13 +337,18 @@ class GrpcClientPool:
             client.last_seen = time.monotonic()
             task = client.task
             if task is not None and task.task_id == task_id and not task.closed:
-                return client.client_id, (None if task.answered else task), "duplicate" if task.answered else ""
+                if task.answered:
+                    return client.client_id, None, _repeat_answer(task.rejection)
+                return client.client_id, task, ""
             if task_id in self._run.completed:
-                return client.client_id, None, "duplicate"
+                return client.client_id, None, _repeat_answer(self._run.completed[task_id])
             return client.client_id, None, "no open task with this id (the round closed or the task was cancelled)"
 
-    def deliver(self, task: Task, body: pb.ResultHeader | Failure, path: Path | None) -> str:
+    def deliver(self, task: Task, body: pb.ResultHeader | Failure, path: Path | None, *, rejected: bool = False) -> str:
         """Hand a received reply (header + verified spill file, or a Failure) to the round it belongs to.
+
+        ``rejected`` marks a Failure the server made because it refused the pushed result; a repeated push of the
+        task is then told that reason again, not that it was a duplicate.
 
         Returns ``""`` when taken, else why it was discarded (the spill file is then deleted).
         """
@@ -338,7 +357,7 @@ class GrpcClientPool:
                 if path is not None:
                     path.unlink(missing_ok=True)
                 if task.task_id in self._run.completed:
-                    return "duplicate"
+                    return _repeat_answer(self._run.completed[task.task_id])
                 log.warning(
                     "round %d: discarding a late result of client %s (the round closed)", task.round, task.client_id
                 )
@@ -346,10 +365,25 @@ class GrpcClientPool:
             if task.answered:
                 if path is not None:
                     path.unlink(missing_ok=True)
-                return "duplicate"
+                return _repeat_answer(task.rejection)
             task.answered = True
+            if rejected and isinstance(body, Failure):
+                task.rejection = body.reason
             task.replies.put((task, body, path))
             return ""
+
+    def begin_receive(self, task: Task) -> bool:
+        """Claim ``task`` for one push being read; False when another push of it is being read now."""
+        with self._cond:
+            if task.receiving:
+                return False
+            task.receiving = True
+            return True
+
+    def end_receive(self, task: Task) -> None:
+        """Release the claim of :meth:`begin_receive`."""
+        with self._cond:
+            task.receiving = False
 
     def new_spill_path(self, task: Task) -> Path:
         """A fresh file name in the spill directory for an incoming payload of ``task``."""
@@ -387,7 +421,7 @@ class GrpcClientPool:
     def _close(self, task: Task, *, completed: bool) -> None:
         task.closed = True
         if completed:
-            self._run.completed.append(task.task_id)
+            self._run.remember(task)
         client = self._clients.get(task.client_id)
         if client is not None and client.task is task:
             client.task = None
@@ -422,6 +456,10 @@ class GrpcClientPool:
         except FedcoreError as exc:
             log.warning("round %d: rejected the reply of client %s: %s", task.round, task.client_id, exc)
             return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=str(exc))
+        except Exception as exc:  # a reply no check foresaw must still not end the round for everyone
+            log.exception("round %d: the reply of client %s could not be read", task.round, task.client_id)
+            reason = f"the update could not be read ({type(exc).__name__}: {exc})"
+            return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=reason)
         finally:
             if path is not None:
                 path.unlink(missing_ok=True)  # the mapping keeps the data readable until it is dropped

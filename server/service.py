@@ -29,6 +29,7 @@ from fedcore.wire import (
     DataChunk,
     PayloadReceiver,
     framed_sizes,
+    open_safetensors,
     parse_result_chunk,
     preallocate,
     serialize_chunk,
@@ -213,11 +214,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 return pb.PushReply(accepted=True, duplicate=True)
             log.warning("discarding a result of client %s for task %s: %s", client_id, header.task_id, reason)
             return pb.PushReply(accepted=False, reason=reason)
-        if header.round != task.round or _STAGES.get(header.stage) is not task.stage:
-            return self._reject(task, "the result's round or stage does not match its task")
+        problem = _header_problem(header, task)
+        if problem:
+            return self._reject(task, problem)
         if header.failure or task.stage is not Stage.FIT:
             return self._reply(task, self._pool.deliver(task, header, None))
-        return self._receive_update(task, header, request_iterator, context)
+        if not self._pool.begin_receive(task):
+            # one push per task at a time: a client cannot reserve spill space many times over; a daemon that
+            # retries after a broken connection backs off until the server has let go of the first attempt
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "a push of this task is already in progress")
+        try:
+            return self._receive_update(task, header, request_iterator, context)
+        finally:
+            self._pool.end_receive(task)
 
     # ---------------------------------------------------------------- helpers
     def _receive_update(
@@ -251,6 +260,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     path.unlink(missing_ok=True)
                     _abort(context, grpc.StatusCode.CANCELLED, "push interrupted")
                 receiver.finish(digest)
+            # the structure (header, dtypes, offsets, shapes) is checked now, so the client hears what is wrong;
+            # names, shapes and values against the model are checked when the round folds the update
+            open_safetensors(path, round=task.round, client_id=task.client_id)
         except FedcoreError as exc:
             path.unlink(missing_ok=True)
             return self._reject(task, str(exc))
@@ -266,7 +278,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self._metrics is not None:
             self._metrics.rejected.inc()
         failure = Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=reason)
-        self._pool.deliver(task, failure, None)
+        self._pool.deliver(task, failure, None, rejected=True)
         return pb.PushReply(accepted=False, reason=reason)
 
     @staticmethod
@@ -285,6 +297,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _check_peer(self, client_id: str, context: grpc.ServicerContext) -> None:
         if self._auth.require_client_cert and _peer_common_name(context) != client_id:
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, "this session belongs to another client certificate")
+
+
+def _header_problem(header: pb.ResultHeader, task: Task) -> str:
+    """Why a pushed result's header cannot belong to ``task`` ("" when it can)."""
+    stage = _STAGES.get(header.stage)
+    if header.round != task.round or stage is not task.stage:
+        named = stage.value if stage is not None else f"unknown stage {header.stage}"
+        return (
+            f"the result is for round {header.round} ({named}), but task {task.task_id} is round {task.round} "
+            f"({task.stage.value})"
+        )
+    if header.failure:
+        return ""
+    if header.num_examples < 0:
+        return f"num_examples is {header.num_examples}; it must be 0 or more"
+    if task.stage is Stage.FIT and header.payload_bytes == 0:
+        return "a fit result must carry the updated parameters, but its payload is empty"
+    return ""
 
 
 def _add_service(service: CoordinatorService, server: grpc.Server) -> None:

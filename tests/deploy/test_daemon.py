@@ -4,6 +4,7 @@ hints when the TLS handshake fails."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -14,10 +15,11 @@ import grpc
 import numpy as np
 import pytest
 
-from client.daemon import ClientDaemon, DaemonConfig, receive_task, result_chunks
+from client.daemon import ClientDaemon, DaemonConfig, DamagedTask, receive_task, result_chunks
 from fedcore.errors import PayloadError
+from fedcore.messages import Failure, FitIns
 from fedcore.proto.v1 import fedcore_pb2 as pb
-from fedcore.task import Task, TaskContext
+from fedcore.task import FitConfig, Task, TaskContext
 from fedcore.tensors import decode
 from fedcore.wire import (
     BackgroundDigest,
@@ -145,36 +147,50 @@ def test_no_tls_hint_when_the_server_is_down(certs: tuple[Path, Path], caplog: p
     assert not [r for r in caplog.records if r.getMessage().startswith("TLS:")]
 
 
-def _task_stream(arrays: dict[str, np.ndarray], *, chunk_bytes: int, digest: bytes | None = None) -> list[object]:
+def _task_stream(payload: bytes, *, chunk_bytes: int, digest: bytes | None = None) -> list[object]:
     """A PullTask stream as the daemon's stub delivers it: header, data chunks as memoryviews, trailer."""
-    segments = payload_segments(arrays)
-    size = sum(len(s) for s in segments)
-    payload = b"".join(bytes(s) for s in segments)
-    header = pb.TaskChunk(header=pb.TaskHeader(task_id="t1", round=3, stage=pb.STAGE_FIT, payload_bytes=size))
-    data = [parse_task_chunk(serialize_chunk(c)) for c in iter_data_chunks(segments, chunk_bytes)]
+    header = pb.TaskChunk(header=pb.TaskHeader(task_id="t1", round=3, stage=pb.STAGE_FIT, payload_bytes=len(payload)))
+    data = [parse_task_chunk(serialize_chunk(c)) for c in iter_data_chunks([memoryview(payload)], chunk_bytes)]
     trailer = pb.TaskChunk(trailer=pb.Trailer(sha256=digest or hashlib.sha256(payload).digest()))
     return [header, *data, trailer]
 
 
+def _payload(arrays: dict[str, np.ndarray]) -> bytes:
+    return b"".join(bytes(s) for s in payload_segments(arrays))
+
+
+def _receive(stream: list[object], limit: int = 1 << 20) -> object:
+    return receive_task(iter(stream), max_payload_bytes=limit, client_id="c1")  # type: ignore[arg-type]
+
+
 def test_receive_task_decodes_views_of_one_checked_buffer() -> None:
     arrays = {"w": np.arange(1000, dtype=np.float32).reshape(10, 100), "step": np.array(4, np.int64)}
-    got = receive_task(iter(_task_stream(arrays, chunk_bytes=333)), max_payload_bytes=1 << 20, client_id="c1")  # type: ignore[arg-type]
-    assert not isinstance(got, bool)
+    got = _receive(_task_stream(_payload(arrays), chunk_bytes=333))
+    assert isinstance(got, tuple)
     header, params = got
     assert header.task_id == "t1" and list(params) == ["w", "step"]
     np.testing.assert_array_equal(params["w"], arrays["w"])
     assert int(params["step"]) == 4 and params["w"].base is not None  # a view of the receive buffer
     params["w"] += 1  # writable: the runner may load it in place
+    assert _receive([pb.TaskChunk(idle=pb.Idle(finished=True))]) is True
 
-    with pytest.raises(PayloadError, match="SHA-256") as info:
-        receive_task(
-            iter(_task_stream(arrays, chunk_bytes=333, digest=b"x" * 32)), max_payload_bytes=1 << 20, client_id="c1"
-        )  # type: ignore[arg-type]
-    assert info.value.round == 3 and info.value.client_id == "c1"
-    with pytest.raises(PayloadError, match="exceeds the limit"):
-        receive_task(iter(_task_stream(arrays, chunk_bytes=333)), max_payload_bytes=100, client_id="c1")  # type: ignore[arg-type]
-    idle = [pb.TaskChunk(idle=pb.Idle(finished=True))]
-    assert receive_task(iter(idle), max_payload_bytes=100, client_id="c1") is True  # type: ignore[arg-type]
+
+def test_receive_task_names_the_task_it_cannot_use() -> None:
+    payload = _payload({"w": np.ones(100, np.float32)})
+    with pytest.raises(DamagedTask, match="SHA-256") as info:
+        _receive(_task_stream(payload, chunk_bytes=333, digest=b"x" * 32))
+    assert info.value.round == 3 and info.value.client_id == "c1" and info.value.header.task_id == "t1"
+    assert isinstance(info.value.cause, PayloadError)
+    with pytest.raises(DamagedTask, match="exceeds the limit"):
+        _receive(_task_stream(payload, chunk_bytes=333), limit=100)
+    # a tensor no array can have (65 dimensions), with a correct digest: refused with the reason, not a crash
+    header = json.dumps({"t": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    deep = len(header).to_bytes(8, "little") + header + bytes(4)
+    with pytest.raises(DamagedTask, match="65 dims"):
+        _receive(_task_stream(deep, chunk_bytes=64))
+    with pytest.raises(PayloadError, match="must start with a header"):
+        _receive([pb.TaskChunk(trailer=pb.Trailer(sha256=b"x" * 32))])
 
 
 def test_result_chunks_stream_the_update_without_an_encoded_copy() -> None:
@@ -192,3 +208,25 @@ def test_result_chunks_stream_the_update_without_an_encoded_copy() -> None:
     np.testing.assert_array_equal(out["b"], update["b"])
     # a failure carries no payload: header only
     assert len(list(result_chunks(pb.ResultHeader(failure="boom"), [], BackgroundDigest([]), 4096))) == 1
+
+
+def test_a_task_the_daemon_cannot_use_is_reported_at_once(tmp_path: Path) -> None:
+    h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=2.0)
+    config = DaemonConfig(server=f"127.0.0.1:{h.port}", client_id="small", task="unused:factory", insecure=True,
+                          poll_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.2, max_payload_bytes=64)  # fmt: skip
+    daemon = ClientDaemon(config, factory=lambda context: cast(Task, object()))
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    try:
+        thread.start()
+        h.pool.wait_for(1, timeout_s=10)
+        ins = FitIns(round=1, parameters={"w": np.zeros(100, np.float32)}, config=FitConfig(), seed=0)
+        started = time.monotonic()
+        (reply,) = list(h.pool.run({"small": ins}, timeout_s=60))
+        assert time.monotonic() - started < 10  # not the 60 s deadline
+        assert isinstance(reply, Failure) and "could not use the task" in reply.reason
+        assert "exceeds the limit of 64 bytes" in reply.reason
+    finally:
+        daemon.stop()
+        h.pool.finish()
+        thread.join(10)
+        h.close()

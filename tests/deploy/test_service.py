@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import math
 import os
 import threading
 import time
@@ -87,6 +89,8 @@ def _push(
     announce: int | None = None,
     send: bytes | None = None,
     digest: bytes | None = None,
+    num_examples: int = 10,
+    extra: list[pb.ResultChunk] | None = None,
 ) -> pb.PushReply:
     body = payload if send is None else send
 
@@ -97,13 +101,14 @@ def _push(
                 task_id=header.task_id,
                 round=header.round,
                 stage=pb.STAGE_FIT,
-                num_examples=10,
+                num_examples=num_examples,
                 payload_bytes=len(payload) if announce is None else announce,
             )
         )
         for piece in iter_bytes_chunks(body, 1024):
             yield pb.ResultChunk(data=piece)
         yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest or hashlib.sha256(payload).digest()))
+        yield from extra or []
 
     return stub.PushResult(stream())
 
@@ -134,7 +139,19 @@ BAD: dict[str, Behaviour] = {
     "truncated": lambda s, ss, h, p: _push(s, ss, h, (e := encode(p)), send=e[:-16]),
     "corrupted": lambda s, ss, h, p: _push(s, ss, h, (e := encode(p)), send=e[:-1] + b"\x07"),
     "oversized": lambda s, ss, h, p: _push(s, ss, h, encode(p), announce=10**9),
+    "impossible-shape": lambda s, ss, h, p: _push(s, ss, h, _deep_payload()),
+    "after-trailer": lambda s, ss, h, p: _push(s, ss, h, encode(p), extra=[pb.ResultChunk(data=b"more")]),
+    "empty": lambda s, ss, h, p: _push(s, ss, h, b""),
+    "negative-examples": lambda s, ss, h, p: _push(s, ss, h, encode(p), num_examples=-5),
+    "short-trailer": lambda s, ss, h, p: _push(s, ss, h, encode(p), digest=b"12345"),
 }
+
+
+def _deep_payload() -> bytes:
+    """A safetensors payload whose one tensor has 65 dimensions of 1: 4 bytes that no array can hold."""
+    header = json.dumps({"t": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + bytes(4)
 
 
 def _round_with_a_good_client(
@@ -167,9 +184,14 @@ def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness:
         "truncated": "truncated",
         "corrupted": "SHA-256",
         "oversized": "exceeds the limit",
+        "impossible-shape": "65 dims",
+        "after-trailer": "followed the trailer",
+        "empty": "payload is empty",
+        "negative-examples": "num_examples is -5",
+        "short-trailer": "malformed trailer",
     }[kind]
     assert reason in failure.reason
-    if kind in ("truncated", "corrupted", "oversized"):
+    if kind not in ("wrong-shape", "nan"):  # checked at push time: the client hears why
         assert not replies["bad"].accepted and reason in replies["bad"].reason
     assert not list((harness.pool.config.spill_dir).glob("*.part"))
 
@@ -238,6 +260,56 @@ def test_deadline_and_duplicate_push(harness: Harness) -> None:
     reply = _push(stub, session, header, encode(params))
     assert not reply.accepted and ("closed" in reply.reason or "no open task" in reply.reason)
     stop.set()
+
+
+def test_a_refused_push_stays_refused_and_one_push_per_task_is_read_at_a_time(harness: Harness) -> None:
+    stub = harness.stub()
+    session = stub.Join(pb.JoinRequest(client_id="c")).session
+    ins = FitIns(round=1, parameters=dict(GLOBAL), config=FitConfig(), seed=0)
+    got: list[object] = []
+    runner = threading.Thread(target=lambda: got.extend(harness.pool.run({"c": ins}, timeout_s=30)))
+    runner.start()
+    header, params = _pull(stub, session)
+    payload = encode(params)
+    # a push that stalls after its first chunk holds the task; a second push of it is turned away meanwhile
+    release = threading.Event()
+
+    def stalled() -> Iterator[pb.ResultChunk]:
+        yield pb.ResultChunk(
+            header=pb.ResultHeader(
+                session=session,
+                task_id=header.task_id,
+                round=1,
+                stage=pb.STAGE_FIT,
+                num_examples=1,
+                payload_bytes=len(payload),
+            )
+        )
+        yield pb.ResultChunk(data=payload[:10])
+        release.wait(10)
+
+    first = stub.PushResult.future(stalled())
+    time.sleep(0.5)
+    with pytest.raises(grpc.RpcError) as info:
+        _push(stub, session, header, payload)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "already in progress" in str(
+        info.value.details()
+    )
+    release.set()
+    refused = first.result(10)  # it ended without its bytes: truncated
+    assert not refused.accepted and "truncated" in refused.reason
+    again = _push(stub, session, header, payload)  # the same task, now complete and correct: still refused
+    assert not again.accepted and not again.duplicate and again.reason.startswith("already refused: ")
+    runner.join(10)
+    assert isinstance(got[0], Failure) and "truncated" in got[0].reason
+
+
+@pytest.mark.parametrize("wait_s", [math.nan, -1.0])
+def test_a_pull_with_a_nonsense_wait_returns_at_once(harness: Harness, wait_s: float) -> None:
+    session = harness.pool.join("c")
+    started = time.monotonic()
+    assert harness.pool.pull(session, wait_s) is False
+    assert time.monotonic() - started < 0.5
 
 
 def test_wait_for_says_how_many_are_connected(harness: Harness) -> None:
