@@ -424,7 +424,11 @@ def _cmd_certs_init(args: argparse.Namespace) -> int:
     if args.clients:
         width = max(3, len(str(args.clients - 1)))
         clients += [f"client-{i:0{width}d}" for i in range(args.clients)]
-    written = init_certs(Path(args.out), hosts=args.host or ("localhost", "127.0.0.1"), clients=clients)
+    out = Path(args.out)
+    for cid in clients:
+        if (out / "clients" / f"{cid}.pem").exists():
+            print(f"note: {cid} gets a new certificate and token; its old token stops working", file=sys.stderr)
+    written = init_certs(out, hosts=args.host or ("localhost", "127.0.0.1"), clients=clients)
     for path in written:
         print(path)
     return 0

@@ -168,7 +168,9 @@ class StateStore:
         each later round's model mapped from its checkpoint. Not a checkpoint: a restart does not resume from it."""
         path = self.spill / f"initial-r{state.round:06d}.safetensors"
         _write_state(path, state)
-        return load_checkpoint(path, mapped=True)
+        mapped = load_checkpoint(path, mapped=True)
+        path.unlink()  # the mapping keeps the data readable (POSIX); nothing is left behind in spill/
+        return mapped
 
     def latest_checkpoint(self, *, mapped: bool = False) -> ServerState | None:
         """The newest checkpoint as a :class:`ServerState` (arrays loaded into memory, or mapped: see

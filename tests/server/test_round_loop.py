@@ -209,6 +209,7 @@ def test_on_round_end_may_hand_back_the_state_and_records_need_not_be_kept(
         return load_checkpoint(store.save_checkpoint(state), mapped=True)
 
     start = store.map_initial(ServerState(round=0, parameters=initial, optimizer_state={}))
+    assert list(store.spill.iterdir()) == []  # mapped, and its file already unlinked: nothing left behind
     final, records = run_rounds(
         make_pool(shards), all_clients(), start, config, on_round_end=mapped_from_checkpoint, keep_records=False
     )
