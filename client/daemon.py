@@ -40,6 +40,7 @@ from fedcore.wire import (
     coordinator_stub,
     instruction_from_header,
     iter_data_chunks,
+    message_kind,
     payload_segments,
     result_header,
 )
@@ -455,7 +456,7 @@ def receive_task(
     if kind == "idle" and not isinstance(first, memoryview):
         return bool(first.idle.finished)
     if kind != "header" or isinstance(first, memoryview):
-        raise PayloadError(f"a task stream must start with a header, not a {kind or 'empty'} message", stage="transfer")
+        raise PayloadError(f"a task stream must start with a header, not {message_kind(kind)}", stage="transfer")
     header = first.header
     try:
         sink = BufferSink(header.payload_bytes)  # allocated at the first chunk, after the limit check

@@ -248,6 +248,12 @@ def open_safetensors(
 # chunking
 
 
+def message_kind(kind: str | None) -> str:
+    """``"a data message"``, ``"an idle message"``, ``"an empty message"`` for a chunk's oneof name."""
+    word = kind or "empty"
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word} message"
+
+
 def iter_bytes_chunks(data: bytes | bytearray | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
     """Yield ``data`` in pieces of at most ``chunk_bytes`` (one copy per piece, none of the whole)."""
     view = memoryview(data).cast("B")
@@ -358,11 +364,11 @@ class PayloadReceiver:
                 extra = next(chunks, None)
                 if extra is not None:
                     self.close()
-                    raise self._fail(f"a {chunk_body(extra)[0] or 'empty'} message followed the trailer")
+                    raise self._fail(f"{message_kind(chunk_body(extra)[0])} followed the trailer")
                 return chunk.trailer.sha256
             else:
                 self.close()
-                raise self._fail(f"unexpected {kind or 'empty'} message inside a payload")
+                raise self._fail(f"unexpected {(kind or 'empty')} message inside a payload")
         return None
 
     def close(self) -> None:
@@ -386,11 +392,13 @@ class PayloadReceiver:
         self.close()
         if self._error is not None:
             raise self._error
-        if sha256 is None or self._received != self._announced:
+        if self._received != self._announced:
             raise self._fail(
                 f"payload truncated: {self._received} of {self._announced} bytes arrived"
                 + ("" if sha256 is not None else " and no trailer")
             )
+        if sha256 is None:
+            raise self._fail(f"the stream ended without its trailer (all {self._announced} bytes arrived)")
         if len(sha256) != self._digest.digest_size:
             raise self._fail(f"malformed trailer: its SHA-256 has {len(sha256)} bytes, not {self._digest.digest_size}")
         if self._digest.digest() != sha256:

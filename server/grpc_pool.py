@@ -387,7 +387,8 @@ class GrpcClientPool:
 
     def new_spill_path(self, task: Task) -> Path:
         """A fresh file name in the spill directory for an incoming payload of ``task``."""
-        return self.config.spill_dir / f"update-{task.client_id}-{task.task_id}-{uuid.uuid4().hex[:6]}.part"
+        # named by the server's own task id, never the client id (which may hold '/' or be too long for a name)
+        return self.config.spill_dir / f"update-{task.task_id}-{uuid.uuid4().hex[:6]}.part"
 
     def finish(self) -> None:
         """Mark the run finished: idle pulls now tell daemons they may exit."""

@@ -40,6 +40,8 @@ from server.metrics import ServerMetrics
 log = logging.getLogger("fedcore.server")
 
 _STAGES = {pb.STAGE_FIT: Stage.FIT, pb.STAGE_EVALUATE: Stage.EVALUATE}
+_MAX_METRICS = 256
+_MAX_METRIC_NAME = 128
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +309,11 @@ def _header_problem(header: pb.ResultHeader, task: Task) -> str:
         return (
             f"the result is for round {header.round} ({named}), but task {task.task_id} is round {task.round} "
             f"({task.stage.value})"
+        )
+    if len(header.metrics) > _MAX_METRICS or any(len(key) > _MAX_METRIC_NAME for key in header.metrics):
+        return (
+            f"the result reports {len(header.metrics)} metrics; at most {_MAX_METRICS} are taken, each named in at "
+            f"most {_MAX_METRIC_NAME} characters (they become columns of the run's history)"
         )
     if header.failure:
         return ""

@@ -91,6 +91,7 @@ def _push(
     digest: bytes | None = None,
     num_examples: int = 10,
     extra: list[pb.ResultChunk] | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> pb.PushReply:
     body = payload if send is None else send
 
@@ -103,6 +104,7 @@ def _push(
                 stage=pb.STAGE_FIT,
                 num_examples=num_examples,
                 payload_bytes=len(payload) if announce is None else announce,
+                metrics=metrics or {},
             )
         )
         for piece in iter_bytes_chunks(body, 1024):
@@ -144,6 +146,7 @@ BAD: dict[str, Behaviour] = {
     "empty": lambda s, ss, h, p: _push(s, ss, h, b""),
     "negative-examples": lambda s, ss, h, p: _push(s, ss, h, encode(p), num_examples=-5),
     "short-trailer": lambda s, ss, h, p: _push(s, ss, h, encode(p), digest=b"12345"),
+    "metric-flood": lambda s, ss, h, p: _push(s, ss, h, encode(p), metrics={f"m{i}": 1.0 for i in range(300)}),
 }
 
 
@@ -189,6 +192,7 @@ def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness:
         "empty": "payload is empty",
         "negative-examples": "num_examples is -5",
         "short-trailer": "malformed trailer",
+        "metric-flood": "reports 300 metrics; at most 256",
     }[kind]
     assert reason in failure.reason
     if kind not in ("wrong-shape", "nan"):  # checked at push time: the client hears why
@@ -201,16 +205,25 @@ def test_an_update_that_does_not_fit_on_disk_is_refused_before_it_is_read(
 ) -> None:
     real = os.posix_fallocate
 
-    def disk_full_for_updates(fd: int, offset: int, length: int) -> None:
-        if "update-big" in os.readlink(f"/proc/self/fd/{fd}"):
+    def disk_full_for_large_updates(fd: int, offset: int, length: int) -> None:
+        if "/update-" in os.readlink(f"/proc/self/fd/{fd}") and length > 2000:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, offset, length)
 
-    monkeypatch.setattr(os, "posix_fallocate", disk_full_for_updates)
-    replies, record = _round_with_a_good_client(harness, "big", _good)
+    def big(stub: pb_grpc.CoordinatorStub, session: str, header: pb.TaskHeader, params: NamedArrays) -> pb.PushReply:
+        return _push(stub, session, header, encode({**params, "extra": np.zeros(300)}))  # 2400 more bytes
+
+    monkeypatch.setattr(os, "posix_fallocate", disk_full_for_large_updates)
+    replies, record = _round_with_a_good_client(harness, "big", big)
     assert record.accepted == ("good",)
     assert not replies["big"].accepted and "no room in the spill directory" in replies["big"].reason
     assert not list(harness.pool.config.spill_dir.glob("*.part"))
+
+
+@pytest.mark.parametrize("client_id", ["a/b", "x/../../y", "é" * 250])
+def test_any_client_id_that_may_join_can_push(harness: Harness, client_id: str) -> None:
+    replies, record = _round_with_a_good_client(harness, client_id, _good)
+    assert replies[client_id].accepted and sorted(record.accepted) == sorted(["good", client_id])
 
 
 def test_silent_client_fails_fast_and_late_push_is_discarded(harness: Harness) -> None:
