@@ -478,21 +478,20 @@ def _view_payload(
         return PayloadError(message, round=round, client_id=client_id, stage="decode")
 
     header_json, body_len, body = split_payload(payload, round=round, client_id=client_id)
-    parsed, _ = parse_header(header_json, body_len, round=round, client_id=client_id, require_order=False)
-    entries = {n: (e.dtype, e.shape, e.start, e.end) for n, e in parsed.items()}
+    entries, _ = parse_header(header_json, body_len, round=round, client_id=client_id, require_order=False)
     arrays: dict[str, np.ndarray] = {}
     want = {s.name: s for s in spec}
     if set(entries) != set(want):
         # same message as check_spec (missing / unexpected names); placeholders carry only the names
-        check_spec({n: np.empty(0, dtype=e[0]) for n, e in entries.items()}, spec, round=round, client_id=client_id)
+        check_spec({n: np.empty(0, dtype=e.dtype) for n, e in entries.items()}, spec, round=round, client_id=client_id)
     for name, s in want.items():
-        dtype, shape, start, end = entries[name]
-        if shape != s.shape:
-            raise fail(f"tensor {name!r} has shape {shape}, expected {s.shape}.")
-        if dtype.name != s.dtype:
-            raise fail(f"tensor {name!r} has dtype {dtype.name}, expected {s.dtype}.")
-        count = (end - start) // dtype.itemsize
-        arrays[name] = np.frombuffer(payload, dtype=dtype, count=count, offset=body + start)
+        e = entries[name]
+        if e.shape != s.shape:
+            raise fail(f"tensor {name!r} has shape {e.shape}, expected {s.shape}.")
+        if e.dtype.name != s.dtype:
+            raise fail(f"tensor {name!r} has dtype {e.dtype.name}, expected {s.dtype}.")
+        count = (e.end - e.start) // e.dtype.itemsize
+        arrays[name] = np.frombuffer(payload, dtype=e.dtype, count=count, offset=body + e.start)
     return arrays
 
 

@@ -93,11 +93,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={_toml_literal(value)}")
     if args.no_progress:
         overrides.append("output.progress=false")
-    for item in args.task_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--task-option expects key=value, got {item!r}")
-        overrides.append(f"task.options.{key.strip()}={_toml_literal(value)}")
+    overrides += [f"task.options.{k}={_toml_literal(v)}" for k, v in _pairs(args.task_option, "--task-option")]
     overrides += args.overrides  # explicit --set comes last, so it wins over the shortcut flags
     config = load_recipe(args.recipe, overrides)
     result = run_simulation(config)

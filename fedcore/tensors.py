@@ -68,6 +68,14 @@ def num_bytes(arrays: Mapping[str, np.ndarray]) -> int:
     return sum(int(a.nbytes) for a in arrays.values())
 
 
+_FINITE_BLOCK = 1 << 20
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    flat = np.ravel(array)  # a view for contiguous arrays
+    return all(bool(np.isfinite(flat[i : i + _FINITE_BLOCK]).all()) for i in range(0, flat.size, _FINITE_BLOCK))
+
+
 def check_finite(
     arrays: Mapping[str, np.ndarray],
     *,
@@ -76,10 +84,11 @@ def check_finite(
 ) -> None:
     """Raise :class:`NonFiniteError` naming the first tensor that holds NaN or Inf.
 
-    Integer and boolean tensors are always finite and are skipped.
+    Integer and boolean tensors are always finite and are skipped. Large tensors are checked in blocks of
+    ``_FINITE_BLOCK`` elements, so the check needs no temporary the size of the model.
     """
     for name, array in arrays.items():
-        if array.dtype.kind in "fc" and not np.isfinite(array).all():
+        if array.dtype.kind in "fc" and not _all_finite(array):
             bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
             raise NonFiniteError(
                 f"tensor {name!r} holds {bad} NaN/Inf value(s); the update is rejected. "

@@ -114,15 +114,17 @@ def write_safetensors(
     Raises:
         PayloadError: a dtype safetensors cannot hold.
     """
+    return _write_segments(fh, payload_segments(arrays, metadata))
+
+
+def _write_segments(fh: BinaryIO, segments: Sequence[memoryview]) -> tuple[int, bytes]:
     digest = hashlib.sha256()
-    size = 0
-    for segment in payload_segments(arrays, metadata):
+    for segment in segments:
         for i in range(0, len(segment), _READ_BLOCK * 16):
             piece = segment[i : i + _READ_BLOCK * 16]
             fh.write(piece)
             digest.update(piece)
-        size += len(segment)
-    return size, digest.digest()
+    return sum(len(s) for s in segments), digest.digest()
 
 
 def save_payload(
@@ -154,7 +156,7 @@ def save_payload(
     with tmp.open("wb") as fh:
         if frame_bytes is None:
             preallocate(fh, size)
-            size, digest = write_safetensors(fh, arrays, metadata)
+            _, digest = _write_segments(fh, segments)
         else:
             preallocate(fh, sum(framed for _, framed in framed_sizes(size, frame_bytes)))
             hasher = hashlib.sha256()
@@ -231,16 +233,13 @@ def open_safetensors(
             raise PayloadError(message, round=round, client_id=client_id, stage="decode")
         header_json = fh.read(header_len)
     body = 8 + header_len
-    parsed, metadata = parse_header(header_json, size - body, round=round, client_id=client_id)
-    entries = {n: (e.dtype, e.shape, e.start, e.end) for n, e in parsed.items()}
-    order = list(parsed)
+    entries, metadata = parse_header(header_json, size - body, round=round, client_id=client_id)
     arrays: NamedArrays = {}
-    for name in order:
-        dtype, shape, start, end = entries[name]
-        if end == start:
-            arrays[name] = np.zeros(shape, dtype=dtype)
+    for name, e in entries.items():  # in the recorded order
+        if e.end == e.start:
+            arrays[name] = np.zeros(e.shape, dtype=e.dtype)
         else:
-            arrays[name] = np.memmap(path, dtype=dtype, mode="r", offset=body + start, shape=shape)
+            arrays[name] = np.memmap(path, dtype=e.dtype, mode="r", offset=body + e.start, shape=e.shape)
     return arrays, metadata
 
 
@@ -368,7 +367,7 @@ class PayloadReceiver:
                 return chunk.trailer.sha256
             else:
                 self.close()
-                raise self._fail(f"unexpected {(kind or 'empty')} message inside a payload")
+                raise self._fail(f"unexpected {kind or 'empty'} message inside a payload")
         return None
 
     def close(self) -> None:

@@ -12,14 +12,11 @@ at the next round.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import signal
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,15 +28,22 @@ import torch
 from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.kernels import warm_up as warm_up_kernels
-from fedcore.seeding import derive_seed
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
-from fedcore.task import EvalResult, FitConfig, Task, TaskContext, load_task_factory
-from fedcore.tensors import NamedArrays, check_finite, check_spec, from_state_dict, state_spec, to_state_dict
+from fedcore.task import FitConfig, Task, TaskContext, central_evaluation, initial_parameters, load_task_factory
+from fedcore.tensors import check_finite, check_spec, state_spec
 from fedcore.wire import DEFAULT_CHUNK_BYTES
 from privacy.tls import read_pem
 from server.grpc_pool import GrpcClientPool, PoolConfig
-from server.metrics import ServerMetrics
-from server.round_loop import EvaluateFn, RoundConfig, RoundRecord, ServerState, resident_mib, run_rounds
+from server.metrics import DEFAULT_METRICS_ADDRESS, ServerMetrics
+from server.round_loop import (
+    EvaluateFn,
+    RoundConfig,
+    RoundRecord,
+    ServerState,
+    glibc_function,
+    resident_mib,
+    run_rounds,
+)
 from server.service import AuthPolicy, CoordinatorService, build_server, load_tokens
 from server.state import StateStore, load_checkpoint
 
@@ -104,7 +108,7 @@ class ServerConfig:
     tokens_file: Path | None = None
     revoked: tuple[str, ...] = ()
     metrics_port: int | None = None
-    metrics_address: str = "127.0.0.1"
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     linger_s: float = 5.0
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
@@ -148,18 +152,6 @@ def load_server_config(path: Path | None, overrides: list[str]) -> ServerConfig:
     """
     data: dict[str, Any] = load_toml(path) if path is not None else {}
     return from_mapping(ServerConfig, apply_overrides(data, overrides))
-
-
-def initial_parameters(model_fn: Callable[[], torch.nn.Module], seed: int) -> NamedArrays:
-    """The initial global model, initialized from a generator keyed by (seed, "init").
-
-    The same key as the simulation harness's, so the same seed starts simulation and deployment alike.
-    """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(seed, "init"))
-        state = model_fn().state_dict()  # the model itself is dropped here; its tensors live on in ``state``
-    # tensor by tensor, each freed once copied: about 1x the model at peak, not 2x
-    return {name: from_state_dict({name: state.pop(name)})[name] for name in list(state)}
 
 
 def server_credentials(config: ServerConfig) -> Any:
@@ -222,17 +214,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
 
     evaluate_fn: EvaluateFn | None = None
     if server_task is not None and config.evaluate:
-        task = server_task
-
-        def evaluate_fn(parameters: NamedArrays, rnd: int) -> EvalResult:
-            # built per evaluation and dropped after it: no second copy of the model between evaluations
-            with torch.random.fork_rng(devices=[]):
-                eval_model = task.build_model()
-            with warnings.catch_warnings():
-                # a model mapped read-only from its file: load_state_dict copies it, nothing writes to it
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                eval_model.load_state_dict(to_state_dict(parameters))
-            return task.evaluate(eval_model, strategy.evaluate_batch_size)
+        evaluate_fn = central_evaluation(server_task, strategy.evaluate_batch_size)
 
     metrics = ServerMetrics()
     if config.metrics_port is not None:
@@ -351,14 +333,9 @@ def _return_large_blocks_to_the_os() -> None:
     mmap threshold after the first such free and then keeps those chunks in per-thread heaps, where they pile up
     (measured: ~2x a 256 MiB model of freed-but-resident memory after 20 pushes). No-op without glibc.
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    mallopt = glibc_function("mallopt")
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 
 
 def _memory_line(echo: Callable[[str], None], stage: str) -> None:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -220,25 +221,22 @@ def release_memory() -> None:
 
 
 def _trim_heap() -> None:
-    trim = _malloc_trim()
+    trim = glibc_function("malloc_trim")
     if trim is not None:
         trim(0)
 
 
-_TRIM: list[Callable[[int], int] | None] = []
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not _TRIM:
-        fn: Callable[[int], int] | None = None
-        name = ctypes.util.find_library("c")
-        if name is not None:
-            try:
-                fn = ctypes.CDLL(name).malloc_trim
-            except (OSError, AttributeError):  # not glibc
-                fn = None
-        _TRIM.append(fn)
-    return _TRIM[0]
+@functools.cache
+def glibc_function(name: str) -> Callable[..., int] | None:
+    """The C library's function ``name`` (glibc's ``malloc_trim``, ``mallopt``), or None where the C library
+    cannot be loaded or lacks it (not glibc). Looked up once per name."""
+    library = ctypes.util.find_library("c")
+    if library is None:
+        return None
+    try:
+        return cast(Callable[..., int], getattr(ctypes.CDLL(library), name))
+    except (OSError, AttributeError):
+        return None
 
 
 def resident_mib() -> tuple[float, float] | None:
@@ -316,7 +314,7 @@ def _fit_round(
                 state.parameters, average, state.optimizer_state
             )
             del average
-            _check_finite_blocks(parameters, round=rnd)
+            check_finite(parameters, round=rnd)  # block by block: no model-sized temporary
             _trace(rnd, "server step")
         except FedcoreError as exc:
             if attempt == config.max_round_attempts:
@@ -338,17 +336,6 @@ def _fit_round(
         )
         return ServerState(round=rnd, parameters=parameters, optimizer_state=optimizer_state), record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
-
-
-def _check_finite_blocks(arrays: NamedArrays, *, round: int) -> None:
-    """:func:`check_finite` without a full-size temporary: block sums first, the exact check only on a bad one."""
-    for name, array in arrays.items():
-        if array.dtype.kind not in "fc":
-            continue
-        flat = array.reshape(-1)
-        for i in range(0, flat.size, 1 << 20):
-            if not np.isfinite(flat[i : i + (1 << 20)].sum()):
-                check_finite({name: array}, round=round)
 
 
 def _safe_weighted_metrics(rows: list[tuple[int, Mapping[str, float]]]) -> dict[str, float]:

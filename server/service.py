@@ -325,35 +325,26 @@ def _header_problem(header: pb.ResultHeader, task: Task) -> str:
 
 
 def _add_service(service: CoordinatorService, server: grpc.Server) -> None:
-    """Register ``service`` like the generated ``add_CoordinatorServicer_to_server``, except that payload chunks
-    use :mod:`fedcore.wire`'s chunk codec (same bytes on the wire, no protobuf copies of the data)."""
-    handlers = {
-        "Join": grpc.unary_unary_rpc_method_handler(
-            service.Join,
-            request_deserializer=pb.JoinRequest.FromString,
-            response_serializer=pb.JoinReply.SerializeToString,
-        ),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            service.Heartbeat,
-            request_deserializer=pb.HeartbeatRequest.FromString,
-            response_serializer=pb.HeartbeatReply.SerializeToString,
-        ),
-        "PullTask": grpc.unary_stream_rpc_method_handler(
-            service.PullTask,
-            request_deserializer=pb.PullTaskRequest.FromString,
-            response_serializer=serialize_chunk,
-        ),
-        "PushResult": grpc.stream_unary_rpc_method_handler(
-            service.PushResult,
-            request_deserializer=parse_result_chunk,
-            response_serializer=pb.PushReply.SerializeToString,
-        ),
-        "Leave": grpc.unary_unary_rpc_method_handler(
-            service.Leave,
-            request_deserializer=pb.LeaveRequest.FromString,
-            response_serializer=pb.LeaveReply.SerializeToString,
-        ),
-    }
+    """Register ``service`` as the generated ``add_CoordinatorServicer_to_server`` does, except that the two
+    payload streams use :mod:`fedcore.wire`'s chunk codec (same bytes on the wire, no protobuf copies of the data);
+    the mirror of :func:`fedcore.wire.coordinator_stub` on the client."""
+
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    class _Collect:  # stands in for the server: receives the generated handler table
+        def add_generic_rpc_handlers(self, generic: object) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, table: dict[str, grpc.RpcMethodHandler]) -> None:
+            handlers.update(table)
+
+    pb_grpc.add_CoordinatorServicer_to_server(service, _Collect())
+    handlers["PullTask"] = grpc.unary_stream_rpc_method_handler(
+        service.PullTask, request_deserializer=pb.PullTaskRequest.FromString, response_serializer=serialize_chunk
+    )
+    handlers["PushResult"] = grpc.stream_unary_rpc_method_handler(
+        service.PushResult, request_deserializer=parse_result_chunk, response_serializer=pb.PushReply.SerializeToString
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
     server.add_registered_method_handlers(_SERVICE, handlers)
 

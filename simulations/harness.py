@@ -19,15 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import torch
 from tqdm import tqdm
 
 from fedcore.config import to_mapping
 from fedcore.errors import ConfigError
-from fedcore.seeding import derive_seed
 from fedcore.strategy import build_strategy
-from fedcore.task import EvalResult, Task, TaskContext, TaskFactory, load_task_factory
-from fedcore.tensors import NamedArrays, encode, from_state_dict, to_state_dict
+from fedcore.task import Task, TaskContext, TaskFactory, central_evaluation, initial_parameters, load_task_factory
+from fedcore.tensors import encode
 from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
 from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.inmemory import InMemoryPool
@@ -72,13 +70,6 @@ def client_ids(num_clients: int) -> list[str]:
     """Virtual client ids ``client-000``, ``client-001``, ... (zero-padded so they sort like their index)."""
     width = max(3, len(str(num_clients - 1)))
     return [f"client-{i:0{width}d}" for i in range(num_clients)]
-
-
-def initial_parameters(model_fn: Callable[[], torch.nn.Module], seed: int) -> NamedArrays:
-    """The initial global model, initialized from a generator keyed by (seed, "init")."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(seed, "init"))
-        return from_state_dict(model_fn().state_dict())
 
 
 def _format_row(row: Mapping[str, object]) -> str:
@@ -138,12 +129,6 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     strategy = build_strategy(config.strategy, config.train, config.sampling)
     pool = InMemoryPool(ids, make_task)
 
-    def evaluate(parameters: NamedArrays, rnd: int) -> EvalResult:
-        with torch.random.fork_rng(devices=[]):
-            model = server_task.build_model()
-        model.load_state_dict(to_state_dict(parameters))
-        return server_task.evaluate(model, strategy.evaluate_batch_size)
-
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []
     divergent_rounds: list[int] = []
@@ -170,7 +155,9 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
                 progress.set_postfix(acc=f"{acc:.4f}")
 
     initial = initial_parameters(server_task.build_model, config.seed)
-    evaluate_fn = evaluate if config.task.server_evaluation else None
+    evaluate_fn = (
+        central_evaluation(server_task, strategy.evaluate_batch_size) if config.task.server_evaluation else None
+    )
     round_config = RoundConfig(
         num_rounds=config.rounds,
         seed=config.seed,

@@ -13,11 +13,10 @@ from fedcore.errors import RoundFailed
 from fedcore.messages import FitIns
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
-from fedcore.task import EvalResult, FitConfig, Task, TrainContext, TrainResult
+from fedcore.task import EvalResult, FitConfig, Task, TrainContext, TrainResult, initial_parameters
 from fedcore.tensors import NamedArrays
 from server.round_loop import RoundConfig, run_rounds
 from simulations.datasets import load_digits_dataset
-from simulations.harness import initial_parameters
 from simulations.inmemory import InMemoryPool
 from simulations.models import MLP2NN
 from simulations.partition import iid
