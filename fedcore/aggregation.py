@@ -420,10 +420,16 @@ class WeightedMean:
 
 
 def _zeros64(n: int) -> np.ndarray:
-    """A zero float64 vector; a large one in its own anonymous mapping (pages allocated on first touch)."""
+    """A zero float64 vector; a large one in its own private anonymous mapping (pages allocated on first touch).
+
+    Private, not mmap's default MAP_SHARED: ``MADV_DONTNEED`` frees private anonymous pages, while shared ones stay
+    allocated in shared memory (they only leave the resident set), so :func:`_release_tail` would free nothing.
+    """
     if n * 8 < _MAPPED_SUM_BYTES:
         return np.zeros(n, np.float64)
-    return np.frombuffer(mmap.mmap(-1, n * 8), dtype=np.float64, count=n)
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buffer = mmap.mmap(-1, n * 8, flags=private) if private else mmap.mmap(-1, n * 8)
+    return np.frombuffer(buffer, dtype=np.float64, count=n)
 
 
 def _release_tail(total: np.ndarray, used: int) -> None:

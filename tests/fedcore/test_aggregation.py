@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
@@ -313,6 +315,13 @@ def test_result_release_frees_the_unused_half_of_a_large_sum() -> None:
     acc.add({"w": np.ones(1 << 20, np.float32)}, 2.0)
     out = acc.result(release=True)["w"]
     np.testing.assert_array_equal(out, 1.0)
+    # the float64 sum's mapping: past the float32 result its pages were handed back, so they read as zeros now
+    # (before, they held the sums 2.0); pages still allocated would keep those bytes
+    buffer = out
+    while not isinstance(buffer, mmap.mmap):
+        buffer = buffer.obj if isinstance(buffer, memoryview) else buffer.base
+    tail = np.frombuffer(buffer, np.uint8)[out.nbytes :]
+    assert tail.size == out.nbytes and not tail.any()
     out[:] = 5.0  # the result is an ordinary writable array
     assert out.flags.writeable and out.sum() == 5.0 * (1 << 20)
 
