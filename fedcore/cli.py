@@ -311,7 +311,9 @@ def _add_client(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     start.add_argument("--partition-id", type=int, help="which shard of the built-in dataset this client holds")
     start.add_argument("--num-partitions", type=int, help="into how many shards the dataset is split")
     start.add_argument("--data-dir", help="data directory handed to the task")
-    start.add_argument("--token", default="", help="this client's token (or FEDCORE_TOKEN)")
+    start.add_argument(
+        "--token", default="", help="this client's token; write --token=VALUE if it begins with '-' (or FEDCORE_TOKEN)"
+    )
     start.add_argument("--token-file", help="read the token from this file")
     start.add_argument("--insecure", action="store_true", help="plaintext gRPC (the server must be --insecure)")
     start.add_argument("--ca-cert", help="CA certificate (PEM) that signed the server certificate")

@@ -5,7 +5,7 @@
     ca.pem  ca.key                  the run's certificate authority (keep ca.key offline)
     server.pem  server.key          the server's certificate (names from --host; localhost and 127.0.0.1 default)
     clients/<id>.pem  <id>.key      one certificate per client, common name = client id (mutual TLS)
-    tokens.txt                      "client_id token" lines for the server's tokens_file (random, 256-bit)
+    tokens.txt                      "client_id token" lines for the server's tokens_file (random, 256-bit, hex)
 
 Keys are ECDSA P-256; private key files are written with mode 0600.
 """
@@ -191,7 +191,8 @@ def init_certs(
         _write(out / "clients" / f"{cid}.pem", ident.cert_pem, private=False)
         _write(out / "clients" / f"{cid}.key", ident.key_pem, private=True)
         written += [out / "clients" / f"{cid}.pem", out / "clients" / f"{cid}.key"]
-        tokens[cid] = secrets.token_urlsafe(32)
+        # hex: 256 bits that never begin with '-', so `--token VALUE` cannot be read as an option
+        tokens[cid] = secrets.token_hex(32)
     if clients:
         text = "# client_id token  (give each client its own line's token; the server reads this file)\n"
         text += "".join(f"{cid} {tok}\n" for cid, tok in sorted(tokens.items()))

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from fedcore.cli import build_parser
 from fedcore.errors import RoundFailed
 from fedcore.messages import Failure, FitIns, FitRes
 from fedcore.proto.v1 import fedcore_pb2 as pb
@@ -353,6 +355,23 @@ def test_tokens_and_revocation(tmp_path: Path) -> None:
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         h.close()
+
+
+def test_issued_tokens_are_hex_so_the_client_flag_always_parses(tmp_path: Path) -> None:
+    # A token beginning with '-' made `fedcore client start --token VALUE` exit 2 ("expected one argument"): with
+    # url-safe base64 that was 1 token in 64. Issued tokens are 256-bit hex; a user's own token still parses as
+    # --token=VALUE.
+    init_certs(tmp_path, clients=[f"client-{i:03d}" for i in range(8)])
+    lines = (tmp_path / "tokens.txt").read_text().splitlines()
+    tokens = dict(line.split() for line in lines if not line.startswith("#"))
+    assert len(tokens) == 8 and len(set(tokens.values())) == 8
+    assert all(re.fullmatch(r"[0-9a-f]{64}", token) for token in tokens.values()), tokens
+    parser = build_parser()
+    for token in tokens.values():
+        args = parser.parse_args(["client", "start", "--server", "h:1", "--client-id", "a", "--token", token])
+        assert args.token == token
+    args = parser.parse_args(["client", "start", "--server", "h:1", "--client-id", "a", "--token=-own-token"])
+    assert args.token == "-own-token"
 
 
 def test_mutual_tls_checks_the_certificate_name(tmp_path: Path) -> None:

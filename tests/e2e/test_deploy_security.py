@@ -66,7 +66,7 @@ def _tls_client(
     identity = identity if identity is not None else certs
     args = [a for a in client_args(port, cid, index, 2, OPTIONS, *extra) if a != "--insecure"]
     return [*args, "--ca-cert", str(certs / "ca.pem"), "--cert", str(identity / "clients" / f"{cid}.pem"),
-            "--key", str(identity / "clients" / f"{cid}.key"), "--token", token]  # fmt: skip
+            "--key", str(identity / "clients" / f"{cid}.key"), f"--token={token}"]  # fmt: skip
 
 
 def _scrape(port: int) -> dict[str, float]:
