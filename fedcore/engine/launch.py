@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from fedcore.errors import EngineError
 
@@ -93,22 +94,29 @@ def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: f
 
 
 def _failure(procs: list[subprocess.Popen[bytes]], workdir: Path) -> EngineError:
-    """Name the root cause: the rank whose failure report was written first.
+    """Name the root cause: the rank whose exception was raised first.
 
-    When one rank fails, its peers soon fail too with connection errors; they are symptoms. The launcher waits
-    a moment for the peers' reports, then blames the earliest report (or the first dead rank without one).
+    When one rank fails, its peers soon fail too with connection errors; they are symptoms. A worker reports its
+    exception, with the CLOCK_MONOTONIC time it was caught, before it leaves the process group, so the root
+    cause's report is always the earliest. The launcher waits a moment for the peers' reports, then blames the
+    earliest report (or the first dead rank without one).
     """
     deadline = time.monotonic() + REPORT_WAIT_S
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
-    reports = [
-        (error_path(workdir, r).stat().st_mtime_ns, r) for r in range(len(procs)) if error_path(workdir, r).exists()
-    ]
-    rank = min(reports)[1] if reports else next(r for r, p in enumerate(procs) if p.poll() not in (None, 0))
+    reports: dict[int, dict[str, Any]] = {}
+    for r in range(len(procs)):
+        try:
+            reports[r] = json.loads(error_path(workdir, r).read_text())
+        except (OSError, ValueError):  # no report (killed, or still being written): judged by its exit status
+            continue
+    if reports:
+        rank = min(reports, key=lambda r: (int(reports[r]["failed_at_ns"]), r))
+    else:
+        rank = next(r for r, p in enumerate(procs) if p.poll() not in (None, 0))
     code = procs[rank].poll()
-    report = error_path(workdir, rank)
-    if report.exists():
-        info = json.loads(report.read_text())
+    if rank in reports:
+        info = reports[rank]
         cause = f"{info['type']}: {info['message']}"
         detail = info.get("traceback", "")
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,32 @@ def task_context_from_json(data: dict[str, Any]) -> TaskContext:
     )
 
 
-def run(spec: dict[str, Any], rank: int) -> None:
-    """Train as ``rank`` under ``spec``; rank 0 writes ``spec['state_path']`` and ``spec['metrics_path']``."""
+def write_report(workdir: Path, rank: int, exc: BaseException, failed_at_ns: int) -> None:
+    """Write ``error-rank<RANK>.json``: the exception's type, message and traceback, and when it was raised.
+
+    ``failed_at_ns`` is ``time.monotonic_ns()`` taken when the exception was caught; CLOCK_MONOTONIC is shared by
+    every process on the machine, so the launcher orders the ranks' reports by it (file times can tie).
+    """
+    report = {
+        "rank": rank,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "failed_at_ns": failed_at_ns,
+    }
+    path = error_path(workdir, rank)
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps(report))
+    partial.replace(path)  # atomic: the launcher never reads half a report
+
+
+def run(spec: dict[str, Any], rank: int, workdir: Path) -> None:
+    """Train as ``rank`` under ``spec``; rank 0 writes ``spec['state_path']`` and ``spec['metrics_path']``.
+
+    An exception raised while training is reported (:func:`write_report`) before this rank leaves the process
+    group: leaving closes its connections, which makes the peers fail too, and the root cause must be the first
+    report. It is then raised again.
+    """
     from fedcore.engine.runner import train_rank
     from fedcore.engine.runtime import init_distributed, shutdown_distributed
 
@@ -73,24 +98,22 @@ def run(spec: dict[str, Any], rank: int) -> None:
             Path(spec["state_path"]).write_bytes(encode(from_state_dict(result.state)))
             metrics = {"num_examples": result.num_examples, "train_loss": result.train_loss}
             Path(spec["metrics_path"]).write_text(json.dumps(metrics))
+    except BaseException as exc:
+        write_report(workdir, rank, exc, time.monotonic_ns())
+        raise
     finally:
         shutdown_distributed()
 
 
 def main(argv: list[str]) -> int:
-    """Run the worker; returns the process exit status."""
+    """Run the worker; returns the process exit status (1 after writing ``error-rank<RANK>.json``)."""
     spec_path, rank = Path(argv[0]), int(argv[1])
-    spec = json.loads(spec_path.read_text())
+    workdir = spec_path.parent
     try:
-        run(spec, rank)
+        run(json.loads(spec_path.read_text()), rank, workdir)
     except BaseException as exc:
-        report = {
-            "rank": rank,
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": traceback.format_exc(),
-        }
-        error_path(spec_path.parent, rank).write_text(json.dumps(report))
+        if not error_path(workdir, rank).exists():  # failed before or after training: not reported yet
+            write_report(workdir, rank, exc, time.monotonic_ns())
         return 1
     return 0
 
