@@ -250,7 +250,22 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     echo(f"fedcore server listening on {host}:{port} ({'plaintext' if config.insecure else 'TLS'})")
     sys.stdout.flush()
 
+    # A stop signal that arrives while a finished round is being saved waits until the checkpoint, the database
+    # row and the log line are all written, so a clean stop never leaves them disagreeing.
+    committing, stop_pending = False, False
+
     def on_round_end(record: RoundRecord, state: ServerState) -> ServerState | None:
+        nonlocal committing
+        committing = True
+        try:
+            mapped = commit_round(record, state)
+        finally:
+            committing = False
+        if stop_pending:
+            raise _Stop()
+        return mapped
+
+    def commit_round(record: RoundRecord, state: ServerState) -> ServerState | None:
         mapped: ServerState | None = None
         if record.round > 0:
             path = store.save_checkpoint(state)
@@ -276,7 +291,11 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     if threading.current_thread() is threading.main_thread():
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
-            raise _Stop()
+            nonlocal stop_pending
+            if committing:
+                stop_pending = True  # on_round_end raises once the round is saved
+            else:
+                raise _Stop()
 
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     final: ServerState | None = None
