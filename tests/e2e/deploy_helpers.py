@@ -3,6 +3,7 @@ processes on 127.0.0.1, wait for log lines with bounded timeouts, and build the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -16,9 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    (port,) = free_ports(1)
+    return port
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all sockets are held until every port is picked)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 def task_option_flags(options: dict[str, str]) -> list[str]:

@@ -110,7 +110,7 @@ def test_server_killed_after_round_2_resumes_and_matches(tmp_path: Path, referen
     clients = _start_clients(port, options, tmp_path)
     restarted: Proc | None = None
     try:
-        server.wait_for_line("round 2:", 120)
+        server.wait_for_line(f"round 2: {NUM_CLIENTS} update(s)", 120)  # the round line, not a warning about round 2
         server.kill9()
         assert not (state / "checkpoints" / f"round-{ROUNDS:06d}.safetensors").exists()
         restarted = Proc("server-restarted", args, tmp_path)

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fedcore.tensors import encode
 from fedcore.wire import save_payload
 from server.state import StateStore, load_checkpoint
-from tests.e2e.deploy_helpers import ROOT, Proc, client_args, free_port, server_args
+from tests.e2e.deploy_helpers import ROOT, Proc, client_args, free_port, free_ports, server_args
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_invalid_credentials_are_refused_and_metrics_match_the_run(tmp_path: Pat
     _certs_init(certs, "client-000", "client-001", "client-002")
     _certs_init(other, "client-002")  # a second CA issuing a certificate with the right name
     tokens = _tokens(certs)
-    port, metrics_port, state = free_port(), free_port(), tmp_path / "state"
+    (port, metrics_port), state = free_ports(2), tmp_path / "state"
     rounds = 2
     server = Proc(
         "server",
@@ -101,14 +101,16 @@ def test_invalid_credentials_are_refused_and_metrics_match_the_run(tmp_path: Pat
     good = [Proc(cid, _tls_client(port, cid, i, certs, tokens[cid], "--stay"), tmp_path)
             for i, cid in enumerate(["client-000", "client-001"])]  # fmt: skip
     wrong_token = Proc("wrong-token", _tls_client(port, "client-002", 0, certs, "not-the-token"), tmp_path)
-    foreign = Proc(
-        "foreign-ca",
-        _tls_client(port, "client-002", 0, certs, tokens["client-002"], "--give-up-after-s", "4", identity=other),
-        tmp_path,
-    )
-    procs = [server, *good, wrong_token, foreign]
+    procs = [server, *good, wrong_token]
     try:
         server.wait_for_line("listening on", 60)
+        # started once the server listens, so all of its 4 s before giving up go to TLS handshakes
+        foreign = Proc(
+            "foreign-ca",
+            _tls_client(port, "client-002", 0, certs, tokens["client-002"], "--give-up-after-s", "4", identity=other),
+            tmp_path,
+        )
+        procs.append(foreign)
         assert wrong_token.wait(60) == 2, wrong_token.text()
         assert (
             "the server refused to let this client join: unknown client 'client-002' or wrong token"
@@ -160,12 +162,13 @@ def test_restarted_client_rejoins_at_once_then_sigterm_stops_the_server_cleanly(
     flags = ["--rounds", str(rounds), "--min-fit-clients", "2", "--liveness-timeout-s", "30", "--no-evaluate"]
     server = Proc("server", _tls_server(port, state, certs, *flags), tmp_path)
 
-    def client(cid: str, index: int, name: str) -> Proc:
+    def client(cid: str, index: int, name: str, sleep_s: int = 1) -> Proc:
         # a reconnect ceiling of 30 s: a rejoin that needed any backoff would show as a retry in the log
-        extra = [*SLOW, "sleep_s=1", "--backoff-max-s", "30"]
+        extra = [*SLOW, f"sleep_s={sleep_s}", "--backoff-max-s", "30"]
         return Proc(name, _tls_client(port, cid, index, certs, tokens[cid], *extra), tmp_path)
 
-    steady, victim = client("client-000", 0, "client-000"), client("client-001", 1, "client-001")
+    # the victim trains slowly, so it is surely killed before it pushes its round-2 update
+    steady, victim = client("client-000", 0, "client-000"), client("client-001", 1, "client-001", sleep_s=8)
     restarted: Proc | None = None
     try:
         victim.wait_for_line("round 2 fit started", 90)
