@@ -27,6 +27,7 @@ from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays, decode, encode
 from fedcore.wire import iter_bytes_chunks
 from privacy.tls import init_certs
+from server.app import ServerConfig
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.metrics import ServerMetrics
 from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
@@ -440,23 +441,28 @@ def test_state_checkpoints_are_atomic_and_resume(tmp_path: Path) -> None:
     store.close()
 
 
+def _demo_server_config(state_dir: Path, *, wait_for_clients_s: float) -> ServerConfig:
+    """A plaintext server on an ephemeral port running the demo task on ``digits`` for 3 rounds."""
+    return ServerConfig(
+        insecure=True,
+        address="127.0.0.1:0",
+        state_dir=state_dir,
+        task="simulations.tasks:demo_task",
+        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
+        rounds=3,
+        wait_for_clients_s=wait_for_clients_s,
+    )
+
+
 def test_server_refuses_to_resume_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     """A state directory from another run (another model) is refused at start, not after clients trained."""
     from fedcore.errors import ConfigError
-    from server.app import ServerConfig, run_server
+    from server.app import run_server
 
     store = StateStore(tmp_path / "state")
     store.save_checkpoint(ServerState(round=2, parameters=dict(GLOBAL), optimizer_state={}))
     store.close()
-    config = ServerConfig(
-        insecure=True,
-        address="127.0.0.1:0",
-        state_dir=tmp_path / "state",
-        task="simulations.tasks:demo_task",
-        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
-        rounds=3,
-        wait_for_clients_s=1.0,
-    )
+    config = _demo_server_config(tmp_path / "state", wait_for_clients_s=1.0)
     with pytest.raises(ConfigError, match=r"round 2\) is of another model.*new --state-dir"):
         run_server(config, echo=lambda _: None)
 
@@ -467,7 +473,7 @@ def test_sigterm_while_a_round_is_saved_stops_after_it_is_saved(
     """SIGTERM that lands inside the round's commit (here: round 0's database row) waits until the commit is done."""
     import signal
 
-    from server.app import ServerConfig, run_server
+    from server.app import run_server
 
     record_round = StateStore.record_round
 
@@ -477,15 +483,7 @@ def test_sigterm_while_a_round_is_saved_stops_after_it_is_saved(
 
     monkeypatch.setattr(StateStore, "record_round", signalled_mid_commit)
     lines: list[str] = []
-    config = ServerConfig(
-        insecure=True,
-        address="127.0.0.1:0",
-        state_dir=tmp_path / "state",
-        task="simulations.tasks:demo_task",
-        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
-        rounds=3,
-        wait_for_clients_s=30.0,
-    )
+    config = _demo_server_config(tmp_path / "state", wait_for_clients_s=30.0)
     started = time.monotonic()
     assert run_server(config, echo=lines.append) is None
     assert time.monotonic() - started < 25  # stopped after round 0, not after waiting for clients
