@@ -6,7 +6,7 @@ announces its size first. A receiver (:class:`PayloadReceiver`) refuses an annou
 reading a byte, stops as soon as more bytes arrive than announced, and checks size and digest at the trailer, so
 truncated, corrupted and oversized payloads are all rejected with a reason that names the client and round.
 
-Payloads are written and read as files without holding a second copy of the model: :func:`write_safetensors`
+Payloads are written and read as files without holding a second copy of the model: :func:`save_payload`
 streams tensors to a file (computing the digest on the way) and :func:`open_safetensors` maps a received file as
 read-only ``np.memmap`` views, so the server folds an update from disk (DESIGN.md, "spill to disk").
 """
@@ -33,7 +33,7 @@ from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, 
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
-from fedcore.tensors import ORDER_KEY, SAFETENSORS_DTYPES, NamedArrays, parse_header
+from fedcore.tensors import ORDER_KEY, SAFETENSORS_DTYPES, NamedArrays, TensorEntry, parse_header
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Payload chunk size on the wire (4 MiB: well under gRPC's default 4 MiB+ message cap once framed)."""
@@ -101,20 +101,6 @@ def payload_segments(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, st
         PayloadError: a dtype safetensors cannot hold.
     """
     return [memoryview(safetensors_header(arrays, metadata)), *(_raw_view(a) for a in arrays.values())]
-
-
-def write_safetensors(
-    fh: BinaryIO, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
-) -> tuple[int, bytes]:
-    """Write ``arrays`` as safetensors to the open binary file ``fh``, tensor by tensor (no whole-model copy).
-
-    Returns:
-        ``(bytes written, SHA-256 digest)``.
-
-    Raises:
-        PayloadError: a dtype safetensors cannot hold.
-    """
-    return _write_segments(fh, payload_segments(arrays, metadata))
 
 
 def _write_segments(fh: BinaryIO, segments: Sequence[memoryview]) -> tuple[int, bytes]:
@@ -206,21 +192,20 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def open_safetensors(
+def read_safetensors_header(
     path: Path, *, round: int | None = None, client_id: str | None = None
-) -> tuple[NamedArrays, dict[str, str]]:
-    """Map a safetensors file as read-only ``np.memmap`` views, in the order recorded in its header.
+) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
+    """Read and check the header of the safetensors file ``path`` (the tensor data is not read).
 
-    Only the structure is checked here (header, dtypes, offsets inside the file, sizes matching shapes); names,
+    Only the structure is checked (header, dtypes, offsets inside the file, sizes matching shapes); names,
     shapes and values are checked against the model by whoever folds the update.
 
     Returns:
-        ``(name -> array view, user metadata)``.
+        ``(name -> TensorEntry in the recorded order, user metadata, byte offset of the data)``.
 
     Raises:
         PayloadError: truncated or corrupted file.
     """
-
     size = path.stat().st_size
     with path.open("rb") as fh:
         prefix = fh.read(8)
@@ -234,6 +219,23 @@ def open_safetensors(
         header_json = fh.read(header_len)
     body = 8 + header_len
     entries, metadata = parse_header(header_json, size - body, round=round, client_id=client_id)
+    return entries, metadata, body
+
+
+def open_safetensors(
+    path: Path, *, round: int | None = None, client_id: str | None = None
+) -> tuple[NamedArrays, dict[str, str]]:
+    """Map a safetensors file as read-only ``np.memmap`` views, in the order recorded in its header.
+
+    The header is checked by :func:`read_safetensors_header`.
+
+    Returns:
+        ``(name -> array view, user metadata)``.
+
+    Raises:
+        PayloadError: truncated or corrupted file.
+    """
+    entries, metadata, body = read_safetensors_header(path, round=round, client_id=client_id)
     arrays: NamedArrays = {}
     for name, e in entries.items():  # in the recorded order
         if e.end == e.start:

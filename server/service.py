@@ -29,9 +29,9 @@ from fedcore.wire import (
     DataChunk,
     PayloadReceiver,
     framed_sizes,
-    open_safetensors,
     parse_result_chunk,
     preallocate,
+    read_safetensors_header,
     serialize_chunk,
 )
 from server.grpc_pool import GrpcClientPool, Task
@@ -264,7 +264,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 receiver.finish(digest)
             # the structure (header, dtypes, offsets, shapes) is checked now, so the client hears what is wrong;
             # names, shapes and values against the model are checked when the round folds the update
-            open_safetensors(path, round=task.round, client_id=task.client_id)
+            read_safetensors_header(path, round=task.round, client_id=task.client_id)
         except FedcoreError as exc:
             path.unlink(missing_ok=True)
             return self._reject(task, str(exc))

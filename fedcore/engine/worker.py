@@ -66,55 +66,53 @@ def write_report(workdir: Path, rank: int, exc: BaseException, failed_at_ns: int
     partial.replace(path)  # atomic: the launcher never reads half a report
 
 
-def run(spec: dict[str, Any], rank: int, workdir: Path) -> None:
+def run(spec: dict[str, Any], rank: int) -> None:
     """Train as ``rank`` under ``spec``; rank 0 writes ``spec['state_path']`` and ``spec['metrics_path']``.
 
-    An exception raised while training is reported (:func:`write_report`) before this rank leaves the process
-    group: leaving closes its connections, which makes the peers fail too, and the root cause must be the first
-    report. It is then raised again.
+    Joins the process group and stays in it; :func:`main` leaves it, after reporting any failure.
     """
     from fedcore.engine.runner import train_rank
-    from fedcore.engine.runtime import init_distributed, shutdown_distributed
+    from fedcore.engine.runtime import init_distributed
 
     plan = ParallelPlan.from_mapping(spec["plan"])
     config = FitConfig(**spec["config"])
     task = load_task_factory(spec["task_factory"])(task_context_from_json(spec["task_context"]))
     global_parameters = decode(Path(spec["global_path"]).read_bytes())
     env = init_distributed(plan, Device(spec["device"]), rank=rank, init_method=spec["init_method"])
-    try:
-        result = train_rank(
-            task,
-            global_parameters,
-            config,
-            plan,
-            env,
-            seed=int(spec["seed"]),
-            round=int(spec["round"]),
-            client_id=str(spec["client_id"]),
-        )
-        if rank == 0:
-            if result.state is None:
-                raise RuntimeError("rank 0 holds no model state after training")
-            Path(spec["state_path"]).write_bytes(encode(from_state_dict(result.state)))
-            metrics = {"num_examples": result.num_examples, "train_loss": result.train_loss}
-            Path(spec["metrics_path"]).write_text(json.dumps(metrics))
-    except BaseException as exc:
-        write_report(workdir, rank, exc, time.monotonic_ns())
-        raise
-    finally:
-        shutdown_distributed()
+    result = train_rank(
+        task,
+        global_parameters,
+        config,
+        plan,
+        env,
+        seed=int(spec["seed"]),
+        round=int(spec["round"]),
+        client_id=str(spec["client_id"]),
+    )
+    if rank == 0:
+        if result.state is None:
+            raise RuntimeError("rank 0 holds no model state after training")
+        Path(spec["state_path"]).write_bytes(encode(from_state_dict(result.state)))
+        metrics = {"num_examples": result.num_examples, "train_loss": result.train_loss}
+        Path(spec["metrics_path"]).write_text(json.dumps(metrics))
 
 
 def main(argv: list[str]) -> int:
-    """Run the worker; returns the process exit status (1 after writing ``error-rank<RANK>.json``)."""
+    """Run the worker; returns the process exit status (1 after writing ``error-rank<RANK>.json``).
+
+    A failure is reported (:func:`write_report`) before this rank leaves the process group: leaving closes its
+    connections, which makes the peers fail too, and the root cause must be the first report.
+    """
+    from fedcore.engine.runtime import shutdown_distributed
+
     spec_path, rank = Path(argv[0]), int(argv[1])
-    workdir = spec_path.parent
     try:
-        run(json.loads(spec_path.read_text()), rank, workdir)
+        run(json.loads(spec_path.read_text()), rank)
     except BaseException as exc:
-        if not error_path(workdir, rank).exists():  # failed before or after training: not reported yet
-            write_report(workdir, rank, exc, time.monotonic_ns())
+        write_report(spec_path.parent, rank, exc, time.monotonic_ns())
         return 1
+    finally:
+        shutdown_distributed()
     return 0
 
 
