@@ -16,6 +16,9 @@ Printed in the same run, for comparison:
   the machine's limit and the issue's reference;
 - gRPC with TLS alone: the same bytes streamed by a bare gRPC handler to a client process that drops them (no
   digest, no buffer): the most any gRPC-based path can reach on this machine;
+- TLS without gRPC (Python's ``ssl`` on a plain socket, the same certificates): once into a reused buffer, once
+  landed as a download must land it (a new payload-sized buffer, SHA-256 alongside on a helper thread), which
+  shows what a bulk channel beside gRPC could gain;
 - the cryptography bound: AES-GCM encryption and decryption (what TLS does to every byte, through the
   ``cryptography`` package's OpenSSL) plus the SHA-256 check, each measured on one core, spread over all cores.
   Any TLS transfer with a digest check costs at least this much CPU, so it cannot be faster on this machine;
@@ -208,6 +211,46 @@ def bare_grpc_client(port: int, certs: Path, chunk_bytes: int, results: Queue[tu
     channel.close()
 
 
+def ssl_client(port: int, certs: Path, chunk_bytes: int, land: bool, results: Queue[tuple[float, float, int]]) -> None:
+    """Receive a TLS stream on a plain socket; puts (seconds, 0, bytes) on ``results``. ``land``: into a new
+    buffer of the whole stream with its SHA-256 computed alongside, else into one reused chunk-sized buffer."""
+    import queue
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    with (
+        socket.create_connection(("127.0.0.1", port)) as raw,
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        prefix = b""
+        while len(prefix) < 8:  # the stream's length, sent first
+            prefix += tls.recv(8 - len(prefix))
+        size = int.from_bytes(prefix, "little")
+        started = time.perf_counter()
+        buffer = memoryview(bytearray(size if land else chunk_bytes))
+        pending: queue.Queue[memoryview | None] = queue.Queue(2)
+        digest = hashlib.sha256()
+
+        def hash_pieces() -> None:
+            while (piece := pending.get()) is not None:
+                digest.update(piece)
+
+        hasher = threading.Thread(target=hash_pieces)
+        hasher.start()
+        got = hashed = 0
+        while got < size:
+            n = tls.recv_into(buffer[got : got + chunk_bytes] if land else buffer)
+            if not n:
+                break
+            got += n
+            if land and (got - hashed >= chunk_bytes or got == size):  # whole chunks to the hasher, as fedcore does
+                pending.put(buffer[hashed:got])
+                hashed = got
+        pending.put(None)
+        hasher.join()
+        results.put((time.perf_counter() - started, 0.0, got))
+
+
 def _spawn(
     target: Callable[..., None], *args: object
 ) -> tuple[mp.process.BaseProcess, Queue[tuple[float, float, int]]]:
@@ -276,6 +319,28 @@ def bare_grpc(certs: Path, num_bytes: int, chunk_bytes: int) -> float:
     return seconds
 
 
+def python_ssl(certs: Path, num_bytes: int, chunk_bytes: int, *, land: bool) -> float:
+    """Seconds to stream ``num_bytes`` over TLS on a plain loopback socket to a client process (see
+    :func:`ssl_client`)."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs / "server.pem", certs / "server.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    process, results = _spawn(ssl_client, listener.getsockname()[1], certs, chunk_bytes, land)
+    conn, _ = listener.accept()
+    with context.wrap_socket(conn, server_side=True) as tls:
+        tls.sendall(num_bytes.to_bytes(8, "little"))
+        block = bytes(chunk_bytes)
+        for offset in range(0, num_bytes, chunk_bytes):
+            tls.sendall(block[: min(chunk_bytes, num_bytes - offset)])
+        seconds, _, received = results.get(timeout=3600)
+    process.join(60)
+    listener.close()
+    assert received == num_bytes, (received, num_bytes)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=1024, help="model size in MiB (float32)")
@@ -295,6 +360,8 @@ def main() -> None:
     down_s, up_s = min(t[0] for t in trips), min(t[1] for t in trips)
     raw = gib / min(raw_tcp(size, chunk_bytes) for _ in range(args.repeat))
     bare = gib / min(bare_grpc(certs, size, chunk_bytes) for _ in range(args.repeat))
+    tls = gib / min(python_ssl(certs, size, chunk_bytes, land=False) for _ in range(args.repeat))
+    tls_landed = gib / min(python_ssl(certs, size, chunk_bytes, land=True) for _ in range(args.repeat))
     enc, dec, sha = (max(rates) for rates in zip(*(crypto_rates() for _ in range(args.repeat)), strict=True))
     fresh = max(new_memory_rate(size) for _ in range(args.repeat))
     cores = len(os.sched_getaffinity(0))
@@ -308,6 +375,11 @@ def main() -> None:
     )
     print(f"raw loopback TCP (the reference)   : {raw:6.2f} GiB/s")
     print(f"gRPC+TLS alone, bytes dropped      : {bare:6.2f} GiB/s  ({bare / raw:5.1%} of raw)")
+    print(f"TLS without gRPC (Python ssl)      : {tls:6.2f} GiB/s  ({tls / raw:5.1%} of raw; into a reused buffer)")
+    print(
+        f"  ... landed as a download         : {tls_landed:6.2f} GiB/s  ({tls_landed / raw:5.1%} of raw; new buffer, "
+        "SHA-256 alongside)"
+    )
     print(
         f"AES-GCM + SHA-256 bound            : {bound:6.2f} GiB/s  ({bound / raw:5.1%} of raw; one core: "
         f"encrypt {enc:.2f}, decrypt {dec:.2f}, SHA-256 {sha:.2f} GiB/s)"
