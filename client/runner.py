@@ -2,22 +2,47 @@
 
 The gRPC daemon calls it after pulling a task; the simulation's virtual clients call it directly. Both get the
 same numbers for the same (seed, round, client), because every random draw inside is keyed by them.
+
+What a task may return: an example count that is an integer >= 0 (Python or numpy int, not bool), else the
+instruction fails with :class:`~fedcore.errors.ClientTaskError`; an evaluation loss that is a number (NaN with 0
+examples, as for an empty test split, is passed on; NaN or Inf with examples fails the evaluation); metrics as a
+dict whose values become floats (:func:`fedcore.aggregation.metric_value`: bools as 0/1, huge ints as ±inf, NaN
+kept) under ``str`` names cut to :data:`~fedcore.messages.MAX_METRIC_NAME` characters, values that are not
+numbers (strings, None, arrays) and metrics beyond :data:`~fedcore.messages.MAX_METRICS` dropped with a warning. The
+server leaves non-finite values out of its averages (:func:`fedcore.aggregation.weighted_metrics`), so no
+metric can fail a round.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import operator
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from fedcore.aggregation import metric_value
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, FedcoreError, PayloadError
-from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes, Instruction, Stage
+from fedcore.messages import (
+    MAX_METRIC_NAME,
+    MAX_METRICS,
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Instruction,
+    Stage,
+    bounded_repr,
+)
 from fedcore.seeding import derive_seed
 from fedcore.task import EvalResult, Task, TaskContext, TrainContext, TrainResult
 from fedcore.tensors import NamedArrays, check_spec, from_state_dict, state_spec, to_state_dict
+
+log = logging.getLogger("fedcore.client")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +98,8 @@ def run_instruction(
 
     Raises:
         PayloadError: the global parameters do not fit the task's model.
-        ClientTaskError: the task raised, returned a negative example count or a non-finite loss.
+        ClientTaskError: the task raised, returned an example count that is not an integer >= 0, a loss that is not
+            a number (or not finite with examples), or metrics that are not a dict.
         EngineError: a parallel worker failed (names the rank and the cause).
     """
     if model is None:
@@ -111,13 +137,8 @@ def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> Fit
                 round=ins.round, client_id=client_id, generator=generator, global_parameters=global_parameters
             ),
         )
-    if result.num_examples < 0:
-        raise ClientTaskError(
-            f"task.train returned num_examples={result.num_examples}; it must be >= 0",
-            round=ins.round,
-            client_id=client_id,
-            stage=Stage.FIT.value,
-        )
+    num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.FIT)
+    fit_metrics = _metrics(result.metrics, round=ins.round, client_id=client_id, stage=Stage.FIT)
     updated = from_state_dict(model.state_dict())
     spec = {n: a.dtype for n, a in ins.parameters.items()}
     for name, array in updated.items():
@@ -127,14 +148,13 @@ def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> Fit
                 round=ins.round,
                 client_id=client_id,
             )
-    metrics = dict(result.metrics)
-    metrics["fit_seconds"] = time.perf_counter() - started
+    fit_metrics["fit_seconds"] = time.perf_counter() - started
     return FitRes(
         client_id=client_id,
         round=ins.round,
         parameters=updated,
-        num_examples=result.num_examples,
-        metrics=metrics,
+        num_examples=num_examples,
+        metrics=fit_metrics,
     )
 
 
@@ -153,18 +173,20 @@ def _fit_parallel(parallel: ParallelTraining, ins: FitIns, client_id: str) -> Fi
         client_id=client_id,
         timeout_s=parallel.timeout_s,
     )
-    metrics = dict(result.metrics)
+    num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.FIT)
+    metrics = _metrics(result.metrics, round=ins.round, client_id=client_id, stage=Stage.FIT)
     metrics["fit_seconds"] = time.perf_counter() - started
-    return FitRes(
-        client_id=client_id, round=ins.round, parameters=updated, num_examples=result.num_examples, metrics=metrics
-    )
+    return FitRes(client_id=client_id, round=ins.round, parameters=updated, num_examples=num_examples, metrics=metrics)
 
 
 def _evaluate(task: Task, model: torch.nn.Module, ins: EvaluateIns, client_id: str) -> EvaluateRes:
     result: EvalResult = task.evaluate(model, ins.batch_size)
-    if result.num_examples < 0 or (result.num_examples > 0 and not math.isfinite(result.loss)):
+    num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.EVALUATE)
+    loss = metric_value(result.loss)
+    if loss is None or (num_examples > 0 and not math.isfinite(loss)):
         raise ClientTaskError(
-            f"task.evaluate returned loss={result.loss}, num_examples={result.num_examples}",
+            f"task.evaluate returned loss={bounded_repr(result.loss)} with num_examples={num_examples}; the loss must "
+            "be a finite number (it may be NaN only with 0 examples)",
             round=ins.round,
             client_id=client_id,
             stage=Stage.EVALUATE.value,
@@ -172,7 +194,64 @@ def _evaluate(task: Task, model: torch.nn.Module, ins: EvaluateIns, client_id: s
     return EvaluateRes(
         client_id=client_id,
         round=ins.round,
-        loss=result.loss,
-        num_examples=result.num_examples,
-        metrics=dict(result.metrics),
+        loss=loss,
+        num_examples=num_examples,
+        metrics=_metrics(result.metrics, round=ins.round, client_id=client_id, stage=Stage.EVALUATE),
     )
+
+
+def _example_count(value: object, *, round: int, client_id: str, stage: Stage) -> int:
+    """The task's example count as an int >= 0 (numpy and torch integers too).
+
+    Raises:
+        ClientTaskError: a bool, a float, a negative number or anything else.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise ClientTaskError(
+            f"task.{'train' if stage is Stage.FIT else 'evaluate'} returned num_examples={bounded_repr(value)} "
+            f"({type(value).__name__}); it must be an integer >= 0",
+            round=round,
+            client_id=client_id,
+            stage=stage.value,
+        )
+    return count
+
+
+def _metrics(metrics: object, *, round: int, client_id: str, stage: Stage) -> dict[str, float]:
+    """The task's metrics as ``{str name: float}`` (see the module docstring); what is not a number is dropped.
+
+    Raises:
+        ClientTaskError: ``metrics`` is not a dict (a mapping).
+    """
+    if not isinstance(metrics, Mapping):
+        raise ClientTaskError(
+            f"the task returned metrics of type {type(metrics).__name__}; they must be a dict of name -> number",
+            round=round,
+            client_id=client_id,
+            stage=stage.value,
+        )
+    kept: dict[str, float] = {}
+    dropped: list[str] = []
+    for key, raw in metrics.items():
+        name = str(key)[:MAX_METRIC_NAME]
+        value = metric_value(raw)
+        if value is None or len(kept) >= MAX_METRICS - 1:  # one place is kept for fit_seconds
+            dropped.append(f"{bounded_repr(name, 40)} ({type(raw).__name__})")
+        else:
+            kept[name] = value
+    if dropped:
+        log.warning(
+            "round %d, %s: dropping %d metric(s) that are not numbers or beyond the first %d: %s",
+            round,
+            stage.value,
+            len(dropped),
+            MAX_METRICS - 1,
+            ", ".join(dropped[:5]),
+        )
+    return kept

@@ -16,6 +16,22 @@ from enum import StrEnum
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays
 
+MAX_METRICS = 256
+"""The most metrics one reply carries (the gRPC server refuses a result with more: they become history columns)."""
+
+MAX_METRIC_NAME = 128
+"""The longest metric name, in characters (the gRPC server refuses a result with a longer one)."""
+
+
+def bounded_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for text made from client input before it is logged or stored.
+    Never raises (an object whose repr fails, or an int too long for Python to print, gives its type name)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class Stage(StrEnum):
     """The protocol stage a message belongs to."""

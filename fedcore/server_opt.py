@@ -10,9 +10,17 @@ With ``Δ = average − params`` the *pseudo-gradient* of "Adaptive Federated Op
 ICLR 2021, Algorithm 2), :class:`ServerSGD` gives FedAvg / FedAvgM and :class:`ServerAdaptive` gives
 FedAdagrad, FedAdam and FedYogi.
 
+Trainable parameters and buffers: only trainable parameters go through the optimizer. Every other tensor
+(BatchNorm ``running_mean``/``running_var``/``num_batches_tracked``, any buffer or frozen parameter) takes the
+clients' (example-weighted) average as it is and has no state: stepping running statistics with Adam's
+normalized step drives ``running_var`` negative and the model's outputs to NaN. ``init`` and ``step`` take
+``trainable``, the names of the trainable parameters (:func:`fedcore.task.trainable_names`: the model's
+``named_parameters()`` with ``requires_grad``); ``None`` means every floating tensor is trainable (a model
+without named parameters, e.g. the unnamed arrays of a Flower ``NumPyClient``, as flwr's FedOpt strategies
+do). Integer tensors are never stepped.
+
 Numerics: updates are computed in float64 and cast back to each parameter's dtype; the state has the
-dtype of its parameter. Only floating tensors are optimized; integer buffers (e.g. BatchNorm
-``num_batches_tracked``) take the clients' average directly and have no state.
+dtype of its parameter. 0-d parameters give 0-d arrays (never numpy scalars), in the parameters and the state.
 """
 
 from __future__ import annotations
@@ -27,23 +35,40 @@ import numpy as np
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.tensors import NamedArrays
 
-__all__ = ["ServerAdaptive", "ServerOptimizer", "ServerSGD"]
+__all__ = ["ServerAdaptive", "ServerOptimizer", "ServerSGD", "stepped"]
 
 
 class ServerOptimizer(Protocol):
-    """Moves the global model from ``params`` towards the clients' ``average``; I/O-free and pure."""
+    """Moves the global model from ``params`` towards the clients' ``average``; I/O-free and pure.
 
-    def init(self, params: NamedArrays) -> NamedArrays:
+    ``trainable``: the names of the tensors the optimizer steps (the model's trainable parameters); every other
+    tensor takes ``average``. None: every floating tensor.
+    """
+
+    def init(self, params: NamedArrays, *, trainable: frozenset[str] | None = None) -> NamedArrays:
         """Return the initial optimizer state for ``params`` (empty when the optimizer is stateless)."""
         ...
 
-    def step(self, params: NamedArrays, average: NamedArrays, state: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
+    def step(
+        self,
+        params: NamedArrays,
+        average: NamedArrays,
+        state: NamedArrays,
+        *,
+        trainable: frozenset[str] | None = None,
+    ) -> tuple[NamedArrays, NamedArrays]:
         """Return ``(new_params, new_state)`` from the current params, the clients' average and the state."""
         ...
 
 
 def _is_float(a: np.ndarray) -> bool:
     return a.dtype.kind == "f"
+
+
+def stepped(name: str, a: np.ndarray, trainable: frozenset[str] | None) -> bool:
+    """Whether a server optimizer steps tensor ``name`` (else it takes the average): a floating tensor that is
+    trainable (every floating tensor when ``trainable`` is None)."""
+    return _is_float(a) and (trainable is None or name in trainable)
 
 
 def _check_finite_number(
@@ -63,27 +88,39 @@ def _check_finite_number(
 def _apply(
     params: NamedArrays,
     average: NamedArrays,
+    state: NamedArrays,
+    keys: tuple[str, ...],
+    trainable: frozenset[str] | None,
     rule: Callable[[str, np.ndarray, np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]],
 ) -> tuple[NamedArrays, NamedArrays]:
-    """The loop every server optimizer shares: integer tensors take the average; each floating tensor ``x`` gets
-    ``rule(name, x, Δ = average − x)`` computed in float64, and the new parameters and state are cast back to
-    ``x``'s dtype. Inputs are not mutated.
+    """The loop every server optimizer shares: tensors that are not :func:`stepped` take the average; each stepped
+    tensor ``x`` gets ``rule(name, x, Δ = average − x)`` computed in float64, and the new parameters and state
+    (``keys``: its state prefixes, e.g. ``("m", "v")``) are cast back to ``x``'s dtype as arrays (0-d stays
+    0-d). Inputs are not mutated.
 
     Raises:
-        PayloadError: ``average`` names other tensors than ``params``.
+        PayloadError: ``average`` names other tensors than ``params``, or ``state`` lacks a stepped tensor's entry.
     """
     _check_keys(params, average)
+    missing = [
+        f"{k}/{n}" for n, x in params.items() if stepped(n, x, trainable) for k in keys if f"{k}/{n}" not in state
+    ]
+    if missing:
+        raise PayloadError(
+            f"the server optimizer state lacks {len(missing)} entries (e.g. {missing[0]!r}); it was made for "
+            "another strategy or model: resume with the strategy that wrote it, or start a new state directory"
+        )
     new_params: NamedArrays = {}
     new_state: NamedArrays = {}
     for name, x in params.items():
         avg = average[name]
-        if not _is_float(x):
+        if not stepped(name, x, trainable):
             new_params[name] = np.array(avg, dtype=x.dtype, copy=True)
             continue
-        x64 = x.astype(np.float64)
-        new_x, state = rule(name, x64, avg.astype(np.float64) - x64)
-        new_params[name] = new_x.astype(x.dtype)
-        new_state.update({key: value.astype(x.dtype) for key, value in state.items()})
+        x64 = np.asarray(x, dtype=np.float64)
+        new_x, moments = rule(name, x64, np.asarray(avg, dtype=np.float64) - x64)
+        new_params[name] = np.asarray(new_x, dtype=x.dtype).reshape(x.shape)
+        new_state.update({key: np.asarray(value, dtype=x.dtype).reshape(x.shape) for key, value in moments.items()})
     return new_params, new_state
 
 
@@ -118,25 +155,37 @@ class ServerSGD:
     def _is_fedavg(self) -> bool:
         return self.lr == 1.0 and self.momentum == 0.0
 
-    def init(self, params: NamedArrays) -> NamedArrays:
-        """State: ``"v/<name>"`` zeros for each floating tensor when momentum > 0, else empty."""
+    def init(self, params: NamedArrays, *, trainable: frozenset[str] | None = None) -> NamedArrays:
+        """State: ``"v/<name>"`` zeros for each stepped tensor (see :func:`stepped`) when momentum > 0, else empty."""
         if self.momentum == 0.0:
             return {}
-        return {f"v/{n}": np.zeros_like(a) for n, a in params.items() if _is_float(a)}
+        return {f"v/{n}": np.zeros(a.shape, a.dtype) for n, a in params.items() if stepped(n, a, trainable)}
 
-    def step(self, params: NamedArrays, average: NamedArrays, state: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
-        """One server step; see the class docstring. Inputs are not mutated."""
+    def step(
+        self,
+        params: NamedArrays,
+        average: NamedArrays,
+        state: NamedArrays,
+        *,
+        trainable: frozenset[str] | None = None,
+    ) -> tuple[NamedArrays, NamedArrays]:
+        """One server step; see the class docstring. Inputs are not mutated.
+
+        Raises:
+            PayloadError: ``average`` names other tensors than ``params``; ``state`` lacks a momentum buffer.
+        """
         if self._is_fedavg:
             _check_keys(params, average)
             return {n: np.array(average[n], copy=True) for n in params}, {}
 
         def rule(name: str, x64: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             if self.momentum > 0.0:
-                v = self.momentum * state[f"v/{name}"].astype(np.float64) + delta
+                v = self.momentum * np.asarray(state[f"v/{name}"], dtype=np.float64) + delta
                 return x64 + self.lr * v, {f"v/{name}": v}
             return x64 + self.lr * delta, {}
 
-        return _apply(params, average, rule)
+        keys = ("v",) if self.momentum > 0.0 else ()
+        return _apply(params, average, state, keys, trainable, rule)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,21 +230,33 @@ class ServerAdaptive:
         _check_finite_number("ServerAdaptive.beta2", self.beta2, low=0.0, high=1.0)
         _check_finite_number("ServerAdaptive.tau", self.tau, low=0.0, low_open=True)
 
-    def init(self, params: NamedArrays) -> NamedArrays:
-        """State ``"m/<name>"`` = 0 and ``"v/<name>"`` = τ² for each floating tensor, in its dtype."""
+    def init(self, params: NamedArrays, *, trainable: frozenset[str] | None = None) -> NamedArrays:
+        """State ``"m/<name>"`` = 0 and ``"v/<name>"`` = τ² for each stepped tensor (see :func:`stepped`), in its
+        dtype."""
         state: NamedArrays = {}
         for name, x in params.items():
-            if _is_float(x):
-                state[f"m/{name}"] = np.zeros_like(x)
-                state[f"v/{name}"] = np.full_like(x, self.tau**2)
+            if stepped(name, x, trainable):
+                state[f"m/{name}"] = np.zeros(x.shape, x.dtype)
+                state[f"v/{name}"] = np.full(x.shape, self.tau**2, x.dtype)
         return state
 
-    def step(self, params: NamedArrays, average: NamedArrays, state: NamedArrays) -> tuple[NamedArrays, NamedArrays]:
-        """One server step; see the class docstring. Inputs are not mutated."""
+    def step(
+        self,
+        params: NamedArrays,
+        average: NamedArrays,
+        state: NamedArrays,
+        *,
+        trainable: frozenset[str] | None = None,
+    ) -> tuple[NamedArrays, NamedArrays]:
+        """One server step; see the class docstring. Inputs are not mutated.
+
+        Raises:
+            PayloadError: ``average`` names other tensors than ``params``; ``state`` lacks a stepped tensor's moments.
+        """
 
         def rule(name: str, x64: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-            m = self.beta1 * state[f"m/{name}"].astype(np.float64) + (1.0 - self.beta1) * delta
-            v = state[f"v/{name}"].astype(np.float64)
+            m = self.beta1 * np.asarray(state[f"m/{name}"], dtype=np.float64) + (1.0 - self.beta1) * delta
+            v = np.asarray(state[f"v/{name}"], dtype=np.float64)
             d2 = delta * delta
             if self.kind == "adagrad":
                 v = v + d2
@@ -205,4 +266,4 @@ class ServerAdaptive:
                 v = v - (1.0 - self.beta2) * d2 * np.sign(v - d2)
             return x64 + self.lr * m / (np.sqrt(v) + self.tau), {f"m/{name}": m, f"v/{name}": v}
 
-        return _apply(params, average, rule)
+        return _apply(params, average, state, ("m", "v"), trainable, rule)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, UpdateRejected
 from fedcore.seeding import numpy_rng
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
 from fedcore.task import FitConfig
@@ -75,11 +75,11 @@ def sample_clients(available: Sequence[str], num: int, *, seed: int, round: int,
     same clients in simulation and deployment.
 
     Raises:
-        ValueError: fewer than ``num`` clients are available.
+        ConfigError: ``num`` is negative or more than the clients available.
     """
     pool = sorted(available)
-    if num > len(pool):
-        raise ValueError(f"cannot select {num} clients from {len(pool)} available")
+    if not 0 <= num <= len(pool):
+        raise ConfigError(f"cannot select {num} clients from {len(pool)} available")
     rng = numpy_rng(seed, "sample", stage, round)
     chosen = rng.choice(len(pool), size=num, replace=False)
     return [pool[i] for i in sorted(int(c) for c in chosen)]
@@ -113,8 +113,19 @@ class Strategy:
             raise ConfigError(f"evaluate_batch_size must be >= 1, got {self.evaluate_batch_size}")
 
     def weight(self, num_examples: int) -> float:
-        """The aggregation weight of an update from a client with ``num_examples`` training examples."""
-        return float(num_examples) if self.weighting == "examples" else 1.0
+        """The aggregation weight of an update from a client with ``num_examples`` training examples.
+
+        Raises:
+            UpdateRejected: the count is beyond the float range (the update cannot be weighted).
+        """
+        if self.weighting == "uniform":
+            return 1.0
+        try:
+            return float(num_examples)
+        except OverflowError:
+            raise UpdateRejected(
+                f"the example count (an integer of {int(num_examples).bit_length()} bits) is beyond the float range"
+            ) from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -202,6 +202,41 @@ def initial_parameters(model_fn: Callable[[], torch.nn.Module], seed: int) -> Na
     return {name: from_state_dict({name: state.pop(name)})[name] for name in list(state)}
 
 
+def trainable_names(model: torch.nn.Module | Callable[[], torch.nn.Module]) -> frozenset[str] | None:
+    """The state-dict names of ``model``'s trainable parameters: what the server optimizer steps.
+
+    Trainable: ``model.named_parameters()`` with ``requires_grad`` (tied parameters under every name they have
+    in the state dict). Everything else in the state dict, buffers (BatchNorm running statistics and
+    ``num_batches_tracked``) and frozen parameters, takes the clients' example-weighted average instead
+    (:mod:`fedcore.server_opt`).
+
+    Args:
+        model: the model, or a constructor of it (``Task.build_model``), which is then called on the meta device
+            (no memory, no initialization, global random state untouched; a constructor that cannot run there,
+            e.g. one that loads weights from a file, is called normally under a forked random state).
+
+    Returns:
+        The names, or None when the model has no parameters at all: a model made only of buffers (the unnamed
+        arrays of a Flower ``NumPyClient``, :class:`client.flower.FlowerParameters`) says nothing about which
+        arrays are trained, and then every floating tensor is taken as trainable, as flwr's FedOpt strategies do.
+    """
+    if not isinstance(model, torch.nn.Module):
+        model = _build_cheaply(model)
+    names = frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad)
+    if not names and not any(True for _ in model.parameters()):
+        return None
+    return names
+
+
+def _build_cheaply(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with torch.device("meta"):
+                return model_fn()
+        except Exception:  # a constructor that needs real tensors: build it for real (same names)
+            return model_fn()
+
+
 def central_evaluation(task: Task, batch_size: int) -> Callable[[NamedArrays, int], EvalResult]:
     """Centralized evaluation of global models with ``task`` (the server-role task's held-out data).
 

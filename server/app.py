@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -29,8 +29,16 @@ from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.kernels import warm_up as warm_up_kernels
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
-from fedcore.task import FitConfig, Task, TaskContext, central_evaluation, initial_parameters, load_task_factory
-from fedcore.tensors import check_finite, check_spec, state_spec
+from fedcore.task import (
+    FitConfig,
+    Task,
+    TaskContext,
+    central_evaluation,
+    initial_parameters,
+    load_task_factory,
+    trainable_names,
+)
+from fedcore.tensors import check_spec, state_spec
 from fedcore.wire import DEFAULT_CHUNK_BYTES
 from privacy.tls import read_pem
 from server.grpc_pool import GrpcClientPool, PoolConfig
@@ -41,6 +49,7 @@ from server.round_loop import (
     RoundRecord,
     ServerState,
     glibc_function,
+    initial_state,
     resident_mib,
     run_rounds,
 )
@@ -197,7 +206,10 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     if resumed is not None:
         if server_task is not None:
             with torch.random.fork_rng(devices=[]):
-                expected = state_spec(server_task.build_model().state_dict())
+                model = server_task.build_model()
+            expected, trainable = state_spec(model.state_dict()), trainable_names(model)
+            del model
+            resumed = replace(resumed, trainable=trainable)  # not in the checkpoint: a property of the model
             try:
                 check_spec(resumed.parameters, expected)
             except PayloadError as exc:
@@ -334,12 +346,11 @@ def _fresh_state(
     else:
         assert server_task is not None  # guaranteed by ServerConfig validation
         parameters, optimizer_state = initial_parameters(server_task.build_model, config.seed), {}
-    check_finite(parameters)
-    if not optimizer_state:
-        optimizer_state = strategy.server_optimizer.init(parameters)
+    trainable = trainable_names(server_task.build_model) if server_task is not None else None
+    state = initial_state(parameters, strategy, trainable=trainable, optimizer_state=optimizer_state)
     _memory_line(echo, "with the model in memory")
     # held as clean file pages, like every later round's model (mapped from its checkpoint)
-    return store.map_initial(ServerState(round=0, parameters=parameters, optimizer_state=optimizer_state))
+    return replace(store.map_initial(state), trainable=trainable)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number

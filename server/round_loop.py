@@ -21,16 +21,15 @@ import ctypes.util
 import functools
 import gc
 import logging
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-import numpy as np
-
-from fedcore.aggregation import WeightedMean, weighted_metrics
-from fedcore.errors import AggregationError, ConfigError, FedcoreError, RoundFailed
-from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage
+from fedcore.aggregation import WeightedMean, metric_value, weighted_metrics
+from fedcore.errors import ConfigError, FedcoreError, RoundFailed, UpdateRejected
+from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage, bounded_repr
 from fedcore.strategy import Strategy, sample_clients
 from fedcore.task import EvalResult
 from fedcore.tensors import NamedArrays, check_finite, spec_of
@@ -89,11 +88,36 @@ class ServerState:
         round: the last completed round (0 before the first).
         parameters: the global model after that round.
         optimizer_state: the server optimizer's state (momentum buffers, second moments), may be empty.
+        trainable: the names of the model's trainable parameters, which the server optimizer steps; the other
+            tensors (buffers such as BatchNorm running statistics) take the clients' average
+            (:func:`fedcore.task.trainable_names`). None: every floating tensor is stepped. Not stored in
+            checkpoints: whoever loads one derives it again from the task's model (a property of the model,
+            not of the round), and the round loop keeps the initial state's value for the whole run.
     """
 
     round: int
     parameters: NamedArrays
     optimizer_state: NamedArrays
+    trainable: frozenset[str] | None = None
+
+
+def initial_state(
+    parameters: NamedArrays,
+    strategy: Strategy,
+    *,
+    trainable: frozenset[str] | None = None,
+    optimizer_state: NamedArrays | None = None,
+) -> ServerState:
+    """A fresh run's round-0 state: the initial model, the strategy's initial optimizer state (unless one is given,
+    non-empty) and the trainable names (see :class:`ServerState`).
+
+    Raises:
+        NonFiniteError: the initial model holds NaN or Inf.
+    """
+    check_finite(parameters)
+    if not optimizer_state:
+        optimizer_state = strategy.server_optimizer.init(parameters, trainable=trainable)
+    return ServerState(round=0, parameters=parameters, optimizer_state=optimizer_state, trainable=trainable)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +134,10 @@ class RoundRecord:
         federated_eval_loss, federated_eval_metrics: example-weighted client-side evaluation (None if not run).
         seconds: wall time of the round, including evaluation.
         attempts: how many selections the round needed to reach its quorum.
+        metrics_left_out: how many reported metric values were left out of this round's averages (training and
+            federated evaluation metrics, see :func:`fedcore.aggregation.weighted_metrics`: not a finite number,
+            or from a client that reported 0 examples), plus the server's own evaluation values that were not
+            numbers. A metric value never fails a round; this count says how many did not count.
     """
 
     round: int
@@ -123,6 +151,7 @@ class RoundRecord:
     federated_eval_metrics: Mapping[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     attempts: int = 1
+    metrics_left_out: int = 0
 
     def as_row(self) -> dict[str, float | int | None]:
         """A flat row for the history table (CSV)."""
@@ -130,6 +159,7 @@ class RoundRecord:
             "round": self.round,
             "clients": len(self.accepted),
             "failures": len(self.failures),
+            "metrics_left_out": self.metrics_left_out,
             "train_loss": self.train_metrics.get("train_loss"),
             "test_loss": self.eval_loss,
             "test_accuracy": self.eval_metrics.get("accuracy"),
@@ -165,9 +195,12 @@ def run_rounds(
     Args:
         pool: the clients (in-memory, Ray or gRPC).
         strategy: sampling, local training config, weighting and server optimizer.
-        initial: the initial model (fresh run) or a :class:`ServerState` loaded from a checkpoint (resume).
+        initial: the initial model (fresh run; every floating tensor then counts as trainable, see
+            :func:`initial_state` to say which are) or a :class:`ServerState` (from :func:`initial_state`, or loaded
+            from a checkpoint to resume, with ``trainable`` derived again from the model).
         config: number of rounds, seed, deadlines and quorum.
-        evaluate_fn: optional centralized evaluation of the global model.
+        evaluate_fn: optional centralized evaluation of the global model. If it raises, the error is logged and
+            the round is recorded without it: an evaluation never costs a round its model.
         on_round_end: called after each completed round with its record and the new state (checkpointing,
             progress, CSV); it may return the state to continue from (the same values, e.g. mapped from the
             checkpoint it wrote). The loop keeps no other reference to a finished round's state.
@@ -181,22 +214,22 @@ def run_rounds(
     Raises:
         RoundFailed: a round missed its quorum ``max_round_attempts`` times, or too few clients connected.
     """
-    if isinstance(initial, ServerState):
-        state = initial
-    else:
-        check_finite(initial)
-        state = ServerState(round=0, parameters=initial, optimizer_state=strategy.server_optimizer.init(initial))
+    state = initial if isinstance(initial, ServerState) else initial_state(initial, strategy)
+    trainable = state.trainable  # a property of the model: the same for the whole run
+
+    def round_end(record: RoundRecord, state: ServerState) -> ServerState:
+        returned = on_round_end(record, state) if on_round_end is not None else None
+        if returned is None or returned.trainable == trainable:
+            return returned or state
+        return replace(returned, trainable=trainable)  # e.g. mapped back from a checkpoint, which does not hold it
+
     records: list[RoundRecord] = []
     if state.round == 0 and evaluate_fn is not None:
         started = time.perf_counter()
-        result = evaluate_fn(state.parameters, 0)
-        record = RoundRecord(
-            round=0, eval_loss=result.loss, eval_metrics=dict(result.metrics), seconds=time.perf_counter() - started
-        )
+        record = replace(_central_evaluation(evaluate_fn, state), seconds=time.perf_counter() - started)
         if keep_records:
             records.append(record)
-        if on_round_end is not None:
-            state = on_round_end(record, state) or state
+        state = round_end(record, state)
     for rnd in range(state.round + 1, config.num_rounds + 1):
         started = time.perf_counter()
         state, record = _fit_round(pool, strategy, state, config, rnd)
@@ -206,8 +239,7 @@ def run_rounds(
         record = replace(record, seconds=time.perf_counter() - started)
         if keep_records:
             records.append(record)
-        if on_round_end is not None:
-            state = on_round_end(record, state) or state
+        state = round_end(record, state)
         del record
         release_memory()
         _trace(rnd, "round end")
@@ -274,7 +306,7 @@ def _fit_round(
         accumulator = WeightedMean(spec_of(state.parameters))
         accepted: list[str] = []
         failures: list[Failure] = []
-        metric_rows: list[tuple[int, Mapping[str, float]]] = []
+        metric_rows: list[tuple[int, Mapping[str, object]]] = []
         for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
             if isinstance(reply, Failure):
                 log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
@@ -285,8 +317,8 @@ def _fit_round(
                 continue
             client_id, num_examples, fit_metrics = reply.client_id, reply.num_examples, reply.metrics
             try:
-                if num_examples < 0:
-                    raise AggregationError(f"negative example count {num_examples}")
+                if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples < 0:
+                    raise UpdateRejected(f"the example count {bounded_repr(num_examples)} is not an integer >= 0")
                 accumulator.add(reply.parameters, strategy.weight(num_examples), client_id=client_id, round=rnd)
             except FedcoreError as exc:
                 log.warning("round %d: rejected the update of client %s: %s", rnd, client_id, exc)
@@ -311,7 +343,7 @@ def _fit_round(
             del accumulator
             _trace(rnd, "average")
             parameters, optimizer_state = strategy.server_optimizer.step(
-                state.parameters, average, state.optimizer_state
+                state.parameters, average, state.optimizer_state, trainable=state.trainable
             )
             del average
             check_finite(parameters, round=rnd)  # block by block: no model-sized temporary
@@ -325,23 +357,59 @@ def _fit_round(
                 ) from exc
             log.warning("round %d attempt %d failed (%s); retrying with a fresh selection", rnd, attempt, exc)
             continue
-        train_metrics = _safe_weighted_metrics(metric_rows)
+        train_metrics = weighted_metrics(metric_rows)
+        _log_left_out(rnd, "fit", train_metrics.left_out)
         record = RoundRecord(
             round=rnd,
             selected=tuple(selected),
             accepted=tuple(accepted),
             failures=tuple(all_failures),
-            train_metrics=train_metrics,
+            train_metrics=train_metrics.values,
             attempts=attempt,
+            metrics_left_out=train_metrics.left_out,
         )
-        return ServerState(round=rnd, parameters=parameters, optimizer_state=optimizer_state), record
+        new_state = ServerState(
+            round=rnd, parameters=parameters, optimizer_state=optimizer_state, trainable=state.trainable
+        )
+        return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
 
-def _safe_weighted_metrics(rows: list[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
-    if not rows or sum(n for n, _ in rows) == 0:
-        return {}
-    return {k: float(v) for k, v in weighted_metrics(rows).items() if np.isfinite(v)}
+def _log_left_out(rnd: int, stage: str, count: int) -> None:
+    if count:
+        log.warning(
+            "round %d: %d %s metric value(s) left out of the averages (not a finite number, or from a client "
+            "that reported 0 examples)",
+            rnd,
+            count,
+            stage,
+        )
+
+
+def _central_evaluation(evaluate_fn: EvaluateFn, state: ServerState) -> RoundRecord:
+    """The server's own evaluation of ``state``'s model as a record of round ``state.round``.
+
+    Its values are taken as they come when they are numbers, NaN and Inf included (a NaN test loss is how a
+    diverged model shows); a value that is not a number is left out and counted. If ``evaluate_fn`` raises or
+    returns something else than an :class:`~fedcore.task.EvalResult`, the error is logged and the record has
+    no central evaluation: the round and its model are kept.
+    """
+    try:
+        result = evaluate_fn(state.parameters, state.round)
+        if not isinstance(result, EvalResult):
+            raise TypeError(f"evaluate_fn returned {type(result).__name__}, not an EvalResult")
+        reported: dict[object, object] = {}
+        reported.update(result.metrics)
+        reported["loss"] = result.loss
+    except Exception:
+        log.exception("round %d: the server's evaluation failed; the round is recorded without it", state.round)
+        return RoundRecord(round=state.round)
+    values = {k: v for k, raw in reported.items() if isinstance(k, str) and (v := metric_value(raw)) is not None}
+    left_out = len(reported) - len(values)
+    _log_left_out(state.round, "server evaluation", left_out)
+    return RoundRecord(
+        round=state.round, eval_loss=values.pop("loss", None), eval_metrics=values, metrics_left_out=left_out
+    )
 
 
 def _evaluate_round(
@@ -352,11 +420,19 @@ def _evaluate_round(
     record: RoundRecord,
     evaluate_fn: EvaluateFn | None,
 ) -> RoundRecord:
+    """Add the server's and the clients' evaluation of the new global model to the round's ``record``.
+
+    Neither can fail the round: see :func:`_central_evaluation`; a client's evaluation values are averaged with
+    :func:`weighted_metrics`, which leaves out what cannot count; a transport error during federated evaluation
+    is logged and the round keeps what arrived before it.
+    """
     changes: dict[str, Any] = {}
+    left_out = record.metrics_left_out
     if evaluate_fn is not None:
-        result = evaluate_fn(state.parameters, state.round)
-        changes["eval_loss"] = result.loss
-        changes["eval_metrics"] = dict(result.metrics)
+        central = _central_evaluation(evaluate_fn, state)
+        changes["eval_loss"] = central.eval_loss
+        changes["eval_metrics"] = central.eval_metrics
+        left_out += central.metrics_left_out
     available = pool.available()
     num = min(strategy.sampling.num_evaluate(len(available)), len(available))
     if num > 0:
@@ -365,16 +441,23 @@ def _evaluate_round(
             cid: EvaluateIns(round=state.round, parameters=state.parameters, batch_size=strategy.evaluate_batch_size)
             for cid in selected
         }
-        rows: list[tuple[int, Mapping[str, float]]] = []
+        rows: list[tuple[int, Mapping[str, object]]] = []
         failures = list(record.failures)
-        for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
-            if isinstance(reply, EvaluateRes) and reply.round == state.round:
-                rows.append((reply.num_examples, {"loss": reply.loss, **reply.metrics}))
-            elif isinstance(reply, Failure):
-                failures.append(reply)
-        merged = _safe_weighted_metrics(rows)
-        if "loss" in merged:
-            changes["federated_eval_loss"] = merged.pop("loss")
-            changes["federated_eval_metrics"] = merged
+        try:
+            for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
+                if isinstance(reply, EvaluateRes) and reply.round == state.round:
+                    rows.append((reply.num_examples, {**reply.metrics, "loss": reply.loss}))
+                elif isinstance(reply, Failure):
+                    failures.append(reply)
+        except FedcoreError as exc:
+            log.warning("round %d: federated evaluation stopped early: %s", state.round, exc)
+        merged = weighted_metrics(rows)
+        _log_left_out(state.round, "evaluate", merged.left_out)
+        left_out += merged.left_out
+        values = dict(merged.values)
+        if "loss" in values:
+            changes["federated_eval_loss"] = values.pop("loss")
+            changes["federated_eval_metrics"] = values
         changes["failures"] = tuple(failures)
+    changes["metrics_left_out"] = left_out
     return replace(record, **changes)

@@ -24,9 +24,17 @@ from tqdm import tqdm
 from fedcore.config import to_mapping
 from fedcore.errors import ConfigError
 from fedcore.strategy import build_strategy
-from fedcore.task import Task, TaskContext, TaskFactory, central_evaluation, initial_parameters, load_task_factory
+from fedcore.task import (
+    Task,
+    TaskContext,
+    TaskFactory,
+    central_evaluation,
+    initial_parameters,
+    load_task_factory,
+    trainable_names,
+)
 from fedcore.tensors import encode
-from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
+from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.inmemory import InMemoryPool
 from simulations.tasks import demo_task
@@ -154,7 +162,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
             if acc is not None:
                 progress.set_postfix(acc=f"{acc:.4f}")
 
-    initial = initial_parameters(server_task.build_model, config.seed)
+    trainable = trainable_names(server_task.build_model)
+    initial = initial_state(initial_parameters(server_task.build_model, config.seed), strategy, trainable=trainable)
     evaluate_fn = (
         central_evaluation(server_task, strategy.evaluate_batch_size) if config.task.server_evaluation else None
     )

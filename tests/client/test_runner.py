@@ -80,3 +80,67 @@ def test_round_with_a_pipelined_client_equals_the_round_on_one_device() -> None:
         torch.testing.assert_close(
             torch.from_numpy(with_pipeline[name]), torch.from_numpy(on_one_device[name]), atol=1e-5, rtol=1e-5
         )
+
+
+class Reports:
+    """A task whose train and evaluate return fixed values, to check what the runner lets through."""
+
+    def __init__(self, num_examples: object, metrics: object, loss: object = 0.5) -> None:
+        self.num_examples, self.metrics, self.loss = num_examples, metrics, loss
+
+    def build_model(self) -> torch.nn.Module:
+        return engine_tasks.mlp()
+
+    def train(self, model, config, context):  # type: ignore[no-untyped-def]
+        from fedcore.task import TrainResult
+
+        return TrainResult(num_examples=self.num_examples, metrics=self.metrics)  # type: ignore[arg-type]
+
+    def evaluate(self, model, batch_size):  # type: ignore[no-untyped-def]
+        from fedcore.task import EvalResult
+
+        return EvalResult(loss=self.loss, num_examples=self.num_examples, metrics=self.metrics)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("count", [True, 2.5, -1, "3", None])
+def test_an_example_count_that_is_not_an_integer_fails_the_instruction_with_its_value(count: object) -> None:
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    for ins in (FitIns(round=3, parameters=initial, config=CONFIG, seed=1), EvaluateIns(round=3, parameters=initial)):
+        with pytest.raises(ClientTaskError, match=rf"round 3, client 'a', stage {ins.stage.value}.*num_examples="):
+            run_instruction(Reports(count, {}), ins, "a")
+
+
+def test_metrics_become_floats_under_str_names_and_what_is_not_a_number_is_dropped() -> None:
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    metrics = {
+        "acc": np.float32(0.5),
+        "ok": True,
+        3: 2,
+        "huge": 10**400,
+        "nan": float("nan"),
+        "s": "x",
+        "t": torch.tensor(0.25),
+        "x" * 300: 1.0,
+    }
+    reply = run_instruction(
+        Reports(np.int64(7), metrics), FitIns(round=1, parameters=initial, config=CONFIG, seed=1), "a"
+    )
+    assert isinstance(reply, FitRes) and reply.num_examples == 7 and type(reply.num_examples) is int
+    got = dict(reply.metrics)
+    assert got.pop("fit_seconds") >= 0.0
+    assert got.pop("nan") != got.get("nan", 0.0)  # NaN is passed on: the server leaves it out and counts it
+    assert got == {"acc": 0.5, "ok": 1.0, "3": 2.0, "huge": float("inf"), "t": 0.25, "x" * 128: 1.0}
+    assert all(type(v) is float for v in reply.metrics.values())
+    with pytest.raises(ClientTaskError, match="metrics of type list"):
+        run_instruction(Reports(7, [0.5]), FitIns(round=1, parameters=initial, config=CONFIG, seed=1), "a")
+
+
+def test_evaluation_loss_nan_is_passed_on_only_with_zero_examples() -> None:
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    ins = EvaluateIns(round=2, parameters=initial)
+    reply = run_instruction(Reports(0, {}, loss=float("nan")), ins, "a")
+    assert reply.num_examples == 0 and reply.loss != reply.loss  # type: ignore[union-attr]
+    with pytest.raises(ClientTaskError, match=r"loss=nan with num_examples=5"):
+        run_instruction(Reports(5, {}, loss=float("nan")), ins, "a")
+    with pytest.raises(ClientTaskError, match=r"loss='low'"):
+        run_instruction(Reports(5, {}, loss="low"), ins, "a")

@@ -10,7 +10,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.server.strategy.aggregate import aggregate, aggregate_inplace
 
 from fedcore import aggregation
-from fedcore.aggregation import WeightedMean, mean, weighted_average, weighted_metrics
+from fedcore.aggregation import MetricAverages, WeightedMean, mean, weighted_average, weighted_metrics
 from fedcore.errors import AggregationError, ConfigError, NonFiniteError, PayloadError, UpdateRejected
 from fedcore.tensors import encode, spec_of
 
@@ -202,9 +202,9 @@ def test_mean_and_helpers() -> None:
         weighted_average([1.0, 2.0], [1])
     # acc: (10·0.5 + 30·0.9) / 40 = 32 / 40 = 0.8; loss only from the second and third: (30·2 + 20·5) / 50 = 3.2
     metrics = weighted_metrics([(10, {"acc": 0.5}), (30, {"acc": 0.9, "loss": 2.0}), (20, {"loss": 5.0})])
-    assert metrics == pytest.approx({"acc": 0.8, "loss": 3.2})
-    with pytest.raises(AggregationError, match="'acc'"):
-        weighted_metrics([(0, {"acc": 0.5})])
+    assert metrics.values == pytest.approx({"acc": 0.8, "loss": 3.2}) and metrics.left_out == 0
+    # a zero-weight report is left out (counted), never an error
+    assert weighted_metrics([(0, {"acc": 0.5})]) == MetricAverages(values={}, left_out=1)
 
 
 def _multi_block_clients(rng: np.random.Generator, n: int) -> list[tuple[dict[str, np.ndarray], float]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, PayloadError
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
 
 
@@ -143,3 +143,69 @@ def test_configs_are_frozen_and_keyword_only() -> None:
         opt.lr = 2.0  # type: ignore[misc]
     with pytest.raises(TypeError):
         ServerSGD(0.5)  # type: ignore[misc]
+
+
+OPTIMIZERS = [
+    ServerSGD(lr=0.5, momentum=0.9),
+    ServerSGD(lr=0.5),
+    ServerAdaptive(kind="adagrad", lr=1.0),
+    ServerAdaptive(kind="adam", lr=1.0),
+    ServerAdaptive(kind="yogi", lr=1.0),
+]
+OPTIMIZER_IDS = ["fedavgm", "sgd-lr", "fedadagrad", "fedadam", "fedyogi"]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPTIMIZER_IDS)
+def test_buffers_take_the_average_and_only_trainable_parameters_are_stepped(opt: ServerOptimizer) -> None:
+    # A BatchNorm layer: weight/bias are trainable, running statistics and the counter are buffers.
+    params = {
+        "bn.weight": np.array([1.0, 1.0], np.float32),
+        "bn.running_var": np.array([1.0, 1.0], np.float32),
+        "bn.running_mean": np.array([0.0, 0.0], np.float32),
+        "bn.num_batches_tracked": np.array(4, np.int64),
+    }
+    # the clients' running variance shrank to 0.01: Adam's normalized step (lr·m/(√v+τ) ≈ lr·sign(Δ)) would move
+    # it by about -1 and below zero; the example-weighted average is the right value
+    average = {
+        "bn.weight": np.array([0.5, 2.0], np.float32),
+        "bn.running_var": np.array([0.01, 0.02], np.float32),
+        "bn.running_mean": np.array([0.3, -0.3], np.float32),
+        "bn.num_batches_tracked": np.array(8, np.int64),
+    }
+    trainable = frozenset({"bn.weight"})
+    state = opt.init(params, trainable=trainable)
+    assert {k.split("/", 1)[1] for k in state} <= trainable  # no state for buffers
+    new, new_state = opt.step(params, average, state, trainable=trainable)
+    for buffer in ("bn.running_var", "bn.running_mean", "bn.num_batches_tracked"):
+        assert np.array_equal(new[buffer], average[buffer]) and new[buffer].dtype == params[buffer].dtype, buffer
+    assert set(new_state) == set(state)
+    # the trainable parameter is stepped exactly as when it is the only tensor
+    alone, _ = opt.step(
+        {"bn.weight": params["bn.weight"]},
+        {"bn.weight": average["bn.weight"]},
+        opt.init({"bn.weight": params["bn.weight"]}),
+    )
+    assert np.array_equal(new["bn.weight"], alone["bn.weight"])
+    # trainable=None (a model without named parameters): every floating tensor is stepped, as in flwr's FedOpt
+    everything, _ = opt.step(params, average, opt.init(params))
+    assert not np.array_equal(everything["bn.running_var"], average["bn.running_var"])
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPTIMIZER_IDS)
+def test_zero_d_parameters_stay_zero_d_arrays(opt: ServerOptimizer) -> None:
+    params = {"scale": np.array(2.0, np.float32), "w": np.array([1.0, 2.0], np.float32)}
+    average = {"scale": np.array(3.0, np.float32), "w": np.array([1.5, 1.5], np.float32)}
+    state = opt.init(params)
+    for _ in range(2):
+        params, state = opt.step(params, average, state)
+        for name, value in [*params.items(), *state.items()]:
+            assert type(value) is np.ndarray and value.dtype == np.float32, (name, type(value))
+        assert params["scale"].shape == () and all(state[k].shape == () for k in state if k.endswith("/scale"))
+
+
+def test_a_state_of_another_strategy_is_refused_with_a_clear_error() -> None:
+    params = {"w": np.array([1.0, 2.0])}
+    with pytest.raises(PayloadError, match=r"lacks 2 entries.*'m/w'.*another strategy"):
+        ServerAdaptive(kind="adam").step(params, {"w": np.array([0.0, 0.0])}, {})
+    with pytest.raises(PayloadError, match="'v/w'"):
+        ServerSGD(momentum=0.9).step(params, {"w": np.array([0.0, 0.0])}, {"m/w": np.zeros(2), "v/x": np.zeros(2)})

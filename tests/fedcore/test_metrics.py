@@ -1,0 +1,79 @@
+"""Metric averaging never fails a round: every kind of bad value is left out of its average and counted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedcore.aggregation import MetricAverages, example_weight, metric_value, weighted_average, weighted_metrics
+
+
+def test_non_finite_values_are_left_out_and_the_rest_averaged_by_examples() -> None:
+    # the issue's first case: one client's AUC is NaN (its data hold a single class)
+    # auc: only c0 and c2 count: (100·0.8 + 300·0.6) / 400 = 260 / 400 = 0.65
+    # loss: all three: (100·1 + 50·2 + 300·3) / 450 = 1100 / 450
+    got = weighted_metrics(
+        [
+            (100, {"auc": 0.8, "loss": 1.0}),
+            (50, {"auc": math.nan, "loss": 2.0}),
+            (300, {"auc": 0.6, "loss": 3.0}),
+            (10, {"auc": math.inf, "loss": -math.inf}),
+        ]
+    )
+    assert got.values == {"auc": pytest.approx(0.65, rel=1e-15), "loss": pytest.approx(1100 / 450, rel=1e-15)}
+    assert got.left_out == 3
+
+
+def test_zero_example_reports_are_left_out_whatever_they_hold() -> None:
+    # the issue's second case: a client with an empty test split reports loss NaN with 0 examples
+    got = weighted_metrics([(0, {"loss": math.nan, "accuracy": 0.0}), (40, {"loss": 0.5, "accuracy": 0.75})])
+    assert got == MetricAverages(values={"loss": 0.5, "accuracy": 0.75}, left_out=2)
+    # all reports weightless: no average at all, and no error
+    assert weighted_metrics([(0, {"loss": math.nan})]) == MetricAverages(values={}, left_out=1)
+    assert weighted_metrics([]) == MetricAverages(values={}, left_out=0)
+
+
+@pytest.mark.parametrize(
+    ("count", "counts"),
+    [(-5, False), (True, False), (2.5, False), ("7", False), (None, False), (10**400, False), (np.int64(4), True)],
+)
+def test_report_weights_that_are_not_positive_integers_leave_the_report_out(count: object, counts: bool) -> None:
+    # (4·1 + 4·3) / 8 = 2 when the odd report counts with weight 4; else only the first: 1
+    got = weighted_metrics([(4, {"m": 1.0}), (count, {"m": 3.0})])  # type: ignore[list-item]
+    assert got == (MetricAverages({"m": 2.0}, 0) if counts else MetricAverages({"m": 1.0}, 1))
+
+
+def test_values_of_every_kind() -> None:
+    assert metric_value(True) == 1.0 and metric_value(np.bool_(False)) == 0.0
+    assert metric_value(np.float32(0.5)) == 0.5 and metric_value(np.array(2.0)) == 2.0
+    assert metric_value(torch.tensor(0.25)) == 0.25
+    assert metric_value(10**400) == math.inf and metric_value(-(10**400)) == -math.inf
+    for bad in ("0.5", b"1", None, [1.0], {"a": 1}, np.array([1.0]), torch.tensor([1.0, 2.0]), 1 + 2j):
+        assert metric_value(bad) is None, bad
+    # bools average as 0/1; strings, None and huge values are left out; a non-str name too
+    got = weighted_metrics(
+        [
+            (1, {"ok": True, "s": "high", "n": None, "h": 10**400, 3: 1.0}),
+            (3, {"ok": False, "s": 2.0, "n": 4.0, "h": 1e308}),
+        ]
+    )
+    assert got.values == {"ok": 0.25, "s": 2.0, "n": 4.0, "h": 1e308}
+    assert got.left_out == 4
+    assert weighted_metrics([(3, None), (1, {"a": 1.0})]) == MetricAverages({"a": 1.0}, 1)  # type: ignore[list-item]
+
+
+def test_averages_near_the_float_limit_do_not_overflow() -> None:
+    # 1e308·100 + 1e308·300 overflows; the mean is 1e308
+    assert weighted_average([1e308, 1e308], [100, 300]) == pytest.approx(1e308, rel=1e-15)
+    assert weighted_average([1e308, -1e308], [1, 3]) == pytest.approx(-0.5e308, rel=1e-15)
+    assert weighted_average([2.0, 4.0], [1e308, 1e308]) == pytest.approx(3.0, rel=1e-15)  # weights sum to inf
+    assert weighted_metrics([(1, {"x": 1.7e308}), (1, {"x": 1.7e308})]).values == {"x": pytest.approx(1.7e308)}
+
+
+def test_example_weight() -> None:
+    assert example_weight(3) == 3.0 and example_weight(np.int32(2)) == 2.0
+    for bad in (0, -1, True, 1.0, "3", None, 10**400):
+        assert example_weight(bad) is None

@@ -1,0 +1,211 @@
+"""No metric value can end a round or a run, or cost a round its model (issue 8, "Run-killing metric values").
+
+Clients train a real model on small synthetic data through the in-memory pool; their tasks report the bad values.
+Non-finite values and zero-weight reports are left out of their metric's average, the count is recorded with the
+round (``RoundRecord.metrics_left_out``), and the global model is the same as when the bad values are absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from client.runner import run_instruction
+from fedcore.messages import EvaluateIns, FitIns, FitRes, Instruction, Reply
+from fedcore.strategy import SamplingConfig, Strategy
+from fedcore.supervised import SupervisedTask
+from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult, initial_parameters
+from fedcore.tensors import NamedArrays
+from server.round_loop import RoundConfig, RoundRecord, run_rounds
+from simulations.inmemory import InMemoryPool
+
+SIZES = {"c0": 60, "c1": 20, "c2": 40}
+
+
+def model_fn() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def data(cid: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(int(cid[1:]))
+    x = torch.randn(SIZES[cid], 4, generator=g)
+    return x, (x[:, 0] > 0).long()
+
+
+class Reporting:
+    """A supervised client that adds ``extra`` to its training metrics and may have an empty test split."""
+
+    def __init__(self, cid: str, extra: Mapping[str, object] | None = None, empty_test: bool = False) -> None:
+        x, y = data(cid)
+        self.inner = SupervisedTask(
+            model_fn=model_fn, train_data=(x, y), test_data=(x[:0], y[:0]) if empty_test else (x, y)
+        )
+        self.extra = dict(extra or {})
+
+    def build_model(self) -> nn.Module:
+        return model_fn()
+
+    def train(self, model: nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        result = self.inner.train(model, config, context)
+        return TrainResult(num_examples=result.num_examples, metrics={**result.metrics, **self.extra})
+
+    def evaluate(self, model: nn.Module, batch_size: int) -> EvalResult:
+        return self.inner.evaluate(model, batch_size)
+
+
+def strategy(fraction_evaluate: float = 0.0) -> Strategy:
+    return Strategy(
+        fit=FitConfig(batch_size=8, lr=0.1),
+        sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=3, fraction_evaluate=fraction_evaluate),
+        evaluate_batch_size=16,
+    )
+
+
+def run(tasks: dict[str, Reporting], rounds: int = 2, **kwargs: object) -> tuple[NamedArrays, list[RoundRecord]]:
+    state, records = run_rounds(
+        InMemoryPool(list(tasks), lambda cid: tasks[cid]),
+        kwargs.pop("strategy", strategy()),  # type: ignore[arg-type]
+        initial_parameters(model_fn, seed=1),
+        RoundConfig(num_rounds=rounds, seed=2),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return state.parameters, records
+
+
+def plain() -> dict[str, Reporting]:
+    return {cid: Reporting(cid) for cid in SIZES}
+
+
+def assert_same_model(a: NamedArrays, b: NamedArrays) -> None:
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_a_nan_fit_metric_is_left_out_and_the_round_and_its_model_are_kept() -> None:
+    # the issue's first case: c1's AUC is NaN (its data hold a single class)
+    tasks = {
+        "c0": Reporting("c0", {"auc": 0.9}),
+        "c1": Reporting("c1", {"auc": math.nan}),
+        "c2": Reporting("c2", {"auc": 0.6}),
+    }
+    params, records = run(tasks)
+    reference, _ = run(plain())
+    assert_same_model(params, reference)  # the model update is unaffected
+    for record in records:
+        # auc over c0 and c2: (60·0.9 + 40·0.6) / 100 = 0.78
+        assert record.train_metrics["auc"] == pytest.approx(0.78, rel=1e-12)
+        assert record.metrics_left_out == 1
+        row = record.as_row()
+        assert row["metrics_left_out"] == 1 and type(row["metrics_left_out"]) is int
+
+
+def test_a_client_with_an_empty_test_split_is_left_out_of_federated_evaluation() -> None:
+    # the issue's second case: c1 reports loss NaN with 0 examples
+    tasks = {cid: Reporting(cid, empty_test=cid == "c1") for cid in SIZES}
+    params, records = run(tasks, rounds=1, strategy=strategy(fraction_evaluate=1.0))
+    record = records[-1]
+    # the reference: the two other clients' evaluations of the final model, weighted 60 : 40
+    ins = EvaluateIns(round=1, parameters=params, batch_size=16)
+    res = {cid: run_instruction(tasks[cid], ins, cid) for cid in ("c0", "c2")}
+    assert record.federated_eval_loss == pytest.approx((60 * res["c0"].loss + 40 * res["c2"].loss) / 100, rel=1e-12)
+    accuracy = (60 * res["c0"].metrics["accuracy"] + 40 * res["c2"].metrics["accuracy"]) / 100
+    assert record.federated_eval_metrics["accuracy"] == pytest.approx(accuracy, rel=1e-12)
+    assert record.metrics_left_out == 1  # c1's loss (an empty split reports no accuracy)
+    assert record.failures == ()
+    reference, _ = run(plain(), rounds=1)
+    assert_same_model(params, reference)
+
+
+def test_when_every_client_has_an_empty_test_split_the_round_records_no_federated_loss() -> None:
+    tasks = {cid: Reporting(cid, empty_test=True) for cid in SIZES}
+    _, records = run(tasks, rounds=1, strategy=strategy(fraction_evaluate=1.0))
+    assert records[-1].federated_eval_loss is None and records[-1].metrics_left_out == 3
+
+
+def test_bool_huge_missing_and_non_numeric_fit_metrics_never_fail_a_round(caplog: pytest.LogCaptureFixture) -> None:
+    odd: dict[str, object] = {"flag": True, "huge": 10**400, "text": "high", "none": None, 7: 1.0, "big": 1e308}
+    tasks = {"c0": Reporting("c0", odd), "c1": Reporting("c1", {"flag": False, "big": 1e308}), "c2": Reporting("c2")}
+    with caplog.at_level(logging.WARNING):
+        params, records = run(tasks)
+    reference, _ = run(plain())
+    assert_same_model(params, reference)
+    metrics = records[-1].train_metrics
+    assert metrics["flag"] == pytest.approx(60 / 80)  # c0 True (60 examples), c1 False (20); c2 reports none
+    assert metrics["big"] == pytest.approx(1e308)  # 1e308·60 + 1e308·20 overflows; the mean does not
+    assert metrics["7"] == 1.0  # a non-str name becomes its text on the client
+    assert "huge" not in metrics and "text" not in metrics and "none" not in metrics
+    assert records[-1].metrics_left_out == 1  # huge: inf on the client, left out on the server
+    assert "dropping 2 metric(s) that are not numbers" in caplog.text
+
+
+def failing_evaluations() -> list[object]:
+    def nan_loss(params: NamedArrays, rnd: int) -> EvalResult:
+        return EvalResult(loss=math.nan, num_examples=0, metrics={"accuracy": "n/a", "ok": True, "inf": math.inf})
+
+    def raises(params: NamedArrays, rnd: int) -> EvalResult:
+        raise RuntimeError("the server's test data are gone")
+
+    def not_a_result(params: NamedArrays, rnd: int) -> object:
+        return (0.5, {"accuracy": 0.5})  # flwr's evaluate_fn shape
+
+    return [nan_loss, raises, not_a_result]
+
+
+@pytest.mark.parametrize("evaluate_fn", failing_evaluations(), ids=["nan-loss", "raises", "not-a-result"])
+def test_the_servers_own_evaluation_never_costs_a_round(evaluate_fn: object) -> None:
+    params, records = run(plain(), evaluate_fn=evaluate_fn)
+    reference, _ = run(plain())
+    assert_same_model(params, reference)
+    assert [r.round for r in records] == [0, 1, 2]
+    for record in records:
+        if evaluate_fn.__name__ == "nan_loss":  # type: ignore[attr-defined]
+            # values that are numbers are kept as they are (a NaN test loss is how divergence shows); "n/a" is not
+            assert record.eval_loss is not None and math.isnan(record.eval_loss)
+            assert record.eval_metrics == {"ok": 1.0, "inf": math.inf}
+            assert record.metrics_left_out == 1
+        else:
+            assert record.eval_loss is None and record.eval_metrics == {}
+
+
+class DirectPool:
+    """A client pool (the :class:`server.pool.ClientPool` protocol) whose clients reply with fixed example counts
+    and metrics, as a pool of another transport could deliver them."""
+
+    def __init__(self, counts: dict[str, object], metrics: dict[str, object]) -> None:
+        self.counts, self.metrics = counts, metrics
+
+    def available(self) -> list[str]:
+        return list(self.counts)
+
+    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
+        return self.available()
+
+    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None) -> Iterator[Reply]:
+        for cid, ins in instructions.items():
+            assert isinstance(ins, FitIns)
+            moved = {n: a + np.asarray(1, a.dtype) for n, a in ins.parameters.items()}
+            count, metrics = cast(int, self.counts[cid]), cast(Mapping[str, float], self.metrics[cid])
+            yield FitRes(client_id=cid, round=ins.round, parameters=moved, num_examples=count, metrics=metrics)
+
+
+def test_example_counts_that_are_not_integers_reject_that_update_only() -> None:
+    counts: dict[str, object] = {"a": 10, "b": True, "c": 2.5, "d": -3, "e": 10**400, "f": np.int64(30)}
+    metrics: dict[str, object] = {cid: {"loss": 1.0} for cid in counts}
+    metrics["a"] = None  # not a dict at all
+    start = {"w": np.array([0.0, 1.0], np.float32)}
+    sampling = SamplingConfig(fraction_fit=1.0, min_fit_clients=1)
+    state, records = run_rounds(
+        DirectPool(counts, metrics), Strategy(sampling=sampling), start, RoundConfig(num_rounds=1)
+    )
+    assert records[-1].accepted == ("a", "f")
+    assert {f.client_id for f in records[-1].failures} == {"b", "c", "d", "e"}
+    reasons = " ".join(f.reason for f in records[-1].failures)
+    assert "not an integer >= 0" in reasons and "beyond the float range" in reasons
+    np.testing.assert_array_equal(state.parameters["w"], [1.0, 2.0])
+    assert records[-1].train_metrics == {"loss": 1.0} and records[-1].metrics_left_out == 1
