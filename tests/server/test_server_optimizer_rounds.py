@@ -188,3 +188,23 @@ def test_the_simulation_tells_buffers_from_trainable_parameters(tmp_path: Path) 
     assert not result.diverged
     assert (result.final.parameters["1.running_var"] > 0).all()
     assert result.history["test_loss"].notna().all()
+
+
+def test_resuming_from_mapped_checkpoints_keeps_stepping_trainable_parameters_only(tmp_path: Path) -> None:
+    # a deployment continues each round from the checkpoint it wrote, which does not hold the trainable names
+    from server.state import StateStore, load_checkpoint
+
+    strategy = strategy_for("fedadam")
+    start = initial_state(initial_parameters(bn_model, SEED), strategy, trainable=trainable_names(bn_model))
+    config = RoundConfig(num_rounds=3, seed=SEED)
+    reference, _ = run_rounds(InMemoryPool(list(SIZES), make_task), strategy, start, config)
+    store = StateStore(tmp_path / "state")
+
+    def from_checkpoint(record: RoundRecord, state: ServerState) -> ServerState:
+        return load_checkpoint(store.save_checkpoint(state), mapped=True)
+
+    final, _ = run_rounds(InMemoryPool(list(SIZES), make_task), strategy, start, config, on_round_end=from_checkpoint)
+    store.close()
+    assert final.trainable == start.trainable
+    for name, array in reference.parameters.items():
+        assert np.array_equal(final.parameters[name], array), name
