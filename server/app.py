@@ -178,8 +178,9 @@ def server_credentials(config: ServerConfig) -> Any:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-class _Stop(Exception):
-    """Raised in the main thread by the SIGTERM handler."""
+class _Stop(BaseException):
+    """Raised in the main thread by the SIGTERM handler; a BaseException, so that no handler of failures in user
+    code (``except Exception`` around the server's evaluation) can swallow a stop."""
 
 
 def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> ServerState | None:

@@ -446,7 +446,10 @@ def _evaluate_round(
         try:
             for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
                 if isinstance(reply, EvaluateRes) and reply.round == state.round:
-                    rows.append((reply.num_examples, {**reply.metrics, "loss": reply.loss}))
+                    reported = dict(reply.metrics) if isinstance(reply.metrics, Mapping) else {}
+                    left_out += not isinstance(reply.metrics, Mapping)  # not a metrics dict: one report lost
+                    reported["loss"] = reply.loss  # the reply's loss, never a metric of that name
+                    rows.append((reply.num_examples, reported))
                 elif isinstance(reply, Failure):
                     failures.append(reply)
         except FedcoreError as exc:
