@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from fedcore.aggregation import WeightedMean, metric_value, weighted_metrics
+from fedcore.aggregation import WeightedMean, example_weight, metric_value, weighted_metrics
 from fedcore.errors import ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage, bounded_repr
 from fedcore.strategy import Strategy, sample_clients
@@ -137,7 +137,8 @@ class RoundRecord:
         metrics_left_out: how many reported metric values were left out of this round's averages (training and
             federated evaluation metrics, see :func:`fedcore.aggregation.weighted_metrics`: not a finite number,
             or from a client that reported 0 examples), plus the server's own evaluation values that were not
-            numbers. A metric value never fails a round; this count says how many did not count.
+            numbers or came from 0 examples. A metric value never fails a round; this count says how many did not
+            count.
     """
 
     round: int
@@ -389,10 +390,11 @@ def _log_left_out(rnd: int, stage: str, count: int) -> None:
 def _central_evaluation(evaluate_fn: EvaluateFn, state: ServerState) -> RoundRecord:
     """The server's own evaluation of ``state``'s model as a record of round ``state.round``.
 
-    Its values are taken as they come when they are numbers, NaN and Inf included (a NaN test loss is how a
-    diverged model shows); a value that is not a number is left out and counted. If ``evaluate_fn`` raises or
-    returns something else than an :class:`~fedcore.task.EvalResult`, the error is logged and the record has
-    no central evaluation: the round and its model are kept.
+    Its values are taken as they come when they are numbers, NaN and Inf included (a NaN test loss on real
+    examples is how a diverged model shows); a value that is not a number is left out and counted, and so is every
+    value of an evaluation on 0 examples (an empty server test split, whose loss is NaN without meaning). If
+    ``evaluate_fn`` raises or returns something else than an :class:`~fedcore.task.EvalResult`, the error is
+    logged and the record has no central evaluation: the round and its model are kept.
     """
     try:
         result = evaluate_fn(state.parameters, state.round)
@@ -405,6 +407,8 @@ def _central_evaluation(evaluate_fn: EvaluateFn, state: ServerState) -> RoundRec
         log.exception("round %d: the server's evaluation failed; the round is recorded without it", state.round)
         return RoundRecord(round=state.round)
     values = {k: v for k, raw in reported.items() if isinstance(k, str) and (v := metric_value(raw)) is not None}
+    if example_weight(result.num_examples) is None:
+        values = {}
     left_out = len(reported) - len(values)
     _log_left_out(state.round, "server evaluation", left_out)
     return RoundRecord(

@@ -146,7 +146,10 @@ def test_bool_huge_missing_and_non_numeric_fit_metrics_never_fail_a_round(caplog
 
 def failing_evaluations() -> list[object]:
     def nan_loss(params: NamedArrays, rnd: int) -> EvalResult:
-        return EvalResult(loss=math.nan, num_examples=0, metrics={"accuracy": "n/a", "ok": True, "inf": math.inf})
+        return EvalResult(loss=math.nan, num_examples=5, metrics={"accuracy": "n/a", "ok": True, "inf": math.inf})
+
+    def empty_split(params: NamedArrays, rnd: int) -> EvalResult:
+        return EvalResult(loss=math.nan, num_examples=0, metrics={"accuracy": 0.0})
 
     def raises(params: NamedArrays, rnd: int) -> EvalResult:
         raise RuntimeError("the server's test data are gone")
@@ -154,10 +157,12 @@ def failing_evaluations() -> list[object]:
     def not_a_result(params: NamedArrays, rnd: int) -> object:
         return (0.5, {"accuracy": 0.5})  # flwr's evaluate_fn shape
 
-    return [nan_loss, raises, not_a_result]
+    return [nan_loss, empty_split, raises, not_a_result]
 
 
-@pytest.mark.parametrize("evaluate_fn", failing_evaluations(), ids=["nan-loss", "raises", "not-a-result"])
+@pytest.mark.parametrize(
+    "evaluate_fn", failing_evaluations(), ids=["nan-loss", "empty-split", "raises", "not-a-result"]
+)
 def test_the_servers_own_evaluation_never_costs_a_round(evaluate_fn: object) -> None:
     params, records = run(plain(), evaluate_fn=evaluate_fn)
     reference, _ = run(plain())
@@ -169,6 +174,9 @@ def test_the_servers_own_evaluation_never_costs_a_round(evaluate_fn: object) -> 
             assert record.eval_loss is not None and math.isnan(record.eval_loss)
             assert record.eval_metrics == {"ok": 1.0, "inf": math.inf}
             assert record.metrics_left_out == 1
+        elif evaluate_fn.__name__ == "empty_split":  # type: ignore[attr-defined]
+            # 0 examples: a NaN without meaning (not divergence); left out like a client's empty split
+            assert record.eval_loss is None and record.eval_metrics == {} and record.metrics_left_out == 2
         else:
             assert record.eval_loss is None and record.eval_metrics == {}
 
