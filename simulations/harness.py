@@ -81,7 +81,8 @@ def recipe_record(config: SimulationConfig) -> dict[str, Any]:
     record = to_mapping(config)
     if config.task.factory != DEMO_TASK:
         record.pop("model", None)
-        record["data"] = {key: record["data"][key] for key in ("num_clients", "data_dir")}
+        data = record["data"]  # (to_mapping leaves out unset values, which TOML cannot hold)
+        record["data"] = {key: data[key] for key in ("num_clients", "data_dir") if key in data}
     return record
 
 
