@@ -3,6 +3,7 @@
 Layout of a state directory::
 
     state.db                        meta (format, the run's strategy), clients, rounds, round_metrics, failures
+    state.lock                      held (flock) by the one process using the directory; holds its pid
     checkpoints/round-000003.safetensors
                                     global model ("param/<name>"), server optimizer state ("opt/<name>"), the
                                     round, and the file's own SHA-256 (header metadata "fedcore.sha256")
@@ -32,6 +33,7 @@ failure (a damaged file, a full disk) surfaces as a StateError that names the fi
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import logging
 import os
@@ -172,8 +174,8 @@ class StateStore:
 
     Raises:
         ConfigError: the directory cannot be created or written.
-        StateError: state.db is damaged, not a database, or written by an older fedcore (the message says what to
-            do).
+        StateError: another process holds the directory (a second server on it), or state.db is damaged, not a
+            database, or written by an older fedcore (the message says what to do).
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -183,21 +185,30 @@ class StateStore:
         self.database = self.directory / "state.db"
         try:
             self.checkpoints.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot use {str(self.directory)!r} as the state directory: {exc}") from exc
+        self._owner = _lock_directory(self.directory)  # before anything in it is cleaned or opened
+        try:
             for torn in self.checkpoints.glob(".*.tmp-*"):  # a write interrupted by a crash; never a checkpoint
                 torn.unlink()
             if self.spill.exists():
                 shutil.rmtree(self.spill)  # payloads of an interrupted run are never reused
             self.spill.mkdir()
         except OSError as exc:
+            os.close(self._owner)
             raise ConfigError(f"cannot use {str(self.directory)!r} as the state directory: {exc}") from exc
         self._lock = threading.Lock()
-        with self._sqlite("opening it"):
-            self._db = sqlite3.connect(self.database, check_same_thread=False, isolation_level=None)
         try:
             with self._sqlite("opening it"):
-                self._open()
+                self._db = sqlite3.connect(self.database, check_same_thread=False, isolation_level=None)
+            try:
+                with self._sqlite("opening it"):
+                    self._open()
+            except BaseException:
+                self._db.close()
+                raise
         except BaseException:
-            self._db.close()
+            os.close(self._owner)
             raise
 
     def _open(self) -> None:
@@ -245,9 +256,12 @@ class StateStore:
         self._db.execute("COMMIT")
 
     def close(self) -> None:
-        """Close the database."""
+        """Close the database and let another process use the directory."""
         with self._lock:
             self._db.close()
+            if self._owner >= 0:
+                os.close(self._owner)  # releases the directory lock
+                self._owner = -1
 
     def _meta(self, key: str) -> str | None:
         with self._lock, self._sqlite(f"reading {key!r}"):
@@ -500,6 +514,33 @@ class StateStore:
                 "backup, or " + _NEW_RUN
             )
         return None
+
+
+def _lock_directory(directory: Path) -> int:
+    """Hold an exclusive lock on ``directory``'s ``state.lock`` (released when the returned descriptor is closed, or
+    the process ends), so that two servers never write one state directory.
+
+    Raises:
+        StateError: another process holds it (its pid is named when it wrote one).
+    """
+    path = directory / "state.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot use {str(directory)!r} as the state directory: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StateError(
+            f"the state directory {str(directory)!r} is in use by another fedcore server"
+            + (f" (pid {holder})" if holder.isdigit() else "")
+            + "; stop it first, or give this one another --state-dir"
+        ) from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _checkpoint_problem(path: Path) -> str | None:

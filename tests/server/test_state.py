@@ -401,3 +401,14 @@ def test_the_server_history_keeps_integers_and_pads_every_column(tmp_path: Path)
     assert list(frame.columns)[: len(HISTORY_COLUMNS)] == list(HISTORY_COLUMNS)
     assert list(frame["metrics_left_out"]) == [0, 3] and frame["metrics_left_out"].dtype == np.int64
     store.close()
+
+
+def test_a_second_server_on_the_same_state_directory_is_refused(tmp_path: Path) -> None:
+    store = _run(tmp_path, 1)
+    with pytest.raises(
+        StateError, match=rf"in use by another fedcore server \(pid {os.getpid()}\).*another --state-dir"
+    ):
+        StateStore(tmp_path)
+    assert store.recorded_rounds() == [0, 1]  # the first one is untouched
+    store.close()
+    StateStore(tmp_path).close()  # free again once the first one is closed
