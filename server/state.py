@@ -2,7 +2,8 @@
 
 Layout of a state directory::
 
-    state.db                        meta (format, the run's strategy), clients, rounds, round_metrics, failures
+    state.db                        meta (format, the run's strategy), clients, rounds, round_metrics, failures,
+                                    checkpoints (the digest of each checkpoint written)
     state.lock                      held (flock) by the one process using the directory; holds its pid
     checkpoints/round-000003.safetensors
                                     global model ("param/<name>"), server optimizer state ("opt/<name>"), the
@@ -15,15 +16,17 @@ disk) leaves the previous checkpoint or the new one, never a torn file; the newe
 digest of its own bytes, checked when a run resumes.
 
 Resuming (:meth:`StateStore.resume`) takes the newest *intact* checkpoint, round C (a damaged newer one is
-reported in the log and skipped), and holds it against the records in state.db, whose last trained round is R:
+reported in the log and skipped, and so is a checkpoint whose digest is not the one state.db recorded when it
+wrote that round's checkpoint: another run's), and holds it against the records in state.db, whose last trained
+round is R:
 
 - no checkpoint and no trained round recorded: a fresh run (a round-0 row is simply written again);
 - C = R, or C = R + 1 (the server stopped between writing round C's checkpoint and its row): resume after C;
 - C < R (the newer checkpoints are damaged or gone): resume after C; the rows of rounds C+1..R stay in state.db
   but are marked superseded (``superseded`` > 0: the k-th such fallback) and leave history.csv, and the rounds
   run again — the old rows are never mixed with the new ones;
-- trained rounds recorded but no intact checkpoint, or C > R + 1 (checkpoints of another run, or state.db
-  replaced): refused with :class:`~fedcore.errors.StateError`, which says what to do.
+- trained rounds recorded but no intact checkpoint, or C > R + 1 (state.db replaced): refused with
+  :class:`~fedcore.errors.StateError`, which says what to do.
 
 The run's strategy is recorded at the first start; a restart with another strategy, or with settings that give
 the stored server optimizer state another meaning, is refused (:meth:`StateStore.check_strategy`). Every SQLite
@@ -50,7 +53,14 @@ import numpy as np
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.strategy import StrategyConfig
 from fedcore.tensors import NamedArrays
-from fedcore.wire import check_digest, open_safetensors, read_safetensors_header, save_payload
+from fedcore.wire import (
+    DIGEST_KEY,
+    PayloadFile,
+    check_digest,
+    open_safetensors,
+    read_safetensors_header,
+    save_payload,
+)
 from server.round_loop import RoundRecord, ServerState
 
 log = logging.getLogger("fedcore.server")
@@ -75,6 +85,7 @@ CREATE TABLE IF NOT EXISTS round_metrics (
     round INTEGER NOT NULL, key TEXT NOT NULL, value, superseded INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (round, key, superseded)
 );
+CREATE TABLE IF NOT EXISTS checkpoints (round INTEGER PRIMARY KEY, sha256 TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS failures (
     round INTEGER NOT NULL, client_id TEXT NOT NULL, stage TEXT NOT NULL, reason TEXT NOT NULL,
     superseded INTEGER NOT NULL DEFAULT 0
@@ -465,13 +476,15 @@ class StateStore:
         """
         path = self.checkpoints / f"round-{state.round:06d}.safetensors"
         try:
-            _write_state(path, state, self_digest=True)
+            written = _write_state(path, state, self_digest=True)
         except OSError as exc:
             raise StateError(
                 f"cannot write the checkpoint {str(path)!r}: {exc}. The previous checkpoints are intact; free disk "
                 "space (or raise the file size limit) and restart with the same --state-dir to resume",
                 round=state.round,
             ) from exc
+        with self._lock, self._sqlite(f"recording the checkpoint of round {state.round}"):
+            self._db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?)", (state.round, written.sha256.hex()))
         for old in sorted(self.checkpoints.glob("round-*.safetensors"))[:-_KEEP_CHECKPOINTS]:
             old.unlink(missing_ok=True)
         return path
@@ -490,16 +503,20 @@ class StateStore:
         """The newest intact checkpoint as a :class:`ServerState` (arrays loaded into memory, or mapped: see
         :func:`load_checkpoint`), or None if there is none.
 
-        Intact: its digest matches its bytes and its recorded round matches its name. A damaged newer checkpoint
-        is reported in the log (which file, why) and the previous one is tried.
+        Intact: its digest matches its bytes, its recorded round matches its name, and it is the checkpoint that
+        state.db recorded for that round when it was written (its digest), not one of another run. (A checkpoint
+        with no such record yet, as after a crash right after writing it, is taken on its own digest.) A damaged
+        newer checkpoint is reported in the log (which file, why) and the previous one is tried.
 
         Raises:
             StateError: checkpoints exist but none is intact (the message lists each and why).
         """
         found = sorted(self.checkpoints.glob("round-*.safetensors"), reverse=True)
+        with self._lock, self._sqlite("reading the checkpoint records"):
+            recorded = {int(r): str(d) for r, d in self._db.execute("SELECT round, sha256 FROM checkpoints")}
         damaged: list[str] = []
         for i, path in enumerate(found):
-            problem = _checkpoint_problem(path)
+            problem = _checkpoint_problem(path, recorded)
             if problem is None:
                 try:
                     return load_checkpoint(path, mapped=mapped, verify=False)
@@ -543,8 +560,9 @@ def _lock_directory(directory: Path) -> int:
     return fd
 
 
-def _checkpoint_problem(path: Path) -> str | None:
-    """Why the checkpoint ``path`` cannot be trusted, or None if it is intact."""
+def _checkpoint_problem(path: Path, recorded: Mapping[int, str]) -> str | None:
+    """Why the checkpoint ``path`` cannot be trusted, or None if it is intact (``recorded``: round -> the digest
+    state.db recorded for its checkpoint)."""
     try:
         named = int(path.stem.removeprefix("round-"))
     except ValueError:
@@ -562,13 +580,15 @@ def _checkpoint_problem(path: Path) -> str | None:
         return "its bytes do not match its recorded SHA-256 (a changed byte)"
     if metadata.get("round") != str(named):
         return f"it records round {metadata.get('round', '')[:20]!r}, not the round {named} in its name"
+    if named in recorded and metadata.get(DIGEST_KEY) != recorded[named]:
+        return f"it is not the checkpoint state.db recorded for round {named} (another run's?)"
     return None
 
 
-def _write_state(path: Path, state: ServerState, *, self_digest: bool) -> None:
+def _write_state(path: Path, state: ServerState, *, self_digest: bool) -> PayloadFile:
     arrays: dict[str, np.ndarray] = {_PARAM + n: a for n, a in state.parameters.items()}
     arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
-    save_payload(path, arrays, {"round": str(state.round)}, self_digest=self_digest)
+    return save_payload(path, arrays, {"round": str(state.round)}, self_digest=self_digest)
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verify: bool = True) -> ServerState:

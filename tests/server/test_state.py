@@ -412,3 +412,22 @@ def test_a_second_server_on_the_same_state_directory_is_refused(tmp_path: Path) 
     assert store.recorded_rounds() == [0, 1]  # the first one is untouched
     store.close()
     StateStore(tmp_path).close()  # free again once the first one is closed
+
+
+def test_a_checkpoint_of_another_run_is_not_taken_for_this_runs(tmp_path: Path) -> None:
+    """Same model, same rounds, another run's values: its file is intact, but it is not the checkpoint this
+    state.db recorded, so it is skipped like a damaged one."""
+    _run(tmp_path / "ours", 3).close()
+    other = StateStore(tmp_path / "other")
+    foreign = ServerState(round=3, parameters={"w": np.zeros(3, np.float32)}, optimizer_state={"m/w": np.zeros(3)})
+    other.save_checkpoint(foreign)
+    other.close()
+    (tmp_path / "other" / "checkpoints" / "round-000003.safetensors").replace(
+        tmp_path / "ours" / "checkpoints" / "round-000003.safetensors"
+    )
+    store = StateStore(tmp_path / "ours")
+    resumed = store.resume()
+    assert resumed is not None and resumed.round == 2  # ours, not the foreign round 3
+    np.testing.assert_array_equal(resumed.parameters["w"], [2.0, 2.5, 2.25])
+    assert store.recorded_rounds() == [0, 1, 2]
+    store.close()
