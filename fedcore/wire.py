@@ -8,7 +8,9 @@ truncated, corrupted and oversized payloads are all rejected with a reason that 
 
 Payloads are written and read as files without holding a second copy of the model: :func:`save_payload`
 streams tensors to a file (computing the digest on the way) and :func:`open_safetensors` maps a received file as
-read-only ``np.memmap`` views, so the server folds an update from disk (DESIGN.md, "spill to disk").
+read-only ``np.memmap`` views, so the server folds an update from disk (DESIGN.md, "spill to disk"). A written file
+depends only on its tensors and metadata (the same run writes the same bytes), replaces its path atomically, and can
+carry the SHA-256 of its own bytes (checkpoints: :func:`check_digest`).
 """
 
 from __future__ import annotations
