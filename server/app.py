@@ -187,13 +187,13 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     if config.insecure:
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
     _return_large_blocks_to_the_os()
-    warm_up_kernels()
     store = StateStore(config.state_dir)
     try:
-        strategy, server_task, initial = _open_run(config, store, echo)
+        strategy, server_task, initial = _open_run(config, store, echo)  # refusals come first, in a moment
     except BaseException:
         store.close()
         raise
+    warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
 
     evaluate_fn: EvaluateFn | None = None
