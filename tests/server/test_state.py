@@ -205,6 +205,25 @@ def test_every_database_call_of_an_open_store_fails_with_a_state_error(tmp_path:
             call()
 
 
+@pytest.mark.slow
+def test_the_cli_reports_a_damaged_state_db_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "state.db").write_bytes(b"\x00garbage" * 1000)
+    args = ["server", "start", "--insecure", "--address", "127.0.0.1:0", "--state-dir", str(tmp_path)]
+    args += ["--task", "simulations.tasks:demo_task", "--task-option", "dataset=digits"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedcore.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "listening" not in proc.stdout
+    assert (
+        f"the state database '{tmp_path / 'state.db'}' failed while opening it: file is not a database" in proc.stderr
+    )
+
+
 def test_an_older_state_db_is_refused(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "state.db") as db:
         db.execute("CREATE TABLE rounds (round INTEGER PRIMARY KEY, finished_at REAL NOT NULL)")
@@ -278,6 +297,27 @@ def test_the_server_refuses_another_strategy_before_it_listens(tmp_path: Path) -
     with pytest.raises(ConfigError, match=r"holds a run of strategy fedavg, but this server is configured for fedadam"):
         run_server(config, echo=lines.append)
     assert not any("listening" in line for line in lines)
+
+
+def test_the_server_refuses_records_without_checkpoints_before_it_listens(tmp_path: Path) -> None:
+    from server.app import ServerConfig, run_server
+
+    _run(tmp_path / "state", 3).close()
+    for path in (tmp_path / "state" / "checkpoints").iterdir():
+        path.unlink()
+    history = (tmp_path / "state" / "history.csv").read_bytes()
+    config = ServerConfig(
+        insecure=True,
+        address="127.0.0.1:0",
+        state_dir=tmp_path / "state",
+        task="simulations.tasks:demo_task",
+        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
+    )
+    lines: list[str] = []
+    with pytest.raises(StateError, match=r"records rounds 1-3 but checkpoints/ holds no checkpoint"):
+        run_server(config, echo=lines.append)
+    assert not any("listening" in line for line in lines)
+    assert (tmp_path / "state" / "history.csv").read_bytes() == history  # nothing overwritten
 
 
 # ---------------------------------------------------------------------------------------- atomic checkpoints
