@@ -252,6 +252,12 @@ def test_an_older_state_db_is_refused(tmp_path: Path) -> None:
             StrategyConfig(name="fedyogi", beta2=0.9),
             r"fedyogi \(beta1=0.9, beta2=0.99\), .*fedyogi \(beta1=0.9, beta2=0.9\)",
         ),
+        (
+            StrategyConfig(name="fedavgm", server_momentum=0.9),
+            StrategyConfig(name="fedavgm", server_momentum=0.5),
+            r"fedavgm \(server_momentum=0.9\), .*fedavgm \(server_momentum=0.5\)",
+        ),
+        (StrategyConfig(name="fedavg"), StrategyConfig(name="fedprox"), r"fedavg, .*fedprox:"),
     ],
 )
 def test_restarting_with_another_strategy_is_refused_naming_both(
