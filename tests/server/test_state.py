@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -286,44 +287,37 @@ def test_learning_rate_may_change_and_an_untrained_directory_takes_any_strategy(
     store.close()
 
 
-def test_the_server_refuses_another_strategy_before_it_listens(tmp_path: Path) -> None:
+def _refused_before_listening(state_dir: Path, error: type[Exception], match: str, **settings: Any) -> None:
+    """Start the demo server on ``state_dir``; it must raise ``error`` before it listens."""
     from server.app import ServerConfig, run_server
 
-    store = _run(tmp_path / "state", 2)
-    store.close()
     config = ServerConfig(
         insecure=True,
         address="127.0.0.1:0",
-        state_dir=tmp_path / "state",
+        state_dir=state_dir,
         task="simulations.tasks:demo_task",
         task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
-        strategy=StrategyConfig(name="fedadam"),
+        **settings,
     )
     lines: list[str] = []
-    with pytest.raises(ConfigError, match=r"holds a run of strategy fedavg, but this server is configured for fedadam"):
+    with pytest.raises(error, match=match):
         run_server(config, echo=lines.append)
     assert not any("listening" in line for line in lines)
+
+
+def test_the_server_refuses_another_strategy_before_it_listens(tmp_path: Path) -> None:
+    _run(tmp_path, 2).close()
+    match = r"holds a run of strategy fedavg, but this server is configured for fedadam"
+    _refused_before_listening(tmp_path, ConfigError, match, strategy=StrategyConfig(name="fedadam"))
 
 
 def test_the_server_refuses_records_without_checkpoints_before_it_listens(tmp_path: Path) -> None:
-    from server.app import ServerConfig, run_server
-
-    _run(tmp_path / "state", 3).close()
-    for path in (tmp_path / "state" / "checkpoints").iterdir():
+    _run(tmp_path, 3).close()
+    for path in (tmp_path / "checkpoints").iterdir():
         path.unlink()
-    history = (tmp_path / "state" / "history.csv").read_bytes()
-    config = ServerConfig(
-        insecure=True,
-        address="127.0.0.1:0",
-        state_dir=tmp_path / "state",
-        task="simulations.tasks:demo_task",
-        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
-    )
-    lines: list[str] = []
-    with pytest.raises(StateError, match=r"records rounds 1-3 but checkpoints/ holds no checkpoint"):
-        run_server(config, echo=lines.append)
-    assert not any("listening" in line for line in lines)
-    assert (tmp_path / "state" / "history.csv").read_bytes() == history  # nothing overwritten
+    history = (tmp_path / "history.csv").read_bytes()
+    _refused_before_listening(tmp_path, StateError, r"records rounds 1-3 but checkpoints/ holds no checkpoint")
+    assert (tmp_path / "history.csv").read_bytes() == history  # nothing overwritten
 
 
 # ---------------------------------------------------------------------------------------- atomic checkpoints
