@@ -109,11 +109,8 @@ def history_columns(rows: Sequence[Mapping[str, object]]) -> list[str]:
 
 def _cell(value: object) -> str:
     """One CSV cell: empty for None, integers as integers, floats in Python's shortest round-trip form."""
-    if value is None:
-        return ""
-    if isinstance(value, (bool, int, np.integer)):
-        return str(int(value))
-    return repr(float(value))  # type: ignore[arg-type]
+    plain = _db_value(value)
+    return "" if plain is None else str(plain) if isinstance(plain, int) else repr(plain)
 
 
 def write_history(path: str | os.PathLike[str], rows: Sequence[Mapping[str, object]]) -> Path:
@@ -147,6 +144,7 @@ def write_history(path: str | os.PathLike[str], rows: Sequence[Mapping[str, obje
 
 
 def _db_value(value: object) -> int | float | None:
+    """A metric value as stored: None, a Python int (counts, numpy integers, bools) or a Python float."""
     if value is None:
         return None
     if isinstance(value, (bool, int, np.integer)):
