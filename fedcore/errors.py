@@ -13,6 +13,8 @@ context (round, client id, stage) where it has it, plus a sentence on what to do
     ├── ClientTaskError                            the user's Task raised while fitting or evaluating
     ├── PartitionError         (also ValueError)   a partition cannot satisfy its constraints
     ├── DatasetNotFoundError   (also FileNotFoundError)  dataset files are missing; says how to get them
+    ├── StateError                                 the server's state directory cannot be used as it is (damaged
+    │                                              database or checkpoints, records that disagree); says what to do
     ├── TransportError                             a client pool / transport could not deliver a message
     └── EngineError                                a parallel training worker failed (names the rank and cause)
 """
@@ -54,6 +56,12 @@ class FedcoreError(Exception):
             context.append(f"stage {self.stage}")
         prefix = f"[{', '.join(context)}] " if context else ""
         return prefix + self.message
+
+
+class StateError(FedcoreError):
+    """The server's state directory cannot be used as it is: a damaged state.db or checkpoint, records and
+    checkpoints of different runs, a checkpoint that cannot be written. The message names the file and what to
+    do (usually: restore it, or start a new run in a new state directory)."""
 
 
 class ConfigError(FedcoreError, ValueError):

@@ -16,8 +16,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import save as _st_save
 
 from fedcore.errors import NonFiniteError, PayloadError
 
@@ -262,6 +260,45 @@ def parse_header(
     return {n: entries[n] for n in order}, metadata
 
 
+# numpy dtype name -> safetensors dtype code (the inverse of SAFETENSORS_DTYPES)
+_TO_ST = {name: code for code, name in SAFETENSORS_DTYPES.items()}
+_HEADER_ALIGN = 8
+
+
+def safetensors_header(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The 8-byte length prefix plus the (space-padded) JSON header for ``arrays`` laid out in their order.
+
+    The same arrays and metadata always give the same bytes: the metadata keys are written sorted (safetensors'
+    own writer orders them by a hash map, which differs from run to run), the tensors in the order given.
+
+    Raises:
+        PayloadError: a dtype safetensors cannot hold, or ``metadata`` sets fedcore's reserved order key.
+    """
+    if metadata is not None and ORDER_KEY in metadata:
+        raise PayloadError(f"metadata key {ORDER_KEY!r} is reserved")
+    meta = dict(metadata or {})
+    meta[ORDER_KEY] = json.dumps(list(arrays))
+    header: dict[str, object] = {"__metadata__": {key: meta[key] for key in sorted(meta)}}
+    offset = 0
+    for name, array in arrays.items():
+        code = _TO_ST.get(array.dtype.name)
+        if code is None:
+            raise PayloadError(f"tensor {name!r} has dtype {array.dtype.name}, which safetensors cannot hold")
+        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += int(array.nbytes)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % _HEADER_ALIGN)
+    return struct.pack("<Q", len(text)) + text
+
+
+def raw_bytes(array: np.ndarray) -> memoryview:
+    """The little-endian C-order bytes of ``array`` as a flat byte view (a copy only when the layout needs one)."""
+    flat = np.require(array, requirements="C").reshape(-1)
+    if flat.dtype.byteorder == ">":
+        flat = flat.astype(flat.dtype.newbyteorder("<"))
+    return flat.view(np.uint8).data if flat.size else memoryview(b"")
+
+
 def encode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
     """Serialize ``arrays`` to safetensors bytes, keeping their order in the header metadata.
 
@@ -270,19 +307,13 @@ def encode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None 
         metadata: extra string key/values stored in the header.
 
     Returns:
-        The safetensors payload (8-byte header length, JSON header, raw little-endian data).
+        The safetensors payload (8-byte header length, JSON header, raw little-endian data), laid out by
+        :func:`safetensors_header`: the same arrays and metadata always give the same bytes.
 
     Raises:
         PayloadError: a name is reserved or a dtype is unsupported.
     """
-    meta = dict(metadata or {})
-    if ORDER_KEY in meta:
-        raise PayloadError(f"metadata key {ORDER_KEY!r} is reserved")
-    meta[ORDER_KEY] = json.dumps(list(arrays))
-    try:
-        return bytes(_st_save({n: np.require(a, requirements="C") for n, a in arrays.items()}, metadata=meta))
-    except (SafetensorError, ValueError, TypeError) as exc:
-        raise PayloadError(f"cannot encode tensors as safetensors: {exc}") from exc
+    return b"".join([safetensors_header(arrays, metadata), *(raw_bytes(a) for a in arrays.values())])
 
 
 def read_metadata(data: bytes) -> dict[str, str]:

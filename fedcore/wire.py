@@ -8,7 +8,9 @@ truncated, corrupted and oversized payloads are all rejected with a reason that 
 
 Payloads are written and read as files without holding a second copy of the model: :func:`save_payload`
 streams tensors to a file (computing the digest on the way) and :func:`open_safetensors` maps a received file as
-read-only ``np.memmap`` views, so the server folds an update from disk (DESIGN.md, "spill to disk").
+read-only ``np.memmap`` views, so the server folds an update from disk (DESIGN.md, "spill to disk"). A written file
+depends only on its tensors and metadata (the same run writes the same bytes), replaces its path atomically, and can
+carry the SHA-256 of its own bytes (checkpoints: :func:`check_digest`).
 """
 
 from __future__ import annotations
@@ -33,17 +35,19 @@ from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, 
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
-from fedcore.tensors import ORDER_KEY, SAFETENSORS_DTYPES, NamedArrays, TensorEntry, parse_header
+from fedcore.tensors import NamedArrays, TensorEntry, parse_header, raw_bytes, safetensors_header
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Payload chunk size on the wire (4 MiB: well under gRPC's default 4 MiB+ message cap once framed)."""
 
 
-_HEADER_ALIGN = 8
-_READ_BLOCK = 1 << 20
+DIGEST_KEY = "fedcore.sha256"
+"""Header metadata key of a file's own SHA-256 (see ``save_payload(self_digest=True)`` and :func:`check_digest`)."""
 
-# numpy dtype name -> safetensors dtype code (the inverse of fedcore.tensors.SAFETENSORS_DTYPES)
-_TO_ST = {name: code for code, name in SAFETENSORS_DTYPES.items()}
+_DIGEST_PLACEHOLDER = "0" * 64
+
+
+_READ_BLOCK = 1 << 20
 
 _STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE}
 _STAGE_FROM_PB = {v: k for k, v in _STAGE_TO_PB.items()}
@@ -65,32 +69,6 @@ class PayloadFile:
 # safetensors files without extra copies
 
 
-def safetensors_header(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The 8-byte length prefix plus the (space-padded) JSON header for ``arrays`` laid out in their order."""
-    header: dict[str, object] = {}
-    meta = dict(metadata or {})
-    meta[ORDER_KEY] = json.dumps(list(arrays))
-    header["__metadata__"] = meta
-    offset = 0
-    for name, array in arrays.items():
-        code = _TO_ST.get(array.dtype.name)
-        if code is None:
-            raise PayloadError(f"tensor {name!r} has dtype {array.dtype.name}, which safetensors cannot hold")
-        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        offset += int(array.nbytes)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(len(text) + 8) % _HEADER_ALIGN)
-    return struct.pack("<Q", len(text)) + text
-
-
-def _raw_view(array: np.ndarray) -> memoryview:
-    """The little-endian C-order bytes of ``array`` as a flat byte view (a copy only when the layout needs one)."""
-    flat = np.require(array, requirements="C").reshape(-1)
-    if flat.dtype.byteorder == ">":
-        flat = flat.astype(flat.dtype.newbyteorder("<"))
-    return flat.view(np.uint8).data if flat.size else memoryview(b"")
-
-
 def payload_segments(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> list[memoryview]:
     """The safetensors payload of ``arrays`` as views, in order: the header, then each tensor's bytes.
 
@@ -100,7 +78,7 @@ def payload_segments(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, st
     Raises:
         PayloadError: a dtype safetensors cannot hold.
     """
-    return [memoryview(safetensors_header(arrays, metadata)), *(_raw_view(a) for a in arrays.values())]
+    return [memoryview(safetensors_header(arrays, metadata)), *(raw_bytes(a) for a in arrays.values())]
 
 
 def _write_segments(fh: BinaryIO, segments: Sequence[memoryview]) -> tuple[int, bytes]:
@@ -114,14 +92,19 @@ def _write_segments(fh: BinaryIO, segments: Sequence[memoryview]) -> tuple[int, 
 
 
 def save_payload(
-    path: Path,
+    path: str | os.PathLike[str],
     arrays: Mapping[str, np.ndarray],
     metadata: Mapping[str, str] | None = None,
     *,
     frame_bytes: int | None = None,
     durable: bool = True,
+    self_digest: bool = False,
 ) -> PayloadFile:
     """Write ``arrays`` to ``path`` atomically (temporary file, rename) and return its size and digest.
+
+    The bytes depend only on ``arrays`` and ``metadata`` (see :func:`safetensors_header`), so the same run writes
+    the same files. If the write fails (disk full, file size limit, an error while writing) the temporary file
+    is removed and whatever was at ``path`` before is untouched.
 
     Args:
         path: the file to write.
@@ -131,32 +114,93 @@ def save_payload(
             reads it, without another copy. ``size`` and ``sha256`` are those of the payload itself.
         durable: fsync the file and its directory before returning (a checkpoint); False for a file that is
             only sent and is written again after a crash, which saves waiting for the disk.
+        self_digest: store in the header, under :data:`DIGEST_KEY`, the SHA-256 (hex) of the whole file as it
+            reads with that value set to 64 zeros, so :func:`check_digest` detects any changed byte later
+            (header or data). Computed while writing, in one pass. ``sha256`` is then that digest. Not with
+            ``frame_bytes``.
 
     Raises:
-        PayloadError: a dtype safetensors cannot hold.
-        OSError: the file cannot be written (disk full, permissions).
+        PayloadError: a dtype safetensors cannot hold, a reserved metadata key, or ``self_digest`` with framing.
+        OSError: the file cannot be written (disk full, permissions, file size limit).
     """
+    path = Path(path)
+    if self_digest and frame_bytes is not None:
+        raise PayloadError("a framed payload file cannot carry its own digest (self_digest with frame_bytes)")
+    meta = dict(metadata or {})
+    if DIGEST_KEY in meta:
+        raise PayloadError(f"metadata key {DIGEST_KEY!r} is reserved")
+    if self_digest:
+        meta[DIGEST_KEY] = _DIGEST_PLACEHOLDER
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    segments = payload_segments(arrays, metadata)
+    segments = payload_segments(arrays, meta)
     size = sum(len(s) for s in segments)
-    with tmp.open("wb") as fh:
-        if frame_bytes is None:
-            preallocate(fh, size)
-            _, digest = _write_segments(fh, segments)
-        else:
-            preallocate(fh, sum(framed for _, framed in framed_sizes(size, frame_bytes)))
-            hasher = hashlib.sha256()
-            for chunk in iter_data_chunks(segments, frame_bytes):
-                fh.write(chunk.framed)
-                hasher.update(chunk.payload)
-            digest = hasher.digest()
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as fh:
+            if frame_bytes is None:
+                preallocate(fh, size)
+                _, digest = _write_segments(fh, segments)
+                if self_digest:
+                    fh.seek(_digest_offset(bytes(segments[0])))
+                    fh.write(digest.hex().encode())
+            else:
+                preallocate(fh, sum(framed for _, framed in framed_sizes(size, frame_bytes)))
+                hasher = hashlib.sha256()
+                for chunk in iter_data_chunks(segments, frame_bytes):
+                    fh.write(chunk.framed)
+                    hasher.update(chunk.payload)
+                digest = hasher.digest()
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a torn temporary behind; ``path`` keeps its old content
+        raise
     if durable:
         _fsync_dir(path.parent)
     return PayloadFile(path=path, size=size, sha256=digest, frame_bytes=frame_bytes)
+
+
+def _digest_offset(header: bytes) -> int:
+    """Byte offset of the digest value inside ``header`` (the prefix and JSON written by :func:`safetensors_header`).
+
+    The key and its value appear exactly once: JSON escapes every quote inside string values, so the quoted key
+    followed by ``:"`` cannot occur anywhere else.
+    """
+    marker = json.dumps(DIGEST_KEY).encode() + b':"'
+    at = header.find(marker)
+    if at < 0 or header.find(marker, at + 1) >= 0:
+        raise PayloadError(f"header does not hold exactly one {DIGEST_KEY!r} entry (corrupted file)")
+    return at + len(marker)
+
+
+def check_digest(path: str | os.PathLike[str]) -> bool | None:
+    """Check the digest a file written with ``save_payload(self_digest=True)`` carries in its header.
+
+    Reads the whole file once (its pages stay in the OS page cache for a later :func:`open_safetensors`).
+
+    Returns:
+        True if the file's bytes match the recorded digest, False if any byte differs, None if the file records
+        no digest (a plain safetensors file).
+
+    Raises:
+        PayloadError: the file is too short or its header is malformed.
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    _, metadata, body = read_safetensors_header(path)
+    recorded = metadata.get(DIGEST_KEY)
+    if recorded is None:
+        return None
+    hasher = hashlib.sha256()
+    with path.open("rb") as fh:
+        header = bytearray(fh.read(body))
+        at = _digest_offset(bytes(header))
+        header[at : at + len(_DIGEST_PLACEHOLDER)] = _DIGEST_PLACEHOLDER.encode()
+        hasher.update(header)
+        while block := fh.read(_READ_BLOCK * 16):
+            hasher.update(block)
+    return hasher.hexdigest() == recorded
 
 
 def preallocate(fh: BinaryIO, size: int) -> None:
@@ -193,7 +237,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def read_safetensors_header(
-    path: Path, *, round: int | None = None, client_id: str | None = None
+    path: str | os.PathLike[str], *, round: int | None = None, client_id: str | None = None
 ) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
     """Read and check the header of the safetensors file ``path`` (the tensor data is not read).
 
@@ -205,7 +249,9 @@ def read_safetensors_header(
 
     Raises:
         PayloadError: truncated or corrupted file.
+        OSError: the file cannot be read (FileNotFoundError if it does not exist).
     """
+    path = Path(path)
     size = path.stat().st_size
     with path.open("rb") as fh:
         prefix = fh.read(8)
@@ -223,7 +269,7 @@ def read_safetensors_header(
 
 
 def open_safetensors(
-    path: Path, *, round: int | None = None, client_id: str | None = None
+    path: str | os.PathLike[str], *, round: int | None = None, client_id: str | None = None
 ) -> tuple[NamedArrays, dict[str, str]]:
     """Map a safetensors file as read-only ``np.memmap`` views, in the order recorded in its header.
 
@@ -234,7 +280,9 @@ def open_safetensors(
 
     Raises:
         PayloadError: truncated or corrupted file.
+        OSError: the file cannot be read (FileNotFoundError if it does not exist).
     """
+    path = Path(path)
     entries, metadata, body = read_safetensors_header(path, round=round, client_id=client_id)
     arrays: NamedArrays = {}
     for name, e in entries.items():  # in the recorded order

@@ -1,18 +1,20 @@
 """``fedcore server start``: the coordinator process.
 
 It builds the strategy and the initial model (from the same Task the clients run, or a checkpoint file), opens
-the state directory (resuming after its newest checkpoint), starts the gRPC service and the Prometheus endpoint,
-and runs :func:`server.round_loop.run_rounds` over the :class:`~server.grpc_pool.GrpcClientPool`. After every
-round the record goes to SQLite and history.csv and the global model to an atomic checkpoint; nothing of a
-finished round stays in memory: the loop continues from the checkpoint mapped read-only (clean file pages, not
-anonymous memory), records are not collected, and the evaluation model exists only while it evaluates.
-SIGTERM (and Ctrl-C) stops cleanly: the last checkpoint stays, and a restart on the same state directory resumes
-at the next round.
+the state directory (resuming after its newest intact checkpoint; a state directory whose records and checkpoints
+disagree, or that holds a run of another model or strategy, is refused: see :mod:`server.state`), starts the
+gRPC service and the Prometheus endpoint, and runs :func:`server.round_loop.run_rounds` over the
+:class:`~server.grpc_pool.GrpcClientPool`. After every round the record goes to SQLite and history.csv and the
+global model to an atomic checkpoint; nothing of a finished round stays in memory: the loop continues from the
+checkpoint mapped read-only (clean file pages, not anonymous memory), records are not collected, and the
+evaluation model exists only while it evaluates. SIGTERM (and Ctrl-C) stops cleanly: the last checkpoint stays,
+and a restart on the same state directory resumes at the next round.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from fedcore.config import apply_overrides, from_mapping, load_toml
-from fedcore.errors import ConfigError, PayloadError
+from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.kernels import warm_up as warm_up_kernels
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.task import (
@@ -153,13 +155,13 @@ class ServerConfig:
         )
 
 
-def load_server_config(path: Path | None, overrides: list[str]) -> ServerConfig:
+def load_server_config(path: str | os.PathLike[str] | None, overrides: list[str]) -> ServerConfig:
     """Build the config from an optional TOML file plus ``key=value`` overrides.
 
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or invalid value.
     """
-    data: dict[str, Any] = load_toml(path) if path is not None else {}
+    data: dict[str, Any] = load_toml(Path(path)) if path is not None else {}
     return from_mapping(ServerConfig, apply_overrides(data, overrides))
 
 
@@ -187,42 +189,21 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     """Run the coordinator until the last round (or SIGTERM). Returns the final state (None if stopped).
 
     Raises:
-        ConfigError: bad files or address. RoundFailed: a round missed its quorum too often, or too few clients.
+        ConfigError: bad files or address, or a state directory of another model or strategy.
+        StateError: a damaged state directory, or one whose records and checkpoints disagree (before any round);
+            a checkpoint or record that cannot be written (during the run).
+        RoundFailed: a round missed its quorum too often, or too few clients.
     """
     if config.insecure:
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
     _return_large_blocks_to_the_os()
-    warm_up_kernels()
     store = StateStore(config.state_dir)
-    strategy = build_strategy(config.strategy, config.train, config.sampling)
-    server_task = None
-    if config.task is not None:
-        factory = load_task_factory(config.task)
-        server_task = factory(
-            TaskContext(role="server", seed=config.seed, data_dir=config.data_dir, options=dict(config.task_options))
-        )
-    _memory_line(echo, "before the model")
-    resumed = store.latest_checkpoint(mapped=True)
-    initial: ServerState
-    if resumed is not None:
-        if server_task is not None:
-            with torch.random.fork_rng(devices=[]):
-                model = server_task.build_model()
-            expected, trainable = state_spec(model.state_dict()), trainable_names(model)
-            del model
-            resumed = replace(resumed, trainable=trainable)  # not in the checkpoint: a property of the model
-            try:
-                check_spec(resumed.parameters, expected)
-            except PayloadError as exc:
-                raise ConfigError(
-                    f"the checkpoint in {str(config.state_dir)!r} (round {resumed.round}) is of another model than "
-                    f"the task builds ({exc.message}); use a new --state-dir for a new run, or the task options "
-                    "of the run being resumed"
-                ) from None
-        initial = resumed
-        echo(f"resuming after round {resumed.round} from {config.state_dir}")
-    else:
-        initial = _fresh_state(config, server_task, strategy, store, echo)
+    try:
+        strategy, server_task, initial = _open_run(config, store, echo)  # refusals come first, in a moment
+    except BaseException:
+        store.close()
+        raise
+    warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
 
     evaluate_fn: EvaluateFn | None = None
@@ -283,7 +264,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         if record.round > 0:
             path = store.save_checkpoint(state)
             # continue from the checkpoint's clean file pages; the anonymous arrays of this round are freed
-            mapped = load_checkpoint(path, mapped=True)
+            mapped = load_checkpoint(path, mapped=True, verify=False)  # just written; verified when resumed
             metrics.rounds.inc()
             metrics.current_round.set(record.round)
             metrics.round_seconds.observe(record.seconds)
@@ -336,6 +317,41 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     return final
 
 
+def _open_run(
+    config: ServerConfig, store: StateStore, echo: Callable[[str], None]
+) -> tuple[Strategy, Task | None, ServerState]:
+    """The strategy, the server's task and the state to start from: resumed from the state directory, refused if
+    that holds a run of another strategy or model, or fresh."""
+    strategy = build_strategy(config.strategy, config.train, config.sampling)
+    store.check_strategy(config.strategy)
+    server_task = None
+    if config.task is not None:
+        factory = load_task_factory(config.task)
+        server_task = factory(
+            TaskContext(role="server", seed=config.seed, data_dir=config.data_dir, options=dict(config.task_options))
+        )
+    _memory_line(echo, "before the model")
+    resumed = store.resume(mapped=True)
+    if resumed is None:
+        return strategy, server_task, _fresh_state(config, server_task, strategy, store, echo)
+    if server_task is not None:
+        with torch.random.fork_rng(devices=[]):
+            model = server_task.build_model()
+        expected, trainable = state_spec(model.state_dict()), trainable_names(model)
+        del model
+        resumed = replace(resumed, trainable=trainable)  # not in the checkpoint: a property of the model
+        try:
+            check_spec(resumed.parameters, expected)
+        except PayloadError as exc:
+            raise ConfigError(
+                f"the checkpoint in {str(config.state_dir)!r} (round {resumed.round}) is of another model than "
+                f"the task builds ({exc.message}); use a new --state-dir for a new run, or the task options "
+                "of the run being resumed"
+            ) from None
+    echo(f"resuming after round {resumed.round} from {config.state_dir}")
+    return strategy, server_task, resumed
+
+
 def _fresh_state(
     config: ServerConfig, server_task: Task | None, strategy: Strategy, store: StateStore, echo: Callable[[str], None]
 ) -> ServerState:
@@ -384,5 +400,8 @@ class _RecordingService(CoordinatorService):
 
     def Join(self, request: Any, context: Any) -> Any:  # noqa: N802 - name fixed by the gRPC service
         reply = super().Join(request, context)
-        self._store.record_join(request.client_id)
+        try:
+            self._store.record_join(request.client_id)
+        except StateError as exc:  # the join itself stands; the round's record will stop the server with this error
+            log.error("%s", exc)
         return reply

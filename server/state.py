@@ -2,32 +2,65 @@
 
 Layout of a state directory::
 
-    state.db                        clients, rounds, round_metrics, failures
+    state.db                        meta (format, the run's strategy), clients, rounds, round_metrics, failures,
+                                    checkpoints (the digest of each checkpoint written)
+    state.lock                      held (flock) by the one process using the directory; holds its pid
     checkpoints/round-000003.safetensors
-                                    global model ("param/<name>") and server optimizer state ("opt/<name>")
-    history.csv                     one row per round (the same as the rounds table)
+                                    global model ("param/<name>"), server optimizer state ("opt/<name>"), the
+                                    round, and the file's own SHA-256 (header metadata "fedcore.sha256")
+    history.csv                     one row per round (the current rows of the rounds table), see write_history
     spill/                          payload files in flight (emptied at start)
 
-A checkpoint is written to a temporary file, fsynced and renamed, so a crash leaves the previous checkpoint or
-the new one, never a torn file; the newest two are kept. Restarting on the same directory resumes at the round
-after the newest checkpoint.
+A checkpoint is written to a temporary file, fsynced, renamed, and its directory fsynced, so a crash (or a full
+disk) leaves the previous checkpoint or the new one, never a torn file; the newest two are kept. Each carries a
+digest of its own bytes, checked when a run resumes.
+
+Resuming (:meth:`StateStore.resume`) takes the newest *intact* checkpoint, round C (a damaged newer one is
+reported in the log and skipped, and so is a checkpoint whose digest is not the one state.db recorded when it
+wrote that round's checkpoint: another run's), and holds it against the records in state.db, whose last trained
+round is R:
+
+- no checkpoint and no trained round recorded: a fresh run (a round-0 row is simply written again);
+- C = R, or C = R + 1 (the server stopped between writing round C's checkpoint and its row): resume after C;
+- C < R (the newer checkpoints are damaged or gone): resume after C; the rows of rounds C+1..R stay in state.db
+  but are marked superseded (``superseded`` > 0: the k-th such fallback) and leave history.csv, and the rounds
+  run again — the old rows are never mixed with the new ones;
+- trained rounds recorded but no intact checkpoint, or C > R + 1 (state.db replaced): refused with
+  :class:`~fedcore.errors.StateError`, which says what to do.
+
+The run's strategy is recorded at the first start; a restart with another strategy, or with settings that give
+the stored server optimizer state another meaning, is refused (:meth:`StateStore.check_strategy`). Every SQLite
+failure (a damaged file, a full disk) surfaces as a StateError that names the file.
 """
 
 from __future__ import annotations
 
 import csv
+import fcntl
+import json
 import logging
+import os
 import shutil
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from fedcore.errors import ConfigError, PayloadError
+from fedcore.errors import ConfigError, PayloadError, StateError
+from fedcore.strategy import StrategyConfig
 from fedcore.tensors import NamedArrays
-from fedcore.wire import open_safetensors, save_payload
+from fedcore.wire import (
+    DIGEST_KEY,
+    PayloadFile,
+    check_digest,
+    open_safetensors,
+    read_safetensors_header,
+    save_payload,
+)
 from server.round_loop import RoundRecord, ServerState
 
 log = logging.getLogger("fedcore.server")
@@ -35,22 +68,111 @@ log = logging.getLogger("fedcore.server")
 _PARAM = "param/"
 _OPT = "opt/"
 _KEEP_CHECKPOINTS = 2
+_FORMAT = "2"
+_MAX_TEXT = 2000  # characters of client-derived text (ids, failure reasons) stored per row
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS clients (
     client_id TEXT PRIMARY KEY, first_seen REAL NOT NULL, last_seen REAL NOT NULL, joins INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS rounds (
-    round INTEGER PRIMARY KEY, finished_at REAL NOT NULL, seconds REAL, attempts INTEGER,
-    selected INTEGER, accepted INTEGER, failures INTEGER
+    round INTEGER NOT NULL, finished_at REAL NOT NULL, seconds REAL, attempts INTEGER,
+    selected INTEGER, accepted INTEGER, failures INTEGER, superseded INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (round, superseded)
 );
 CREATE TABLE IF NOT EXISTS round_metrics (
-    round INTEGER NOT NULL, key TEXT NOT NULL, value REAL, PRIMARY KEY (round, key)
+    round INTEGER NOT NULL, key TEXT NOT NULL, value, superseded INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (round, key, superseded)
 );
+CREATE TABLE IF NOT EXISTS checkpoints (round INTEGER PRIMARY KEY, sha256 TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS failures (
-    round INTEGER NOT NULL, client_id TEXT NOT NULL, stage TEXT NOT NULL, reason TEXT NOT NULL
+    round INTEGER NOT NULL, client_id TEXT NOT NULL, stage TEXT NOT NULL, reason TEXT NOT NULL,
+    superseded INTEGER NOT NULL DEFAULT 0
 );
 """
+# round_metrics.value has no type on purpose: SQLite then keeps integers (counts) as integers and floats as floats.
+
+_NEW_RUN = "use a new --state-dir for a new run (add --initial FILE to start it from a saved model, e.g. a checkpoint)"
+
+HISTORY_COLUMNS = ("round", "clients", "failures", "train_loss", "test_loss", "test_accuracy", "federated_loss")
+"""The fixed leading columns of every history.csv, in order; see :func:`write_history`."""
+
+
+def history_columns(rows: Sequence[Mapping[str, object]]) -> list[str]:
+    """The columns of a history file holding ``rows``: :data:`HISTORY_COLUMNS`, then every other key of any row
+    sorted by name, then ``seconds`` (wall time: the one column that differs between two runs of the same seed)."""
+    fixed = {*HISTORY_COLUMNS, "seconds"}
+    extra = sorted({str(key) for row in rows for key in row} - fixed)
+    return [*HISTORY_COLUMNS, *extra, "seconds"]
+
+
+def _cell(value: object) -> str:
+    """One CSV cell: empty for None, integers as integers, floats in Python's shortest round-trip form."""
+    plain = _db_value(value)
+    return "" if plain is None else str(plain) if isinstance(plain, int) else repr(plain)
+
+
+def write_history(path: str | os.PathLike[str], rows: Sequence[Mapping[str, object]]) -> Path:
+    """Write the round history as CSV, atomically (temporary file, rename), and return its path.
+
+    The one writer of history.csv, for the server (rows from state.db) and the simulation (rows in memory), so
+    both files have one schema: the columns of :func:`history_columns` (any metric column, such as a new count
+    in :meth:`RoundRecord.as_row`, just appears), every row with every column (empty where a round has no
+    value), integer counts as integers. The bytes depend only on ``rows``.
+
+    Args:
+        path: the CSV file (its directory must exist).
+        rows: one mapping per round, e.g. :meth:`RoundRecord.as_row`; values None, int or float.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path = Path(path)
+    columns = history_columns(rows)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w", newline="") as fh:
+            writer = csv.writer(fh, lineterminator="\n")
+            writer.writerow(columns)
+            writer.writerows([_cell(row.get(column)) for column in columns] for row in rows)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _db_value(value: object) -> int | float | None:
+    """A metric value as stored: None, a Python int (counts, numpy integers, bools) or a Python float."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, int, np.integer)):
+        return int(value)
+    return float(value)  # type: ignore[arg-type]
+
+
+def _strategy_identity(config: StrategyConfig) -> dict[str, object]:
+    """The strategy name plus the settings that decide what its stored server-optimizer state means: FedAvgM's
+    momentum (the velocity's decay) and the adaptive optimizers' moment decays. The learning rate, tau and the
+    weighting may change between restarts: they change later steps, not the meaning of the stored state."""
+    identity: dict[str, object] = {"name": config.name}
+    if config.name == "fedavgm":
+        identity["server_momentum"] = config.server_momentum
+    elif config.name == "fedadagrad":
+        identity["beta1"] = config.beta1
+    elif config.name in ("fedadam", "fedyogi"):
+        identity.update(beta1=config.beta1, beta2=config.beta2)
+    return identity
+
+
+def _describe(identity: Mapping[str, object]) -> str:
+    settings = ", ".join(f"{k}={v}" for k, v in identity.items() if k != "name")
+    return f"{identity.get('name')}" + (f" ({settings})" if settings else "")
+
+
+def _rounds_text(rounds: Sequence[int]) -> str:
+    return f"round {rounds[0]}" if len(rounds) == 1 else f"rounds {rounds[0]}-{rounds[-1]}"
 
 
 class StateStore:
@@ -58,53 +180,141 @@ class StateStore:
 
     Args:
         directory: created if missing.
+
+    Raises:
+        ConfigError: the directory cannot be created or written.
+        StateError: another process holds the directory (a second server on it), or state.db is damaged, not a
+            database, or written by an older fedcore (the message says what to do).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self.checkpoints = self.directory / "checkpoints"
         self.spill = self.directory / "spill"
+        self.database = self.directory / "state.db"
         try:
             self.checkpoints.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot use {str(self.directory)!r} as the state directory: {exc}") from exc
+        self._owner = _lock_directory(self.directory)  # before anything in it is cleaned or opened
+        try:
+            for torn in self.checkpoints.glob(".*.tmp-*"):  # a write interrupted by a crash; never a checkpoint
+                torn.unlink()
             if self.spill.exists():
                 shutil.rmtree(self.spill)  # payloads of an interrupted run are never reused
             self.spill.mkdir()
         except OSError as exc:
+            os.close(self._owner)
             raise ConfigError(f"cannot use {str(self.directory)!r} as the state directory: {exc}") from exc
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.directory / "state.db", check_same_thread=False, isolation_level=None)
+        try:
+            with self._sqlite("opening it"):
+                self._db = sqlite3.connect(self.database, check_same_thread=False, isolation_level=None)
+            try:
+                with self._sqlite("opening it"):
+                    self._open()
+            except BaseException:
+                self._db.close()
+                raise
+        except BaseException:
+            os.close(self._owner)
+            raise
+
+    def _open(self) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
+        problems = [str(row[0]) for row in self._db.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError("; ".join(problems)[:_MAX_TEXT])
+        tables = {str(name) for (name,) in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if tables and "meta" not in tables:
+            raise StateError(
+                f"the state database {str(self.database)!r} was written by an older fedcore (no format record) "
+                f"and cannot be resumed; {_NEW_RUN}"
+            )
         self._db.executescript(_SCHEMA)
+        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (_FORMAT,))
+        (found,) = self._db.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
+        if found != _FORMAT:
+            raise StateError(
+                f"the state database {str(self.database)!r} has format {str(found)[:20]!r}, this fedcore reads "
+                f"format {_FORMAT}; use the fedcore that wrote it, or {_NEW_RUN}"
+            )
+
+    @contextmanager
+    def _sqlite(self, doing: str) -> Iterator[None]:
+        """Turn a SQLite failure into a StateError that names the file and says what to do."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise StateError(
+                f"the state database {str(self.database)!r} failed while {doing}: {exc}. If it is damaged "
+                "('not a database', 'malformed'), move the state directory aside and "
+                f"{_NEW_RUN}; if the disk is full or read-only, fix that and restart (the run resumes)"
+            ) from exc
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One transaction (the caller holds the lock): committed at the end, rolled back on any error."""
+        self._db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
-        """Close the database."""
+        """Close the database and let another process use the directory."""
         with self._lock:
             self._db.close()
+            if self._owner >= 0:
+                os.close(self._owner)  # releases the directory lock
+                self._owner = -1
+
+    def _meta(self, key: str) -> str | None:
+        with self._lock, self._sqlite(f"reading {key!r}"):
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _set_meta(self, key: str, value: str) -> None:
+        with self._lock, self._sqlite(f"recording {key!r}"):
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     # ----------------------------------------------------------------- registry
     def record_join(self, client_id: str) -> None:
-        """Note that ``client_id`` joined now."""
+        """Note that ``client_id`` joined now.
+
+        Raises:
+            StateError: the database cannot be written.
+        """
         now = time.time()
-        with self._lock:
+        with self._lock, self._sqlite("recording a join"):
             self._db.execute(
                 "INSERT INTO clients VALUES (?, ?, ?, 1) ON CONFLICT(client_id) "
                 "DO UPDATE SET last_seen = excluded.last_seen, joins = joins + 1",
-                (client_id, now, now),
+                (client_id[:_MAX_TEXT], now, now),
             )
 
     def clients(self) -> list[tuple[str, int]]:
         """``(client id, number of joins)`` of every client ever seen."""
-        with self._lock:
+        with self._lock, self._sqlite("reading the clients"):
             return [(str(c), int(n)) for c, n in self._db.execute("SELECT client_id, joins FROM clients ORDER BY 1")]
 
     # ------------------------------------------------------------------- rounds
     def record_round(self, record: RoundRecord) -> None:
-        """Store one round's record (metrics and failures) and append it to history.csv."""
+        """Store one round's record (metrics and failures), replacing a current row of the same round, and
+        rewrite history.csv.
+
+        Raises:
+            StateError: the database or history.csv cannot be written.
+        """
         row = record.as_row()
-        with self._lock, self._db:
-            self._db.execute("BEGIN")
+        with self._lock, self._sqlite(f"recording round {record.round}"), self._transaction():
+            self._db.execute("DELETE FROM rounds WHERE round = ? AND superseded = 0", (record.round,))
             self._db.execute(
-                "INSERT OR REPLACE INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO rounds (round, finished_at, seconds, attempts, selected, accepted, failures) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.round,
                     time.time(),
@@ -115,49 +325,164 @@ class StateStore:
                     len(record.failures),
                 ),
             )
-            self._db.execute("DELETE FROM round_metrics WHERE round = ?", (record.round,))
+            self._db.execute("DELETE FROM round_metrics WHERE round = ? AND superseded = 0", (record.round,))
             self._db.executemany(
-                "INSERT INTO round_metrics VALUES (?, ?, ?)",
-                [(record.round, k, None if v is None else float(v)) for k, v in row.items() if k != "round"],
+                "INSERT INTO round_metrics (round, key, value) VALUES (?, ?, ?)",
+                [(record.round, k, _db_value(v)) for k, v in row.items() if k != "round"],
             )
-            self._db.execute("DELETE FROM failures WHERE round = ?", (record.round,))
+            self._db.execute("DELETE FROM failures WHERE round = ? AND superseded = 0", (record.round,))
             self._db.executemany(
-                "INSERT INTO failures VALUES (?, ?, ?, ?)",
-                [(f.round, f.client_id, f.stage.value, f.reason) for f in record.failures],
+                "INSERT INTO failures (round, client_id, stage, reason) VALUES (?, ?, ?, ?)",
+                [(f.round, f.client_id[:_MAX_TEXT], f.stage.value, f.reason[:_MAX_TEXT]) for f in record.failures],
             )
-        self.export_csv(self.directory / "history.csv")
+        self.export_csv()
+
+    def recorded_rounds(self) -> list[int]:
+        """The rounds with a current (not superseded) record, ascending."""
+        with self._lock, self._sqlite("reading the rounds"):
+            return [int(r) for (r,) in self._db.execute("SELECT round FROM rounds WHERE superseded = 0 ORDER BY 1")]
 
     def history(self) -> list[dict[str, float | int | None]]:
-        """One dict per stored round, ``round`` first, then its metrics."""
-        with self._lock:
-            rounds = [int(r) for (r,) in self._db.execute("SELECT round FROM rounds ORDER BY round")]
-            rows = []
-            for rnd in rounds:
-                row: dict[str, float | int | None] = {"round": rnd}
-                for key, value in self._db.execute("SELECT key, value FROM round_metrics WHERE round = ?", (rnd,)):
-                    row[str(key)] = value
-                rows.append(row)
-        return rows
+        """One dict per current round record, ``round`` first, then its metrics (integers stay integers)."""
+        with self._lock, self._sqlite("reading the history"):
+            rows: dict[int, dict[str, float | int | None]] = {}
+            for (rnd,) in self._db.execute("SELECT round FROM rounds WHERE superseded = 0 ORDER BY round"):
+                rows[int(rnd)] = {"round": int(rnd)}
+            for rnd, key, value in self._db.execute(
+                "SELECT round, key, value FROM round_metrics WHERE superseded = 0 ORDER BY round, rowid"
+            ):
+                if int(rnd) in rows:
+                    rows[int(rnd)][str(key)] = value
+        return list(rows.values())
 
-    def export_csv(self, path: Path) -> Path:
-        """Write the round history as CSV (atomically) and return its path."""
-        rows = self.history()
-        keys: list[str] = []
-        for row in rows:
-            keys.extend(k for k in row if k not in keys)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with tmp.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-        tmp.replace(path)
-        return path
+    def export_csv(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the round history with :func:`write_history` (default: ``history.csv`` in the state directory).
+
+        Raises:
+            StateError: the file cannot be written.
+        """
+        target = self.directory / "history.csv" if path is None else Path(path)
+        try:
+            return write_history(target, self.history())
+        except OSError as exc:
+            raise StateError(f"cannot write the round history {str(target)!r}: {exc}") from exc
+
+    def _supersede_after(self, rnd: int) -> list[int]:
+        """Mark the current records of rounds after ``rnd`` superseded; return those rounds."""
+        with self._lock, self._sqlite(f"marking the rounds after {rnd} superseded"), self._transaction():
+            rounds = [
+                int(r)
+                for (r,) in self._db.execute(
+                    "SELECT round FROM rounds WHERE superseded = 0 AND round > ? ORDER BY 1", (rnd,)
+                )
+            ]
+            (mark,) = self._db.execute("SELECT COALESCE(MAX(superseded), 0) + 1 FROM rounds").fetchone()
+            for table in ("rounds", "round_metrics", "failures"):
+                self._db.execute(
+                    f"UPDATE {table} SET superseded = ? WHERE superseded = 0 AND round > ?",
+                    (mark, rnd),
+                )
+        return rounds
+
+    # ------------------------------------------------------------------ the run
+    def check_strategy(self, config: StrategyConfig) -> None:
+        """Record the run's strategy at its first start; refuse a restart with another one.
+
+        Refused: another strategy name, or other settings that change what the stored server-optimizer state
+        means (FedAvgM's ``server_momentum``; ``beta1`` of the adaptive ones and ``beta2`` of FedAdam/FedYogi).
+        ``server_lr``, ``tau`` and ``weighting`` may change. A state directory where nothing was trained yet
+        simply takes the new strategy.
+
+        Raises:
+            ConfigError: the state directory holds a run of another strategy (both are named).
+            StateError: checkpoints or trained rounds exist but no strategy was recorded (state.db replaced).
+        """
+        identity = _strategy_identity(config)
+        recorded = self._meta("strategy")
+        trained = [r for r in self.recorded_rounds() if r > 0]
+        files = sorted(self.checkpoints.glob("round-*.safetensors"))
+        started = bool(trained or files)
+        if recorded is None and started:
+            raise StateError(
+                f"the state directory {str(self.directory)!r} holds "
+                + (f"checkpoints ({files[-1].name})" if files else f"records of {_rounds_text(trained)}")
+                + " but state.db records no strategy for them (the database was replaced or deleted); "
+                + _NEW_RUN
+            )
+        if recorded is not None and started:
+            try:
+                previous = json.loads(recorded)
+            except json.JSONDecodeError as exc:
+                raise StateError(
+                    f"the state database {str(self.database)!r} holds an unreadable strategy record; {_NEW_RUN}"
+                ) from exc
+            if previous != identity:
+                raise ConfigError(
+                    f"the state directory {str(self.directory)!r} holds a run of strategy {_describe(previous)}, "
+                    f"but this server is configured for {_describe(identity)}: the stored server optimizer state "
+                    f"would be read as something else. Resume with the recorded strategy (--strategy "
+                    f"{previous.get('name')} and its settings), or {_NEW_RUN}"
+                )
+            return
+        self._set_meta("strategy", json.dumps(identity, sort_keys=True))
+
+    def resume(self, *, mapped: bool = False) -> ServerState | None:
+        """The state to continue from: the newest intact checkpoint, held against the round records (see the
+        module docstring), or None for a fresh run. Rounds recorded after the checkpoint are marked superseded.
+
+        Raises:
+            StateError: the records and the checkpoints disagree (trained rounds recorded but no intact checkpoint,
+                or checkpoints newer than the records by more than one round), or checkpoints exist and none is
+                intact. The message says which files and what to do.
+        """
+        trained = [r for r in self.recorded_rounds() if r > 0]
+        last = trained[-1] if trained else 0
+        state = self.latest_checkpoint(mapped=mapped)
+        if state is None:
+            if trained:
+                raise StateError(
+                    f"state.db in {str(self.directory)!r} records {_rounds_text(trained)} but checkpoints/ holds no "
+                    "checkpoint: resuming would mix two runs. Restore the checkpoints, or " + _NEW_RUN
+                )
+            return None
+        if state.round > last + 1:
+            raise StateError(
+                f"the newest checkpoint in {str(self.checkpoints)!r} is of round {state.round} but state.db "
+                + (f"records only up to round {last}" if trained else "records no trained round")
+                + ": they are of different runs (or state.db was replaced). Restore the matching state.db, or "
+                + _NEW_RUN
+            )
+        if state.round < last:
+            superseded = self._supersede_after(state.round)
+            log.warning(
+                "the newest intact checkpoint is of round %d but state.db recorded %s after it: those records are "
+                "marked superseded and the rounds run again",
+                state.round,
+                _rounds_text(superseded),
+            )
+            self.export_csv()
+        return state
 
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self, state: ServerState) -> Path:
-        """Write the global model and optimizer state of ``state.round`` atomically; keep the newest two."""
+        """Write the global model and optimizer state of ``state.round`` atomically, with its digest; keep the
+        newest two.
+
+        Raises:
+            StateError: the file cannot be written (disk full, file size limit); the previous checkpoints are
+                untouched and a restart resumes from them.
+        """
         path = self.checkpoints / f"round-{state.round:06d}.safetensors"
-        _write_state(path, state)
+        try:
+            written = _write_state(path, state, self_digest=True)
+        except OSError as exc:
+            raise StateError(
+                f"cannot write the checkpoint {str(path)!r}: {exc}. The previous checkpoints are intact; free disk "
+                "space (or raise the file size limit) and restart with the same --state-dir to resume",
+                round=state.round,
+            ) from exc
+        with self._lock, self._sqlite(f"recording the checkpoint of round {state.round}"):
+            self._db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?)", (state.round, written.sha256.hex()))
         for old in sorted(self.checkpoints.glob("round-*.safetensors"))[:-_KEEP_CHECKPOINTS]:
             old.unlink(missing_ok=True)
         return path
@@ -167,31 +492,104 @@ class StateStore:
         (see :func:`load_checkpoint`), so the server holds it as clean file pages during round 1 as it holds
         each later round's model mapped from its checkpoint. Not a checkpoint: a restart does not resume from it."""
         path = self.spill / f"initial-r{state.round:06d}.safetensors"
-        _write_state(path, state)
+        _write_state(path, state, self_digest=False)
         mapped = load_checkpoint(path, mapped=True)
         path.unlink()  # the mapping keeps the data readable (POSIX); nothing is left behind in spill/
         return mapped
 
     def latest_checkpoint(self, *, mapped: bool = False) -> ServerState | None:
-        """The newest checkpoint as a :class:`ServerState` (arrays loaded into memory, or mapped: see
-        :func:`load_checkpoint`), or None.
+        """The newest intact checkpoint as a :class:`ServerState` (arrays loaded into memory, or mapped: see
+        :func:`load_checkpoint`), or None if there is none.
+
+        Intact: its digest matches its bytes, its recorded round matches its name, and it is the checkpoint that
+        state.db recorded for that round when it was written (its digest), not one of another run. (A checkpoint
+        with no such record yet, as after a crash right after writing it, is taken on its own digest.) A damaged
+        newer checkpoint is reported in the log (which file, why) and the previous one is tried.
 
         Raises:
-            PayloadError: the newest checkpoint is unreadable (the message names the file).
+            StateError: checkpoints exist but none is intact (the message lists each and why).
         """
-        found = sorted(self.checkpoints.glob("round-*.safetensors"))
-        if not found:
-            return None
-        return load_checkpoint(found[-1], mapped=mapped)
+        found = sorted(self.checkpoints.glob("round-*.safetensors"), reverse=True)
+        with self._lock, self._sqlite("reading the checkpoint records"):
+            recorded = {int(r): str(d) for r, d in self._db.execute("SELECT round, sha256 FROM checkpoints")}
+        damaged: list[str] = []
+        for i, path in enumerate(found):
+            problem = _checkpoint_problem(path, recorded)
+            if problem is None:
+                try:
+                    return load_checkpoint(path, mapped=mapped, verify=False)
+                except PayloadError as exc:
+                    problem = exc.message
+            damaged.append(f"{path.name}: {problem}")
+            then = "trying the previous one" if i + 1 < len(found) else "no older checkpoint is left"
+            log.warning("checkpoint %s is damaged (%s); %s", path, problem, then)
+        if damaged:
+            raise StateError(
+                f"no intact checkpoint in {str(self.checkpoints)!r} ({'; '.join(damaged)}). Restore one from a "
+                "backup, or " + _NEW_RUN
+            )
+        return None
 
 
-def _write_state(path: Path, state: ServerState) -> None:
+def _lock_directory(directory: Path) -> int:
+    """Hold an exclusive lock on ``directory``'s ``state.lock`` (released when the returned descriptor is closed, or
+    the process ends), so that two servers never write one state directory.
+
+    Raises:
+        StateError: another process holds it (its pid is named when it wrote one).
+    """
+    path = directory / "state.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot use {str(directory)!r} as the state directory: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StateError(
+            f"the state directory {str(directory)!r} is in use by another fedcore server"
+            + (f" (pid {holder})" if holder.isdigit() else "")
+            + "; stop it first, or give this one another --state-dir"
+        ) from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _checkpoint_problem(path: Path, recorded: Mapping[int, str]) -> str | None:
+    """Why the checkpoint ``path`` cannot be trusted, or None if it is intact (``recorded``: round -> the digest
+    state.db recorded for its checkpoint)."""
+    try:
+        named = int(path.stem.removeprefix("round-"))
+    except ValueError:
+        return "its name is not round-NNNNNN.safetensors"
+    try:
+        verdict = check_digest(path)
+        _, metadata, _ = read_safetensors_header(path)
+    except PayloadError as exc:
+        return exc.message
+    except OSError as exc:
+        return str(exc)
+    if verdict is None:
+        return "it carries no digest (not written by this fedcore's server)"
+    if not verdict:
+        return "its bytes do not match its recorded SHA-256 (a changed byte)"
+    if metadata.get("round") != str(named):
+        return f"it records round {metadata.get('round', '')[:20]!r}, not the round {named} in its name"
+    if named in recorded and metadata.get(DIGEST_KEY) != recorded[named]:
+        return f"it is not the checkpoint state.db recorded for round {named} (another run's?)"
+    return None
+
+
+def _write_state(path: Path, state: ServerState, *, self_digest: bool) -> PayloadFile:
     arrays: dict[str, np.ndarray] = {_PARAM + n: a for n, a in state.parameters.items()}
     arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
-    save_payload(path, arrays, {"round": str(state.round)})
+    return save_payload(path, arrays, {"round": str(state.round)}, self_digest=self_digest)
 
 
-def load_checkpoint(path: Path, *, mapped: bool = False) -> ServerState:
+def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verify: bool = True) -> ServerState:
     """Read a checkpoint written by :meth:`StateStore.save_checkpoint` (or a plain safetensors model: round 0).
 
     Args:
@@ -200,14 +598,22 @@ def load_checkpoint(path: Path, *, mapped: bool = False) -> ServerState:
             file pages that the OS can drop and read back, not anonymous memory (the server holds its global
             model this way between rounds). The file must stay in place while the arrays are used (on POSIX an
             unlinked file stays readable through its mapping).
+        verify: check the digest the file carries (if it carries one: a plain model has none) before reading it;
+            one read of the file.
 
     Raises:
-        PayloadError: truncated or corrupted file, or a round that is not a number.
+        PayloadError: missing, truncated or corrupted file (a digest that does not match), or a round that is not
+            a number.
     """
+    path = Path(path)
     try:
+        if verify and check_digest(path) is False:
+            raise PayloadError("its bytes do not match its recorded SHA-256 (a changed byte)")
         views, metadata = open_safetensors(path)
     except FileNotFoundError as exc:
         raise PayloadError(f"checkpoint {str(path)!r} does not exist") from exc
+    except OSError as exc:
+        raise PayloadError(f"checkpoint {str(path)!r} cannot be read: {exc}") from exc
     except PayloadError as exc:
         raise PayloadError(f"checkpoint {str(path)!r} is unreadable: {exc.message}") from exc
     params: NamedArrays = {}

@@ -3,8 +3,10 @@
 :func:`run_simulation` partitions a built-in dataset, makes one virtual client per partition (the demo task
 factory, the same one a client daemon would be given), runs :func:`server.round_loop.run_rounds` through the
 in-memory pool, and reports: a progress bar, a per-round table on the console, a history CSV written after
-every round (a crash never loses a finished round), a PNG plot, the final model as safetensors, and the
-resolved recipe as JSON.
+every round (a crash never loses a finished round) by the same writer as the server's, a PNG plot, the final
+model as safetensors (with its own digest, see :func:`fedcore.wire.check_digest`), and the resolved recipe as
+JSON. For the same recipe and seed every file but the plot is byte for byte the same, except history.csv's
+``seconds`` column (wall time).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from tqdm import tqdm
@@ -33,8 +37,9 @@ from fedcore.task import (
     load_task_factory,
     trainable_names,
 )
-from fedcore.tensors import encode
+from fedcore.wire import save_payload
 from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
+from server.state import history_columns, write_history
 from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.inmemory import InMemoryPool
 from simulations.tasks import demo_task
@@ -74,6 +79,21 @@ def task_options(config: SimulationConfig) -> dict[str, str]:
     return options
 
 
+def recipe_record(config: SimulationConfig) -> dict[str, Any]:
+    """The recipe as written to config.json: every resolved value, loadable again with :func:`load_recipe`.
+
+    With a custom task (``task.factory`` other than the demo task) the built-in dataset, partition and model do
+    not take part in the run, so they are left out: ``[data]`` keeps only ``num_clients`` and ``data_dir`` (which
+    the task receives), ``[model]`` is dropped, and ``[task]`` records the factory and its options.
+    """
+    record = to_mapping(config)
+    if config.task.factory != DEMO_TASK:
+        record.pop("model", None)
+        data = record["data"]  # (to_mapping leaves out unset values, which TOML cannot hold)
+        record["data"] = {key: data[key] for key in ("num_clients", "data_dir") if key in data}
+    return record
+
+
 def client_ids(num_clients: int) -> list[str]:
     """Virtual client ids ``client-000``, ``client-001``, ... (zero-padded so they sort like their index)."""
     width = max(3, len(str(num_clients - 1)))
@@ -111,7 +131,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
             (out_dir / name).unlink(missing_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(to_mapping(config), indent=2) + "\n")
+        (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
     except OSError as exc:
         raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
     demo = config.task.factory == DEMO_TASK
@@ -150,7 +170,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     def on_round_end(record: RoundRecord, state: ServerState) -> None:
         row = record.as_row()
         rows.append(row)
-        pd.DataFrame([row]).to_csv(csv_path, mode="a", header=not csv_path.exists(), index=False)
+        write_history(csv_path, rows)  # the server's writer: one schema for both history files
         if config.output.progress:
             say(_format_row(row))
         if record.eval_loss is not None and not math.isfinite(record.eval_loss):
@@ -178,8 +198,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     finally:
         progress.close()
     model_path = out_dir / "model.safetensors"
-    model_path.write_bytes(encode(final.parameters, metadata={"round": str(final.round)}))
-    history = pd.DataFrame(rows)
+    save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
+    history = pd.DataFrame(rows, columns=history_columns(rows))
     plot_path = plot_history(history, out_dir / "history.png") if config.output.plot else None
     wall = time.perf_counter() - started
     accuracy = history["test_accuracy"].dropna()
@@ -205,8 +225,9 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     )
 
 
-def plot_history(history: pd.DataFrame, path: Path) -> Path:
-    """Write a PNG with test accuracy (left) and train/test loss (right) per round."""
+def plot_history(history: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
+    """Write a PNG with test accuracy (left) and train/test loss (right) per round; return its path."""
+    path = Path(path)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -22,7 +22,7 @@ from fedcore.errors import RoundFailed
 from fedcore.messages import Failure, FitIns, FitRes
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
-from fedcore.strategy import SamplingConfig, Strategy
+from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays, decode, encode
 from fedcore.wire import iter_bytes_chunks
@@ -460,7 +460,10 @@ def test_server_refuses_to_resume_a_checkpoint_of_another_model(tmp_path: Path) 
     from server.app import run_server
 
     store = StateStore(tmp_path / "state")
-    store.save_checkpoint(ServerState(round=2, parameters=dict(GLOBAL), optimizer_state={}))
+    store.check_strategy(StrategyConfig())  # the demo config's strategy: only the model differs
+    for rnd in (1, 2):
+        store.save_checkpoint(ServerState(round=rnd, parameters=dict(GLOBAL), optimizer_state={}))
+        store.record_round(RoundRecord(round=rnd))
     store.close()
     config = _demo_server_config(tmp_path / "state", wait_for_clients_s=1.0)
     with pytest.raises(ConfigError, match=r"round 2\) is of another model.*new --state-dir"):

@@ -1,0 +1,517 @@
+"""The state directory: records and checkpoints that must agree, checkpoint digests, a damaged state.db, the run's
+strategy, atomic checkpoint writes, and one history schema."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fedcore.errors import ConfigError, PayloadError, StateError
+from fedcore.messages import Failure, Stage
+from fedcore.strategy import StrategyConfig
+from fedcore.wire import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
+from server.round_loop import RoundRecord, ServerState
+from server.state import HISTORY_COLUMNS, StateStore, load_checkpoint, write_history
+
+
+def _state(rnd: int) -> ServerState:
+    """Round ``rnd``'s state: w = [rnd, rnd + 0.5, rnd + 0.25], momentum 10 * rnd."""
+    w = np.array([rnd, rnd + 0.5, rnd + 0.25], np.float32)
+    return ServerState(round=rnd, parameters={"w": w}, optimizer_state={"m/w": np.full(3, 10.0 * rnd, np.float32)})
+
+
+def _record(rnd: int, loss: float) -> RoundRecord:
+    return RoundRecord(
+        round=rnd,
+        selected=("a", "b") if rnd else (),
+        accepted=("a", "b") if rnd else (),
+        train_metrics={"train_loss": loss} if rnd else {},
+        eval_loss=loss + 1.0,
+        eval_metrics={"accuracy": 0.5},
+        seconds=0.25,
+    )
+
+
+def _run(directory: Path, rounds: int) -> StateStore:
+    """A state directory as the server leaves it after ``rounds`` rounds (fedavg; train_loss 1/r)."""
+    store = StateStore(directory)
+    store.check_strategy(StrategyConfig())
+    store.record_round(_record(0, 0.0))
+    for rnd in range(1, rounds + 1):
+        store.save_checkpoint(_state(rnd))  # the server's order: checkpoint, then the round's row
+        store.record_round(_record(rnd, 1.0 / rnd))
+    return store
+
+
+def _flip_last_data_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor
+    path.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------------------------- records vs checkpoints
+
+
+def test_records_kept_but_all_checkpoints_deleted_is_refused_and_nothing_is_overwritten(tmp_path: Path) -> None:
+    _run(tmp_path, 5).close()
+    for path in (tmp_path / "checkpoints").iterdir():
+        path.unlink()
+    store = StateStore(tmp_path)
+    with pytest.raises(StateError, match=r"records rounds 1-5 but checkpoints/ holds no checkpoint.*new --state-dir"):
+        store.resume()
+    assert store.recorded_rounds() == [0, 1, 2, 3, 4, 5]
+    assert [row["train_loss"] for row in store.history()][1:] == [1.0, 0.5, 1 / 3, 0.25, 0.2]
+    store.close()
+
+
+def test_checkpoints_newer_than_the_records_are_refused(tmp_path: Path) -> None:
+    _run(tmp_path, 4).close()
+    (tmp_path / "state.db").unlink()  # a replaced database: no rounds, no strategy
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"state.db{suffix}").unlink(missing_ok=True)
+    store = StateStore(tmp_path)
+    with pytest.raises(StateError, match=r"round 4 but state.db records no trained round"):
+        store.resume()
+    with pytest.raises(StateError, match=r"checkpoints \(round-000004.safetensors\) but state.db records no strategy"):
+        store.check_strategy(StrategyConfig())
+    store.close()
+
+
+def test_a_checkpoint_one_round_ahead_of_its_record_resumes_after_it(tmp_path: Path) -> None:
+    """Killed between writing round 3's checkpoint and its row: resume after round 3, nothing superseded."""
+    store = _run(tmp_path, 2)
+    store.save_checkpoint(_state(3))
+    store.close()
+    store = StateStore(tmp_path)
+    resumed = store.resume()
+    assert resumed is not None and resumed.round == 3
+    np.testing.assert_array_equal(resumed.parameters["w"], [3.0, 3.5, 3.25])
+    assert store.recorded_rounds() == [0, 1, 2]
+    store.close()
+
+
+def test_damaged_newest_checkpoint_falls_back_and_supersedes_the_later_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _run(tmp_path, 3).close()
+    newest = tmp_path / "checkpoints" / "round-000003.safetensors"
+    _flip_last_data_byte(newest)
+    views, _ = open_safetensors(newest)
+    assert views["opt/m/w"][-1] != 30.0  # the flip changed a stored value: without the digest it would be resumed
+    store = StateStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="fedcore.server"):
+        resumed = store.resume()
+    assert resumed is not None and resumed.round == 2
+    np.testing.assert_array_equal(resumed.parameters["w"], [2.0, 2.5, 2.25])
+    np.testing.assert_array_equal(resumed.optimizer_state["m/w"], [20.0, 20.0, 20.0])
+    assert "round-000003.safetensors is damaged (its bytes do not match its recorded SHA-256" in caplog.text
+    assert "round 3 after it: those records are marked superseded" in caplog.text
+    assert store.recorded_rounds() == [0, 1, 2]
+    assert list(pd.read_csv(tmp_path / "history.csv")["round"]) == [0, 1, 2]
+    # round 3 runs again: the new row is current, the old one stays in state.db, marked
+    store.record_round(_record(3, 0.125))
+    assert [row["train_loss"] for row in store.history()] == [None, 1.0, 0.5, 0.125]
+    store.close()
+    with sqlite3.connect(tmp_path / "state.db") as db:
+        rows = list(db.execute("SELECT round, superseded FROM rounds WHERE round = 3 ORDER BY superseded"))
+        old = db.execute("SELECT value FROM round_metrics WHERE round = 3 AND superseded = 1 AND key = 'train_loss'")
+        assert rows == [(3, 0), (3, 1)] and old.fetchone() == (1 / 3,)
+
+
+def test_no_intact_checkpoint_is_refused_naming_each(tmp_path: Path) -> None:
+    _run(tmp_path, 3).close()
+    _flip_last_data_byte(tmp_path / "checkpoints" / "round-000003.safetensors")
+    (tmp_path / "checkpoints" / "round-000002.safetensors").write_bytes(b"\x01" * 5)
+    store = StateStore(tmp_path)
+    with pytest.raises(StateError) as info:
+        store.resume()
+    assert "round-000003.safetensors: its bytes do not match its recorded SHA-256" in info.value.message
+    assert "round-000002.safetensors: payload of 5 bytes is too short" in info.value.message
+    store.close()
+
+
+# ------------------------------------------------------------------------------------------ checkpoint digests
+
+
+def test_a_flipped_byte_anywhere_in_a_checkpoint_is_detected(tmp_path: Path) -> None:
+    path = StateStore(tmp_path).save_checkpoint(_state(7))
+    _, metadata, body = read_safetensors_header(path)
+    assert len(metadata[DIGEST_KEY]) == 64 and check_digest(path) is True
+    assert load_checkpoint(str(path)).round == 7  # a str path works
+    original = path.read_bytes()
+    round_at = original.index(b'"round":"7"') + len(b'"round":"')
+    for at in (body, len(original) - 1, round_at):  # first and last data byte; the round in the header
+        damaged = bytearray(original)
+        damaged[at] ^= 0x02  # '7' -> '5' in the header: still valid JSON
+        path.write_bytes(bytes(damaged))
+        assert check_digest(path) is False, at
+        with pytest.raises(PayloadError, match="do not match its recorded SHA-256"):
+            load_checkpoint(path)
+    plain = tmp_path / "plain.safetensors"
+    save_payload(plain, {"w": np.ones(2, np.float32)})
+    assert check_digest(plain) is None and load_checkpoint(plain).round == 0  # a plain model: no digest to check
+
+
+# ------------------------------------------------------------------------------------------ damaged state.db
+
+
+def test_a_state_db_that_is_not_a_database_gives_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "state.db").write_bytes(b"this is not sqlite\n" * 500)
+    with pytest.raises(StateError, match=r"state.db' failed while opening it: file is not a database.*--state-dir"):
+        StateStore(tmp_path)
+
+
+def test_a_state_db_with_damaged_pages_gives_a_clear_error(tmp_path: Path) -> None:
+    store = _run(tmp_path, 2)
+    for rnd in range(3, 200):  # enough rows for several pages
+        store.record_round(_record(rnd, 1.0))
+    store.close()
+    db = tmp_path / "state.db"
+    data = bytearray(db.read_bytes())
+    assert len(data) > 8 * 4096
+    data[4096 * 3 : 4096 * 6] = b"\xa5" * (4096 * 3)  # three pages in the middle overwritten
+    db.write_bytes(bytes(data))
+    with pytest.raises(StateError, match=r"state.db' failed while opening it: .*(malformed|corrupt|Tree|Page)"):
+        StateStore(tmp_path)
+
+
+def test_every_database_call_of_an_open_store_fails_with_a_state_error(tmp_path: Path) -> None:
+    """A failure after opening (here: the connection is gone, as after a disk error) reaches no caller as a raw
+    sqlite3 error on any path: registry, rounds, history, superseding, the strategy record."""
+    store = _run(tmp_path, 2)
+    store._db.close()  # every later statement raises sqlite3.ProgrammingError, a sqlite3.Error
+    calls = [
+        lambda: store.record_join("c"),
+        store.clients,
+        lambda: store.record_round(_record(3, 0.1)),
+        store.recorded_rounds,
+        store.history,
+        store.export_csv,
+        lambda: store.check_strategy(StrategyConfig()),
+        store.resume,
+    ]
+    for call in calls:
+        with pytest.raises(StateError, match=r"state\.db' failed while"):
+            call()
+
+
+@pytest.mark.slow
+def test_the_cli_reports_a_damaged_state_db_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "state.db").write_bytes(b"\x00garbage" * 1000)
+    args = ["server", "start", "--insecure", "--address", "127.0.0.1:0", "--state-dir", str(tmp_path)]
+    args += ["--task", "simulations.tasks:demo_task", "--task-option", "dataset=digits"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedcore.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "listening" not in proc.stdout
+    assert (
+        f"the state database '{tmp_path / 'state.db'}' failed while opening it: file is not a database" in proc.stderr
+    )
+
+
+def test_an_older_state_db_is_refused(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / "state.db") as db:
+        db.execute("CREATE TABLE rounds (round INTEGER PRIMARY KEY, finished_at REAL NOT NULL)")
+    with pytest.raises(StateError, match="written by an older fedcore"):
+        StateStore(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ the run's strategy
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "named"),
+    [
+        (
+            StrategyConfig(),
+            StrategyConfig(name="fedadam", server_lr=0.1),
+            r"fedavg, .*fedadam \(beta1=0.9, beta2=0.99\)",
+        ),
+        (
+            StrategyConfig(name="fedadam"),
+            StrategyConfig(name="fedavgm", server_momentum=0.9),
+            r"fedadam \(beta1=0.9, beta2=0.99\), .*fedavgm \(server_momentum=0.9\)",
+        ),
+        (
+            StrategyConfig(name="fedyogi"),
+            StrategyConfig(name="fedyogi", beta2=0.9),
+            r"fedyogi \(beta1=0.9, beta2=0.99\), .*fedyogi \(beta1=0.9, beta2=0.9\)",
+        ),
+        (
+            StrategyConfig(name="fedavgm", server_momentum=0.9),
+            StrategyConfig(name="fedavgm", server_momentum=0.5),
+            r"fedavgm \(server_momentum=0.9\), .*fedavgm \(server_momentum=0.5\)",
+        ),
+        (StrategyConfig(name="fedavg"), StrategyConfig(name="fedprox"), r"fedavg, .*fedprox:"),
+    ],
+)
+def test_restarting_with_another_strategy_is_refused_naming_both(
+    tmp_path: Path, first: StrategyConfig, second: StrategyConfig, named: str
+) -> None:
+    store = StateStore(tmp_path)
+    store.check_strategy(first)
+    store.save_checkpoint(_state(1))
+    store.record_round(_record(1, 1.0))
+    with pytest.raises(ConfigError, match=r"holds a run of strategy " + named):
+        store.check_strategy(second)
+    store.check_strategy(first)  # the same strategy resumes
+    store.close()
+
+
+def test_learning_rate_may_change_and_an_untrained_directory_takes_any_strategy(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.check_strategy(StrategyConfig(name="fedadam"))
+    store.record_round(_record(0, 0.0))  # round 0 only: nothing depends on the strategy yet
+    store.check_strategy(StrategyConfig(name="fedavg"))
+    store.save_checkpoint(_state(1))
+    store.record_round(_record(1, 1.0))
+    store.check_strategy(StrategyConfig(name="fedavg", server_lr=0.5, weighting="uniform"))
+    with pytest.raises(ConfigError, match="holds a run of strategy fedavg"):
+        store.check_strategy(StrategyConfig(name="fedadam"))
+    store.close()
+
+
+def _refused_before_listening(state_dir: Path, error: type[Exception], match: str, **settings: Any) -> None:
+    """Start the demo server on ``state_dir``; it must raise ``error`` before it listens."""
+    from server.app import ServerConfig, run_server
+
+    config = ServerConfig(
+        insecure=True,
+        address="127.0.0.1:0",
+        state_dir=state_dir,
+        task="simulations.tasks:demo_task",
+        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
+        **settings,
+    )
+    lines: list[str] = []
+    with pytest.raises(error, match=match):
+        run_server(config, echo=lines.append)
+    assert not any("listening" in line for line in lines)
+
+
+def test_the_server_refuses_another_strategy_before_it_listens(tmp_path: Path) -> None:
+    _run(tmp_path, 2).close()
+    match = r"holds a run of strategy fedavg, but this server is configured for fedadam"
+    _refused_before_listening(tmp_path, ConfigError, match, strategy=StrategyConfig(name="fedadam"))
+
+
+def test_the_server_refuses_records_without_checkpoints_before_it_listens(tmp_path: Path) -> None:
+    _run(tmp_path, 3).close()
+    for path in (tmp_path / "checkpoints").iterdir():
+        path.unlink()
+    history = (tmp_path / "history.csv").read_bytes()
+    _refused_before_listening(tmp_path, StateError, r"records rounds 1-3 but checkpoints/ holds no checkpoint")
+    assert (tmp_path / "history.csv").read_bytes() == history  # nothing overwritten
+
+
+# ---------------------------------------------------------------------------------------- atomic checkpoints
+
+_FAILING_WRITE = """
+import resource, signal, sys
+import numpy as np
+from server.round_loop import ServerState
+from server.state import StateStore
+from fedcore.errors import StateError
+
+store = StateStore(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+big = ServerState(round=2, parameters={"w": np.full(1 << 18, 2.0, np.float32)}, optimizer_state={})
+try:
+    store.save_checkpoint(big)
+except StateError as exc:
+    print(exc.message)
+"""
+
+
+def test_a_checkpoint_write_that_fails_midway_leaves_the_previous_one_intact(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    first = store.save_checkpoint(_state(1))
+    before = first.read_bytes()
+    store.close()
+    limit = 64 * 1024  # the new checkpoint (1 MiB) fails a sixteenth of the way in
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FAILING_WRITE), str(tmp_path), str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "cannot write the checkpoint" in proc.stdout and "File too large" in proc.stdout
+    assert "previous checkpoints are intact" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["round-000001.safetensors"]
+    assert first.read_bytes() == before
+    store = StateStore(tmp_path)
+    latest = store.latest_checkpoint()
+    assert latest is not None and latest.round == 1
+    np.testing.assert_array_equal(latest.parameters["w"], [1.0, 1.5, 1.25])
+    store.close()
+
+
+def test_a_checkpoint_is_fsynced_under_a_temporary_name_then_renamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Watch the real calls (they still run): the file's data reaches the disk under a temporary name while the
+    final name still holds the previous checkpoint; then one rename; then the directory is fsynced."""
+    store = StateStore(tmp_path)
+    store.save_checkpoint(_state(1))
+    final = store.checkpoints / "round-000002.safetensors"
+    events: list[tuple[str, ...]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        content = Path(target).read_bytes() if os.path.isfile(target) else b""
+        events.append(("fsync", os.path.basename(target), hashlib.sha256(content).hexdigest(), str(final.exists())))
+        real_fsync(fd)
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("replace", os.path.basename(src), os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    store.save_checkpoint(_state(2))
+    monkeypatch.undo()
+    written = hashlib.sha256(final.read_bytes()).hexdigest()
+    temporary = f".round-000002.safetensors.tmp-{os.getpid()}"
+    empty = hashlib.sha256(b"").hexdigest()
+    assert events == [
+        ("fsync", temporary, written, "False"),  # all of the file's bytes, durable, before it has its name
+        ("replace", temporary, "round-000002.safetensors"),
+        ("fsync", "checkpoints", empty, "True"),  # then the rename itself is made durable
+    ]
+    loaded = load_checkpoint(final)
+    np.testing.assert_array_equal(loaded.parameters["w"], [2.0, 2.5, 2.25])
+    store.close()
+
+
+# --------------------------------------------------------------------------------------------- history schema
+
+
+def test_the_server_history_keeps_integers_and_pads_every_column(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    records = [
+        RoundRecord(round=0, eval_loss=2.5, eval_metrics={"accuracy": 0.125}),
+        RoundRecord(
+            round=1,
+            selected=("a", "b", "c"),
+            accepted=("a", "b"),
+            failures=(Failure(client_id="c", round=1, stage=Stage.FIT, reason="timeout"),),
+            train_metrics={"train_loss": 0.75},
+            eval_loss=1.5,
+            eval_metrics={"accuracy": 0.625},
+            federated_eval_loss=1.25,
+            federated_eval_metrics={"accuracy": 0.5},
+            seconds=0.5,
+        ),
+    ]
+    for record in records:
+        store.record_round(record)
+    store.close()
+    text = (tmp_path / "history.csv").read_text()
+    # the same rows written in memory (the simulation's way) give the same bytes: one schema, one writer
+    write_history(tmp_path / "memory.csv", [r.as_row() for r in records])
+    assert (tmp_path / "memory.csv").read_text() == text
+    frame = pd.read_csv(tmp_path / "history.csv")
+    assert list(frame.columns)[: len(HISTORY_COLUMNS)] == list(HISTORY_COLUMNS) and frame.columns[-1] == "seconds"
+    assert list(frame["clients"]) == [0, 2] and frame["clients"].dtype == np.int64
+    assert list(frame["failures"]) == [0, 1] and frame["failures"].dtype == np.int64
+    assert np.isnan(frame["federated_loss"][0]) and frame["federated_loss"][1] == 1.25
+    assert np.isnan(frame["train_loss"][0]) and list(frame["test_accuracy"]) == [0.125, 0.625]
+
+
+def test_write_history_pads_every_row_and_writes_counts_as_integers(tmp_path: Path) -> None:
+    rows = [
+        {"round": 0, "clients": 0, "failures": 0, "test_loss": 2.5, "test_accuracy": 0.125, "seconds": 0.0},
+        {
+            "round": 1,
+            "clients": np.int64(2),
+            "failures": 1,
+            "train_loss": np.float32(0.75),
+            "test_loss": 1.5,
+            "test_accuracy": 0.625,
+            "federated_loss": 1.25,
+            "federated_accuracy": 0.5,
+            "metrics_left_out": 1,  # a count a newer round loop adds: it just appears, as an integer
+            "seconds": 0.5,
+        },
+    ]
+    write_history(str(tmp_path / "h.csv"), rows)
+    assert (tmp_path / "h.csv").read_text() == (
+        "round,clients,failures,train_loss,test_loss,test_accuracy,federated_loss,federated_accuracy,"
+        "metrics_left_out,seconds\n"
+        "0,0,0,,2.5,0.125,,,,0.0\n"
+        "1,2,1,0.75,1.5,0.625,1.25,0.5,1,0.5\n"
+    )
+
+
+def test_a_second_server_on_the_same_state_directory_is_refused(tmp_path: Path) -> None:
+    store = _run(tmp_path, 1)
+    with pytest.raises(
+        StateError, match=rf"in use by another fedcore server \(pid {os.getpid()}\).*another --state-dir"
+    ):
+        StateStore(tmp_path)
+    assert store.recorded_rounds() == [0, 1]  # the first one is untouched
+    store.close()
+    StateStore(tmp_path).close()  # free again once the first one is closed
+
+
+def test_a_checkpoint_of_another_run_is_not_taken_for_this_runs(tmp_path: Path) -> None:
+    """Same model, same rounds, another run's values: its file is intact, but it is not the checkpoint this
+    state.db recorded, so it is skipped like a damaged one."""
+    _run(tmp_path / "ours", 3).close()
+    other = StateStore(tmp_path / "other")
+    foreign = ServerState(round=3, parameters={"w": np.zeros(3, np.float32)}, optimizer_state={"m/w": np.zeros(3)})
+    other.save_checkpoint(foreign)
+    other.close()
+    (tmp_path / "other" / "checkpoints" / "round-000003.safetensors").replace(
+        tmp_path / "ours" / "checkpoints" / "round-000003.safetensors"
+    )
+    store = StateStore(tmp_path / "ours")
+    resumed = store.resume()
+    assert resumed is not None and resumed.round == 2  # ours, not the foreign round 3
+    np.testing.assert_array_equal(resumed.parameters["w"], [2.0, 2.5, 2.25])
+    assert store.recorded_rounds() == [0, 1, 2]
+    store.close()
+
+
+# ------------------------------------------------------------------------------------------ deterministic files
+
+
+def test_the_same_tensors_and_metadata_always_give_the_same_bytes(tmp_path: Path) -> None:
+    """safetensors' own writer orders metadata by a hash map (6 orders seen in 50 calls with 3 keys): fedcore's
+    writer sorts it, in memory (encode) and on disk (save_payload) alike."""
+    from fedcore.tensors import encode
+
+    arrays = {"b": np.arange(3, dtype=np.float32), "a": np.ones((2, 2), np.int64)}
+    payloads = {encode(arrays, {"round": "3", "x": "y"}) for _ in range(50)} | {
+        encode(arrays, {"x": "y", "round": "3"})
+    }
+    assert len(payloads) == 1
+    (payload,) = payloads
+    assert payload[8:].startswith(b'{"__metadata__":{"fedcore.order":"[\\"b\\", \\"a\\"]","round":"3","x":"y"},"b":')
+    save_payload(str(tmp_path / "p.safetensors"), arrays, {"x": "y", "round": "3"})
+    assert (tmp_path / "p.safetensors").read_bytes() == payload
+    with pytest.raises(PayloadError, match="reserved"):
+        save_payload(tmp_path / "q.safetensors", arrays, {DIGEST_KEY: "0"}, self_digest=True)
+    with pytest.raises(PayloadError, match="cannot carry its own digest"):
+        save_payload(tmp_path / "q.safetensors", arrays, self_digest=True, frame_bytes=1024)
+    assert not (tmp_path / "q.safetensors").exists()

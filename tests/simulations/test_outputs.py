@@ -1,0 +1,104 @@
+"""The files a simulation writes: the same bytes for the same seed, one history schema, the recipe as run."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fedcore.config import from_mapping
+from fedcore.wire import check_digest
+from server.state import HISTORY_COLUMNS, history_columns, load_checkpoint
+from simulations.config import SimulationConfig, load_recipe
+from simulations.harness import run_simulation
+
+TINY = "tests.simulations.test_harness:tiny_task"  # a user's own task: a linear model on a fixed problem
+
+
+def _simulate(out: Path, *extra: str) -> dict[str, bytes]:
+    """Run 3 rounds of the tiny task with federated evaluation on; return the bytes of each file written."""
+    overrides = [
+        f"task.factory='{TINY}'",
+        "task.options.data_seed='3'",
+        "data.num_clients=4",
+        "sampling.min_fit_clients=2",
+        "sampling.fraction_fit=0.5",
+        "sampling.fraction_evaluate=1.0",
+        "strategy.name='fedadam'",
+        "strategy.server_lr=0.05",
+        "train.lr=0.5",
+        "rounds=3",
+        "evaluate_every=1",
+        "output.progress=false",
+        "output.plot=false",
+        f"output.dir={str(out)!r}",
+        *extra,
+    ]
+    run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def _without_seconds(text: bytes) -> list[list[str]]:
+    rows = list(csv.reader(text.decode().splitlines()))
+    drop = rows[0].index("seconds")
+    return [row[:drop] + row[drop + 1 :] for row in rows]
+
+
+def test_two_same_seed_simulations_write_the_same_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = _simulate(out)
+    second = _simulate(out)  # the same output directory: config.json records it
+    assert sorted(first) == ["config.json", "history.csv", "model.safetensors"]
+    assert first["model.safetensors"] == second["model.safetensors"]
+    assert first["config.json"] == second["config.json"]
+    # history.csv: every byte but the wall-time column
+    assert _without_seconds(first["history.csv"]) == _without_seconds(second["history.csv"])
+    assert check_digest(out / "model.safetensors") is True
+    assert load_checkpoint(str(out / "model.safetensors")).round == 3
+    other = _simulate(tmp_path / "other", "seed=1")
+    assert other["model.safetensors"] != first["model.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    _simulate(out)
+    return out
+
+
+def test_the_simulation_history_has_the_one_schema_with_federated_evaluation(one_run: Path) -> None:
+    frame = pd.read_csv(one_run / "history.csv")
+    columns = list(frame.columns)
+    assert columns[: len(HISTORY_COLUMNS)] == list(HISTORY_COLUMNS) and columns[-1] == "seconds"
+    assert "federated_accuracy" in columns and columns == history_columns([dict.fromkeys(columns)])
+    assert list(frame["round"]) == [0, 1, 2, 3]
+    assert list(frame["clients"]) == [0, 2, 2, 2] and frame["clients"].dtype == np.int64
+    assert frame["failures"].dtype == np.int64
+    assert np.isnan(frame["federated_loss"].iloc[0])  # round 0 evaluates the initial model centrally only
+    assert frame["federated_loss"].iloc[1:].notna().all() and frame["federated_accuracy"].iloc[1:].between(0, 1).all()
+    assert frame["test_accuracy"].notna().all()
+
+
+def test_config_json_records_a_custom_task_not_the_builtin_dataset(one_run: Path) -> None:
+    recorded = json.loads((one_run / "config.json").read_text())
+    assert recorded["task"] == {"factory": TINY, "options": {"data_seed": "3"}, "server_evaluation": True}
+    assert recorded["data"] == {"num_clients": 4}  # data_dir unset: left out, as to_mapping does
+    assert "model" not in recorded
+    assert recorded["strategy"]["name"] == "fedadam" and recorded["sampling"]["fraction_evaluate"] == 1.0
+    # the record loads back as the recipe that ran
+    again = from_mapping(SimulationConfig, recorded)
+    assert again.task.factory == TINY and again.data.num_clients == 4 and again.strategy.name == "fedadam"
+
+
+def test_config_json_of_the_demo_task_keeps_the_dataset_and_model(tmp_path: Path) -> None:
+    from simulations.config import DEMO_TASK
+    from simulations.harness import recipe_record
+
+    config = load_recipe(None, ["data.dataset='digits'", "model.name='2nn'"])
+    recorded = recipe_record(config)
+    assert recorded["task"]["factory"] == DEMO_TASK
+    assert recorded["data"]["dataset"] == "digits" and recorded["model"] == {"name": "2nn"}
