@@ -13,9 +13,10 @@ import pytest
 
 import server.app
 from fedcore.errors import RoundFailed
+from fedcore.strategy import StrategyConfig
 from fedcore.task import EvalResult, TaskContext, initial_parameters, load_task_factory
 from fedcore.tensors import NamedArrays
-from server.round_loop import ServerState, run_rounds
+from server.round_loop import RoundRecord, ServerState, run_rounds
 from server.state import StateStore
 from tests.deploy.test_service import _demo_server_config
 
@@ -41,9 +42,11 @@ def test_the_round_loop_gets_the_trainable_names_of_the_tasks_model(
                 role="server", options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"}
             )
         )
+        store.check_strategy(StrategyConfig())  # the demo config's strategy
         store.save_checkpoint(
             ServerState(round=1, parameters=initial_parameters(task.build_model, 0), optimizer_state={})
         )
+        store.record_round(RoundRecord(round=1))
         store.close()
     seen: list[ServerState] = []
 
