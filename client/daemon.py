@@ -246,8 +246,7 @@ class ClientDaemon:
                 continue
             except grpc.RpcError as exc:
                 problem = classify_connection_error(exc, self.config, joined=bool(self._session))
-                if problem.permanent:
-                    log.error("%s", problem.reason)
+                if problem.permanent:  # the CLI prints it as "fedcore: error: ..." and exits with code 2
                     raise TransportError(problem.reason, client_id=self.config.client_id) from exc
                 now = time.monotonic()
                 unreachable_since = unreachable_since if unreachable_since is not None else now
