@@ -3,9 +3,12 @@
 It connects out to the server (the client initiates every call), authenticates (token and/or client
 certificate), then loops: long-poll for a task, run it through :func:`client.runner.run_instruction` (the same
 code path simulation uses), push the reply. A heartbeat thread keeps the session alive independently of
-training. Every network failure leads to a reconnect with exponential backoff and full jitter; a lost session
-(server restart) to a fresh join. A push is retried with the same task id until the server answers, and the
-server treats a repeated push as a duplicate, so retrying is harmless.
+training. A transient network failure (connection refused, a restarting server, a deadline) leads to a
+reconnect with exponential backoff and full jitter, its reason logged once; a lost session (server restart) to a
+fresh join. A failure that retrying cannot fix (TLS trust or identity, a refused join) ends the daemon with a
+TransportError naming it (:func:`classify_connection_error`; exit codes at :data:`EXIT_FINISHED`). A push is
+retried with the same task id until the server answers, and the server treats a repeated push as a duplicate,
+so retrying is harmless.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from pathlib import Path
 import grpc
 
 from client.runner import ParallelTraining, run_instruction
-from fedcore.engine.plan import ParallelPlan
 from fedcore.config import parse_address, parse_host
+from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ConfigError, FedcoreError, PayloadError, TransportError
 from fedcore.messages import Failure, Instruction, Reply, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
@@ -618,9 +621,11 @@ def probe_tls(config: DaemonConfig, *, timeout_s: float = 5.0) -> str | None:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
         try:
-            with socket.create_connection((address.host, address.port), timeout=timeout_s) as raw:
-                with context.wrap_socket(raw, server_hostname=address.host):
-                    pass
+            with (
+                socket.create_connection((address.host, address.port), timeout=timeout_s) as raw,
+                context.wrap_socket(raw, server_hostname=address.host),
+            ):
+                pass
         except (OSError, ssl.SSLError):
             return None
         return (
@@ -632,10 +637,12 @@ def probe_tls(config: DaemonConfig, *, timeout_s: float = 5.0) -> str | None:
     if config.cert is not None and config.key is not None:
         context.load_cert_chain(str(config.cert), str(config.key))
     try:
-        with socket.create_connection((address.host, address.port), timeout=timeout_s) as raw:
-            with context.wrap_socket(raw, server_hostname=config.server_name or address.host) as tls:
-                tls.sendall(_H2_PREFACE)
-                answered = tls.recv(1)
+        with (
+            socket.create_connection((address.host, address.port), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=config.server_name or address.host) as tls,
+        ):
+            tls.sendall(_H2_PREFACE)
+            answered = tls.recv(1)
     except ssl.SSLCertVerificationError as exc:
         return f"TLS: this client could not verify the server certificate ({exc.verify_message}); check --ca-cert"
     except ssl.SSLError as exc:

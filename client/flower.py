@@ -33,8 +33,11 @@ Use from the command line (both the server, for the initial model, and each daem
     factory = flower_task_factory(client_fn)
 
     fedcore client start --task mymodule:factory --partition-id 0 --num-partitions 2 ...
+    fedcore server start --task mymodule:factory ...   # client_fn gets partition 0 of 1 here
 
-The Flower ``Context`` a ``client_fn`` gets is built by :func:`flower_context`.
+The Flower ``Context`` a ``client_fn`` gets is built by :func:`flower_context`. The server's call has no partition
+of its own: it gets :data:`SERVER_NODE_CONFIG` (partition 0 of 1), or the factory names a ``server_fn``.
+Arrays may come back as numpy scalars where 0-d arrays went in, as flwr allows (:func:`as_flower_array`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ log = logging.getLogger("fedcore.client")
 
 FlowerScalar = bool | bytes | float | int | str
 """Flower's ``Scalar``: the value type of its config and metrics dicts."""
+
+NodeConfigValue = bool | float | int | str
+"""The value type of a Flower ``Context.node_config``."""
 
 
 class NumPyClientLike(Protocol):
@@ -117,7 +123,9 @@ class FlowerParameters(torch.nn.Module):
                 client_id=client_id,
                 stage="fit",
             )
-        arrays = [as_flower_array(a, index=i, stage="fit", round=round, client_id=client_id) for i, a in enumerate(arrays)]
+        arrays = [
+            as_flower_array(a, index=i, stage="fit", round=round, client_id=client_id) for i, a in enumerate(arrays)
+        ]
         for index, ((name, buf), array) in enumerate(zip(buffers, arrays, strict=True)):
             want_shape = tuple(buf.shape)
             want_dtype = buf.numpy().dtype
@@ -365,7 +373,7 @@ def _option_value(text: str) -> bool | int | float | str:
 SERVER_NODE_CONFIG: Mapping[str, int] = {"partition-id": 0, "num-partitions": 1}
 
 
-def flower_context(context: TaskContext, *, server_node_config: Mapping[str, FlowerScalar] | None = None) -> Any:
+def flower_context(context: TaskContext, *, server_node_config: Mapping[str, NodeConfigValue] | None = None) -> Any:
     """The ``flwr.common.Context`` a Flower ``client_fn`` gets for fedcore's ``context``.
 
     - ``node_id``: a stable 63-bit number from the client id (SHA-256), ``run_id`` 0, an empty ``state``;
@@ -383,7 +391,7 @@ def flower_context(context: TaskContext, *, server_node_config: Mapping[str, Flo
         from flwr.common import Context, RecordDict
     except ImportError as exc:
         raise ConfigError("a Flower client_fn needs flwr installed (pip install flwr)") from exc
-    node_config: dict[str, FlowerScalar] = {}
+    node_config: dict[str, NodeConfigValue] = {}
     if context.role == "server":
         node_config.update(SERVER_NODE_CONFIG if server_node_config is None else server_node_config)
     if context.partition_id is not None:
@@ -404,7 +412,7 @@ def flower_task_factory(
     *,
     context: Literal["flower", "fedcore"] = "flower",
     server_fn: Callable[[Any], object] | None = None,
-    server_node_config: Mapping[str, FlowerScalar] | None = None,
+    server_node_config: Mapping[str, NodeConfigValue] | None = None,
 ) -> TaskFactory:
     """Turn a Flower ``client_fn`` into a fedcore task factory (for ``--task module:attr``).
 

@@ -300,9 +300,7 @@ def parse_address(text: object, *, what: str, allow_port_zero: bool = False) -> 
         if not sep:
             raise ConfigError(f"{what}: {text!r} has no port; expected HOST:PORT ({_ADDRESS_EXAMPLE})")
         if ":" in host:
-            raise ConfigError(
-                f"{what}: {text!r}: an IPv6 address goes in brackets before the port, e.g. [::1]:8443"
-            )
+            raise ConfigError(f"{what}: {text!r}: an IPv6 address goes in brackets before the port, e.g. [::1]:8443")
         if not host:
             raise ConfigError(
                 f"{what}: {text!r} has no host; give one, e.g. 0.0.0.0:{port_text or 8443} to listen on every "

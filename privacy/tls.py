@@ -182,10 +182,10 @@ def load_identity(cert: Path, key: Path, *, role: Literal["server", "client"], f
     wanted = ExtendedKeyUsageOID.SERVER_AUTH if role == "server" else ExtendedKeyUsageOID.CLIENT_AUTH
     if usage is not None and wanted not in usage and ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE not in usage:
         other = "client" if role == "server" else "server"
+        made = "server.pem" if role == "server" else "clients/<id>.pem"
         raise ConfigError(
             f"{flags.cert} {str(cert)!r} is a {other} certificate (its extended key usage does not allow "
-            f"{role} authentication); give the {role}'s certificate ({'server.pem' if role == 'server' else 'clients/<id>.pem'} "
-            "from `fedcore certs init`)"
+            f"{role} authentication); give the {role}'s certificate ({made} from `fedcore certs init`)"
         )
     return Identity(_read_file(cert, flags.cert, "certificate"), _read_file(key, flags.key, "private key"))
 

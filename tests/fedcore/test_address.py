@@ -78,7 +78,7 @@ def test_port_zero_only_where_the_os_is_to_pick() -> None:
     assert check_port(0, what="metrics_port", allow_zero=True) == 0
     assert check_port(65535, what="metrics_port") == 65535
     for bad in (-1, 65536, True, "80"):
-        with pytest.raises(ConfigError, match="metrics_port must be a TCP port"):
+        with pytest.raises(ConfigError, match=r"metrics_port must be a TCP port"):
             check_port(bad, what="metrics_port", allow_zero=True)
 
 
@@ -86,7 +86,7 @@ def test_hosts_without_a_port() -> None:
     assert parse_host("127.0.0.1", what="metrics_address") == "127.0.0.1"
     assert parse_host("[::1]", what="metrics_address") == "::1"
     assert parse_host("::1", what="metrics_address") == "::1"
-    with pytest.raises(ConfigError, match="'127.0.0.1:9100' is not a valid IPv6 address"):
+    with pytest.raises(ConfigError, match=r"'127\.0\.0\.1:9100' is not a valid IPv6 address"):
         parse_host("127.0.0.1:9100", what="metrics_address")
     with pytest.raises(ConfigError, match="expected a host name or IP address"):
         parse_host("", what="metrics_address")

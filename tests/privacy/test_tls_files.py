@@ -115,7 +115,9 @@ def test_ca_files_are_checked(certs: Path, tmp_path: Path) -> None:
         load_ca_bundle(certs / "ca.key", flag="--client-ca")
     with pytest.raises(ConfigError, match="the CA certificate for 'CN=localhost' expired on 2026-01-09"):
         load_ca_bundle(_expired_cert(certs, tmp_path), flag="--ca-cert")
-    garbage = _write(tmp_path / "garbage.pem", b"-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n")
+    garbage = _write(
+        tmp_path / "garbage.pem", b"-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n"
+    )
     with pytest.raises(ConfigError, match="the CA certificate cannot be parsed"):
         load_ca_bundle(garbage, flag="--ca-cert")
 
@@ -147,5 +149,5 @@ def test_the_client_pair_and_ca_are_checked_before_connecting(certs: Path, tmp_p
     with pytest.raises(ConfigError, match=r"--ca-cert '.*missing\.pem': no such file \(the CA certificate\)"):
         daemon(ca_cert=tmp_path / "missing.pem")
     encrypted = _encrypted_key(certs, tmp_path)
-    with pytest.raises(ConfigError, match="--key .* is encrypted with a passphrase"):
+    with pytest.raises(ConfigError, match=r"--key .* is encrypted with a passphrase"):
         load_identity(certs / "server.pem", encrypted, role="client", flags=CLIENT_FLAGS)
