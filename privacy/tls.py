@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedcore.config import parse_host
 from fedcore.errors import ConfigError
 
 _VALID_DAYS = 365
@@ -310,15 +311,19 @@ def init_certs(
         The files written.
 
     Raises:
-        ConfigError: a client id is empty or not usable as a file name.
+        ConfigError: a client id is empty or not usable as a file name; a host is not a DNS name or IP address
+            (e.g. it carries a port); the CA found in ``out`` is damaged, expired or encrypted.
     """
     for cid in clients:
         if not cid or "/" in cid or cid.startswith(".") or not cid.isprintable() or " " in cid:
             raise ConfigError(f"client id {cid!r} cannot be used (no spaces, slashes or leading dots)")
+    hosts = [parse_host(host, what="--host (a DNS name or IP address, no port)") for host in hosts]
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     ca_pem, ca_key = out / "ca.pem", out / "ca.key"
     if ca_pem.exists() and ca_key.exists():
+        load_certificates(ca_pem, flag="--out", what="CA certificate")  # a damaged or expired CA is named
+        load_private_key(ca_key, flag="--out")
         ca = Identity(ca_pem.read_bytes(), ca_key.read_bytes())
     else:
         ca = make_ca()

@@ -151,3 +151,13 @@ def test_the_client_pair_and_ca_are_checked_before_connecting(certs: Path, tmp_p
     encrypted = _encrypted_key(certs, tmp_path)
     with pytest.raises(ConfigError, match=r"--key .* is encrypted with a passphrase"):
         load_identity(certs / "server.pem", encrypted, role="client", flags=CLIENT_FLAGS)
+
+
+def test_certs_init_refuses_a_host_with_a_port_and_a_damaged_ca(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--host \(a DNS name or IP address, no port\): 'server.example.org:8443'"):
+        init_certs(tmp_path / "a", hosts=("server.example.org:8443",))
+    assert not (tmp_path / "a").exists()
+    init_certs(tmp_path / "b")
+    (tmp_path / "b" / "ca.key").write_bytes((tmp_path / "b" / "ca.pem").read_bytes())
+    with pytest.raises(ConfigError, match=r"--out '.*ca\.key' holds a certificate, not a private key"):
+        init_certs(tmp_path / "b", clients=["client-000"])
