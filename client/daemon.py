@@ -632,11 +632,11 @@ def probe_tls(config: DaemonConfig, *, timeout_s: float = 5.0) -> str | None:
             "the server speaks TLS, and this client was started with --insecure; drop --insecure and give "
             "--ca-cert (the CA that signed the server certificate)"
         )
-    context = ssl.create_default_context(cafile=str(config.ca_cert) if config.ca_cert is not None else None)
-    context.set_alpn_protocols(["h2"])
-    if config.cert is not None and config.key is not None:
-        context.load_cert_chain(str(config.cert), str(config.key))
     try:
+        context = ssl.create_default_context(cafile=str(config.ca_cert) if config.ca_cert is not None else None)
+        context.set_alpn_protocols(["h2"])
+        if config.cert is not None and config.key is not None:
+            context.load_cert_chain(str(config.cert), str(config.key))
         with (
             socket.create_connection((address.host, address.port), timeout=timeout_s) as raw,
             context.wrap_socket(raw, server_hostname=config.server_name or address.host) as tls,
