@@ -557,8 +557,8 @@ def classify_connection_error(exc: grpc.RpcError, config: DaemonConfig, *, joine
     Everything else (connection refused, a restarting server, a deadline) is transient.
     """
     code = exc.code() if hasattr(exc, "code") else None
-    details = _details(exc)[:_MAX_DETAILS]
-    lowered = details.lower()
+    lowered = _details(exc).lower()
+    details = _details(exc)[:_MAX_DETAILS]  # text from the server: bounded before it is shown
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and not joined:
         return ConnectionProblem(True, f"the server refused to let this client join: {details}")
     if code == grpc.StatusCode.UNAVAILABLE and not config.insecure:
@@ -575,16 +575,19 @@ def classify_connection_error(exc: grpc.RpcError, config: DaemonConfig, *, joine
                 "TLS: the server does not speak TLS; it was probably started with --insecure (then pass --insecure "
                 "here too, on a trusted network only)",
             )
-        if "handshake failed" in lowered or "certificate" in lowered:
+        if "ssl_error_ssl" in lowered or "certificate" in lowered:  # an SSL-level verdict, not a cut connection
             return ConnectionProblem(
                 True,
                 "TLS: this client could not verify the server certificate "
                 f"({_ssl_cause(details)}); check that --ca-cert is the CA that signed the server's --tls-cert",
             )
     if code == grpc.StatusCode.UNAVAILABLE and not joined and ("socket closed" in lowered or "reset" in lowered):
+        # twice, so that a server killed in the middle of the first probe is not taken for a refusal
         refused = probe_tls(config)
         if refused is not None:
-            return ConnectionProblem(True, refused)
+            time.sleep(0.5)
+            if probe_tls(config) == refused:
+                return ConnectionProblem(True, refused)
     if "connection refused" in lowered:
         return ConnectionProblem(False, "connection refused (the server is not running, or restarting)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

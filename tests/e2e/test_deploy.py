@@ -120,6 +120,12 @@ def test_server_killed_after_round_2_resumes_and_matches(tmp_path: Path, referen
         assert "round 1:" not in restarted.text() and "round 3:" in restarted.text()
         for client in clients:
             assert client.wait(30) == 0, client.text()
+            # the outage is retried many times (debug lines) and its reasons (the cut call, then connection
+            # refused until the restarted server listens) are each printed once
+            reasons = [line for line in client.text().splitlines() if "cannot reach the server" in line]
+            retries = client.text().count("retrying in")
+            assert 1 <= len(reasons) <= 2 < retries, client.text()
+            assert len(set(line.split(": ", 1)[1] for line in reasons)) == len(reasons), reasons
     finally:
         for proc in [server, *clients, *([restarted] if restarted else [])]:
             proc.close()
