@@ -67,6 +67,18 @@ def server_fn(context: Context):  # type: ignore[no-untyped-def]
     return LinearClient((x, y, x[-20:], y[-20:]), 0.0)
 
 
+def fedavg_by_hand(rounds: int, local_epochs: int, lr: float, num_partitions: int = 2) -> list[np.ndarray]:
+    """The global model after ``rounds`` of FedAvg over equal partitions (equal weights: the plain mean of the
+    clients' fits), computed with the client code alone; float64 sums cast back, as fedcore keeps the model."""
+    w, b = np.zeros(FEATURES, np.float32), np.array(0.0, np.float32)
+    for _ in range(rounds):
+        fits = [LinearClient(load_data(i, num_partitions), lr).fit([w, b], {"local_epochs": local_epochs})[0]
+                for i in range(num_partitions)]  # fmt: skip
+        w = (sum(f[0].astype(np.float64) for f in fits) / num_partitions).astype(np.float32)
+        b = np.array(sum(np.float64(f[1]) for f in fits) / num_partitions, np.float32)
+    return [w, b]
+
+
 # the server gets partition 0 of 1 (the whole data) unless it names its own client
 factory = flower_task_factory(client_fn)
 factory_with_server_fn = flower_task_factory(client_fn, server_fn=server_fn)

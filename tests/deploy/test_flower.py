@@ -293,12 +293,7 @@ def test_a_standard_flower_app_runs_rounds_and_the_server_evaluates_with_it() ->
         evaluate_fn=central_evaluation(server_task, 32),
     )
     # by hand: both partitions hold 48 training examples, so FedAvg is the plain mean of the two clients' fits
-    w, b = np.zeros(4, np.float32), np.array(0.0, np.float32)
-    for _ in range(2):
-        fits = [flower_app.LinearClient(flower_app.load_data(i, 2), 0.1).fit([w, b], {"local_epochs": 3})[0]
-                for i in range(2)]  # fmt: skip
-        w = ((fits[0][0].astype(np.float64) + fits[1][0]) / 2).astype(np.float32)
-        b = np.array((np.float64(fits[0][1]) + fits[1][1]) / 2, np.float32)
+    w, b = flower_app.fedavg_by_hand(rounds=2, local_epochs=3, lr=0.1)
     np.testing.assert_allclose(final.parameters["param_0000"], w, rtol=1e-6)
     np.testing.assert_allclose(final.parameters["param_0001"], b, rtol=1e-6)
     assert final.parameters["param_0001"].shape == ()
