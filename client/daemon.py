@@ -3,9 +3,12 @@
 It connects out to the server (the client initiates every call), authenticates (token and/or client
 certificate), then loops: long-poll for a task, run it through :func:`client.runner.run_instruction` (the same
 code path simulation uses), push the reply. A heartbeat thread keeps the session alive independently of
-training. Every network failure leads to a reconnect with exponential backoff and full jitter; a lost session
-(server restart) to a fresh join. A push is retried with the same task id until the server answers, and the
-server treats a repeated push as a duplicate, so retrying is harmless.
+training. A transient network failure (connection refused, a restarting server, a deadline) leads to a
+reconnect with exponential backoff and full jitter, its reason logged once; a lost session (server restart) to a
+fresh join. A failure that retrying cannot fix (TLS trust or identity, a refused join) ends the daemon with a
+TransportError naming it (:func:`classify_connection_error`; exit codes at :data:`EXIT_FINISHED`). A push is
+retried with the same task id until the server answers, and the server treats a repeated push as a duplicate,
+so retrying is harmless.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -22,6 +27,7 @@ from pathlib import Path
 import grpc
 
 from client.runner import ParallelTraining, run_instruction
+from fedcore.config import parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ConfigError, FedcoreError, PayloadError, TransportError
 from fedcore.messages import Failure, Instruction, Reply, Stage
@@ -44,9 +50,17 @@ from fedcore.wire import (
     payload_segments,
     result_header,
 )
-from privacy.tls import read_pem
+from privacy.tls import CLIENT_FLAGS, load_ca_bundle, load_identity
 
 log = logging.getLogger("fedcore.client")
+
+#: ``fedcore client start`` exit codes (the README's "Client daemon exit codes" lists them):
+#: 0 the run finished (or the daemon was stopped); 2 an error that retrying cannot fix, printed as one
+#: "fedcore: error: ..." line (bad settings or TLS files, a server certificate this client cannot trust, a client
+#: certificate or token the server refuses, a revoked id) -- the CLI's code for every FedcoreError; 3 the server
+#: stayed unreachable for ``give_up_after_s``.
+EXIT_FINISHED = 0
+EXIT_GAVE_UP = 3
 
 _RETRYABLE = (
     grpc.StatusCode.UNAVAILABLE,
@@ -109,6 +123,9 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         if not self.client_id:
             raise ConfigError("client_id must not be empty")
+        parse_address(self.server, what="server (--server)")
+        if self.server_name is not None:
+            parse_host(self.server_name, what="server_name (--server-name)")
         if (self.cert is None) != (self.key is None):
             raise ConfigError("give both --cert and --key for mutual TLS, or neither")
         if self.insecure and (self.cert is not None or self.ca_cert is not None):
@@ -163,6 +180,7 @@ class ClientDaemon:
         self._task_seed: int | None = None
         self._parallel: ParallelTraining | None = None
         self._rng = random.Random()
+        self._credentials = client_credentials(config)  # TLS files checked now, before the first connection
         self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
 
     def stop(self) -> None:
@@ -186,29 +204,36 @@ class ClientDaemon:
             return grpc.insecure_channel(cfg.server, options=options)
         if cfg.server_name:
             options.append(("grpc.ssl_target_name_override", cfg.server_name))
-
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=read_pem(cfg.ca_cert), private_key=read_pem(cfg.key), certificate_chain=read_pem(cfg.cert)
-        )
-        return grpc.secure_channel(cfg.server, credentials, options=options)
+        return grpc.secure_channel(cfg.server, self._credentials, options=options)
 
     # ------------------------------------------------------------------- main
     def run(self) -> int:
-        """Serve until finished or stopped. Returns the process exit code (0 finished/stopped, 3 gave up)."""
+        """Serve until finished or stopped. Returns the process exit code (:data:`EXIT_FINISHED` finished or
+        stopped, :data:`EXIT_GAVE_UP` the server stayed unreachable for ``give_up_after_s``).
+
+        Transient connection problems (connection refused, a restarting server, a deadline) are retried with
+        backoff; each distinct reason is logged once, not on every attempt.
+
+        Raises:
+            TransportError: a problem retrying cannot fix (see :func:`classify_connection_error`): the server's
+                certificate is not trusted or not for this name, the server refuses this client's certificate
+                (or needs one), speaks TLS to an ``--insecure`` client or plaintext to a TLS one, or refuses the
+                join (token, revoked id).
+        """
         if self.config.threads is not None:
             import torch
 
             torch.set_num_threads(self.config.threads)
         delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         unreachable_since: float | None = None
-        shown_hint = ""
+        shown_reason = ""
         while not self._stop.is_set():
             channel = self._channel()
             stub = coordinator_stub(channel)  # payload chunks without protobuf copies
             heartbeat: threading.Thread | None = None
             try:
                 seed = self._join(stub)
-                unreachable_since = None
+                unreachable_since, shown_reason = None, ""
                 delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
                 # heartbeats start before the task is built: loading data can outlast the server's liveness
                 # timeout, and the session must stay alive meanwhile
@@ -218,41 +243,43 @@ class ClientDaemon:
                 if self._serve(stub):
                     log.info("the server finished the run; exiting")
                     self._leave(stub)
-                    return 0
+                    return EXIT_FINISHED
             except _SessionLost:
                 log.info("session lost; joining again")
                 continue
             except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and not self._session:
-                    raise TransportError(
-                        f"the server refused to let this client join: {exc.details()}",
-                        client_id=self.config.client_id,
-                    ) from exc
+                problem = classify_connection_error(exc, self.config, joined=bool(self._session))
+                if problem.permanent:  # the CLI prints it as "fedcore: error: ..." and exits with code 2
+                    raise TransportError(problem.reason, client_id=self.config.client_id) from exc
                 now = time.monotonic()
                 unreachable_since = unreachable_since if unreachable_since is not None else now
                 limit = self.config.give_up_after_s
-                hint = "" if self._session else tls_hint(exc, self.config)
-                if hint and hint != shown_hint:
-                    log.warning("%s", hint)  # once per distinct cause, not on every retry
-                    shown_hint = hint
+                if problem.reason != shown_reason:  # once per distinct reason, not on every attempt
+                    log.warning(
+                        "cannot reach the server %s: %s; retrying with backoff (up to %g s apart)%s",
+                        self.config.server,
+                        problem.reason,
+                        self.config.backoff_max_s,
+                        f", giving up after {limit:g} s" if limit is not None else "",
+                    )
+                    shown_reason = problem.reason
                 if limit is not None and now - unreachable_since > limit:
                     log.error(
-                        "server %s unreachable for %.0f s; giving up%s",
+                        "server %s unreachable for %.0f s; giving up (%s)",
                         self.config.server,
                         now - unreachable_since,
-                        f" ({hint})" if hint else "",
+                        problem.reason,
                     )
-                    return 3
+                    return EXIT_GAVE_UP
                 delay = next(delays)
-                log.warning("connection problem (%s: %s); retrying in %.1f s", code, _details(exc), delay)
+                log.debug("connection problem (%s); retrying in %.1f s", problem.reason, delay)
                 self._stop.wait(delay)
             finally:
                 self._session_ok.clear()
                 if heartbeat is not None:
                     heartbeat.join(timeout=1)
                 channel.close()
-        return 0
+        return EXIT_FINISHED
 
     def _join(self, stub: pb_grpc.CoordinatorStub) -> int:
         """Open a session; returns the run's seed (for :meth:`_prepare_task`). Heartbeats may start at once."""
@@ -416,7 +443,13 @@ class ClientDaemon:
                     log.warning("push of round %d refused: %s", reply.round, _details(exc))
                     return
                 delay = next(delays)
-                log.warning("push attempt %d failed (%s); retrying in %.1f s", attempt, _details(exc), delay)
+                log.log(
+                    logging.WARNING if attempt == 1 else logging.DEBUG,  # the reason once, not on every attempt
+                    "push attempt %d failed (%s); retrying in %.1f s",
+                    attempt,
+                    _details(exc),
+                    delay,
+                )
                 self._stop.wait(delay)
                 continue
             if answer.accepted:
@@ -482,41 +515,155 @@ def result_chunks(
         yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest.digest()))
 
 
-def tls_hint(exc: grpc.RpcError, config: DaemonConfig) -> str:
-    """A hint for a join that failed in the TLS handshake, or "" when ``exc`` does not look like one.
+def client_credentials(config: DaemonConfig) -> grpc.ChannelCredentials | None:
+    """gRPC channel credentials from the config's PEM files (None with ``insecure``), checked first.
 
-    gRPC reports handshake failures as UNAVAILABLE: a server certificate this client cannot verify shows its
-    cause in the details; a client certificate the server does not trust shows only as "Socket closed" (the
-    server ends the handshake), so that hint is a "may".
+    Raises:
+        ConfigError: a file is missing, unreadable, not PEM, swapped, encrypted or expired; the key is not the
+            certificate's; the certificate is not a client certificate (see :func:`privacy.tls.load_identity`).
+    """
+    if config.insecure:
+        return None
+    identity = None
+    if config.cert is not None and config.key is not None:
+        identity = load_identity(config.cert, config.key, role="client", flags=CLIENT_FLAGS)
+    return grpc.ssl_channel_credentials(
+        root_certificates=load_ca_bundle(config.ca_cert, flag=CLIENT_FLAGS.ca),
+        private_key=identity.key_pem if identity is not None else None,
+        certificate_chain=identity.cert_pem if identity is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class ConnectionProblem:
+    """Why a call to the server failed: ``permanent`` when retrying cannot fix it; ``reason`` says what and what
+    to do (the same text for the same cause, so that it is logged once)."""
+
+    permanent: bool
+    reason: str
+
+
+_MAX_DETAILS = 300  # characters of a server's error details kept in a message
+
+
+def classify_connection_error(exc: grpc.RpcError, config: DaemonConfig, *, joined: bool) -> ConnectionProblem:
+    """Tell a failure that retrying cannot fix from a transient one, from the gRPC status and its details.
+
+    Permanent: the join refused (UNAUTHENTICATED / PERMISSION_DENIED before a session: token, revoked id,
+    certificate name); a server certificate this client cannot verify or that is not issued to the name it
+    connects to; a plaintext server for a TLS client. gRPC shows a client certificate the server refuses (or a
+    missing one under mutual TLS), and a TLS server for an ``--insecure`` client, only as "Socket closed"; then
+    :func:`probe_tls` repeats the handshake with Python's ``ssl`` to tell them from a server that went away.
+    Everything else (connection refused, a restarting server, a deadline) is transient.
     """
     code = exc.code() if hasattr(exc, "code") else None
-    if config.insecure or code != grpc.StatusCode.UNAVAILABLE:
-        return ""
-    text = _details(exc)
-    lowered = text.lower()
-    if "hostname verification" in lowered or "no match found for server name" in lowered:
+    lowered = _details(exc).lower()
+    details = _details(exc)[:_MAX_DETAILS]  # text from the server: bounded before it is shown
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and not joined:
+        return ConnectionProblem(True, f"the server refused to let this client join: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE and not config.insecure:
+        if "hostname verification" in lowered or "no match found for server name" in lowered:
+            return ConnectionProblem(
+                True,
+                f"TLS: the server certificate is not issued to the name this client connects to "
+                f"({config.server_name or parse_address(config.server, what='server').host}); pass --server-name "
+                "with a name in the server certificate (or connect by such a name)",
+            )
+        if "wrong_version_number" in lowered:
+            return ConnectionProblem(
+                True,
+                "TLS: the server does not speak TLS; it was probably started with --insecure (then pass --insecure "
+                "here too, on a trusted network only)",
+            )
+        if "ssl_error_ssl" in lowered or "certificate" in lowered:  # an SSL-level verdict, not a cut connection
+            return ConnectionProblem(
+                True,
+                "TLS: this client could not verify the server certificate "
+                f"({_ssl_cause(details)}); check that --ca-cert is the CA that signed the server's --tls-cert",
+            )
+    if code == grpc.StatusCode.UNAVAILABLE and not joined and ("socket closed" in lowered or "reset" in lowered):
+        # twice, so that a server killed in the middle of the first probe is not taken for a refusal
+        refused = probe_tls(config)
+        if refused is not None:
+            time.sleep(0.5)
+            if probe_tls(config) == refused:
+                return ConnectionProblem(True, refused)
+    if "connection refused" in lowered:
+        return ConnectionProblem(False, "connection refused (the server is not running, or restarting)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ConnectionProblem(False, "no answer within the call's deadline")
+    return ConnectionProblem(False, f"{code.name if code is not None else 'error'}: {details}")
+
+
+def _ssl_cause(details: str) -> str:
+    """The OpenSSL reason at the end of a gRPC handshake failure's details (e.g. "certificate signature
+    failure"), or the details themselves."""
+    for marker in ("OPENSSL_internal:", "SSL_ERROR_SSL: "):
+        if marker in details:
+            return details.split(marker)[-1].split(": OK")[0].strip()
+    return details
+
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def probe_tls(config: DaemonConfig, *, timeout_s: float = 5.0) -> str | None:
+    """Repeat the TLS handshake with Python's ``ssl`` to learn why the server closed the connection.
+
+    With TLS 1.3 a server checks the client certificate after the client has finished its part of the
+    handshake, and a gRPC server that refuses it (or finds none under mutual TLS) closes the connection without
+    an alert: the client sees the connection close before the server's first HTTP/2 frame. A server that
+    accepts answers the HTTP/2 preface with its settings.
+
+    Returns:
+        Why the server refuses this client (retrying cannot help), or None when the probe is inconclusive (the
+        server answered, cannot be reached, or timed out): treat the failure as transient.
+    """
+    address = parse_address(config.server, what="server")
+    if config.insecure:  # does the server speak TLS to this plaintext client?
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        try:
+            with (
+                socket.create_connection((address.host, address.port), timeout=timeout_s) as raw,
+                context.wrap_socket(raw, server_hostname=address.host),
+            ):
+                pass
+        except (OSError, ssl.SSLError):
+            return None
         return (
-            "TLS: the server certificate is not issued to the name this client connects to; pass --server-name "
-            "with a name in the server certificate (or connect by such a name)"
+            "the server speaks TLS, and this client was started with --insecure; drop --insecure and give "
+            "--ca-cert (the CA that signed the server certificate)"
         )
-    if "wrong_version_number" in lowered:
+    try:
+        context = ssl.create_default_context(cafile=str(config.ca_cert) if config.ca_cert is not None else None)
+        context.set_alpn_protocols(["h2"])
+        if config.cert is not None and config.key is not None:
+            context.load_cert_chain(str(config.cert), str(config.key))
+        with (
+            socket.create_connection((address.host, address.port), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=config.server_name or address.host) as tls,
+        ):
+            tls.sendall(_H2_PREFACE)
+            answered = tls.recv(1)
+    except ssl.SSLCertVerificationError as exc:
+        return f"TLS: this client could not verify the server certificate ({exc.verify_message}); check --ca-cert"
+    except ssl.SSLError as exc:
+        return f"TLS: the handshake with the server failed ({exc.reason or exc})"
+    except OSError:
+        return None
+    if answered:
+        return None
+    if config.cert is None:
         return (
-            "TLS: the server did not answer with TLS; it may have been started with --insecure (then pass "
-            "--insecure here too)"
+            "TLS: the server requires a client certificate (mutual TLS) and this client has none; give --cert and "
+            "--key (clients/<id>.pem and .key from `fedcore certs init`)"
         )
-    if "handshake failed" in lowered or "certificate" in lowered:
-        return (
-            "TLS: this client could not verify the server certificate; check that --ca-cert is the CA that "
-            "signed the server's --tls-cert, and --server-name if you connect by an address not in the "
-            "certificate"
-        )
-    if config.cert is not None and ("socket closed" in lowered or "connection reset" in lowered):
-        return (
-            "TLS: the server closed the connection during the handshake; it may not trust this client "
-            f"certificate: check --cert {config.cert} / --key {config.key}, and that the CA given to the "
-            "server as --client-ca signed it"
-        )
-    return ""
+    return (
+        f"TLS: the server does not accept this client certificate (--cert {config.cert}): it closed the connection "
+        "right after the handshake; the certificate must be signed by the CA the server was given as --client-ca "
+        "(its common name must be the --client-id)"
+    )
 
 
 def _details(exc: grpc.RpcError) -> str:

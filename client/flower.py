@@ -33,8 +33,11 @@ Use from the command line (both the server, for the initial model, and each daem
     factory = flower_task_factory(client_fn)
 
     fedcore client start --task mymodule:factory --partition-id 0 --num-partitions 2 ...
+    fedcore server start --task mymodule:factory ...   # client_fn gets partition 0 of 1 here
 
-The Flower ``Context`` a ``client_fn`` gets is built by :func:`flower_context`.
+The Flower ``Context`` a ``client_fn`` gets is built by :func:`flower_context`. The server's call has no partition
+of its own: it gets :data:`SERVER_NODE_CONFIG` (partition 0 of 1), or the factory names a ``server_fn``.
+Arrays may come back as numpy scalars where 0-d arrays went in, as flwr allows (:func:`as_flower_array`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, cast
 
 import numpy as np
@@ -55,6 +58,9 @@ log = logging.getLogger("fedcore.client")
 
 FlowerScalar = bool | bytes | float | int | str
 """Flower's ``Scalar``: the value type of its config and metrics dicts."""
+
+NodeConfigValue = bool | float | int | str
+"""The value type of a Flower ``Context.node_config``."""
 
 
 class NumPyClientLike(Protocol):
@@ -117,14 +123,10 @@ class FlowerParameters(torch.nn.Module):
                 client_id=client_id,
                 stage="fit",
             )
+        arrays = [
+            as_flower_array(a, index=i, stage="fit", round=round, client_id=client_id) for i, a in enumerate(arrays)
+        ]
         for index, ((name, buf), array) in enumerate(zip(buffers, arrays, strict=True)):
-            if not isinstance(array, np.ndarray):
-                raise PayloadError(
-                    f"fit returned a {type(array).__name__} as array {index} ({name}); return numpy arrays",
-                    round=round,
-                    client_id=client_id,
-                    stage="fit",
-                )
             want_shape = tuple(buf.shape)
             want_dtype = buf.numpy().dtype
             if tuple(array.shape) != want_shape:
@@ -145,6 +147,35 @@ class FlowerParameters(torch.nn.Module):
         with torch.no_grad():
             for (_, buf), array in zip(buffers, arrays, strict=True):
                 buf.copy_(torch.from_numpy(np.require(array, requirements="C")))
+
+
+def as_flower_array(
+    value: object, *, index: int, stage: str, round: int | None = None, client_id: str | None = None
+) -> np.ndarray:
+    """One array a Flower client returned, as flwr takes it: a numpy array, or a numpy scalar or plain number
+    (what ``p + 1`` gives for a 0-d array ``p``) as the 0-d array of its dtype.
+
+    flwr serializes each returned value with ``np.save``, so it accepts scalars in place of 0-d arrays; so does
+    fedcore. Python ``float``/``int``/``bool`` become float64/int64/bool, as numpy makes them.
+
+    Raises:
+        PayloadError: anything else (a list, None, a string, an object array), naming the array and stage.
+    """
+    if isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (np.generic, numbers.Number)) and not isinstance(value, (np.str_, np.bytes_, np.void)):
+        array = np.asarray(value)
+    else:
+        array = None
+    if array is None or array.dtype.kind not in "biufc":
+        raise PayloadError(
+            f"{stage} returned a {type(value).__name__} as array {index} ({buffer_name(index)}); return numeric "
+            "numpy arrays (or numpy scalars for 0-d arrays)",
+            round=round,
+            client_id=client_id,
+            stage=stage,
+        )
+    return array
 
 
 def fit_config_dict(config: FitConfig, *, server_round: int, seed: int) -> dict[str, FlowerScalar]:
@@ -178,6 +209,8 @@ def scalar_metrics(metrics: object, *, stage: str) -> dict[str, float]:
         )
     kept: dict[str, float] = {}
     for key, value in metrics.items():
+        if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+            value = value.item()  # a 0-d array, as numpy arithmetic on 0-d arrays gives
         if isinstance(value, (bool, np.bool_, numbers.Real)):
             kept[str(key)] = float(value)
         else:
@@ -213,16 +246,17 @@ class FlowerTask:
         """A :class:`FlowerParameters` module of the client's ``get_parameters({})``.
 
         Raises:
-            ClientTaskError: ``get_parameters`` did not return a non-empty list of numpy arrays.
+            ClientTaskError: ``get_parameters`` did not return a non-empty list.
+            PayloadError: an entry is not a numeric numpy array or scalar.
         """
         arrays = self.client.get_parameters({})
-        if not isinstance(arrays, (list, tuple)) or not arrays or not all(isinstance(a, np.ndarray) for a in arrays):
+        if not isinstance(arrays, (list, tuple)) or not arrays:
             raise ClientTaskError(
                 "the Flower client's get_parameters({}) must return a non-empty list of numpy arrays (the model), "
                 f"got {type(arrays).__name__}",
                 stage="build",
             )
-        return FlowerParameters(arrays)
+        return FlowerParameters([as_flower_array(a, index=i, stage="get_parameters") for i, a in enumerate(arrays)])
 
     def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
         """One round of ``client.fit``; the returned arrays replace the module's buffers.
@@ -256,6 +290,8 @@ class FlowerTask:
         """
         module = _flower_module(model)
         result = self.client.evaluate(module.arrays(), {"batch_size": int(batch_size)})
+        if isinstance(result, tuple) and result and isinstance(result[0], np.ndarray) and result[0].ndim == 0:
+            result = (result[0].item(), *result[1:])  # a 0-d array loss, as numpy reductions of arrays can give
         if not isinstance(result, tuple) or len(result) != 3 or not isinstance(result[0], numbers.Real):
             raise ClientTaskError(
                 "the Flower client's evaluate must return (loss: float, num_examples: int, metrics: dict), got "
@@ -330,12 +366,21 @@ def _option_value(text: str) -> bool | int | float | str:
     return text
 
 
-def flower_context(context: TaskContext) -> Any:
+#: The ``node_config`` the server-side ``client_fn`` call gets unless the factory names its own: partition 0 of 1,
+#: i.e. the whole data set as one partition (a standard Flower ``client_fn`` then builds a client whose
+#: ``get_parameters`` gives the initial model and whose ``evaluate`` scores the global model on that client's
+#: validation split of the whole data).
+SERVER_NODE_CONFIG: Mapping[str, int] = {"partition-id": 0, "num-partitions": 1}
+
+
+def flower_context(context: TaskContext, *, server_node_config: Mapping[str, NodeConfigValue] | None = None) -> Any:
     """The ``flwr.common.Context`` a Flower ``client_fn`` gets for fedcore's ``context``.
 
     - ``node_id``: a stable 63-bit number from the client id (SHA-256), ``run_id`` 0, an empty ``state``;
     - ``node_config``: ``partition-id`` and ``num-partitions`` (Flower's simulation keys) when fedcore has them,
-      ``data-dir`` when given, ``fedcore-role`` (``"client"`` or ``"server"``) and ``fedcore-client-id``;
+      ``data-dir`` when given, ``fedcore-role`` (``"client"`` or ``"server"``) and ``fedcore-client-id``; for the
+      server (``context.role == "server"``, which has no partition), ``server_node_config`` (default
+      :data:`SERVER_NODE_CONFIG`, partition 0 of 1) supplies the keys a standard ``client_fn`` reads;
     - ``run_config``: the task options (``--task-option key=value``), values typed as bool/int/float when they
       parse as such, else strings.
 
@@ -346,23 +391,28 @@ def flower_context(context: TaskContext) -> Any:
         from flwr.common import Context, RecordDict
     except ImportError as exc:
         raise ConfigError("a Flower client_fn needs flwr installed (pip install flwr)") from exc
-    node_config: dict[str, bool | int | float | str] = {
-        "fedcore-role": context.role,
-        "fedcore-client-id": context.client_id,
-    }
+    node_config: dict[str, NodeConfigValue] = {}
+    if context.role == "server":
+        node_config.update(SERVER_NODE_CONFIG if server_node_config is None else server_node_config)
     if context.partition_id is not None:
         node_config["partition-id"] = int(context.partition_id)
     if context.num_partitions is not None:
         node_config["num-partitions"] = int(context.num_partitions)
     if context.data_dir is not None:
         node_config["data-dir"] = str(context.data_dir)
+    node_config["fedcore-role"] = context.role
+    node_config["fedcore-client-id"] = context.client_id
     node_id = int.from_bytes(hashlib.sha256(context.client_id.encode()).digest()[:8], "little") >> 1
     run_config = {str(k): _option_value(str(v)) for k, v in context.options.items()}
     return Context(run_id=0, node_id=node_id, node_config=node_config, state=RecordDict(), run_config=run_config)
 
 
 def flower_task_factory(
-    client_fn: Callable[[Any], object], *, context: Literal["flower", "fedcore"] = "flower"
+    client_fn: Callable[[Any], object],
+    *,
+    context: Literal["flower", "fedcore"] = "flower",
+    server_fn: Callable[[Any], object] | None = None,
+    server_node_config: Mapping[str, NodeConfigValue] | None = None,
 ) -> TaskFactory:
     """Turn a Flower ``client_fn`` into a fedcore task factory (for ``--task module:attr``).
 
@@ -370,20 +420,42 @@ def flower_task_factory(
         client_fn: returns a ``NumPyClient`` (or its ``to_client()``) for one client.
         context: what ``client_fn`` takes: ``"flower"`` a ``flwr.common.Context`` (:func:`flower_context`), as
             Flower's ``ClientApp(client_fn=...)`` does; ``"fedcore"`` the :class:`fedcore.task.TaskContext`.
+        server_fn: called instead of ``client_fn`` for the server (same argument kind): the ``NumPyClient``
+            whose ``get_parameters`` gives the initial global model and whose ``evaluate`` scores the global
+            model after each round (e.g. one on held-out test data). None: ``client_fn`` serves the server too.
+        server_node_config: the ``node_config`` of the server-side call (default :data:`SERVER_NODE_CONFIG`,
+            partition 0 of 1); only with ``context="flower"``.
 
     The factory is also called for the server (``context.role == "server"``, no partition id): the server builds
     the initial global model from that client's ``get_parameters`` and, unless ``--no-evaluate``, evaluates the
-    global model with its ``evaluate``. Bind the factory to a module-level name so daemons (and parallel
-    workers) can import it.
+    global model with its ``evaluate``. A standard Flower ``client_fn`` that reads
+    ``context.node_config["partition-id"]`` and ``["num-partitions"]`` runs unchanged: the server's call gets
+    partition 0 of 1. Bind the factory to a module-level name so daemons (and parallel workers) can import it.
 
     Raises:
-        ConfigError: ``context`` is neither value; (when called) ``client_fn`` returned no NumPyClient.
+        ConfigError: ``context`` is neither value, or ``server_node_config`` is given with ``context="fedcore"``;
+            (when called) the function returned no NumPyClient.
     """
     if context not in ("flower", "fedcore"):
         raise ConfigError(f"context must be 'flower' or 'fedcore', got {context!r}")
+    if server_node_config is not None and context != "flower":
+        raise ConfigError("server_node_config is a Flower node_config: it needs context='flower'")
 
     def factory(task_context: TaskContext) -> Task:
-        argument = flower_context(task_context) if context == "flower" else task_context
-        return FlowerTask(client_fn(argument))
+        fn = server_fn if task_context.role == "server" and server_fn is not None else client_fn
+        if context == "fedcore":
+            return FlowerTask(fn(task_context))
+        flower = flower_context(task_context, server_node_config=server_node_config)
+        try:
+            client = fn(flower)
+        except KeyError as exc:
+            role = "the server" if task_context.role == "server" else f"client {task_context.client_id!r}"
+            raise ConfigError(
+                f"the Flower client_fn for {role} read a key it was not given: {exc}; its node_config holds "
+                f"{sorted(flower.node_config)} and its run_config {sorted(flower.run_config)} (--task-option "
+                "key=value). Give the daemon --partition-id/--num-partitions, pass the key as --task-option, or "
+                "name server_fn=/server_node_config= in flower_task_factory"
+            ) from exc
+        return FlowerTask(client)
 
     return factory

@@ -188,7 +188,8 @@ SERVER_FLAGS: dict[str, type] = {
 
 #: Help for the ``server start`` flags (each is also a key of ``server.app.ServerConfig``).
 SERVER_FLAG_HELP = {
-    "address": "HOST:PORT to listen on (default 0.0.0.0:8443)",
+    "address": "HOST:PORT to listen on ([::]:8443 for IPv6; default 0.0.0.0:8443); port 0 lets the OS pick one, "
+    "and the 'listening on' line says which",
     "state_dir": "SQLite state, checkpoints, history.csv; restarting on it resumes the run",
     "task": "task factory module:attr: the initial model and server-side evaluation (e.g. simulations.tasks:demo_task)",
     "data_dir": "data directory handed to the server-side task (its held-out data)",
@@ -209,7 +210,7 @@ SERVER_FLAG_HELP = {
     "tls_key": "server private key (PEM)",
     "client_ca": "CA that signs client certificates: turns on mutual TLS",
     "tokens_file": "file of 'client_id token' lines: only these clients may join",
-    "metrics_port": "serve Prometheus metrics on this port",
+    "metrics_port": "serve Prometheus metrics on this port (0: the OS picks one, printed at start)",
     "metrics_address": "interface for the metrics endpoint (default 127.0.0.1; 0.0.0.0 for remote scraping)",
     "linger_s": "keep serving this long after the last round so that clients learn the run is over",
 }
@@ -302,7 +303,7 @@ def _add_client(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             "--partition, --partition-id I --num-partitions N."
         ),
     )
-    start.add_argument("--server", required=True, help="HOST:PORT of the coordinator")
+    start.add_argument("--server", required=True, help="HOST:PORT of the coordinator ([::1]:8443 for IPv6)")
     start.add_argument("--client-id", required=True, help="this client's id (with mTLS: its certificate's name)")
     start.add_argument("--task", default="simulations.tasks:demo_task", help="task factory module:attr")
     start.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE")

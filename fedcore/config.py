@@ -3,17 +3,21 @@
 Each component owns a frozen, keyword-only config dataclass that validates itself in ``__post_init__``; a recipe
 is a root dataclass whose fields are those configs. This module only moves values into them:
 :func:`from_mapping` builds a dataclass from a (nested) mapping, rejecting unknown keys and wrongly typed values;
-:func:`load_toml` reads a file; :func:`apply_overrides` applies CLI overrides without mutating anything.
+:func:`load_toml` reads a file; :func:`apply_overrides` applies CLI overrides without mutating anything;
+:func:`parse_address` is the one parser of every ``host:port`` a user gives (``[::1]:8443`` for IPv6).
 All errors are :class:`~fedcore.errors.ConfigError` raised before a run starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
 import tomllib
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -189,3 +193,145 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             node = child
         node[parts[-1]] = _parse_scalar(raw.strip())
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# network addresses: the one parser for every host:port a user gives (server --address, client --server, ...)
+
+_ADDRESS_EXAMPLE = "e.g. 127.0.0.1:8443, server.example.org:8443 or [::1]:8443"
+_MAX_PORT = 65535
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+@dataclass(frozen=True)
+class Address:
+    """A validated ``host:port``.
+
+    Attributes:
+        host: an IPv4 address, an IPv6 address (without brackets) or a DNS host name.
+        port: 1-65535; 0 only where the OS is to pick a free port (a listening address that allows it).
+    """
+
+    host: str
+    port: int
+
+    @property
+    def is_ipv6(self) -> bool:
+        """Whether ``host`` is an IPv6 address (written in brackets in ``host:port`` form)."""
+        return ":" in self.host
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if self.is_ipv6 else f"{self.host}:{self.port}"
+
+    def with_port(self, port: int) -> Address:
+        """The same host with ``port`` (e.g. the port the OS picked for port 0)."""
+        return Address(self.host, port)
+
+
+def parse_host(text: object, *, what: str) -> str:
+    """Check a host given without a port: an IPv4 or IPv6 address, or a DNS host name (RFC 1123 labels).
+
+    Returns:
+        The host, stripped of the brackets an IPv6 address may be written in.
+
+    Raises:
+        ConfigError: ``text`` is empty, not a string, a malformed IP address or not a valid host name.
+    """
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"{what}: expected a host name or IP address ({_ADDRESS_EXAMPLE} without the port), "
+                          f"got {text!r}")  # fmt: skip
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{what}: {text!r} is not a valid IPv6 address (e.g. ::1 or fe80::1)") from None
+        return host
+    if all(part.isdigit() for part in host.split(".")):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(
+                f"{what}: {text!r} is not a valid IPv4 address (four numbers 0-255, e.g. 127.0.0.1)"
+            ) from None
+        return host
+    labels = host.removesuffix(".").split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise ConfigError(
+            f"{what}: {text!r} is not a valid host name (letters, digits, '-' and '_' in dot-separated labels of at "
+            f"most 63 characters, e.g. server.example.org) nor an IP address"
+        )
+    return host
+
+
+def parse_address(text: object, *, what: str, allow_port_zero: bool = False) -> Address:
+    """Parse and check a ``host:port`` address the user gave (the one parser every address goes through).
+
+    ``host`` is an IPv4 address, a DNS name, or an IPv6 address in brackets (``[::1]:8443``); ``port`` is a
+    decimal number 1-65535, or 0 when ``allow_port_zero`` (a listening address where 0 lets the OS pick a free
+    port). Called when a config is built, so a bad address fails before any side effect (no state directory, no
+    socket).
+
+    Args:
+        text: the address as given.
+        what: which setting it is (``"--address"``, ``"--server"``), for the message.
+        allow_port_zero: accept port 0 (listening addresses only).
+
+    Raises:
+        ConfigError: no port, a port out of range or not a number, an IPv6 address without brackets, or a bad
+            host; the message says which and shows the right form.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"{what}: expected HOST:PORT ({_ADDRESS_EXAMPLE}), got {text!r}")
+    if text != text.strip() or any(c.isspace() for c in text):
+        raise ConfigError(f"{what}: {text!r} contains spaces; expected HOST:PORT ({_ADDRESS_EXAMPLE})")
+    if "://" in text or text.startswith("unix:"):
+        raise ConfigError(f"{what}: {text!r} is a URL; give plain HOST:PORT ({_ADDRESS_EXAMPLE})")
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise ConfigError(f"{what}: {text!r} opens '[' but never closes it; write IPv6 as [::1]:8443")
+        host, rest = text[1:close], text[close + 1 :]
+        if not rest.startswith(":"):
+            raise ConfigError(f"{what}: {text!r} has no port after the IPv6 address; write it as [{host}]:8443")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ConfigError(f"{what}: {text!r} has no port; expected HOST:PORT ({_ADDRESS_EXAMPLE})")
+        if ":" in host:
+            raise ConfigError(f"{what}: {text!r}: an IPv6 address goes in brackets before the port, e.g. [::1]:8443")
+        if not host:
+            raise ConfigError(
+                f"{what}: {text!r} has no host; give one, e.g. 0.0.0.0:{port_text or 8443} to listen on every "
+                "interface or 127.0.0.1:8443"
+            )
+    try:
+        host = parse_host(f"[{host}]" if ":" in host else host, what=what)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc.message}; expected HOST:PORT ({_ADDRESS_EXAMPLE})") from None
+    if not port_text.isascii() or not port_text.isdigit():
+        raise ConfigError(
+            f"{what}: port {port_text!r} in {text!r} is not a number 1-{_MAX_PORT}; expected HOST:PORT "
+            f"({_ADDRESS_EXAMPLE})"
+        )
+    port = int(port_text)
+    low = 0 if allow_port_zero else 1
+    if not low <= port <= _MAX_PORT:
+        zero = " (0 lets the OS pick a free port)" if allow_port_zero else ""
+        raise ConfigError(f"{what}: port {port} in {text!r} is out of range {low}-{_MAX_PORT}{zero}; "
+                          f"expected HOST:PORT ({_ADDRESS_EXAMPLE})")  # fmt: skip
+    return Address(host, port)
+
+
+def check_port(port: object, *, what: str, allow_zero: bool = False) -> int:
+    """Check a TCP port given on its own (e.g. ``metrics_port``): an int 1-65535, or 0 when ``allow_zero``.
+
+    Raises:
+        ConfigError: not an int, or out of range.
+    """
+    low = 0 if allow_zero else 1
+    if isinstance(port, bool) or not isinstance(port, int) or not low <= port <= _MAX_PORT:
+        zero = " (0 lets the OS pick a free port)" if allow_zero else ""
+        raise ConfigError(f"{what} must be a TCP port {low}-{_MAX_PORT}{zero}, got {port!r}")
+    return port

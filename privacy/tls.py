@@ -19,12 +19,16 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedcore.config import parse_host
 from fedcore.errors import ConfigError
 
 _VALID_DAYS = 365
@@ -38,18 +42,165 @@ class Identity:
     key_pem: bytes
 
 
-def read_pem(path: Path | None) -> bytes | None:
-    """The bytes of a PEM file the user named (None when no path was given).
+_CERT_BEGIN = b"-----BEGIN CERTIFICATE-----"
+_MAKE_THEM = "make a matching set with `fedcore certs init --out certs`"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The flag names under which the user gave the TLS files, for messages (server and client differ)."""
+
+    cert: str
+    key: str
+    ca: str
+
+
+SERVER_FLAGS = TlsFiles(cert="--tls-cert", key="--tls-key", ca="--client-ca")
+CLIENT_FLAGS = TlsFiles(cert="--cert", key="--key", ca="--ca-cert")
+
+
+def _read_file(path: Path, flag: str, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{flag} {str(path)!r}: no such file (the {what}); {_MAKE_THEM}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{flag} {str(path)!r} is a directory; give the {what} file") from None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {str(path)!r}: cannot read the {what}: {exc.strerror or exc}") from None
+
+
+def _is_private_key_pem(data: bytes) -> bool:
+    return b"-----BEGIN" in data and b"PRIVATE KEY-----" in data
+
+
+def load_certificates(path: Path, *, flag: str, what: str = "certificate") -> list[x509.Certificate]:
+    """Read a PEM file of one or more certificates (a chain, or CA certificates) and check each is valid now.
+
+    Args:
+        path: the file. flag: the option that named it (for messages). what: what the file is meant to hold.
 
     Raises:
-        ConfigError: the file cannot be read; the message names it.
+        ConfigError: missing or unreadable file, a private key or non-PEM data where certificates belong, a
+            certificate that cannot be parsed, is expired or not yet valid. The message names the file and what
+            to do.
+    """
+    data = _read_file(path, flag, what)
+    if _CERT_BEGIN not in data:
+        if _is_private_key_pem(data):
+            raise ConfigError(
+                f"{flag} {str(path)!r} holds a private key, not a {what}; are the certificate and key files swapped?"
+            )
+        kind = "a PEM file of another kind" if b"-----BEGIN" in data else "not PEM (perhaps DER or another format)"
+        raise ConfigError(
+            f"{flag} {str(path)!r} is {kind}; expected a PEM {what} beginning with '-----BEGIN CERTIFICATE-----' "
+            "(convert DER with `openssl x509 -inform der -in FILE -out FILE.pem`)"
+        )
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {str(path)!r}: the {what} cannot be parsed ({exc}); {_MAKE_THEM}") from None
+    now = datetime.datetime.now(datetime.UTC)
+    for cert in certs:
+        subject = cert.subject.rfc4514_string()
+        if now < cert.not_valid_before_utc:
+            raise ConfigError(
+                f"{flag} {str(path)!r}: the {what} for {subject!r} is not valid before "
+                f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC; check this machine's clock"
+            )
+        if now > cert.not_valid_after_utc:
+            raise ConfigError(
+                f"{flag} {str(path)!r}: the {what} for {subject!r} expired on "
+                f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; issue a new one (`fedcore certs init` reuses the CA)"
+            )
+    return certs
+
+
+def load_private_key(path: Path, *, flag: str) -> PrivateKeyTypes:
+    """Read an unencrypted PEM private key.
+
+    Raises:
+        ConfigError: missing or unreadable file, a certificate where the key belongs, a passphrase-encrypted key
+            (gRPC cannot ask for a passphrase), or data that is not a private key.
+    """
+    data = _read_file(path, flag, "private key")
+    if not _is_private_key_pem(data):
+        if _CERT_BEGIN in data:
+            raise ConfigError(
+                f"{flag} {str(path)!r} holds a certificate, not a private key; are the certificate and key files "
+                "swapped?"
+            )
+        raise ConfigError(
+            f"{flag} {str(path)!r} is not a PEM private key (expected '-----BEGIN PRIVATE KEY-----' or "
+            "'-----BEGIN EC/RSA PRIVATE KEY-----')"
+        )
+    try:
+        return serialization.load_pem_private_key(data, password=None)
+    except TypeError:  # cryptography: "Password was not given but private key is encrypted"
+        raise ConfigError(
+            f"{flag} {str(path)!r} is encrypted with a passphrase, which gRPC cannot ask for; write an "
+            f"unencrypted copy readable only by this user (`openssl pkey -in {path} -out plain.key` and "
+            "chmod 600 plain.key)"
+        ) from None
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise ConfigError(f"{flag} {str(path)!r}: the private key cannot be loaded ({exc})") from None
+
+
+def _public_der(key: PublicKeyTypes | PrivateKeyTypes) -> bytes:
+    public = key.public_key() if hasattr(key, "public_key") else key
+    return public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def load_identity(cert: Path, key: Path, *, role: Literal["server", "client"], flags: TlsFiles) -> Identity:
+    """Load and check a certificate (chain) and its private key before gRPC gets them.
+
+    gRPC reports every problem with these files as a failure to bind (server) or a closed socket (client); this
+    says what is wrong instead.
+
+    Args:
+        cert, key: the PEM files. role: what the certificate is for (checked against its extended key usage,
+            when it has one). flags: the option names, for messages.
+
+    Returns:
+        The PEM bytes, as read.
+
+    Raises:
+        ConfigError: a file is missing, unreadable, not PEM, swapped with the other, encrypted, expired or not
+            yet valid; the key does not belong to the certificate; the certificate is not for ``role``.
+    """
+    chain = load_certificates(cert, flag=flags.cert)
+    private = load_private_key(key, flag=flags.key)
+    leaf = chain[0]
+    if _public_der(leaf.public_key()) != _public_der(private):
+        raise ConfigError(
+            f"{flags.key} {str(key)!r} is not the private key of the certificate {flags.cert} {str(cert)!r} "
+            f"(issued to {leaf.subject.rfc4514_string()!r}); give the key made together with that certificate"
+        )
+    try:
+        usage = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        usage = None
+    wanted = ExtendedKeyUsageOID.SERVER_AUTH if role == "server" else ExtendedKeyUsageOID.CLIENT_AUTH
+    if usage is not None and wanted not in usage and ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE not in usage:
+        other = "client" if role == "server" else "server"
+        made = "server.pem" if role == "server" else "clients/<id>.pem"
+        raise ConfigError(
+            f"{flags.cert} {str(cert)!r} is a {other} certificate (its extended key usage does not allow "
+            f"{role} authentication); give the {role}'s certificate ({made} from `fedcore certs init`)"
+        )
+    return Identity(_read_file(cert, flags.cert, "certificate"), _read_file(key, flags.key, "private key"))
+
+
+def load_ca_bundle(path: Path | None, *, flag: str) -> bytes | None:
+    """Read and check a CA certificate file (PEM, one or more certificates); None when no path was given.
+
+    Raises:
+        ConfigError: see :func:`load_certificates` (missing, not PEM, a key instead, expired, not yet valid).
     """
     if path is None:
         return None
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {str(path)!r}: {exc}") from exc
+    load_certificates(path, flag=flag, what="CA certificate")
+    return _read_file(path, flag, "CA certificate")
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -160,15 +311,19 @@ def init_certs(
         The files written.
 
     Raises:
-        ConfigError: a client id is empty or not usable as a file name.
+        ConfigError: a client id is empty or not usable as a file name; a host is not a DNS name or IP address
+            (e.g. it carries a port); the CA found in ``out`` is damaged, expired or encrypted.
     """
     for cid in clients:
         if not cid or "/" in cid or cid.startswith(".") or not cid.isprintable() or " " in cid:
             raise ConfigError(f"client id {cid!r} cannot be used (no spaces, slashes or leading dots)")
+    hosts = [parse_host(host, what="--host (a DNS name or IP address, no port)") for host in hosts]
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     ca_pem, ca_key = out / "ca.pem", out / "ca.key"
     if ca_pem.exists() and ca_key.exists():
+        load_certificates(ca_pem, flag="--out", what="CA certificate")  # a damaged or expired CA is named
+        load_private_key(ca_key, flag="--out")
         ca = Identity(ca_pem.read_bytes(), ca_key.read_bytes())
     else:
         ca = make_ca()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fedcore.config import apply_overrides, from_mapping, load_toml
+from fedcore.config import Address, apply_overrides, check_port, from_mapping, load_toml, parse_address, parse_host
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.kernels import warm_up as warm_up_kernels
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
@@ -42,7 +42,7 @@ from fedcore.task import (
 )
 from fedcore.tensors import check_spec, state_spec
 from fedcore.wire import DEFAULT_CHUNK_BYTES
-from privacy.tls import read_pem
+from privacy.tls import SERVER_FLAGS, load_ca_bundle, load_identity
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.metrics import DEFAULT_METRICS_ADDRESS, ServerMetrics
 from server.round_loop import (
@@ -137,10 +137,17 @@ class ServerConfig:
             raise ConfigError("client_ca (mutual TLS) cannot be combined with --insecure")
         if self.max_workers < 4:
             raise ConfigError(f"max_workers must be >= 4, got {self.max_workers}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ConfigError(f"metrics_port must be a TCP port, got {self.metrics_port}")
+        parse_address(self.address, what="address (--address)", allow_port_zero=True)
+        parse_host(self.metrics_address, what="metrics_address (--metrics-address)")
+        if self.metrics_port is not None:
+            check_port(self.metrics_port, what="metrics_port (--metrics-port)", allow_zero=True)
         if self.linger_s < 0:
             raise ConfigError(f"linger_s must be >= 0, got {self.linger_s}")
+
+    @property
+    def listen_address(self) -> Address:
+        """``address`` parsed (checked when the config was built)."""
+        return parse_address(self.address, what="address (--address)", allow_port_zero=True)
 
     def round_config(self) -> RoundConfig:
         """The round loop's settings."""
@@ -166,18 +173,23 @@ def load_server_config(path: str | os.PathLike[str] | None, overrides: list[str]
 
 
 def server_credentials(config: ServerConfig) -> Any:
-    """gRPC server credentials from the config's PEM files (None with ``insecure``).
+    """gRPC server credentials from the config's PEM files (None with ``insecure``), checked first.
 
     Raises:
-        ConfigError: a file cannot be read.
+        ConfigError: a file is missing, unreadable, not PEM, swapped, encrypted, expired; the key is not the
+            certificate's; the certificate is not a server certificate (see :func:`privacy.tls.load_identity`).
     """
     import grpc
 
     if config.insecure:
         return None
-
-    key, cert, ca = read_pem(config.tls_key), read_pem(config.tls_cert), read_pem(config.client_ca)
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    if config.tls_cert is None or config.tls_key is None:
+        raise ConfigError("give --tls-cert and --tls-key, or --insecure")
+    identity = load_identity(config.tls_cert, config.tls_key, role="server", flags=SERVER_FLAGS)
+    ca = load_ca_bundle(config.client_ca, flag=SERVER_FLAGS.ca)
+    return grpc.ssl_server_credentials(
+        [(identity.key_pem, identity.cert_pem)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 class _Stop(BaseException):
@@ -196,6 +208,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     """
     if config.insecure:
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
+    credentials = server_credentials(config)  # TLS files checked before anything is created
     _return_large_blocks_to_the_os()
     store = StateStore(config.state_dir)
     try:
@@ -212,7 +225,8 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
 
     metrics = ServerMetrics()
     if config.metrics_port is not None:
-        metrics.serve(config.metrics_port, config.metrics_address)
+        metrics_host, metrics_port = metrics.serve(config.metrics_port, config.metrics_address)
+        echo(f"metrics on http://{Address(metrics_host, metrics_port)}/metrics")
     auth = AuthPolicy(
         tokens=load_tokens(config.tokens_file) if config.tokens_file is not None else {},
         require_client_cert=config.client_ca is not None,
@@ -235,13 +249,14 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     server, port = build_server(
         service,
         config.address,
-        credentials=server_credentials(config),
+        credentials=credentials,
         max_workers=config.max_workers,
         chunk_bytes=config.chunk_bytes,
     )
-    host = config.address.rsplit(":", 1)[0]
     server.start()
-    echo(f"fedcore server listening on {host}:{port} ({'plaintext' if config.insecure else 'TLS'})")
+    # with port 0 the OS picked the port: this line is how a caller learns it
+    echo(f"fedcore server listening on {config.listen_address.with_port(port)} "
+         f"({'plaintext' if config.insecure else 'TLS'})")  # fmt: skip
     sys.stdout.flush()
 
     # A stop signal that arrives while a finished round is being saved waits until the checkpoint, the database

@@ -4,16 +4,19 @@
 - rounds through the in-memory pool and :func:`server.round_loop.run_rounds` equal flwr's own
   ``flwr.server.strategy.aggregate.aggregate`` of the clients' direct fit results;
 - wrong returns (count, shape, dtype, type) fail with a clear PayloadError / ClientTaskError;
-- ``flower_task_factory`` makes a fedcore task factory of a Flower ``client_fn(context)``.
+- ``flower_task_factory`` makes a fedcore task factory of a Flower ``client_fn(context)``, the server's included: a
+  standard Flower app (tests/deploy/flower_app.py) runs unchanged, its server side gets partition 0 of 1 or a
+  named ``server_fn``;
+- numpy scalars where 0-d arrays went in (``p + 1``) are taken, as flwr takes them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
-from flwr.client import NumPyClient
+from flwr.client import ClientApp, NumPyClient
 from flwr.common import Context
 from flwr.server.strategy.aggregate import aggregate
 
@@ -23,7 +26,7 @@ from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes
 from fedcore.seeding import derive_seed
 from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
-from fedcore.task import FitConfig, TaskContext, load_task_factory
+from fedcore.task import FitConfig, TaskContext, central_evaluation, load_task_factory
 from fedcore.tensors import NamedArrays, from_state_dict
 from server.round_loop import RoundConfig, run_rounds
 from simulations.inmemory import InMemoryPool
@@ -251,3 +254,118 @@ def test_what_is_not_a_numpy_client_is_refused() -> None:
         FlowerTask(object())
     with pytest.raises(ConfigError, match="'flower' or 'fedcore'"):
         flower_task_factory(client_fn, context="other")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a standard Flower client app (tests/deploy/flower_app.py) on both sides, server included
+
+APP_OPTIONS = {"lr": "0.1"}
+
+
+def test_a_standard_client_fn_gets_partition_0_of_1_on_the_server() -> None:
+    from tests.deploy import flower_app
+
+    assert isinstance(flower_app.app, ClientApp)  # the module is a real Flower app
+    server_task = load_task_factory("tests.deploy.flower_app:factory")(TaskContext(role="server", options=APP_OPTIONS))
+    client = cast(flower_app.LinearClient, server_task.client)
+    x, y, x_test, _ = flower_app.load_data(0, 1)  # the whole data set as one partition
+    np.testing.assert_array_equal(client.x, x)
+    assert (len(y), len(x_test)) == (96, 24)
+    model = from_state_dict(server_task.build_model().state_dict())
+    assert [(a.shape, a.dtype) for a in model.values()] == [((4,), np.float32), ((), np.float32)]
+
+
+def test_a_standard_flower_app_runs_rounds_and_the_server_evaluates_with_it() -> None:
+    from tests.deploy import flower_app
+
+    factory = load_task_factory("tests.deploy.flower_app:factory")
+    server_task = factory(TaskContext(role="server", options=APP_OPTIONS))
+    clients = {f"c{i}": factory(TaskContext(client_id=f"c{i}", partition_id=i, num_partitions=2,
+                                            options=APP_OPTIONS)) for i in range(2)}  # fmt: skip
+    config = FitConfig(local_epochs=3, batch_size=8, lr=0.1)
+    strategy = build_strategy(StrategyConfig(), config, SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
+    initial = from_state_dict(server_task.build_model().state_dict())
+    final, records = run_rounds(
+        InMemoryPool(sorted(clients), clients.__getitem__),
+        strategy,
+        initial,
+        RoundConfig(num_rounds=2, seed=SEED),
+        evaluate_fn=central_evaluation(server_task, 32),
+    )
+    # by hand: both partitions hold 48 training examples, so FedAvg is the plain mean of the two clients' fits
+    w, b = flower_app.fedavg_by_hand(rounds=2, local_epochs=3, lr=0.1)
+    np.testing.assert_allclose(final.parameters["param_0000"], w, rtol=1e-6)
+    np.testing.assert_allclose(final.parameters["param_0001"], b, rtol=1e-6)
+    assert final.parameters["param_0001"].shape == ()
+    # the server's evaluation is that of partition 0 of 1: the whole data's 24 test examples
+    loss, count, _ = flower_app.LinearClient(flower_app.load_data(0, 1), 0.1).evaluate([w, b], {})
+    assert count == 24
+    assert records[-1].eval_loss == pytest.approx(loss, rel=1e-6)
+
+
+def test_a_named_server_fn_serves_the_server_and_clients_keep_client_fn() -> None:
+    factory = load_task_factory("tests.deploy.flower_app:factory_with_server_fn")
+    server = factory(TaskContext(role="server", options=APP_OPTIONS))
+    assert len(cast(Any, server.client).y_test) == 20
+    client = factory(TaskContext(client_id="c1", partition_id=1, num_partitions=2, options=APP_OPTIONS))
+    assert len(cast(Any, client.client).y) == 48
+
+
+def test_a_key_the_client_fn_was_not_given_is_a_clear_error() -> None:
+    from tests.deploy import flower_app
+
+    with pytest.raises(ConfigError) as info:
+        flower_task_factory(flower_app.client_fn)(TaskContext(role="server"))  # no --task-option lr=...
+    message = str(info.value)
+    assert "the Flower client_fn for the server read a key it was not given: 'lr'" in message
+    assert "node_config holds ['fedcore-client-id', 'fedcore-role', 'num-partitions', 'partition-id']" in message
+    with pytest.raises(ConfigError, match="the Flower client_fn for client 'c3' read a key it was not given"):
+        flower_task_factory(flower_app.client_fn)(TaskContext(client_id="c3", options=APP_OPTIONS))
+    custom = flower_task_factory(flower_app.client_fn, server_node_config={"partition-id": 1, "num-partitions": 4})
+    task = custom(TaskContext(role="server", options=APP_OPTIONS))
+    assert len(cast(Any, task.client).y) == 24  # 80% of partition 1 of 4 (30 examples)
+    with pytest.raises(ConfigError, match="server_node_config is a Flower node_config: it needs context='flower'"):
+        flower_task_factory(flower_app.client_fn, context="fedcore", server_node_config={"partition-id": 0})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 0-d arrays: numpy scalars come back where 0-d arrays went in (p + 1), as flwr accepts
+
+
+class _ScalarClient(NumPyClient):
+    """A weight vector and a 0-d float32 counter; fit adds 1 to both, which makes the counter a numpy scalar."""
+
+    def get_parameters(self, config):  # type: ignore[no-untyped-def]
+        return [np.zeros(2, np.float32), np.float32(0.0)]  # a numpy scalar from get_parameters too
+
+    def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+        return [p + 1 for p in parameters], 5, {"counter": parameters[1] + 1}
+
+    def evaluate(self, parameters, config):  # type: ignore[no-untyped-def]
+        return np.asarray(parameters[1] * 2), 5, {"half": np.asarray(np.float32(0.5))}
+
+
+def test_numpy_scalars_and_0d_arrays_are_taken_as_flwr_takes_them() -> None:
+    task = FlowerTask(_ScalarClient())
+    initial = from_state_dict(task.build_model().state_dict())
+    assert initial["param_0001"].shape == () and initial["param_0001"].dtype == np.float32
+    assert isinstance(_ScalarClient().fit(list(initial.values()), {})[0][1], np.float32)  # not an ndarray
+    reply = run_instruction(task, FitIns(round=1, parameters=initial, config=CONFIG, seed=SEED), "c0")
+    assert isinstance(reply, FitRes)
+    np.testing.assert_array_equal(reply.parameters["param_0000"], [1.0, 1.0])
+    assert reply.parameters["param_0001"].shape == () and float(reply.parameters["param_0001"]) == 1.0
+    assert reply.metrics["counter"] == 1.0
+    evaluated = run_instruction(task, EvaluateIns(round=1, parameters=reply.parameters, batch_size=4), "c0")
+    assert isinstance(evaluated, EvaluateRes)
+    assert (evaluated.loss, evaluated.metrics) == (2.0, {"half": 0.5})
+
+
+def test_what_is_no_number_is_still_refused_as_an_array() -> None:
+    class Texts(_ScalarClient):
+        def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+            return [parameters[0], "1.0"], 5, {}
+
+    ins = FitIns(round=1, parameters=from_state_dict(FlowerTask(Texts()).build_model().state_dict()), config=CONFIG,
+                 seed=SEED)  # fmt: skip
+    with pytest.raises(PayloadError, match=r"fit returned a str as array 1 \(param_0001\); return numeric"):
+        run_instruction(FlowerTask(Texts()), ins, "c0")

@@ -1,12 +1,14 @@
 """Helpers for the deployment end-to-end tests: start `fedcore server start` / `fedcore client start` as real
-processes on 127.0.0.1, wait for log lines with bounded timeouts, and build the matching simulation."""
+processes on 127.0.0.1, wait for log lines with bounded timeouts, and build the matching simulation.
+
+Servers listen on port 0 and report the port the OS gave them (:meth:`Proc.listening_port`): picking a free
+port in the test and releasing it for the server to bind races with every other process on the machine."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,22 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    (port,) = free_ports(1)
-    return port
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all sockets are held until every port is picked)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(n):
-            s = stack.enter_context(socket.socket())
-            s.bind(("127.0.0.1", 0))
-            ports.append(int(s.getsockname()[1]))
-        return ports
 
 
 def task_option_flags(options: dict[str, str]) -> list[str]:
@@ -71,6 +57,21 @@ class Proc:
             time.sleep(0.05)
         raise AssertionError(f"{self.name}: no {needle!r} within {timeout_s} s:\n{self.text()[-4000:]}")
 
+    def listening_port(self, timeout_s: float = 60) -> int:
+        """The port a server started on port 0 got, from its "fedcore server listening on HOST:PORT" line."""
+        return self._reported_port("fedcore server listening on", r"fedcore server listening on \S+:(\d+) ", timeout_s)
+
+    def metrics_port(self, timeout_s: float = 60) -> int:
+        """The port of a server's Prometheus endpoint (``--metrics-port 0``), from its "metrics on" line."""
+        return self._reported_port("metrics on http://", r"metrics on http://\S+:(\d+)/metrics", timeout_s)
+
+    def _reported_port(self, needle: str, pattern: str, timeout_s: float) -> int:
+        self.wait_for_line(needle, timeout_s)
+        found = re.search(pattern, self.text())
+        if found is None:
+            raise AssertionError(f"{self.name}: no line matching {pattern!r}:\n{self.text()[-4000:]}")
+        return int(found.group(1))
+
     def wait(self, timeout_s: float) -> int:
         try:
             return self.popen.wait(timeout=timeout_s)
@@ -88,6 +89,8 @@ class Proc:
 
 
 def server_args(port: int, state_dir: Path, options: dict[str, str], *extra: str) -> list[str]:
+    """``server start`` flags for 127.0.0.1:``port``; port 0 lets the OS pick (read it with
+    :meth:`Proc.listening_port`)."""
     return [
         "server",
         "start",

@@ -22,7 +22,7 @@ from fedcore.tensors import NamedArrays
 from server.state import load_checkpoint
 from simulations.config import DataConfig, ModelConfig, OutputConfig, SimulationConfig
 from simulations.harness import client_ids, run_simulation, task_options
-from tests.e2e.deploy_helpers import Proc, client_args, free_port, server_args
+from tests.e2e.deploy_helpers import Proc, client_args, server_args
 
 pytestmark = pytest.mark.slow
 
@@ -82,12 +82,11 @@ def _start_clients(port: int, options: dict[str, str], log_dir: Path, *extra: st
 
 def test_four_daemons_match_the_simulation(tmp_path: Path, reference: NamedArrays) -> None:
     options = task_options(_config(tmp_path))
-    port = free_port()
     state = tmp_path / "state"
-    server = Proc("server", server_args(port, state, options, *_round_flags()), tmp_path)
-    clients = _start_clients(port, options, tmp_path)
+    server = Proc("server", server_args(0, state, options, *_round_flags()), tmp_path)
+    clients: list[Proc] = []
     try:
-        server.wait_for_line("listening on", 60)
+        clients = _start_clients(server.listening_port(), options, tmp_path)
         assert server.wait(150) == 0, server.text()
         for client in clients:
             assert client.wait(30) == 0, client.text()
@@ -103,13 +102,15 @@ def test_four_daemons_match_the_simulation(tmp_path: Path, reference: NamedArray
 
 def test_server_killed_after_round_2_resumes_and_matches(tmp_path: Path, reference: NamedArrays) -> None:
     options = task_options(_config(tmp_path))
-    port = free_port()
     state = tmp_path / "state"
-    args = server_args(port, state, options, *_round_flags())
-    server = Proc("server", args, tmp_path)
-    clients = _start_clients(port, options, tmp_path)
+    server = Proc("server", server_args(0, state, options, *_round_flags()), tmp_path)
+    clients: list[Proc] = []
     restarted: Proc | None = None
     try:
+        port = server.listening_port()
+        # the restarted server takes the same port, which the daemons keep reconnecting to
+        args = server_args(port, state, options, *_round_flags())
+        clients = _start_clients(port, options, tmp_path)
         server.wait_for_line(f"round 2: {NUM_CLIENTS} update(s)", 120)  # the round line, not a warning about round 2
         server.kill9()
         assert not (state / "checkpoints" / f"round-{ROUNDS:06d}.safetensors").exists()
@@ -119,6 +120,12 @@ def test_server_killed_after_round_2_resumes_and_matches(tmp_path: Path, referen
         assert "round 1:" not in restarted.text() and "round 3:" in restarted.text()
         for client in clients:
             assert client.wait(30) == 0, client.text()
+            # the outage is retried many times (debug lines) and its reasons (the cut call, then connection
+            # refused until the restarted server listens) are each printed once
+            reasons = [line for line in client.text().splitlines() if "cannot reach the server" in line]
+            retries = client.text().count("retrying in")
+            assert 1 <= len(reasons) <= 2 < retries, client.text()
+            assert len(set(line.split(": ", 1)[1] for line in reasons)) == len(reasons), reasons
     finally:
         for proc in [server, *clients, *([restarted] if restarted else [])]:
             proc.close()
@@ -128,7 +135,6 @@ def test_server_killed_after_round_2_resumes_and_matches(tmp_path: Path, referen
 
 def test_client_killed_mid_round_closes_round_with_quorum(tmp_path: Path) -> None:
     options = task_options(_config(tmp_path))
-    port = free_port()
     state = tmp_path / "state"
     deadline_s = 120
     # All 4 must be connected for round 1 (so the victim is certainly selected); 3 results make the quorum.
@@ -136,10 +142,11 @@ def test_client_killed_mid_round_closes_round_with_quorum(tmp_path: Path) -> Non
         "--seed", str(SEED), "--rounds", "1", "--fraction-fit", "1.0", "--min-fit-clients", "4",
         "--min-fit-results", "3", "--round-timeout-s", str(deadline_s), "--no-evaluate",
     ]  # fmt: skip
-    server = Proc("server", server_args(port, state, options, *flags), tmp_path)
+    server = Proc("server", server_args(0, state, options, *flags), tmp_path)
     slow = ["--task", "tests.e2e.slow_task:slow_demo_task", "--task-option", "sleep_s=4"]
-    clients = _start_clients(port, options, tmp_path, *slow)
+    clients: list[Proc] = []
     try:
+        clients = _start_clients(server.listening_port(), options, tmp_path, *slow)
         victim = clients[-1]
         victim.wait_for_line("round 1 fit started", 120)
         victim.kill9()

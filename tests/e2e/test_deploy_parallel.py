@@ -13,7 +13,7 @@ from fedcore.task import FitConfig
 from server.state import load_checkpoint
 from simulations.config import DataConfig, ModelConfig, OutputConfig, SimulationConfig
 from simulations.harness import client_ids, run_simulation, task_options
-from tests.e2e.deploy_helpers import Proc, client_args, free_port, server_args
+from tests.e2e.deploy_helpers import Proc, client_args, server_args
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +33,18 @@ def test_daemon_with_data_parallel_plan_matches_the_simulation(tmp_path: Path) -
     )
     reference = run_simulation(config, echo=lambda _: None).final.parameters
     options = task_options(config)
-    port = free_port()
     state = tmp_path / "state"
     flags = ["--seed", str(SEED), "--rounds", "1", "--fraction-fit", "1.0", "--min-fit-clients", "2",
              "--epochs", "1", "--batch-size", "32", "--lr", "0.05", "--no-evaluate"]  # fmt: skip
-    server = Proc("server", server_args(port, state, options, *flags), tmp_path)
+    server = Proc("server", server_args(0, state, options, *flags), tmp_path)
     ids = client_ids(2)
-    clients = [
-        Proc(ids[0], client_args(port, ids[0], 0, 2, options, "--parallel", "dp=2"), tmp_path),
-        Proc(ids[1], client_args(port, ids[1], 1, 2, options), tmp_path),
-    ]
+    clients: list[Proc] = []
     try:
-        server.wait_for_line("listening on", 60)
+        port = server.listening_port()
+        clients = [
+            Proc(ids[0], client_args(port, ids[0], 0, 2, options, "--parallel", "dp=2"), tmp_path),
+            Proc(ids[1], client_args(port, ids[1], 1, 2, options), tmp_path),
+        ]
         assert server.wait(150) == 0, server.text()
         for client in clients:
             assert client.wait(30) == 0, client.text()

@@ -1,0 +1,136 @@
+"""Addresses and ports: one parser (:func:`fedcore.config.parse_address`) for every ``host:port`` a user gives,
+checked when the config is built, before any side effect.
+
+Before this check, gRPC bound what it could make of a bad address: ``127.0.0.1:70000`` listened on 4464 (70000
+mod 65536), ``:99999`` on a random port, ``:-1`` on 65535 and a missing port on 443.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from client.daemon import DaemonConfig
+from fedcore.cli import main
+from fedcore.config import Address, check_port, parse_address, parse_host
+from fedcore.errors import ConfigError
+from server.app import ServerConfig, load_server_config
+
+GOOD = {
+    "127.0.0.1:8443": Address("127.0.0.1", 8443),
+    "0.0.0.0:1": Address("0.0.0.0", 1),
+    "localhost:65535": Address("localhost", 65535),
+    "fl-server.example.org:443": Address("fl-server.example.org", 443),
+    "node_7:8443": Address("node_7", 8443),  # docker-compose service names carry underscores
+    "[::1]:8443": Address("::1", 8443),
+    "[::]:8443": Address("::", 8443),
+    "[fe80::1%eth0]:8443": Address("fe80::1%eth0", 8443),
+}
+
+
+@pytest.mark.parametrize("text", sorted(GOOD))
+def test_valid_addresses_parse_and_print_back(text: str) -> None:
+    address = parse_address(text, what="--server")
+    assert address == GOOD[text]
+    assert str(address) == text
+
+
+BAD = {
+    # the four cases gRPC used to bind silently
+    "127.0.0.1:70000": "port 70000 in '127.0.0.1:70000' is out of range 1-65535",
+    "127.0.0.1:99999": "port 99999 in '127.0.0.1:99999' is out of range 1-65535",
+    "127.0.0.1:-1": "port '-1' in '127.0.0.1:-1' is not a number 1-65535",
+    "127.0.0.1": "'127.0.0.1' has no port",
+    # other ways to get it wrong
+    "127.0.0.1:0": "port 0 in '127.0.0.1:0' is out of range 1-65535",
+    "127.0.0.1:": "port '' in '127.0.0.1:' is not a number",
+    "127.0.0.1:84a3": "port '84a3' in '127.0.0.1:84a3' is not a number",
+    "127.0.0.1:８４４３": "is not a number",  # full-width digits: str.isdigit() says yes, int() would take them
+    ":8443": "':8443' has no host; give one, e.g. 0.0.0.0:8443",
+    "::1:8443": "an IPv6 address goes in brackets before the port, e.g. [::1]:8443",
+    "[::1]": "no port after the IPv6 address; write it as [::1]:8443",
+    "[::1:8443": "opens '[' but never closes it",
+    "[::g]:8443": "'[::g]' is not a valid IPv6 address",
+    "256.1.1.1:8443": "'256.1.1.1' is not a valid IPv4 address",
+    "bad host:8443": "contains spaces",
+    " 127.0.0.1:8443": "contains spaces",
+    "-leading.example.org:8443": "is not a valid host name",
+    "dns:///server:8443": "is a URL; give plain HOST:PORT",
+    "": "expected HOST:PORT",
+}
+
+
+@pytest.mark.parametrize("text", sorted(BAD))
+def test_invalid_addresses_say_what_is_wrong_and_show_the_right_form(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_address(text, what="--server")
+    message = str(info.value)
+    assert message.startswith("--server: ")
+    assert BAD[text] in message
+    assert "8443" in message  # every message shows a right form
+
+
+def test_port_zero_only_where_the_os_is_to_pick() -> None:
+    assert parse_address("127.0.0.1:0", what="--address", allow_port_zero=True) == Address("127.0.0.1", 0)
+    with pytest.raises(ConfigError, match=r"out of range 0-65535 \(0 lets the OS pick a free port\)"):
+        parse_address("127.0.0.1:65536", what="--address", allow_port_zero=True)
+    assert check_port(0, what="metrics_port", allow_zero=True) == 0
+    assert check_port(65535, what="metrics_port") == 65535
+    for bad in (-1, 65536, True, "80"):
+        with pytest.raises(ConfigError, match=r"metrics_port must be a TCP port"):
+            check_port(bad, what="metrics_port", allow_zero=True)
+
+
+def test_hosts_without_a_port() -> None:
+    assert parse_host("127.0.0.1", what="metrics_address") == "127.0.0.1"
+    assert parse_host("[::1]", what="metrics_address") == "::1"
+    assert parse_host("::1", what="metrics_address") == "::1"
+    with pytest.raises(ConfigError, match=r"'127\.0\.0\.1:9100' is not a valid IPv6 address"):
+        parse_host("127.0.0.1:9100", what="metrics_address")
+    with pytest.raises(ConfigError, match="expected a host name or IP address"):
+        parse_host("", what="metrics_address")
+
+
+def _server(**kw: object) -> ServerConfig:
+    return ServerConfig(task="simulations.tasks:demo_task", insecure=True, **kw)  # type: ignore[arg-type]
+
+
+def test_every_server_and_client_address_is_checked_when_the_config_is_built() -> None:
+    assert _server(address="[::1]:0").listen_address == Address("::1", 0)
+    with pytest.raises(ConfigError, match=r"address \(--address\): port 70000 .* out of range 0-65535"):
+        _server(address="0.0.0.0:70000")
+    with pytest.raises(ConfigError, match=r"metrics_address \(--metrics-address\): '0.0.0.0:9' is not"):
+        _server(metrics_address="0.0.0.0:9")
+    with pytest.raises(ConfigError, match=r"metrics_port \(--metrics-port\) must be a TCP port 0-65535"):
+        _server(metrics_port=70000)
+    # from TOML too: the same check, with the file's value
+    with pytest.raises(ConfigError, match="has no port"):
+        load_server_config(None, ['task="simulations.tasks:demo_task"', "insecure=true", 'address="myhost"'])
+
+    with pytest.raises(ConfigError, match=r"server \(--server\): port 99999"):
+        DaemonConfig(server="127.0.0.1:99999", client_id="c", task="m:f", insecure=True)
+    with pytest.raises(ConfigError, match=r"server \(--server\): port 0 .* out of range 1-65535"):
+        DaemonConfig(server="127.0.0.1:0", client_id="c", task="m:f", insecure=True)
+    with pytest.raises(ConfigError, match=r"server_name \(--server-name\): 'fl server' is not a valid host name"):
+        DaemonConfig(server="127.0.0.1:8443", client_id="c", task="m:f", server_name="fl server")
+    assert DaemonConfig(server="[::1]:8443", client_id="c", task="m:f", insecure=True).server == "[::1]:8443"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:70000", "127.0.0.1:99999", "127.0.0.1:-1", "127.0.0.1"])
+def test_the_server_refuses_a_bad_address_before_any_side_effect(
+    address: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state"
+    code = main(["server", "start", "--insecure", "--task", "simulations.tasks:demo_task",
+                 f"--address={address}", "--state-dir", str(state)])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedcore: error: ") and "address (--address)" in err and "e.g. 127.0.0.1:8443" in err
+    assert not state.exists()  # nothing created
+
+
+def test_the_client_refuses_a_bad_server_address(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["client", "start", "--insecure", "--server", "localhost:70000", "--client-id", "c0"])
+    assert code == 2
+    assert "server (--server): port 70000 in 'localhost:70000' is out of range 1-65535" in capsys.readouterr().err
