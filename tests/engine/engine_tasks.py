@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -107,3 +108,65 @@ def assert_same_state(actual: NamedArrays, expected: NamedArrays, *, atol: float
             atol=atol,
             rtol=rtol,
         )
+
+
+def bn_mlp() -> nn.Sequential:
+    """Two BatchNorm layers, one on each side of split point "3" (layers "0".."6")."""
+    return nn.Sequential(
+        nn.Linear(FEATURES, 12),
+        nn.BatchNorm1d(12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.BatchNorm1d(12, momentum=None),  # cumulative average: num_batches_tracked sets its weight
+        nn.Tanh(),
+        nn.Linear(12, CLASSES),
+    )
+
+
+def bn_task(ctx: TaskContext) -> SupervisedTask:
+    """Like :func:`mlp_task` with the BatchNorm model."""
+    return SupervisedTask(model_fn=bn_mlp, train_data=_data(ctx))
+
+
+class WithUnusedModule(nn.Module):
+    """The MLP plus a linear layer that ``forward`` never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.unused = nn.Linear(CLASSES, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def unused_module_task(ctx: TaskContext) -> SupervisedTask:
+    """A task whose model has a module unused in forward (``unused.weight``, ``unused.bias``)."""
+    return SupervisedTask(model_fn=WithUnusedModule, train_data=_data(ctx))
+
+
+def tied_mlp() -> nn.Sequential:
+    """Layers "0" and "2" share one weight matrix (tied weights)."""
+    model = nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Tanh(), nn.Linear(FEATURES, FEATURES), nn.Tanh())
+    model[2].weight = model[0].weight
+    return model
+
+
+def tied_task(ctx: TaskContext) -> SupervisedTask:
+    """A task with tied weights (see :func:`tied_mlp`)."""
+    return SupervisedTask(model_fn=tied_mlp, train_data=_data(ctx), loss_fn=_feature_loss)
+
+
+def _feature_loss(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return nn.functional.cross_entropy(output[:, :CLASSES], target, reduction=reduction)
+
+
+def _loss_hanging_on_rank1(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return nn.functional.cross_entropy(output, target, reduction=reduction)
+
+
+def hanging_task(ctx: TaskContext) -> SupervisedTask:
+    """Rank 1 hangs in its first loss; rank 0 then waits for it in the gradient all-reduce."""
+    return SupervisedTask(model_fn=mlp, train_data=_data(ctx), loss_fn=_loss_hanging_on_rank1)
