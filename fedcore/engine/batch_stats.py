@@ -47,7 +47,7 @@ def batch_statistics_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     These are every ``_BatchNorm`` (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, lazy variants) and every
     ``_InstanceNorm`` that tracks running statistics.
     """
-    found = []
+    found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, _BatchNorm) or (isinstance(module, _InstanceNorm) and module.track_running_stats):
             found.append((name or "<model>", module))

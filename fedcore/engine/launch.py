@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: f
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
+                        preexec_fn=_pdeathsig_setter(os.getpid()),  # a bare prctl call, see there
                     )
                 )
         deadline = time.monotonic() + timeout_s
@@ -164,17 +166,37 @@ def _timeout(procs: list[subprocess.Popen[bytes]], workdir: Path, timeout_s: flo
     )
 
 
+def _pdeathsig_setter(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent dies (None elsewhere).
+
+    It runs in the child between fork and exec, before the worker spends seconds importing torch, so a launcher
+    killed during that time takes its workers along. It only calls ``prctl`` through a libc handle loaded here
+    in the parent (no import, no lock), which is safe after fork even when the parent has other threads.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    signum = int(signal.SIGKILL)
+
+    def set_pdeathsig() -> None:
+        prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return set_pdeathsig
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Make this worker die when its launcher ``parent_pid`` does, however the launcher ends.
 
-    On Linux the kernel sends SIGKILL when the parent exits (``prctl(PR_SET_PDEATHSIG)``); everywhere, a daemon
-    thread checks every :data:`WATCHDOG_PERIOD_S` whether the parent pid changed (the orphan was re-parented)
-    and then kills this worker's process group. A worker whose parent is already gone exits at once.
+    On Linux the launcher has already asked the kernel for SIGKILL on its death (``prctl(PR_SET_PDEATHSIG)``
+    in :func:`_pdeathsig_setter`); everywhere, a daemon thread checks every :data:`WATCHDOG_PERIOD_S` whether
+    the parent pid changed (the orphan was re-parented) and then kills this worker's process group. A worker
+    whose parent is already gone exits at once.
     """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:
         os._exit(1)
 

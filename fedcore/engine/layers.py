@@ -152,10 +152,11 @@ def _check_no_shared_parameters(stages: Sequence[Sequence[Layer]]) -> None:
     for index, stage in enumerate(stages):
         for qualified, module in stage:
             for name, param in module.named_parameters():
-                previous, first_name = owner.setdefault(id(param), (index, f"{qualified}.{name}"))
+                full_name = f"{qualified}.{name}"
+                previous, first_name = owner.setdefault(id(param), (index, full_name))
                 if previous != index:
                     raise ConfigError(
-                        f"parameter {first_name!r} of stage {previous} is also {qualified + '.' + name!r} of stage {index} "
+                        f"parameter {first_name!r} of stage {previous} is also {full_name!r} of stage {index} "
                         "(tied weights); put the tied modules in the same stage or untie them"
                     )
 
@@ -202,6 +203,8 @@ class LayerChain(nn.Module):
         return x
 
 
-def _recompute_context(layer: nn.Module) -> Callable[[], tuple[contextlib.AbstractContextManager[None], ...]]:
+def _recompute_context(
+    layer: nn.Module,
+) -> Callable[[], tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]]:
     """``context_fn`` for ``checkpoint``: the recomputation runs with the layer's buffers restored afterwards."""
     return lambda: (contextlib.nullcontext(), preserved_buffers(layer))

@@ -217,9 +217,10 @@ class ParallelPlan:
         if self.fsdp_enabled:
             tied = tied_parameters(model)
             if tied:
+                groups = "; ".join(" = ".join(group) for group in tied)
                 raise ConfigError(
-                    f"parallel plan: sharded (FSDP2) cannot train tied weights: {'; '.join(' = '.join(g) for g in tied)}; "
-                    "use DDP (sharded=false) or untie them"
+                    f"parallel plan: sharded (FSDP2) cannot train tied weights: {groups}; use DDP (sharded=false) "
+                    "or untie them"
                 )
         check_batch_statistics(self, model)
         for name, tensor in model.state_dict().items():

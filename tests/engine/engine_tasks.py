@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedcore.engine import ParallelPlan, train_with_plan
+from fedcore.engine.launch import DEFAULT_TIMEOUT_S
 from fedcore.seeding import derive_seed
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TaskContext, TrainResult
@@ -170,3 +172,27 @@ def _loss_hanging_on_rank1(output: torch.Tensor, target: torch.Tensor, reduction
 def hanging_task(ctx: TaskContext) -> SupervisedTask:
     """Rank 1 hangs in its first loss; rank 0 then waits for it in the gradient all-reduce."""
     return SupervisedTask(model_fn=mlp, train_data=_data(ctx), loss_fn=_loss_hanging_on_rank1)
+
+
+def run_plan(
+    factory_name: str,
+    model_fn: object,
+    plan: ParallelPlan,
+    *,
+    ctx: TaskContext,
+    config: FitConfig,
+    round: int = 1,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[NamedArrays, TrainResult]:
+    """``train_with_plan`` of this module's factory ``factory_name`` from ``initial_parameters(model_fn)``."""
+    return train_with_plan(
+        f"{__name__}:{factory_name}",
+        ctx,
+        initial_parameters(model_fn),
+        config,
+        plan,
+        seed=1,
+        round=round,
+        client_id="c1",
+        timeout_s=timeout_s,
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import engine_tasks
 import numpy as np
 import pytest
-from engine_tasks import assert_same_state, bn_mlp, bn_task, initial_parameters, reference
+from engine_tasks import assert_same_state, bn_mlp, bn_task, initial_parameters, reference, run_plan
 from torch import nn
 
 from fedcore.engine import ParallelPlan, train_with_plan
@@ -71,21 +71,19 @@ def test_pipeline_shape_inference_leaves_the_running_statistics_alone() -> None:
 )
 def test_plans_that_split_a_batch_statistic_are_refused_before_start(plan: ParallelPlan, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        train_with_plan(FACTORY, CTX, initial_parameters(bn_mlp), CONFIG, plan, seed=1, round=2, client_id="c1")
+        run_plan("bn_task", bn_mlp, plan, ctx=CTX, config=CONFIG)
 
 
 def test_a_batch_smaller_than_the_data_parallel_degree_is_refused_before_start() -> None:
     ctx = TaskContext(client_id="c1", seed=3, options={"n": "41"})  # the last batch holds 1 sample
-    with pytest.raises(ConfigError, match="a batch of 1 samples .* data_parallel=2"):
-        train_with_plan(
-            FACTORY, ctx, initial_parameters(bn_mlp), CONFIG, ParallelPlan(data_parallel=2), seed=1, round=2, client_id="c1"
-        )
+    with pytest.raises(ConfigError, match=r"a batch of 1 samples .* data_parallel=2"):
+        run_plan("bn_task", bn_mlp, ParallelPlan(data_parallel=2), ctx=ctx, config=CONFIG)
 
 
 def test_instance_norm_with_running_statistics_is_refused_under_data_parallelism() -> None:
     model = nn.Sequential(nn.Conv1d(2, 3, 1), nn.InstanceNorm1d(3, track_running_stats=True))
     ParallelPlan().check_model(model)
-    with pytest.raises(ConfigError, match="InstanceNorm .* not synchronized"):
+    with pytest.raises(ConfigError, match=r"InstanceNorm .* not synchronized"):
         ParallelPlan(data_parallel=2).check_model(model)
     assert [name for name, _ in batch_statistics_modules(nn.Sequential(nn.InstanceNorm1d(3)))] == []
 

@@ -11,18 +11,31 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import engine_tasks
 import pytest
-from engine_tasks import assert_same_state, initial_parameters, mlp, reference, tied_mlp, unused_module_task
+from engine_tasks import (
+    WithUnusedModule,
+    assert_same_state,
+    initial_parameters,
+    mlp,
+    reference,
+    run_plan,
+    tied_mlp,
+    unused_module_task,
+)
 
-from fedcore.engine import ParallelPlan, train_with_plan
+from client.daemon import ClientDaemon, DaemonConfig
+from fedcore.engine import ParallelPlan
 from fedcore.engine.launch import GRACE_S, PARENT_ENV
 from fedcore.engine.train import remove_stale_workdirs
 from fedcore.errors import ConfigError, EngineError
+from fedcore.messages import Failure, FitIns
 from fedcore.task import FitConfig, TaskContext
+from server.grpc_pool import GrpcClientPool, PoolConfig
 
 CTX = TaskContext(client_id="c1", seed=3, options={"n": "24"})
 CONFIG = FitConfig(local_epochs=1, batch_size=8, lr=0.1)
@@ -62,44 +75,25 @@ def _wait_until(condition: object, timeout_s: float) -> bool:
 def test_tied_weights_under_fsdp2_are_refused_before_start() -> None:
     model = tied_mlp()
     ParallelPlan(data_parallel=2).check_model(model)  # DDP trains tied weights
-    with pytest.raises(ConfigError, match="cannot train tied weights: 0.weight = 2.weight"):
+    with pytest.raises(ConfigError, match=r"cannot train tied weights: 0\.weight = 2\.weight"):
         ParallelPlan(data_parallel=2, sharded=True).check_model(model)
     started = time.monotonic()
     with pytest.raises(ConfigError, match="tied weights"):
-        train_with_plan(
-            f"{engine_tasks.__name__}:tied_task",
-            CTX,
-            initial_parameters(tied_mlp),
-            CONFIG,
-            ParallelPlan(data_parallel=2, sharded=True),
-            seed=1,
-            round=1,
-            client_id="c1",
-        )
+        run_plan("tied_task", tied_mlp, ParallelPlan(data_parallel=2, sharded=True), ctx=CTX, config=CONFIG)
     assert time.monotonic() - started < 2.0  # no worker was started
     assert _workers_of(os.getpid()) == set()
 
 
 def test_a_pipeline_split_between_tied_weights_names_them() -> None:
     plan = ParallelPlan(pipeline=2, split_points=("2",))
-    with pytest.raises(ConfigError, match="parameter '0.weight' of stage 0 is also '2.weight' of stage 1"):
+    with pytest.raises(ConfigError, match=r"parameter '0\.weight' of stage 0 is also '2\.weight' of stage 1"):
         plan.check_model(tied_mlp())
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1, float("inf"), float("nan")])
 def test_timeout_must_be_a_positive_bound(timeout_s: float) -> None:
     with pytest.raises(ConfigError, match="timeout_s"):
-        train_with_plan(
-            f"{engine_tasks.__name__}:mlp_task",
-            CTX,
-            initial_parameters(mlp),
-            CONFIG,
-            ParallelPlan(data_parallel=2),
-            seed=1,
-            round=1,
-            client_id="c1",
-            timeout_s=timeout_s,
-        )
+        run_plan("mlp_task", mlp, ParallelPlan(data_parallel=2), ctx=CTX, config=CONFIG, timeout_s=timeout_s)
 
 
 def test_find_unused_parameters_is_a_ddp_option() -> None:
@@ -121,35 +115,20 @@ def test_stale_workdirs_of_dead_callers_are_removed(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ddp_with_an_unused_module_names_it_and_the_option() -> None:
-    with pytest.raises(EngineError, match=r"\['unused.weight', 'unused.bias'\] got no gradient.*find_unused_parameters"):
-        train_with_plan(
-            f"{engine_tasks.__name__}:unused_module_task",
-            CTX,
-            initial_parameters(engine_tasks.WithUnusedModule),
-            CONFIG,
-            ParallelPlan(data_parallel=2),
-            seed=1,
-            round=1,
-            client_id="c1",
-        )
+    with pytest.raises(
+        EngineError, match=r"\['unused.weight', 'unused.bias'\] got no gradient.*find_unused_parameters"
+    ):
+        run_plan("unused_module_task", WithUnusedModule, ParallelPlan(data_parallel=2), ctx=CTX, config=CONFIG)
 
 
 @pytest.mark.slow
 def test_ddp_with_find_unused_parameters_equals_the_reference() -> None:
     # no FedProx term, weight decay on: an unused parameter must keep no gradient (left alone), as on one device
     config = FitConfig(local_epochs=2, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.05)
-    global_parameters = initial_parameters(engine_tasks.WithUnusedModule)
+    global_parameters = initial_parameters(WithUnusedModule)
     expected, _ = reference(unused_module_task, CTX, global_parameters, config, seed=1, round=1, client_id="c1")
-    updated, _ = train_with_plan(
-        f"{engine_tasks.__name__}:unused_module_task",
-        CTX,
-        global_parameters,
-        config,
-        ParallelPlan(data_parallel=2, find_unused_parameters=True),
-        seed=1,
-        round=1,
-        client_id="c1",
-    )
+    plan = ParallelPlan(data_parallel=2, find_unused_parameters=True)
+    updated, _ = run_plan("unused_module_task", WithUnusedModule, plan, ctx=CTX, config=config)
     assert_same_state(updated, expected)
 
 
@@ -158,17 +137,8 @@ def test_a_hanging_worker_fails_within_the_bound_and_leaves_nothing() -> None:
     timeout_s = 8.0
     started = time.monotonic()
     with pytest.raises(EngineError, match=r"did not finish within 8 s \(ranks \[.*1.*\] still running") as info:
-        train_with_plan(
-            f"{engine_tasks.__name__}:hanging_task",
-            CTX,
-            initial_parameters(mlp),
-            CONFIG,
-            ParallelPlan(data_parallel=2),
-            seed=1,
-            round=4,
-            client_id="c1",
-            timeout_s=timeout_s,
-        )
+        plan = ParallelPlan(data_parallel=2)
+        run_plan("hanging_task", mlp, plan, ctx=CTX, config=CONFIG, round=4, timeout_s=timeout_s)
     elapsed = time.monotonic() - started
     assert timeout_s <= elapsed < timeout_s + GRACE_S + 5.0
     assert info.value.round == 4 and info.value.client_id == "c1"
@@ -181,12 +151,11 @@ _CALLER = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     import engine_tasks
-    from fedcore.engine import ParallelPlan, train_with_plan
+    from fedcore.engine import ParallelPlan
     from fedcore.task import FitConfig, TaskContext
     ctx = TaskContext(client_id="c1", seed=3, options={{"n": "24"}})
-    train_with_plan("engine_tasks:hanging_task", ctx, engine_tasks.initial_parameters(engine_tasks.mlp),
-                    FitConfig(local_epochs=1, batch_size=8, lr=0.1), ParallelPlan(data_parallel=2),
-                    seed=1, round=1, client_id="c1", timeout_s=300)
+    engine_tasks.run_plan("hanging_task", engine_tasks.mlp, ParallelPlan(data_parallel=2), ctx=ctx,
+                          config=FitConfig(local_epochs=1, batch_size=8, lr=0.1), timeout_s=300)
     """
 )
 
@@ -212,3 +181,43 @@ def test_workers_die_with_their_caller(sig: signal.Signals) -> None:
     if sig is signal.SIGKILL:  # nothing runs in a killed process: the next caller removes its directory
         remove_stale_workdirs()
     assert _workdirs_of(caller.pid) == []
+
+
+def test_the_server_hands_out_the_time_left_until_the_round_deadline(tmp_path: Path) -> None:
+    pool = GrpcClientPool(PoolConfig(spill_dir=tmp_path / "spill"))
+    try:
+        session = pool.join("c1")
+        instruction = FitIns(round=1, parameters=initial_parameters(mlp), config=CONFIG, seed=1)
+        replies = pool.run({"c1": instruction}, timeout_s=30.0)
+        runner = threading.Thread(target=lambda: list(replies))
+        runner.start()
+        time.sleep(1.0)
+        pulled = pool.pull(session, 5.0)
+        assert not isinstance(pulled, bool)
+        task, payload = pulled
+        payload.close()
+        assert 25.0 < task.header.deadline_s <= 29.0  # 30 s less the second before the pull
+        pool.finish()
+        runner.join(40)
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_the_daemon_bounds_parallel_training_by_the_round_deadline() -> None:
+    config = DaemonConfig(
+        server="127.0.0.1:1",
+        client_id="c1",
+        task=f"{engine_tasks.__name__}:hanging_task",
+        insecure=True,
+        parallel=ParallelPlan(data_parallel=2),
+    )
+    daemon = ClientDaemon(config)
+    daemon._prepare_task(seed=3)
+    daemon._deadline_s = 6.0  # as _pull sets it from the task header
+    instruction = FitIns(round=2, parameters=initial_parameters(mlp), config=CONFIG, seed=1)
+    started = time.monotonic()
+    reply = daemon._execute(instruction)
+    assert 6.0 <= time.monotonic() - started < 6.0 + GRACE_S + 5.0
+    assert isinstance(reply, Failure) and "did not finish within 6 s" in reply.reason
+    assert _workers_of(os.getpid()) == set()
