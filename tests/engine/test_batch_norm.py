@@ -61,6 +61,11 @@ def test_pipeline_shape_inference_leaves_the_running_statistics_alone() -> None:
     _check(ParallelPlan(pipeline=2, split_points=("3",), microbatches=1, schedule="gpipe"))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
+def test_data_times_pipeline_synchronizes_each_stage_over_its_replicas() -> None:
+    _check(ParallelPlan(data_parallel=2, pipeline=2, split_points=("3",), microbatches=1, schedule="gpipe"))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("plan", "message"),
     [

@@ -122,12 +122,16 @@ def test_ddp_with_an_unused_module_names_it_and_the_option() -> None:
 
 
 @pytest.mark.slow
-def test_ddp_with_find_unused_parameters_equals_the_reference() -> None:
+@pytest.mark.parametrize(
+    "plan",
+    [ParallelPlan(data_parallel=2, find_unused_parameters=True), ParallelPlan(data_parallel=2, sharded=True)],
+    ids=["ddp-find-unused", "fsdp2"],
+)
+def test_an_unused_module_trains_as_on_one_device(plan: ParallelPlan) -> None:
     # no FedProx term, weight decay on: an unused parameter must keep no gradient (left alone), as on one device
     config = FitConfig(local_epochs=2, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.05)
     global_parameters = initial_parameters(WithUnusedModule)
     expected, _ = reference(unused_module_task, CTX, global_parameters, config, seed=1, round=1, client_id="c1")
-    plan = ParallelPlan(data_parallel=2, find_unused_parameters=True)
     updated, _ = run_plan("unused_module_task", WithUnusedModule, plan, ctx=CTX, config=config)
     assert_same_state(updated, expected)
 
