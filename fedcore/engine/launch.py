@@ -18,14 +18,17 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from fedcore.errors import EngineError
@@ -72,6 +75,76 @@ def _worker_env(world_size: int) -> dict[str, str]:
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
     return env
+
+
+_WORKDIR_PREFIX = "fedcore-engine-"
+
+
+def remove_stale_workdirs(root: Path | None = None) -> list[Path]:
+    """Remove the temporary directories of earlier callers that were killed outright (SIGKILL).
+
+    A caller's directory is named ``fedcore-engine-<pid>-*``; it is stale when no process ``<pid>`` exists
+    any more (a caller that ends any other way removes its own). Returns the directories removed.
+    """
+    removed = []
+    for path in (root or Path(tempfile.gettempdir())).glob(f"{_WORKDIR_PREFIX}*-*"):
+        pid_text = path.name[len(_WORKDIR_PREFIX) :].split("-", 1)[0]
+        try:
+            mine = path.is_dir() and path.stat().st_uid == os.getuid()
+        except OSError:  # removed meanwhile
+            continue
+        if not pid_text.isdigit() or not mine:
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except PermissionError:  # a live process of another user
+            continue
+    return removed
+
+
+@contextlib.contextmanager
+def sigterm_raises_exit() -> Iterator[None]:
+    """While the block runs, SIGTERM raises ``SystemExit(143)`` instead of ending the process on the spot.
+
+    The workers are then killed and the temporary directory removed by the usual exception path (a second
+    SIGTERM meanwhile is ignored). Only on the main thread, and only when SIGTERM has its default action: a
+    program that handles SIGTERM itself keeps its handler.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        yield
+        return
+    raised = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def worker_directory() -> Iterator[Path]:
+    """A fresh temporary directory for one multi-process run, removed when the block ends, however it ends.
+
+    It is named ``fedcore-engine-<caller pid>-*`` so that :func:`remove_stale_workdirs` (run first) can tell
+    when its owner was killed outright; while the block runs, SIGTERM raises :class:`SystemExit`
+    (:func:`sigterm_raises_exit`), so the workers are stopped and the directory removed.
+    """
+    remove_stale_workdirs()
+    with sigterm_raises_exit(), tempfile.TemporaryDirectory(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-") as tmp:
+        yield Path(tmp)
 
 
 def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

@@ -9,23 +9,14 @@ process group; any other plan starts ``data_parallel * pipeline`` workers (:mod:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import shutil
-import signal
-import tempfile
-import threading
-from collections.abc import Iterator
-from pathlib import Path
-from types import FrameType
 
 import numpy as np
 import torch
 
 from fedcore.engine.batch_stats import check_batches
-from fedcore.engine.launch import DEFAULT_TIMEOUT_S, free_port, run_workers
+from fedcore.engine.launch import DEFAULT_TIMEOUT_S, free_port, run_workers, worker_directory
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runner import train_rank, training_data
 from fedcore.engine.runtime import single_process_env
@@ -114,9 +105,7 @@ def train_with_plan(
     else:
         x, _, _ = training_data(task)  # fail here, not in every worker, when the task has no data
         check_batches(plan, model, len(x), config.batch_size)
-        remove_stale_workdirs()
-        with sigterm_raises_exit(), tempfile.TemporaryDirectory(prefix=_workdir_prefix(os.getpid())) as tmp:
-            workdir = Path(tmp)
+        with worker_directory() as workdir:
             spec = {
                 "task_factory": task_factory,
                 "task_context": task_context_to_json(task_context),
@@ -154,63 +143,6 @@ def train_with_plan(
     }
     metrics_out = {} if np.isnan(train_loss) else {"train_loss": train_loss}
     return ordered, TrainResult(num_examples=num_examples, metrics=metrics_out)
-
-
-_WORKDIR_PREFIX = "fedcore-engine-"
-
-
-def _workdir_prefix(pid: int) -> str:
-    return f"{_WORKDIR_PREFIX}{pid}-"
-
-
-def remove_stale_workdirs(root: Path | None = None) -> list[Path]:
-    """Remove the temporary directories of earlier callers that were killed outright (SIGKILL).
-
-    A caller's directory is named ``fedcore-engine-<pid>-*``; it is stale when no process ``<pid>`` exists
-    any more (a caller that ends any other way removes its own). Returns the directories removed.
-    """
-    removed = []
-    for path in (root or Path(tempfile.gettempdir())).glob(f"{_WORKDIR_PREFIX}*-*"):
-        pid_text = path.name[len(_WORKDIR_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or not path.is_dir() or path.stat().st_uid != os.getuid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except PermissionError:  # a live process of another user
-            continue
-    return removed
-
-
-@contextlib.contextmanager
-def sigterm_raises_exit() -> Iterator[None]:
-    """While the block runs, SIGTERM raises ``SystemExit(143)`` instead of ending the process on the spot.
-
-    The workers are then killed and the temporary directory removed by the usual exception path (a second
-    SIGTERM meanwhile is ignored). Only on the main thread, and only when SIGTERM has its default action: a
-    program that handles SIGTERM itself keeps its handler.
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
-        signal.SIG_DFL,
-        None,
-    ):
-        yield
-        return
-    raised = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal raised
-        if not raised:
-            raised = True
-            raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _train_task_directly(

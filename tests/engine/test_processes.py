@@ -30,8 +30,7 @@ from engine_tasks import (
 
 from client.daemon import ClientDaemon, DaemonConfig
 from fedcore.engine import ParallelPlan
-from fedcore.engine.launch import GRACE_S, PARENT_ENV
-from fedcore.engine.train import remove_stale_workdirs
+from fedcore.engine.launch import GRACE_S, PARENT_ENV, remove_stale_workdirs
 from fedcore.errors import ConfigError, EngineError
 from fedcore.messages import Failure, FitIns
 from fedcore.task import FitConfig, TaskContext
