@@ -20,11 +20,13 @@ pipeline x data parallel, ``m == 1``        statistics synchronized over the rep
 ``microbatches > 1``, ``grad_accum > 1``    refused: a micro-batch's statistics are not the batch's
 activation checkpointing                    as single-device: recomputation restores the buffers
 InstanceNorm(track_running_stats) x DP      refused: running statistics are not synchronized
+other buffers that differ between DP ranks  the round fails (EngineError) naming them
 ==========================================  ==============================================================
 
 Also refused before start: tied weights under FSDP2 (use DDP), a pipeline split between tied weights. DDP with
-a module unused in ``forward`` fails with a ``ConfigError`` naming the parameters unless the plan sets
-``find_unused_parameters``. Workers are bounded by ``timeout_s`` and die with their caller.
+a module unused in ``forward`` fails at its first step (``EngineError`` with the worker's ``ConfigError``) naming
+the parameters, unless the plan sets ``find_unused_parameters``. Workers are bounded by ``timeout_s`` and die
+with their caller.
 """
 
 from fedcore.engine.plan import Device, ParallelPlan, Precision

@@ -17,6 +17,9 @@ makes every plan equal to single-device training or refuses it before any worker
   over the batch; refused with data parallelism, gradient accumulation or micro-batches.
 
 Restoring buffers around recomputation and shape inference covers any module with buffers, not only these.
+Any other buffer a module updates from its rank's samples (a custom running statistic) ends the round with a
+ConfigError naming it, since it cannot be known before training: after training, the data-parallel ranks
+compare their buffers (:func:`check_buffers_agree`), rather than return rank 0's.
 """
 
 from __future__ import annotations
@@ -187,3 +190,34 @@ def preserved_buffers(module: nn.Module, *, eval_mode: bool = False) -> Iterator
                     # through .data: no version bump, so a graph that saved the buffer (eval-mode BatchNorm saves
                     # running_var for its backward) stays usable
                     buffer.data.copy_(value)
+
+
+def check_buffers_agree(buffers: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
+    """After training, check that every data-parallel rank holds the same buffers; call it on every rank.
+
+    Buffers that a module updates from the samples it sees (a custom running average, say) would differ: each
+    rank saw its own part of the batch, and the returned model would hold rank 0's values, unlike single-device
+    training. BatchNorm statistics are synchronized (:func:`synchronize_batch_norm`) and pass; so do buffers
+    every rank updates alike (counters). Two all-reduces (max and min of all buffers), whatever their number.
+
+    Raises:
+        ConfigError: on every rank, naming the buffers that differ.
+    """
+    if not buffers:
+        return
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in buffers])
+    high, low = flat.clone(), flat.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    differs = (high != low).tolist()
+    names, start = [], 0
+    for name, tensor in buffers:
+        if any(differs[start : start + tensor.numel()]):
+            names.append(name)
+        start += tensor.numel()
+    if names:
+        raise ConfigError(
+            f"buffers {names[:10]} differ between the data-parallel ranks after training: their modules update "
+            "them from each rank's part of the batch, so the model would differ from single-device training (only "
+            "BatchNorm statistics are synchronized); train this model with data_parallel=1"
+        )

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from fedcore.engine.batch_stats import synchronize_batch_norm
+from fedcore.engine.batch_stats import check_buffers_agree, synchronize_batch_norm
 from fedcore.engine.layers import LayerChain, model_layers
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
@@ -120,7 +120,12 @@ class DataParallelExecutor:
         """The full model state in global names on rank 0 (CPU tensors), None elsewhere.
 
         Every rank must call it: sharded parameters are all-gathered.
+
+        Raises:
+            ConfigError: a buffer differs between the ranks (:func:`~fedcore.engine.batch_stats.check_buffers_agree`).
         """
+        if self.env.world_size > 1 and self.env.dp_group is not None:
+            check_buffers_agree(list(self.model.named_buffers()), self.env.dp_group)
         state: dict[str, torch.Tensor] = {}
         for name, tensor in _state_items(self.model):
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from fedcore.engine.batch_stats import preserved_buffers, synchronize_batch_norm
+from fedcore.engine.batch_stats import check_buffers_agree, preserved_buffers, synchronize_batch_norm
 from fedcore.engine.layers import LayerChain, split_stages, stage_state_names
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
@@ -200,7 +200,14 @@ class PipelineExecutor:
 
         Pipeline ranks of replica 0 send their stages' tensors to rank 0 (plain tensor point-to-point, in
         ``state_dict`` order, which every rank knows because every rank built the full model).
+
+        Raises:
+            ConfigError: a buffer of this rank's stages differs between the data-parallel replicas
+                (:func:`~fedcore.engine.batch_stats.check_buffers_agree`).
         """
+        if self.plan.data_parallel > 1 and self.env.dp_group is not None:
+            mine = [(n, b) for n, b in self.model.named_buffers() if n in self._names]
+            check_buffers_agree(mine, self.env.dp_group)
         state = self.model.state_dict()
         if self.env.dp_index != 0:
             return None

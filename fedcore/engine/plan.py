@@ -84,7 +84,7 @@ class ParallelPlan:
             with layers: ``nn.Sequential`` or ``pipeline_layers()``); buffers are restored after recomputation.
         find_unused_parameters: let DDP train a model with parameters that get no gradient in some step
             (a module unused in ``forward``); costs a graph traversal per step. Without it such a model fails
-            with a ConfigError naming the unused parameters.
+            at its first step, naming the unused parameters.
         device: ``auto``, ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank).
         world_size: the number of processes the caller expects (e.g. GPUs on the machine), or None; when
             given, ``data_parallel * pipeline`` must equal it.

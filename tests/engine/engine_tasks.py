@@ -196,3 +196,28 @@ def run_plan(
         client_id="c1",
         timeout_s=timeout_s,
     )
+
+
+class RunningSum(nn.Module):
+    """An identity layer that sums the samples it sees into a buffer (a custom running statistic)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("running_sum", torch.zeros(features))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.running_sum += x.detach().sum(0)
+            self.calls += 1
+        return x
+
+
+def running_sum_task(ctx: TaskContext) -> SupervisedTask:
+    """A linear classifier followed by :class:`RunningSum` (buffers ``1.running_sum``, ``1.calls``)."""
+    return SupervisedTask(model_fn=running_sum_model, train_data=_data(ctx))
+
+
+def running_sum_model() -> nn.Sequential:
+    """``Linear(FEATURES, CLASSES)`` then :class:`RunningSum`."""
+    return nn.Sequential(nn.Linear(FEATURES, CLASSES), RunningSum(CLASSES))

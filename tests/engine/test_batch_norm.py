@@ -11,12 +11,20 @@ from __future__ import annotations
 import engine_tasks
 import numpy as np
 import pytest
-from engine_tasks import assert_same_state, bn_mlp, bn_task, initial_parameters, reference, run_plan
+from engine_tasks import (
+    assert_same_state,
+    bn_mlp,
+    bn_task,
+    initial_parameters,
+    reference,
+    run_plan,
+    running_sum_model,
+)
 from torch import nn
 
 from fedcore.engine import ParallelPlan, train_with_plan
 from fedcore.engine.batch_stats import batch_statistics_modules
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, EngineError
 from fedcore.task import FitConfig, TaskContext
 
 FACTORY = f"{engine_tasks.__name__}:bn_task"
@@ -64,6 +72,14 @@ def test_pipeline_shape_inference_leaves_the_running_statistics_alone() -> None:
 @pytest.mark.slow
 def test_data_times_pipeline_synchronizes_each_stage_over_its_replicas() -> None:
     _check(ParallelPlan(data_parallel=2, pipeline=2, split_points=("3",), microbatches=1, schedule="gpipe"))  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_a_custom_running_statistic_that_differs_between_ranks_fails_the_round() -> None:
+    # each rank sums its own half of every batch: rank 0's sum alone would be returned without this check;
+    # the call counter is the same on both ranks and is not named
+    with pytest.raises(EngineError, match=r"buffers \['1\.running_sum'\] differ between the data-parallel ranks"):
+        run_plan("running_sum_task", running_sum_model, ParallelPlan(data_parallel=2), ctx=CTX, config=CONFIG)
 
 
 @pytest.mark.parametrize(
