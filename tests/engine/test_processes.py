@@ -165,7 +165,7 @@ _CALLER = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])  # SIGTERM: the client daemon test below
 def test_workers_die_with_their_caller(sig: signal.Signals) -> None:
     caller = subprocess.Popen([sys.executable, "-c", _CALLER.format(tests=str(TESTS_DIR))], stderr=subprocess.PIPE)
     try:
@@ -174,13 +174,11 @@ def test_workers_die_with_their_caller(sig: signal.Signals) -> None:
         assert len(_workdirs_of(caller.pid)) == 1
         time.sleep(1.0)  # let the workers reach the hang
         caller.send_signal(sig)
-        code = caller.wait(timeout=GRACE_S + 10.0)
+        caller.wait(timeout=GRACE_S + 10.0)
     finally:
         if caller.poll() is None:
             caller.kill()
             caller.wait()
-    if sig is signal.SIGTERM:
-        assert code == 128 + signal.SIGTERM
     assert _wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 5.0)
     if sig is signal.SIGKILL:  # nothing runs in a killed process: the next caller removes its directory
         remove_stale_workdirs()
