@@ -14,6 +14,7 @@ so retrying is harmless.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import socket
@@ -179,6 +180,7 @@ class ClientDaemon:
         self._task: Task | None = None
         self._task_seed: int | None = None
         self._parallel: ParallelTraining | None = None
+        self._deadline_s = 0.0  # seconds the server gave the current task until its round's deadline (0: none)
         self._rng = random.Random()
         self._credentials = client_credentials(config)  # TLS files checked now, before the first connection
         self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
@@ -376,6 +378,7 @@ class ClientDaemon:
             self._stop.wait(delay)
             return False
         self._damage_delays = None
+        self._deadline_s = header.deadline_s
         return header.task_id, instruction
 
     def _report_unusable(self, stub: pb_grpc.CoordinatorStub, header: pb.TaskHeader, cause: FedcoreError) -> None:
@@ -396,7 +399,10 @@ class ClientDaemon:
         started = time.perf_counter()
         log.info("round %d %s started", instruction.round, instruction.stage.value)
         try:
-            reply: Reply = run_instruction(self._task, instruction, self.config.client_id, parallel=self._parallel)
+            parallel = self._parallel
+            if parallel is not None and self._deadline_s > 0:  # parallel workers are killed at the round's deadline
+                parallel = dataclasses.replace(parallel, timeout_s=self._deadline_s)
+            reply: Reply = run_instruction(self._task, instruction, self.config.client_id, parallel=parallel)
         except FedcoreError as exc:
             log.warning("round %d %s failed: %s", instruction.round, instruction.stage.value, exc)
             reply = Failure(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from fedcore.aggregation import metric_value
+from fedcore.engine.launch import DEFAULT_TIMEOUT_S
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, FedcoreError, PayloadError
 from fedcore.messages import (
@@ -56,13 +57,14 @@ class ParallelTraining:
         task_factory: ``"module:attr"`` of the task factory (the one the daemon was started with).
         task_context: the context that factory gets in every worker.
         plan: the parallel plan; a plan of all ones trains in-process.
-        timeout_s: kill the workers and fail the instruction after this many seconds (None: no limit).
+        timeout_s: kill the workers and fail the instruction after this many seconds; the daemon sets it per
+            task to the time left until the round's deadline.
     """
 
     task_factory: str
     task_context: TaskContext
     plan: ParallelPlan
-    timeout_s: float | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 def load_parameters(model: torch.nn.Module, parameters: NamedArrays, *, round: int, client_id: str) -> None:

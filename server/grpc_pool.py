@@ -104,6 +104,7 @@ class Task:
     answered: bool = False
     rejection: str = ""  # why the server refused the pushed result ("" when it took it)
     receiving: bool = False  # a push of this task is being read
+    deadline: float | None = None  # the round's deadline (time.monotonic()); sent as seconds left when handed out
 
 
 @dataclass(eq=False)
@@ -215,6 +216,7 @@ class GrpcClientPool:
                     header=task_header(instruction, task_id=task_id, payload_bytes=payload.size),
                     payload=payload,
                     replies=replies,
+                    deadline=deadline,
                 )
                 if client.task is not None:
                     client.task.closed = True
@@ -313,6 +315,8 @@ class GrpcClientPool:
                 client.last_seen = time.monotonic()
                 task = client.task
                 if task is not None and not task.closed and not task.answered:
+                    if task.deadline is not None:  # the client bounds its training by it
+                        task.header.deadline_s = max(0.001, task.deadline - time.monotonic())
                     return task, task.payload.path.open("rb")
                 if self._run.finished:
                     return True

@@ -3,7 +3,30 @@
 A client hands :func:`train_with_plan` its task factory, the global model and a :class:`ParallelPlan`, and gets
 back the updated model (global names and dtypes) and the training result. A plan of all ones trains
 in-process; any other plan runs ``data_parallel * pipeline`` worker processes on torch.distributed (gloo on
-CPU, NCCL on CUDA). See ``docs/engine.md``.
+CPU, NCCL on CUDA). See the README section "Training large models on a client".
+
+Every plan trains the model that single-device training gives, or is refused with a ``ConfigError`` before any
+worker starts; never a silently different model. For modules with batch statistics (BatchNorm; InstanceNorm
+that tracks running statistics), see :mod:`fedcore.engine.batch_stats`:
+
+==========================================  ==============================================================
+plan                                        BatchNorm (parameters and running buffers)
+==========================================  ==============================================================
+all ones (in-process)                       as single-device training
+DDP, FSDP2 (``data_parallel >= 2``)         statistics over the global batch (synchronized over the
+                                            ranks); refused when a batch has fewer samples than ranks
+pipeline, ``microbatches == 1`` (GPipe)     as single-device; shape inference leaves the buffers alone
+pipeline x data parallel, ``m == 1``        statistics synchronized over the replicas of each stage
+``microbatches > 1``, ``grad_accum > 1``    refused: a micro-batch's statistics are not the batch's
+activation checkpointing                    as single-device: recomputation restores the buffers
+InstanceNorm(track_running_stats) x DP      refused: running statistics are not synchronized
+other buffers that differ between DP ranks  the round fails (EngineError) naming them
+==========================================  ==============================================================
+
+Also refused before start: tied weights under FSDP2 (use DDP), a pipeline split between tied weights. DDP with
+a module unused in ``forward`` fails at its first step (``EngineError`` with the worker's ``ConfigError``) naming
+the parameters, unless the plan sets ``find_unused_parameters``. Workers are bounded by ``timeout_s`` and die
+with their caller.
 """
 
 from fedcore.engine.plan import Device, ParallelPlan, Precision

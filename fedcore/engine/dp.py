@@ -4,7 +4,8 @@ Each optimizer step takes the global batch (``config.batch_size`` samples, in th
 into ``data_parallel`` contiguous shards (``torch.tensor_split``, so shards differ by at most one sample), and
 each rank cuts its shard into ``grad_accum`` sequential micro-steps. Every micro-step's loss is the *sum* of
 per-sample losses scaled by ``data_parallel / len(batch)``; DDP and FSDP2 average gradients over the ranks, so
-the gradient is exactly the batch mean that a single device computes, whatever the shard sizes.
+the gradient is exactly the batch mean that a single device computes, whatever the shard sizes. BatchNorm
+layers compute their statistics over the global batch (:func:`~fedcore.engine.batch_stats.synchronize_batch_norm`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from fedcore.engine.batch_stats import check_buffers_agree, synchronize_batch_norm
 from fedcore.engine.layers import LayerChain, model_layers
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
@@ -41,6 +43,8 @@ class DataParallelExecutor:
         self.env = env
         self.loss_fn = loss_fn
         module: nn.Module = model
+        if env.world_size > 1 and env.dp_group is not None:
+            synchronize_batch_norm(model, env.dp_group)  # statistics over the global batch, as on one device
         if plan.activation_checkpointing:
             module = LayerChain(model_layers(model), checkpointing=True)
         self._fsdp: FSDPModule | None = None
@@ -58,7 +62,12 @@ class DataParallelExecutor:
             self._fsdp = fully_shard(module, mesh=env.dp_mesh)
         elif env.world_size > 1:
             device_ids = [env.device.index] if env.device.type == "cuda" else None
-            self._ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=env.dp_group)
+            self._ddp = DistributedDataParallel(
+                module,
+                device_ids=device_ids,
+                process_group=env.dp_group,
+                find_unused_parameters=plan.find_unused_parameters,
+            )
             module = self._ddp
         self.module = module
 
@@ -81,10 +90,19 @@ class DataParallelExecutor:
             last = i == len(chunks) - 1
             xb = x[chunk].to(self.env.device, non_blocking=True)
             yb = y[chunk].to(self.env.device, non_blocking=True)
-            with self._sync(last), autocast(self.plan, self.env.device):
-                loss = self.loss_fn(self.module(xb), yb, reduction="sum")
+            try:
+                with self._sync(last), autocast(self.plan, self.env.device):
+                    loss = self.loss_fn(self.module(xb), yb, reduction="sum")
+            except RuntimeError as exc:
+                if "Expected to have finished reduction" in str(exc):
+                    raise _unused_parameters_error("some parameters got no gradient in the previous step") from exc
+                raise
             (loss * scale).backward()
             loss_sum += float(loss.detach())
+        if self._ddp is not None and not self.plan.find_unused_parameters:
+            unused = [name for name, p in self.trained_parameters() if p.grad is None]
+            if unused:
+                raise _unused_parameters_error(f"parameters {unused[:10]} got no gradient")
         return loss_sum, len(shard)
 
     def _sync(self, sync: bool) -> contextlib.AbstractContextManager[None]:
@@ -102,13 +120,25 @@ class DataParallelExecutor:
         """The full model state in global names on rank 0 (CPU tensors), None elsewhere.
 
         Every rank must call it: sharded parameters are all-gathered.
+
+        Raises:
+            ConfigError: a buffer differs between the ranks (:func:`~fedcore.engine.batch_stats.check_buffers_agree`).
         """
+        if self.env.world_size > 1 and self.env.dp_group is not None:
+            check_buffers_agree(list(self.model.named_buffers()), self.env.dp_group)
         state: dict[str, torch.Tensor] = {}
         for name, tensor in _state_items(self.model):
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.env.rank == 0:
                 state[name] = full.detach().to("cpu", copy=True)
         return state if self.env.rank == 0 else None
+
+
+def _unused_parameters_error(what: str) -> ConfigError:
+    return ConfigError(
+        f"DDP: {what} (a module unused in forward, or used only for some inputs); DDP cannot finish its gradient "
+        "reduction then. Set find_unused_parameters=true in the parallel plan, or remove the unused module"
+    )
 
 
 def _state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

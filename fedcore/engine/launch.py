@@ -5,24 +5,43 @@ Workers are started the way ``torchrun`` starts them: one fresh interpreter per 
 loopback interface. Nothing is pickled across the boundary: the spec is JSON, tensors are safetensors files,
 and a failing worker writes its rank, exception type, message and traceback as JSON.
 
-Each worker runs in its own session (process group), so on failure the launcher kills every worker's whole
-group (SIGTERM, then SIGKILL after a grace period) and leaves no stray processes.
+Each worker runs in its own session (process group), so on failure or timeout the launcher kills every
+worker's whole group (SIGTERM, then SIGKILL after a grace period) and leaves no stray processes. Every wait is
+bounded: the whole run by ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`), the teardown by :data:`GRACE_S`.
+Workers also die with their launcher, however it ends (:func:`die_with_parent`: ``PR_SET_PDEATHSIG`` on Linux
+and a watchdog thread that polls the parent pid everywhere), so none outlives it with parent 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from fedcore.errors import EngineError
+
+DEFAULT_TIMEOUT_S = 3600.0
+"""Seconds a multi-process round may take before its workers are killed (the client daemon passes the time left
+until the round's deadline instead)."""
+
+PARENT_ENV = "FEDCORE_ENGINE_PARENT"
+"""Environment variable holding the launcher's pid; a worker exits when its parent is no longer that process."""
+
+WATCHDOG_PERIOD_S = 0.5
+"""How often a worker's watchdog checks that its launcher is alive."""
 
 GRACE_S = 5.0
 """Seconds a worker gets to exit after SIGTERM before SIGKILL."""
@@ -50,6 +69,7 @@ def log_path(workdir: Path, rank: int) -> Path:
 
 def _worker_env(world_size: int) -> dict[str, str]:
     env = dict(os.environ)
+    env[PARENT_ENV] = str(os.getpid())
     paths = [p if p else os.getcwd() for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if "OMP_NUM_THREADS" not in env:
@@ -57,12 +77,89 @@ def _worker_env(world_size: int) -> dict[str, str]:
     return env
 
 
-def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: float | None = None) -> None:
+_WORKDIR_PREFIX = "fedcore-engine-"
+
+
+def remove_stale_workdirs(root: Path | None = None) -> list[Path]:
+    """Remove the temporary directories of earlier callers that were killed outright (SIGKILL).
+
+    A caller's directory is named ``fedcore-engine-<pid>-*``; it is stale when no process ``<pid>`` exists
+    any more (a caller that ends any other way removes its own). Returns the directories removed.
+    """
+    removed = []
+    for path in (root or Path(tempfile.gettempdir())).glob(f"{_WORKDIR_PREFIX}*-*"):
+        pid_text = path.name[len(_WORKDIR_PREFIX) :].split("-", 1)[0]
+        try:
+            mine = path.is_dir() and path.stat().st_uid == os.getuid()
+        except OSError:  # removed meanwhile
+            continue
+        if not pid_text.isdigit() or not mine:
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except PermissionError:  # a live process of another user
+            continue
+    return removed
+
+
+@contextlib.contextmanager
+def sigterm_raises_exit() -> Iterator[None]:
+    """While the block runs, SIGTERM raises ``SystemExit(143)`` instead of ending the process on the spot.
+
+    The workers are then killed and the temporary directory removed by the usual exception path (a second
+    SIGTERM meanwhile is ignored). Only on the main thread, and only when SIGTERM has its default action: a
+    program that handles SIGTERM itself keeps its handler.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        yield
+        return
+    raised = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def worker_directory() -> Iterator[Path]:
+    """A fresh temporary directory for one multi-process run, removed when the block ends, however it ends.
+
+    It is named ``fedcore-engine-<caller pid>-*`` so that :func:`remove_stale_workdirs` (run first) can tell
+    when its owner was killed outright; while the block runs, SIGTERM raises :class:`SystemExit`
+    (:func:`sigterm_raises_exit`), so the workers are stopped and the directory removed.
+    """
+    remove_stale_workdirs()
+    with sigterm_raises_exit(), tempfile.TemporaryDirectory(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-") as tmp:
+        yield Path(tmp)
+
+
+def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run ``world_size`` workers on ``spec_path`` and wait for all of them to exit cleanly.
+
+    Args:
+        spec_path: the JSON spec every worker reads (in ``workdir``).
+        world_size: the number of worker processes (ranks).
+        workdir: where workers write their logs and failure reports.
+        timeout_s: seconds to wait for all workers (> 0); then every worker is killed.
 
     Raises:
         EngineError: a worker exited non-zero or was killed by a signal (the first one to fail is named with
-            its exception and traceback tail, or its log tail), or ``timeout_s`` passed.
+            its exception and traceback tail, or its log tail), or ``timeout_s`` passed (names the ranks still
+            running and their log tails). No worker is left running either way.
     """
     env = _worker_env(world_size)
     procs: list[subprocess.Popen[bytes]] = []
@@ -77,17 +174,18 @@ def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: f
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
+                        preexec_fn=_pdeathsig_setter(os.getpid()),  # a bare prctl call, see there
                     )
                 )
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes):
                 raise _failure(procs, workdir)
             if all(c == 0 for c in codes):
                 return
-            if deadline is not None and time.monotonic() > deadline:
-                raise EngineError(f"parallel training did not finish within {timeout_s:.0f} s; all workers killed")
+            if time.monotonic() > deadline:
+                raise _timeout(procs, workdir, timeout_s)
             time.sleep(0.05)
     finally:
         _kill_all(procs)
@@ -126,6 +224,69 @@ def _failure(procs: list[subprocess.Popen[bytes]], workdir: Path) -> EngineError
     return EngineError(f"worker rank {rank} failed: {cause}\n{tail}".rstrip(), rank=rank)
 
 
+def _timeout(procs: list[subprocess.Popen[bytes]], workdir: Path, timeout_s: float) -> EngineError:
+    """The error for a run past its bound: which ranks were still running, and the end of their logs."""
+    running = [r for r, p in enumerate(procs) if p.poll() is None]
+    tails = "".join(
+        f"\n--- rank {r} log tail ---\n" + "\n".join(_tail(log_path(workdir, r), 1000).strip().splitlines()[-5:])
+        for r in running[:2]
+    )
+    return EngineError(
+        f"parallel training did not finish within {timeout_s:g} s (ranks {running} still running: hung or too "
+        "slow); all workers were killed. Raise the timeout (the client daemon uses the time left until the "
+        f"round's deadline) or look for a rank stuck in a collective{tails}",
+        rank=running[0] if running else None,
+    )
+
+
+def _pdeathsig_setter(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent dies (None elsewhere).
+
+    It runs in the child between fork and exec, before the worker spends seconds importing torch, so a launcher
+    killed during that time takes its workers along. It only calls ``prctl`` through a libc handle loaded here
+    in the parent (no import, no lock), which is safe after fork even when the parent has other threads.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    signum = int(signal.SIGKILL)
+
+    def set_pdeathsig() -> None:
+        prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return set_pdeathsig
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this worker die when its launcher ``parent_pid`` does, however the launcher ends.
+
+    On Linux the launcher has already asked the kernel for SIGKILL on its death (``prctl(PR_SET_PDEATHSIG)``
+    in :func:`_pdeathsig_setter`); everywhere, a daemon thread checks every :data:`WATCHDOG_PERIOD_S` whether
+    the parent pid changed (the orphan was re-parented) and then kills this worker's process group. A worker
+    whose parent is already gone exits at once.
+    """
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(WATCHDOG_PERIOD_S)
+        if os.getpgid(0) == os.getpid():  # a session leader, as the launcher starts it: take its children along
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fedcore-parent-watchdog", daemon=True).start()
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
 def _tail(path: Path, limit: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-limit:]
@@ -144,7 +305,8 @@ def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             _signal_group(proc, signal.SIGKILL)
-            proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL ends it unless stuck in the kernel
+                proc.wait(timeout=GRACE_S)
     for proc in procs:
         # the worker's own children (if any) live in its session; make sure none survive it
         _signal_group(proc, signal.SIGKILL)

@@ -15,12 +15,14 @@ the original submodules (parameters shared, not copied), so a stage's state keep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fedcore.engine.batch_stats import preserved_buffers
 from fedcore.errors import ConfigError
 
 Layer = tuple[str, nn.Module]
@@ -146,16 +148,25 @@ def _stages_from_lists(
 
 
 def _check_no_shared_parameters(stages: Sequence[Sequence[Layer]]) -> None:
-    owner: dict[int, int] = {}
+    owner: dict[int, tuple[int, str]] = {}
     for index, stage in enumerate(stages):
-        for _, module in stage:
-            for param in module.parameters():
-                previous = owner.setdefault(id(param), index)
+        for qualified, module in stage:
+            for name, param in module.named_parameters():
+                full_name = f"{qualified}.{name}"
+                previous, first_name = owner.setdefault(id(param), (index, full_name))
                 if previous != index:
                     raise ConfigError(
-                        f"a parameter is shared by stages {previous} and {index} (tied weights); "
-                        "put the tied modules in the same stage or untie them"
+                        f"parameter {first_name!r} of stage {previous} is also {full_name!r} of stage {index} "
+                        "(tied weights); put the tied modules in the same stage or untie them"
                     )
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor (tied weights), e.g. ``[["embed.weight", "head.weight"]]``."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def stage_state_names(model: nn.Module, stage: Sequence[Layer]) -> list[str]:
@@ -173,7 +184,8 @@ class LayerChain(nn.Module):
     Args:
         layers: ``[(qualified name, module), ...]`` in execution order.
         checkpointing: recompute each layer's activations in the backward pass
-            (``torch.utils.checkpoint``, non-reentrant) instead of keeping them.
+            (``torch.utils.checkpoint``, non-reentrant) instead of keeping them. The recomputation leaves the
+            layer's buffers as the first forward left them (BatchNorm's running statistics count once).
     """
 
     def __init__(self, layers: Sequence[Layer], *, checkpointing: bool = False) -> None:
@@ -185,7 +197,14 @@ class LayerChain(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             if self.checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=_recompute_context(layer))
             else:
                 x = layer(x)
         return x
+
+
+def _recompute_context(
+    layer: nn.Module,
+) -> Callable[[], tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]]:
+    """``context_fn`` for ``checkpoint``: the recomputation runs with the layer's buffers restored afterwards."""
+    return lambda: (contextlib.nullcontext(), preserved_buffers(layer))

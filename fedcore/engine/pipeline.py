@@ -9,12 +9,15 @@ size. A chunk of ``c`` samples therefore runs as one schedule step of ``m`` micr
 followed, when ``c % m != 0``, by a step of ``c % m`` single-sample micro-batches (GPipe-style); each distinct
 (schedule, micro-batches, micro-batch size) gets its own cached stages and schedule. Losses are per-sample sums
 scaled by ``1 / len(batch)`` and schedules run with ``scale_grads=False``, so gradients add up to exactly the
-batch mean whatever the split. With data parallelism on top, gradients are summed over the ``dp`` group.
+batch mean whatever the split. With data parallelism on top, gradients are summed over the ``dp`` group, and
+BatchNorm statistics are computed over the replicas' parts of the batch. Shape inference leaves no trace in the
+model's buffers (:class:`_Stage`); BatchNorm needs ``microbatches=1`` (:mod:`fedcore.engine.batch_stats`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from fedcore.engine.batch_stats import check_buffers_agree, preserved_buffers, synchronize_batch_norm
 from fedcore.engine.layers import LayerChain, split_stages, stage_state_names
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
@@ -50,6 +54,25 @@ class _AutocastChain(nn.Module):
             return self.chain(x)
 
 
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose shape inference leaves no trace in the model.
+
+    Shape inference runs the stage's forward (and backward) on the first micro-batch, or on an uninitialized
+    tensor of the received shape on later stages. It runs here in eval mode with every buffer restored
+    afterwards, so BatchNorm does not count it in ``num_batches_tracked`` nor fold garbage into ``running_var``,
+    and dropout draws no random numbers. (``_forward_metadata_inference`` and ``_backward_metadata_inference``
+    are the hooks of torch 2.13's ``PipelineStage``.)
+    """
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with preserved_buffers(self.submod, eval_mode=True):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with preserved_buffers(self.submod, eval_mode=True):
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+
 class PipelineExecutor:
     """Runs the pipeline stages of one rank.
 
@@ -66,6 +89,8 @@ class PipelineExecutor:
         self.plan = plan
         self.env = env
         self.loss_fn = loss_fn
+        if plan.data_parallel > 1 and env.dp_group is not None:
+            synchronize_batch_norm(model, env.dp_group)  # a stage's replicas hold the parts of one batch
         self.stages = split_stages(
             model, num_stages=plan.num_stages, split_points=plan.split_points, stage_modules=plan.stage_modules
         )
@@ -94,7 +119,7 @@ class PipelineExecutor:
         key = (kind.value, microbatches, size)
         if key not in self._schedules:
             stages: list[_PipelineStageBase] = [
-                PipelineStage(module, s, self.plan.num_stages, self.env.device, group=self.env.pp_group)
+                _Stage(module, s, self.plan.num_stages, self.env.device, group=self.env.pp_group)
                 for module, s in zip(self.modules, self.my_stages, strict=True)
             ]
             loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._loss
@@ -153,10 +178,19 @@ class PipelineExecutor:
         return loss_sum, seen
 
     def finish_gradients(self) -> None:
-        """Sum the stage gradients over the data-parallel replicas (each holds a part of the batch)."""
+        """Sum the stage gradients over the data-parallel replicas (each holds a part of the batch).
+
+        A parameter that got no gradient on any replica keeps none, as on one device (the optimizer then skips
+        it: no weight decay, no momentum step).
+        """
         if self.plan.data_parallel == 1:
             return
-        for _, param in self.trained_parameters():
+        params = [param for _, param in self.trained_parameters()]
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.env.device)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.env.dp_group)
+        for param, any_grad in zip(params, has_grad.tolist(), strict=True):
+            if not any_grad:
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.env.dp_group)
@@ -166,7 +200,14 @@ class PipelineExecutor:
 
         Pipeline ranks of replica 0 send their stages' tensors to rank 0 (plain tensor point-to-point, in
         ``state_dict`` order, which every rank knows because every rank built the full model).
+
+        Raises:
+            ConfigError: a buffer of this rank's stages differs between the data-parallel replicas
+                (:func:`~fedcore.engine.batch_stats.check_buffers_agree`).
         """
+        if self.plan.data_parallel > 1 and self.env.dp_group is not None:
+            mine = [(n, b) for n, b in self.model.named_buffers() if n in self._names]
+            check_buffers_agree(mine, self.env.dp_group)
         state = self.model.state_dict()
         if self.env.dp_index != 0:
             return None

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedcore.engine.layers import model_layers, split_stages
+from fedcore.engine.batch_stats import check_batch_statistics
+from fedcore.engine.layers import model_layers, split_stages, tied_parameters
 from fedcore.engine.schedules import Schedule, check_schedule
 from fedcore.errors import ConfigError
 
@@ -55,6 +56,7 @@ _ALIASES = {
     "microbatch": "microbatches",
     "gradient_accumulation": "grad_accum",
     "checkpointing": "activation_checkpointing",
+    "unused_parameters": "find_unused_parameters",
 }
 
 
@@ -79,7 +81,10 @@ class ParallelPlan:
             and their gradients add up, so the step equals one step on the full batch. >= 1.
         precision: ``fp32``, or ``bf16`` autocast (CUDA only).
         activation_checkpointing: recompute each layer's activations in the backward pass (needs a model
-            with layers: ``nn.Sequential`` or ``pipeline_layers()``).
+            with layers: ``nn.Sequential`` or ``pipeline_layers()``); buffers are restored after recomputation.
+        find_unused_parameters: let DDP train a model with parameters that get no gradient in some step
+            (a module unused in ``forward``); costs a graph traversal per step. Without it such a model fails
+            at its first step, naming the unused parameters.
         device: ``auto``, ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank).
         world_size: the number of processes the caller expects (e.g. GPUs on the machine), or None; when
             given, ``data_parallel * pipeline`` must equal it.
@@ -96,6 +101,7 @@ class ParallelPlan:
     grad_accum: int = 1
     precision: Precision = Precision.FP32
     activation_checkpointing: bool = False
+    find_unused_parameters: bool = False
     device: Device = Device.AUTO
     world_size: int | None = None
 
@@ -119,6 +125,11 @@ class ParallelPlan:
             raise ConfigError("parallel plan: sharded (FSDP2) needs data_parallel >= 2")
         if self.sharded and self.pipeline > 1:
             raise ConfigError("parallel plan: sharded data parallel with a pipeline is not supported; use DDP")
+        if self.find_unused_parameters and (self.data_parallel < 2 or self.sharded or self.pipeline > 1):
+            raise ConfigError(
+                "parallel plan: find_unused_parameters applies to DDP only (data_parallel >= 2, not sharded, no "
+                "pipeline); the other plans train unused parameters without it"
+            )
         if self.pipeline == 1:
             if self.stages_per_rank > 1 or self.split_points or self.stage_modules or self.microbatches > 1:
                 raise ConfigError(
@@ -187,10 +198,12 @@ class ParallelPlan:
     # ------------------------------------------------------------------------------------------- validation
     def check_model(self, model: nn.Module) -> None:
         """Validate the plan against the model: split points name layer boundaries, stages are non-empty and
-        share no parameters, activation checkpointing finds layers.
+        share no parameters, activation checkpointing finds layers, FSDP2 gets no tied weights, and modules with
+        batch statistics (BatchNorm) train as on one device (:mod:`fedcore.engine.batch_stats`).
 
         Raises:
-            ConfigError: with the model's layer names, so the user can fix the split points.
+            ConfigError: with the model's layer names, so the user can fix the split points; naming the tied
+                parameters under FSDP2; naming the BatchNorm modules a plan would train differently.
         """
         if self.pp_enabled:
             split_stages(
@@ -201,6 +214,15 @@ class ParallelPlan:
             )
         elif self.activation_checkpointing:
             model_layers(model)
+        if self.fsdp_enabled:
+            tied = tied_parameters(model)
+            if tied:
+                groups = "; ".join(" = ".join(group) for group in tied)
+                raise ConfigError(
+                    f"parallel plan: sharded (FSDP2) cannot train tied weights: {groups}; use DDP (sharded=false) "
+                    "or untie them"
+                )
+        check_batch_statistics(self, model)
         for name, tensor in model.state_dict().items():
             if tensor.dtype == torch.bfloat16:
                 raise ConfigError(f"parameter {name!r} has dtype {tensor.dtype}; keep master weights in float32")
@@ -289,7 +311,7 @@ def _enum(kind: type[StrEnum], value: object, name: str) -> Any:
 
 
 _INT_FIELDS = {"data_parallel", "pipeline", "stages_per_rank", "microbatches", "grad_accum", "world_size"}
-_BOOL_FIELDS = {"sharded", "activation_checkpointing"}
+_BOOL_FIELDS = {"sharded", "activation_checkpointing", "find_unused_parameters"}
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -10,13 +10,13 @@ process group; any other plan starts ``data_parallel * pipeline`` workers (:mod:
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
+import math
 
 import numpy as np
 import torch
 
-from fedcore.engine.launch import free_port, run_workers
+from fedcore.engine.batch_stats import check_batches
+from fedcore.engine.launch import DEFAULT_TIMEOUT_S, free_port, run_workers, worker_directory
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runner import train_rank, training_data
 from fedcore.engine.runtime import single_process_env
@@ -37,7 +37,7 @@ def train_with_plan(
     seed: int,
     round: int,
     client_id: str,
-    timeout_s: float | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[NamedArrays, TrainResult]:
     """Train the task's model for one round under ``plan``; return the updated state and the result.
 
@@ -53,7 +53,8 @@ def train_with_plan(
         config: local training settings (epochs, batch size, lr, momentum, weight decay, mu, max_steps).
         plan: the parallel plan.
         seed, round, client_id: key the shuffling generator.
-        timeout_s: kill the workers and fail after this many seconds (None: wait).
+        timeout_s: kill the workers and fail after this many seconds (> 0; the client daemon passes the time
+            left until the round's deadline). In-process training (a plan of all ones) is not bounded.
 
     Returns:
         ``(updated, result)``: ``updated`` has exactly the names, order, shapes and dtypes of
@@ -62,8 +63,13 @@ def train_with_plan(
     Raises:
         ConfigError: the factory cannot be loaded, the plan does not fit the model or the machine, the
             global parameters do not match the model, or the task exposes no training data.
-        EngineError: a worker failed (the message names the rank and the cause); no worker is left running.
+        EngineError: a worker failed (the message names the rank and the cause) or ``timeout_s`` passed; no
+            worker is left running and the temporary directory is removed.
+        SystemExit: SIGTERM arrived while workers ran (status 143), after they were stopped and the temporary
+            directory removed; only when called on the main thread and SIGTERM had its default action.
     """
+    if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ConfigError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     task = load_task_factory(task_factory)(task_context)
     model = task.build_model()
     plan.check_model(model)
@@ -97,9 +103,9 @@ def train_with_plan(
         updated = from_state_dict(result.state)
         num_examples, train_loss = result.num_examples, result.train_loss
     else:
-        training_data(task)  # fail here, not in every worker, when the task has no data
-        with tempfile.TemporaryDirectory(prefix="fedcore-engine-") as tmp:
-            workdir = Path(tmp)
+        x, _, _ = training_data(task)  # fail here, not in every worker, when the task has no data
+        check_batches(plan, model, len(x), config.batch_size)
+        with worker_directory() as workdir:
             spec = {
                 "task_factory": task_factory,
                 "task_context": task_context_to_json(task_context),

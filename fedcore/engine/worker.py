@@ -3,19 +3,21 @@
 Reads the JSON spec the launcher wrote, rebuilds the task from its ``module:attr`` factory and the
 :class:`~fedcore.task.TaskContext` fields, loads the global parameters from safetensors, joins the process
 group, trains its part of the model, and on rank 0 writes the updated state (safetensors) and metrics (JSON).
-On any exception it writes ``error-rank<RANK>.json`` and exits with status 1.
+On any exception it writes ``error-rank<RANK>.json`` and exits with status 1. It dies with its launcher
+(:func:`~fedcore.engine.launch.die_with_parent`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from fedcore.engine.launch import error_path
+from fedcore.engine.launch import PARENT_ENV, die_with_parent, error_path
 from fedcore.engine.plan import Device, ParallelPlan
 from fedcore.task import FitConfig, TaskContext, load_task_factory
 from fedcore.tensors import decode, encode, from_state_dict
@@ -106,6 +108,9 @@ def main(argv: list[str]) -> int:
     from fedcore.engine.runtime import shutdown_distributed
 
     spec_path, rank = Path(argv[0]), int(argv[1])
+    parent = os.environ.get(PARENT_ENV)
+    if parent is not None:
+        die_with_parent(int(parent))
     try:
         run(json.loads(spec_path.read_text()), rank)
     except BaseException as exc:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedcore.engine import ParallelPlan, train_with_plan
+from fedcore.engine.launch import DEFAULT_TIMEOUT_S
 from fedcore.seeding import derive_seed
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TaskContext, TrainResult
@@ -107,3 +110,114 @@ def assert_same_state(actual: NamedArrays, expected: NamedArrays, *, atol: float
             atol=atol,
             rtol=rtol,
         )
+
+
+def bn_mlp() -> nn.Sequential:
+    """Two BatchNorm layers, one on each side of split point "3" (layers "0".."6")."""
+    return nn.Sequential(
+        nn.Linear(FEATURES, 12),
+        nn.BatchNorm1d(12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.BatchNorm1d(12, momentum=None),  # cumulative average: num_batches_tracked sets its weight
+        nn.Tanh(),
+        nn.Linear(12, CLASSES),
+    )
+
+
+def bn_task(ctx: TaskContext) -> SupervisedTask:
+    """Like :func:`mlp_task` with the BatchNorm model."""
+    return SupervisedTask(model_fn=bn_mlp, train_data=_data(ctx))
+
+
+class WithUnusedModule(nn.Module):
+    """The MLP plus a linear layer that ``forward`` never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.unused = nn.Linear(CLASSES, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def unused_module_task(ctx: TaskContext) -> SupervisedTask:
+    """A task whose model has a module unused in forward (``unused.weight``, ``unused.bias``)."""
+    return SupervisedTask(model_fn=WithUnusedModule, train_data=_data(ctx))
+
+
+def tied_mlp() -> nn.Sequential:
+    """Layers "0" and "2" share one weight matrix (tied weights)."""
+    model = nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Tanh(), nn.Linear(FEATURES, FEATURES), nn.Tanh())
+    model[2].weight = model[0].weight
+    return model
+
+
+def tied_task(ctx: TaskContext) -> SupervisedTask:
+    """A task with tied weights (see :func:`tied_mlp`)."""
+    return SupervisedTask(model_fn=tied_mlp, train_data=_data(ctx), loss_fn=_feature_loss)
+
+
+def _feature_loss(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return nn.functional.cross_entropy(output[:, :CLASSES], target, reduction=reduction)
+
+
+def _loss_hanging_on_rank1(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return nn.functional.cross_entropy(output, target, reduction=reduction)
+
+
+def hanging_task(ctx: TaskContext) -> SupervisedTask:
+    """Rank 1 hangs in its first loss; rank 0 then waits for it in the gradient all-reduce."""
+    return SupervisedTask(model_fn=mlp, train_data=_data(ctx), loss_fn=_loss_hanging_on_rank1)
+
+
+def run_plan(
+    factory_name: str,
+    model_fn: object,
+    plan: ParallelPlan,
+    *,
+    ctx: TaskContext,
+    config: FitConfig,
+    round: int = 1,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[NamedArrays, TrainResult]:
+    """``train_with_plan`` of this module's factory ``factory_name`` from ``initial_parameters(model_fn)``."""
+    return train_with_plan(
+        f"{__name__}:{factory_name}",
+        ctx,
+        initial_parameters(model_fn),
+        config,
+        plan,
+        seed=1,
+        round=round,
+        client_id="c1",
+        timeout_s=timeout_s,
+    )
+
+
+class RunningSum(nn.Module):
+    """An identity layer that sums the samples it sees into a buffer (a custom running statistic)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("running_sum", torch.zeros(features))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.running_sum += x.detach().sum(0)
+            self.calls += 1
+        return x
+
+
+def running_sum_task(ctx: TaskContext) -> SupervisedTask:
+    """A linear classifier followed by :class:`RunningSum` (buffers ``1.running_sum``, ``1.calls``)."""
+    return SupervisedTask(model_fn=running_sum_model, train_data=_data(ctx))
+
+
+def running_sum_model() -> nn.Sequential:
+    """``Linear(FEATURES, CLASSES)`` then :class:`RunningSum`."""
+    return nn.Sequential(nn.Linear(FEATURES, CLASSES), RunningSum(CLASSES))

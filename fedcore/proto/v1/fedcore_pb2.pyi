@@ -79,7 +79,7 @@ class FitConfig(_message.Message):
     def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., mu: _Optional[float] = ..., max_steps: _Optional[int] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
-    __slots__ = ("task_id", "round", "stage", "seed", "fit", "evaluate_batch_size", "payload_bytes")
+    __slots__ = ("task_id", "round", "stage", "seed", "fit", "evaluate_batch_size", "payload_bytes", "deadline_s")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class TaskHeader(_message.Message):
     FIT_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     stage: Stage
@@ -94,7 +95,8 @@ class TaskHeader(_message.Message):
     fit: FitConfig
     evaluate_batch_size: int
     payload_bytes: int
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[_Union[Stage, str]] = ..., seed: _Optional[int] = ..., fit: _Optional[_Union[FitConfig, _Mapping]] = ..., evaluate_batch_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    deadline_s: float
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[_Union[Stage, str]] = ..., seed: _Optional[int] = ..., fit: _Optional[_Union[FitConfig, _Mapping]] = ..., evaluate_batch_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class Trailer(_message.Message):
     __slots__ = ("sha256",)
