@@ -35,7 +35,7 @@ from fedcore.errors import ConfigError, EngineError
 from fedcore.messages import Failure, FitIns
 from fedcore.task import FitConfig, TaskContext
 from server.grpc_pool import GrpcClientPool, PoolConfig
-from tests.e2e.deploy_helpers import Proc, client_args, free_port, server_args
+from tests.e2e.deploy_helpers import Proc, client_args, server_args
 
 CTX = TaskContext(client_id="c1", seed=3, options={"n": "24"})
 CONFIG = FitConfig(local_epochs=1, batch_size=8, lr=0.1)
@@ -229,26 +229,27 @@ def test_the_daemon_bounds_parallel_training_by_the_round_deadline() -> None:
 def test_sigterm_to_a_client_daemon_ends_its_workers(tmp_path: Path) -> None:
     # the real CLI daemon of a deployment, training under --parallel dp=2 when the signal arrives
     env = {"PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
-    port = free_port()
     flags = ["--rounds", "1", "--min-fit-clients", "1", "--fraction-fit", "1.0", "--round-timeout-s", "300",
              "--no-evaluate", "--epochs", "1", "--batch-size", "8", "--lr", "0.1"]  # fmt: skip
-    server_cmd = server_args(port, tmp_path / "state", {}, *flags)
+    server_cmd = server_args(0, tmp_path / "state", {}, *flags)  # the OS picks the port; the server reports it
     server_cmd[server_cmd.index("--task") + 1] = "engine_tasks:mlp_task"
     server = Proc("server", server_cmd, tmp_path, env=env)
-    daemon = Proc(
-        "daemon",
-        client_args(port, "c1", 0, 1, {}, "--task", "engine_tasks:hanging_task", "--parallel", "dp=2"),
-        tmp_path,
-        env=env,
-    )
+    daemon: Proc | None = None
     try:
-        server.wait_for_line("listening on", 60)
+        port = server.listening_port(60)
+        daemon = Proc(
+            "daemon",
+            client_args(port, "c1", 0, 1, {}, "--task", "engine_tasks:hanging_task", "--parallel", "dp=2"),
+            tmp_path,
+            env=env,
+        )
         assert _wait_until(lambda: len(_workers_of(daemon.popen.pid)) == 2, 90.0), daemon.text()[-3000:]
         workers = _workers_of(daemon.popen.pid)
         daemon.popen.send_signal(signal.SIGTERM)
         assert daemon.wait(GRACE_S + 15.0) == 128 + signal.SIGTERM, daemon.text()[-3000:]
     finally:
         for proc in (daemon, server):
-            proc.close()
+            if proc is not None:
+                proc.close()
     assert _wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 5.0)
     assert _workdirs_of(daemon.popen.pid) == []
