@@ -5,36 +5,57 @@ session (and, with mutual TLS, against the certificate the call arrived with); p
 model from its payload file in chunks with a SHA-256 trailer; pushed updates stream into a spill file whose size
 and digest are verified before the round loop sees them. A push whose announced size exceeds the limit is
 refused before its payload is read.
+
+Availability (no client, with or without credentials, can take the server away from the others):
+
+- Credentials travel in call metadata (``fedcore-session``; for Join ``fedcore-client-id`` and
+  ``fedcore-token``) and are checked before a request is read; every RPC is registered as a request stream, so
+  no worker thread waits for a request that has not passed that check.
+- Long calls (pulls, pushes) hold at most ``max_workers - quick_call_reserve(max_workers)`` worker threads;
+  the rest are kept for heartbeats and joins. Each session has at most ``max_calls_per_client`` calls and one
+  waiting pull; joins being read or checked are at most ``max_unauthenticated_calls``. A call over a limit is
+  refused at once (RESOURCE_EXHAUSTED), never queued.
+- A watchdog cuts off any request or stream idle for ``stream_idle_s`` or older than ``stream_total_s``, and an
+  upload whose round closed; spill space is reserved only as bytes arrive (:class:`fedcore.wire.SpillFile`).
+- Warnings caused by clients are logged once per cause per ``log_every_s`` (:class:`RepeatLog`), and text from
+  client input is bounded before it is logged or stored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
-from fedcore.errors import ConfigError, FedcoreError, PayloadError, TransportError
+from fedcore.errors import ConfigError, FedcoreError, PayloadError
 from fedcore.messages import Failure, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.wire import (
+    CLIENT_ID_KEY,
+    SESSION_KEY,
+    TOKEN_KEY,
     TRANSFER_OPTIONS,
     DataChunk,
     PayloadReceiver,
+    SpillFile,
+    bound_text,
     framed_sizes,
     parse_result_chunk,
-    preallocate,
     read_safetensors_header,
     serialize_chunk,
 )
-from server.grpc_pool import GrpcClientPool, Task
+from server.grpc_pool import ClientIdInUse, GrpcClientPool, Task, TooManyCalls
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("fedcore.server")
@@ -106,19 +127,337 @@ def _peer_common_name(context: grpc.ServicerContext) -> str | None:
     return names[0].decode() if names else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServiceLimits:
+    """What one call may hold, so that no client (authenticated or not) can take the server's threads, disk or
+    log away from the others.
+
+    Attributes:
+        max_unauthenticated_calls: joins whose request is being read or checked at once (beyond: refused with
+            RESOURCE_EXHAUSTED, the daemon retries); joins with credentials in their metadata are checked before.
+        stream_idle_s: a request or stream that makes no progress this long is cut off (a push whose chunks
+            stop, a pull whose client stops reading, a request that never arrives). Seconds, > 0.
+        stream_total_s: no push or pull stream lasts longer (after its pull's wait). Seconds, > stream_idle_s;
+            size it for the largest update on the slowest link (8 GiB at 10 MB/s: about 900 s).
+        log_every_s: a repeated warning of one cause (a wrong token, a cut-off stream) is logged once per this
+            many seconds, with the count of repeats. Seconds, > 0.
+    """
+
+    max_unauthenticated_calls: int = 32
+    stream_idle_s: float = 60.0
+    stream_total_s: float = 1800.0
+    log_every_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_unauthenticated_calls < 1:
+            raise ConfigError(f"max_unauthenticated_calls must be >= 1, got {self.max_unauthenticated_calls}")
+        if not self.stream_idle_s > 0:
+            raise ConfigError(f"stream_idle_s must be > 0, got {self.stream_idle_s}")
+        if not self.stream_total_s > self.stream_idle_s:
+            raise ConfigError(
+                f"stream_total_s ({self.stream_total_s}) must exceed stream_idle_s ({self.stream_idle_s})"
+            )
+        if not self.log_every_s > 0:
+            raise ConfigError(f"log_every_s must be > 0, got {self.log_every_s}")
+
+
+def quick_call_reserve(max_workers: int) -> int:
+    """Worker threads kept for quick calls (heartbeats, joins, leaves): long calls (pulls, pushes) may hold the
+    other ``max_workers - quick_call_reserve(max_workers)`` at most, so a heartbeat never waits behind them."""
+    return max(min(_MIN_QUICK_RESERVE, max_workers // 2), max_workers // 10)
+
+
+_MIN_QUICK_RESERVE = 8 + 32  # heartbeats in flight plus the default max_unauthenticated_calls
+
+
+class RepeatLog:
+    """Logs a warning once per cause per ``every_s`` seconds; the next line of a cause says how many were left
+    out. Causes are fixed strings chosen by the server (never client input), so their number is bounded."""
+
+    def __init__(self, logger: logging.Logger, every_s: float) -> None:
+        self._log = logger
+        self._every = every_s
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def warning(self, cause: str, message: str, *args: object) -> None:
+        """Log ``message % args`` unless ``cause`` was logged less than ``every_s`` ago (then count it)."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(cause)
+            if last is not None and now - last < self._every:
+                self._skipped[cause] = self._skipped.get(cause, 0) + 1
+                return
+            self._last[cause] = now
+            skipped = self._skipped.pop(cause, 0)
+        suffix = f" ({skipped} more like this in the last {self._every:.0f} s)" if skipped else ""
+        self._log.warning(message + suffix, *args)
+
+
+class _Slots:
+    """A count of things held at once with a limit; acquiring never waits."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        with self._lock:
+            if self._held >= self.limit:
+                return False
+            self._held += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._held -= 1
+
+
+class _Guard:
+    """One call watched by the watchdog: cut off when idle or over time (or when ``open_while`` turns False)."""
+
+    __slots__ = ("context", "cut", "idle_s", "last", "open_while", "started", "total_s", "waiting", "what")
+
+    def __init__(self, context: grpc.ServicerContext, what: str, idle_s: float, total_s: float) -> None:
+        self.context = context
+        self.what = what
+        self.idle_s = idle_s
+        self.total_s = total_s
+        self.started = self.last = time.monotonic()
+        self.waiting = False  # a pull waiting for its task: not idle
+        self.open_while: Callable[[], bool] | None = None
+        self.cut = ""
+
+    def progress(self) -> None:
+        self.last = time.monotonic()
+
+
+class _Watchdog:
+    """A thread that cancels guarded calls that stall or run too long, logging each cause once per interval."""
+
+    def __init__(self, log_once: RepeatLog) -> None:
+        self._guards: dict[int, _Guard] = {}
+        self._lock = threading.Lock()
+        self._log = log_once
+        self._thread = threading.Thread(target=self._loop, name="fedcore-stream-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def guard(self, context: grpc.ServicerContext, what: str, idle_s: float, total_s: float) -> Iterator[_Guard]:
+        g = _Guard(context, what, idle_s, total_s)
+        with self._lock:
+            self._guards[id(g)] = g
+        try:
+            yield g
+        finally:
+            with self._lock:
+                self._guards.pop(id(g), None)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self._lock:
+                guards = list(self._guards.values())
+            for g in guards:
+                if g.cut:
+                    continue
+                if now - g.started > g.total_s:
+                    g.cut = f"it ran longer than {g.total_s:.0f} s"
+                elif not g.waiting and now - g.last > g.idle_s:
+                    g.cut = f"it made no progress for {g.idle_s:.0f} s"
+                elif g.open_while is not None and not g.open_while():
+                    g.cut = "its round closed"
+                if g.cut:
+                    self._log.warning(
+                        f"cut {g.what}", "cut off %s from %s: %s", g.what, _bounded_peer(g.context), g.cut
+                    )
+                    g.context.cancel()
+
+
+def _bounded_peer(context: grpc.ServicerContext) -> str:
+    return bound_text(context.peer(), 64)
+
+
+def _metadata(context: grpc.ServicerContext, key: str) -> str:
+    for item in context.invocation_metadata() or ():
+        if item.key == key and isinstance(item.value, str):
+            return item.value
+    return ""
+
+
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     """The servicer; thread-safe (gRPC runs each call on a worker thread).
+
+    The methods named after the RPCs take a request already read; :func:`build_server` registers every RPC as
+    a request stream instead, so that the call's credentials (metadata) are checked, and its limits taken,
+    before the request is read (:meth:`serve_unary`, :meth:`serve_pull`, :meth:`PushResult`).
 
     Args:
         pool: the client pool it feeds.
         auth: who may join.
         metrics: optional Prometheus metrics.
+        limits: what one call may hold.
     """
 
-    def __init__(self, pool: GrpcClientPool, auth: AuthPolicy, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        pool: GrpcClientPool,
+        auth: AuthPolicy,
+        metrics: ServerMetrics | None = None,
+        limits: ServiceLimits | None = None,
+    ) -> None:
         self._pool = pool
         self._auth = auth
         self._metrics = metrics
+        self.limits = limits if limits is not None else ServiceLimits()
+        self._log = RepeatLog(log, self.limits.log_every_s)
+        self._watchdog = _Watchdog(self._log)
+        self._joins = _Slots(self.limits.max_unauthenticated_calls)
+        self._long_calls = _Slots(1 << 30)  # sized by size_for_workers
+
+    def size_for_workers(self, max_workers: int) -> int:
+        """Let long calls (pulls, pushes) hold at most ``max_workers - quick_call_reserve(max_workers)`` worker
+        threads at once; returns that number."""
+        self._long_calls.limit = max(1, max_workers - quick_call_reserve(max_workers))
+        return self._long_calls.limit
+
+    # ------------------------------------------------------------ request streams
+    def serve_unary(
+        self, method: Callable[[Any, grpc.ServicerContext], Any], *, session_call: bool
+    ) -> Callable[[Iterator[Any], grpc.ServicerContext], Any]:
+        """The handler of a unary RPC registered as a request stream: credentials, then the request, then
+        ``method``. ``session_call``: the call needs the session in its metadata (all but Join)."""
+
+        def handle(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            name = getattr(method, "__name__", "call")
+            if not session_call:
+                return self._join_call(requests, context, method)
+            with self._session_call(context) as session:
+                request = self._read_request(requests, context, name)
+                self._check_request_session(request.session, session, context)
+                return method(request, context)
+
+        return handle
+
+    def serve_pull(
+        self, requests: Iterator[pb.PullTaskRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.TaskChunk | DataChunk]:
+        """The PullTask handler: session check, a long-call slot, the request, then :meth:`PullTask` under the
+        watchdog (idle while sending, total time)."""
+        with self._session_call(context) as session, self._long_call(context):
+            request = self._read_request(requests, context, "PullTask")
+            self._check_request_session(request.session, session, context)
+            limits = self.limits
+            total = self._pool.config.max_poll_s + limits.stream_total_s
+            with self._watchdog.guard(context, "a task download", limits.stream_idle_s, total) as guard:
+                cancelled = threading.Event()
+
+                def on_end() -> None:  # the call ended (also: its client went away); its waiting pull stops
+                    cancelled.set()
+                    self._pool.wake(session)
+
+                context.add_callback(on_end)
+                guard.waiting = True
+                stream = self.PullTask(request, context, cancelled=cancelled)
+                first = next(stream, None)
+                guard.waiting = False
+                guard.progress()
+                if first is None:
+                    return
+                yield first
+                for chunk in stream:
+                    guard.progress()
+                    yield chunk
+
+    def _join_call(
+        self, requests: Iterator[pb.JoinRequest], context: grpc.ServicerContext, method: Callable[..., Any]
+    ) -> Any:
+        client_id, token = _metadata(context, CLIENT_ID_KEY), _metadata(context, TOKEN_KEY)
+        if client_id and self._auth.tokens:
+            self._check_token(client_id, token, context)  # before the request is read
+        if not self._joins.try_acquire():
+            self._refuse(context, "joins", grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins at once; retry soon")
+        try:
+            request = self._read_request(requests, context, "Join")
+        finally:
+            self._joins.release()
+        if client_id and request.client_id != client_id:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the client id in the metadata and the request differ")
+        return method(request, context)
+
+    def _read_request(self, requests: Iterator[Any], context: grpc.ServicerContext, name: str) -> Any:
+        """The one request message of a call, within ``stream_idle_s``; INVALID_ARGUMENT when it never comes."""
+        limits = self.limits
+        with self._watchdog.guard(context, f"a {name} request", limits.stream_idle_s, limits.stream_total_s):
+            request = next(requests, None)
+        if request is None or isinstance(request, memoryview):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{name} takes exactly one request message")
+        return request
+
+    @contextlib.contextmanager
+    def _session_call(self, context: grpc.ServicerContext) -> Iterator[str]:
+        """Check the metadata's session and count the call against its client (before any request is read)."""
+        session = _metadata(context, SESSION_KEY)
+        if not session:
+            self._refuse(
+                context,
+                "no session",
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"no session in the call metadata ({SESSION_KEY!r}); join first",
+            )
+        try:
+            client_id = self._pool.begin_call(session)
+        except KeyError:
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "unknown or expired session; join again")
+        except TooManyCalls as exc:
+            self._refuse(context, "calls per client", grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, exc.client_id)
+        try:
+            self._check_peer(client_id, context)
+            yield session
+        finally:
+            self._pool.end_call(session, disconnected=not context.is_active())
+
+    @contextlib.contextmanager
+    def _long_call(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if not self._long_calls.try_acquire():
+            self._refuse(
+                context,
+                "long calls",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server holds {self._long_calls.limit} pulls and pushes at once; retry soon",
+            )
+        try:
+            yield
+        finally:
+            self._long_calls.release()
+
+    def _refuse(
+        self, context: grpc.ServicerContext, cause: str, code: grpc.StatusCode, details: str, client_id: str | None = ""
+    ) -> NoReturn:
+        self._log.warning(
+            f"refused {cause}", "refused a call (%s) from %s%s: %s", cause, _bounded_peer(context),
+            f" (client {client_id})" if client_id else "", details,
+        )  # fmt: skip
+        if self._metrics is not None:
+            self._metrics.refused_calls.labels(cause=cause).inc()
+        _abort(context, code, details)
+
+    def _check_request_session(self, in_request: str, session: str, context: grpc.ServicerContext) -> None:
+        if in_request and not hmac.compare_digest(in_request, session):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the session in the metadata and the request differ")
+
+    def _check_token(self, client_id: str, token: str, context: grpc.ServicerContext) -> None:
+        want = self._auth.tokens.get(client_id)
+        if want is None or not hmac.compare_digest(want, hash_token(token)):
+            self._refuse(
+                context,
+                "wrong token",
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"unknown client {bound_text(client_id, 64)!r} or wrong token",
+            )
 
     # ------------------------------------------------------------------ calls
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:  # noqa: N802 - name fixed by the gRPC service
@@ -126,25 +465,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not client_id or len(client_id) > 256 or not client_id.isprintable():
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "client_id must be 1..256 printable characters")
         if client_id in self._auth.revoked:
-            log.warning("refused join of revoked client %s from %s", client_id, context.peer())
-            _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"client {client_id!r} is revoked")
+            self._refuse(
+                context, "revoked client", grpc.StatusCode.PERMISSION_DENIED, f"client {client_id!r} is revoked"
+            )
         if self._auth.tokens:
-            want = self._auth.tokens.get(client_id)
-            if want is None or not hmac.compare_digest(want, hash_token(request.token)):
-                log.warning(
-                    "refused join of client %s from %s: unknown client or wrong token", client_id, context.peer()
-                )
-                _abort(context, grpc.StatusCode.UNAUTHENTICATED, f"unknown client {client_id!r} or wrong token")
+            self._check_token(client_id, _metadata(context, TOKEN_KEY) or request.token, context)
         if self._auth.require_client_cert:
             name = _peer_common_name(context)
             if name != client_id:
-                log.warning("refused join of client %s: certificate is for %r", client_id, name)
-                _abort(
+                self._refuse(
                     context,
+                    "certificate name",
                     grpc.StatusCode.UNAUTHENTICATED,
-                    f"the client certificate is issued to {name!r}, not to {client_id!r}",
+                    f"the client certificate is issued to {bound_text(str(name), 64)!r}, not to {client_id!r}",
                 )
-        session = self._pool.join(client_id)
+        try:
+            session = self._pool.join(client_id, previous_session=_metadata(context, SESSION_KEY))
+        except ClientIdInUse as exc:
+            self._refuse(context, "client id in use", grpc.StatusCode.ALREADY_EXISTS, exc.message)
         config = self._pool.config
         return pb.JoinReply(
             session=session,
@@ -169,11 +507,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.LeaveReply()
 
     def PullTask(  # type: ignore[override]  # noqa: N802 - name fixed by the gRPC service; yields DataChunk too
-        self, request: pb.PullTaskRequest, context: grpc.ServicerContext
+        self,
+        request: pb.PullTaskRequest,
+        context: grpc.ServicerContext,
+        cancelled: threading.Event | None = None,
     ) -> Iterator[pb.TaskChunk | DataChunk]:
         client_id = self._session_client(request.session, context)
         try:
-            got = self._pool.pull(request.session, request.wait_s)
+            got = self._pool.pull(request.session, request.wait_s, cancelled)
         except KeyError:
             _abort(context, grpc.StatusCode.UNAUTHENTICATED, "unknown or expired session; join again")
         if isinstance(got, bool):
@@ -202,19 +543,35 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def PushResult(  # noqa: N802 - name fixed by the gRPC service
         self, request_iterator: Iterator[pb.ResultChunk | memoryview], context: grpc.ServicerContext
     ) -> pb.PushReply:
+        with self._session_call(context) as session, self._long_call(context):
+            limits = self.limits
+            with self._watchdog.guard(context, "an update upload", limits.stream_idle_s, limits.stream_total_s) as g:
+                return self._push(_progress(request_iterator, g), context, session, g)
+
+    # ---------------------------------------------------------------- helpers
+    def _push(
+        self,
+        request_iterator: Iterator[pb.ResultChunk | memoryview],
+        context: grpc.ServicerContext,
+        session: str,
+        guard: _Guard,
+    ) -> pb.PushReply:
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or first.WhichOneof("body") != "header":
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a ResultHeader")
         header = first.header
-        client_id = self._session_client(header.session, context)
+        self._check_request_session(header.session, session, context)
         try:
-            client_id, task, reason = self._pool.lookup(header.session, header.task_id)
+            client_id, task, reason = self._pool.lookup(session, header.task_id)
         except KeyError:
             _abort(context, grpc.StatusCode.UNAUTHENTICATED, "unknown or expired session; join again")
         if task is None:
             if reason == "duplicate":
                 return pb.PushReply(accepted=True, duplicate=True)
-            log.warning("discarding a result of client %s for task %s: %s", client_id, header.task_id, reason)
+            self._log.warning(
+                "discarded result", "discarding a result of client %s for task %s: %s", client_id,
+                bound_text(repr(header.task_id), 48), reason,
+            )  # fmt: skip
             return pb.PushReply(accepted=False, reason=reason)
         problem = _header_problem(header, task)
         if problem:
@@ -226,11 +583,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # retries after a broken connection backs off until the server has let go of the first attempt
             _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "a push of this task is already in progress")
         try:
+            guard.open_while = lambda: self._pool.is_receiving_open(task)  # cut off when the round closes
             return self._receive_update(task, header, request_iterator, context)
         finally:
             self._pool.end_receive(task)
 
-    # ---------------------------------------------------------------- helpers
     def _receive_update(
         self,
         task: Task,
@@ -242,20 +599,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         path = self._pool.new_spill_path(task)
         try:
             with (
-                path.open("wb") as sink,
+                path.open("wb") as file,
                 PayloadReceiver(
-                    sink, announced=header.payload_bytes, limit=limit, round=task.round, client_id=task.client_id
+                    SpillFile(file, header.payload_bytes, round=task.round, client_id=task.client_id),
+                    announced=header.payload_bytes,
+                    limit=limit,
+                    round=task.round,
+                    client_id=task.client_id,
                 ) as receiver,
             ):
-                try:  # after the receiver accepted the announced size, before a byte is written
-                    preallocate(sink, header.payload_bytes)
-                except OSError as exc:
-                    raise TransportError(
-                        f"no room in the spill directory for an update of {header.payload_bytes} bytes ({exc}); "
-                        "free disk space or point spill_dir elsewhere",
-                        round=task.round,
-                        client_id=task.client_id,
-                    ) from exc
                 digest = receiver.read_until_trailer(chunks)
                 if not context.is_active():
                     # the connection broke mid-push: the daemon retries the same task
@@ -276,7 +628,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return self._reply(task, self._pool.deliver(task, header, path))
 
     def _reject(self, task: Task, reason: str) -> pb.PushReply:
-        log.warning("round %d: rejected the update of client %s: %s", task.round, task.client_id, reason)
+        reason = bound_text(reason)
+        self._log.warning(
+            "rejected update", "round %d: rejected the update of client %s: %s", task.round, task.client_id, reason
+        )
         if self._metrics is not None:
             self._metrics.rejected.inc()
         failure = Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=reason)
@@ -299,6 +654,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _check_peer(self, client_id: str, context: grpc.ServicerContext) -> None:
         if self._auth.require_client_cert and _peer_common_name(context) != client_id:
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, "this session belongs to another client certificate")
+
+
+def _progress(chunks: Iterator[pb.ResultChunk | memoryview], guard: _Guard) -> Iterator[pb.ResultChunk | memoryview]:
+    """``chunks``, telling ``guard`` of each one (a push that stops sending is cut off when idle)."""
+    for chunk in chunks:
+        guard.progress()
+        yield chunk
 
 
 def _header_problem(header: pb.ResultHeader, task: Task) -> str:
@@ -339,8 +701,22 @@ def _add_service(service: CoordinatorService, server: grpc.Server) -> None:
             handlers.update(table)
 
     pb_grpc.add_CoordinatorServicer_to_server(service, _Collect())
-    handlers["PullTask"] = grpc.unary_stream_rpc_method_handler(
-        service.PullTask, request_deserializer=pb.PullTaskRequest.FromString, response_serializer=serialize_chunk
+    # every RPC is served as a request stream: the handler runs before the request is read, checks the call's
+    # metadata, and reads the request under the watchdog (a unary request and a stream of one message are the
+    # same bytes on the wire, so the clients' stubs are unchanged)
+    for name, request_type, session_call in (
+        ("Join", pb.JoinRequest, False),
+        ("Heartbeat", pb.HeartbeatRequest, True),
+        ("Leave", pb.LeaveRequest, True),
+    ):
+        unary = handlers[name]
+        handlers[name] = grpc.stream_unary_rpc_method_handler(
+            service.serve_unary(getattr(service, name), session_call=session_call),
+            request_deserializer=request_type.FromString,
+            response_serializer=unary.response_serializer,
+        )
+    handlers["PullTask"] = grpc.stream_stream_rpc_method_handler(
+        service.serve_pull, request_deserializer=pb.PullTaskRequest.FromString, response_serializer=serialize_chunk
     )
     handlers["PushResult"] = grpc.stream_unary_rpc_method_handler(
         service.PushResult, request_deserializer=parse_result_chunk, response_serializer=pb.PushReply.SerializeToString
@@ -350,6 +726,8 @@ def _add_service(service: CoordinatorService, server: grpc.Server) -> None:
 
 
 _SERVICE = "fedcore.v1.Coordinator"
+_MAX_STREAMS_PER_CONNECTION = 16
+"""HTTP/2 streams one connection may have open; a daemon uses three at most (pull, heartbeat, push)."""
 
 
 def build_server(
@@ -362,14 +740,19 @@ def build_server(
 ) -> tuple[grpc.Server, int]:
     """Create (not start) a gRPC server for ``service`` on ``address``; returns it and the bound port.
 
-    ``credentials`` None means plaintext (``--insecure``). Every long-poll holds a worker thread, so
-    ``max_workers`` must exceed twice the number of clients.
+    ``credentials`` None means plaintext (``--insecure``). Every waiting long-poll and every upload holds a
+    worker thread; they may hold all but :func:`quick_call_reserve` of the ``max_workers`` threads, and a
+    pull over that limit is refused at once (the daemon polls again a moment later), so heartbeats never wait.
+    For N daemons, ``max_workers`` of about 1.1 N + 40 lets every daemon keep a long-poll open.
 
     Raises:
         ConfigError: the address cannot be bound.
     """
     message_cap = chunk_bytes + (1 << 20)
+    service.size_for_workers(max_workers)
     options = [
+        # calls beyond what the threads can run are refused by gRPC itself (RESOURCE_EXHAUSTED), not queued
+        ("grpc.max_concurrent_streams", _MAX_STREAMS_PER_CONNECTION),
         ("grpc.max_receive_message_length", message_cap),
         ("grpc.max_send_message_length", message_cap),
         ("grpc.keepalive_time_ms", 20_000),
@@ -380,7 +763,11 @@ def build_server(
         ("grpc.so_reuseport", 0),
     ]
     options += list(TRANSFER_OPTIONS)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedcore-rpc"),
+        options=options,
+        maximum_concurrent_rpcs=2 * max_workers,
+    )
     _add_service(service, server)
     try:
         port = (
