@@ -12,7 +12,9 @@ have): each joins with its token, then long-polls ``PullTask`` (20 s, the daemon
 joins start spread over the first two seconds. After ``--seconds`` of steady load (default 35 s: more than two
 liveness timeouts) the clients stop, the server is stopped, and one row is printed:
 
-- join p50/p99: from a client's first Join attempt until it holds a session (retries included);
+- conn p99: time to open the client's connection (TCP and HTTP/2 set-up, before any call);
+- join p50/p99: from a client's first Join attempt on its open connection until it holds a session (retries
+  included);
 - heartbeat p50/p99: latency of each Heartbeat call;
 - drops: sessions the server ended although the client was alive (a heartbeat answered "join again", a pull
   answered UNAUTHENTICATED) plus clients that never joined;
@@ -85,6 +87,7 @@ def serve(port_file: Path, log_file: Path, clients: int, stop_after_s: float) ->
 # --------------------------------------------------------------------------------------------- honest clients
 @dataclass
 class Stats:
+    connects: list[float] = field(default_factory=list)
     joins: list[float] = field(default_factory=list)
     heartbeats: list[float] = field(default_factory=list)
     lost_sessions: int = 0
@@ -105,6 +108,13 @@ async def honest_client(index: int, port: int, stats: Stats, start_in: float, un
     await asyncio.sleep(start_in)
     options = [("grpc.use_local_subchannel_pool", 1), ("grpc.enable_retries", 0)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout=max(1.0, until - started))
+        except TimeoutError:
+            stats.never_joined += 1
+            return
+        stats.connects.append(time.monotonic() - started)
         stub = coordinator_stub(channel)  # type: ignore[arg-type]
         client_id, token = f"c{index:04d}", f"token-{index}"
 
@@ -177,6 +187,9 @@ async def honest_client(index: int, port: int, stats: Stats, start_in: float, un
                     await asyncio.sleep(random.uniform(0.5, 1.5))
 
         await asyncio.gather(heartbeats(), pulls())
+        if not lost.is_set():  # a daemon leaves when it stops; the server's drop count is then wrongful drops only
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Leave(pb.LeaveRequest(session=session), metadata=(("fedcore-session", session),), timeout=10)
 
 
 async def run_clients(n: int, port: int, seconds: float) -> Stats:
@@ -323,6 +336,7 @@ def scenario(n: int, kind: str, seconds: float, code: Path) -> dict[str, object]
         "clients": n,
         "hostile": kind,
         "workers": int(workers),
+        "connect_p99_ms": 1000 * _pct(stats.connects, 0.99),
         "join_p50_ms": 1000 * _pct(stats.joins, 0.5),
         "join_p99_ms": 1000 * _pct(stats.joins, 0.99),
         "hb_p50_ms": 1000 * _pct(stats.heartbeats, 0.5),
@@ -355,15 +369,16 @@ def main() -> None:
     if not 5 <= args.seconds <= 300:
         parser.error("--seconds must be in 5..300")
     header = (
-        f"{'N':>5} {'hostile':>9} {'workers':>7} {'join p50':>9} {'join p99':>9} {'hb p50':>8} {'hb p99':>8} "
-        f"{'drops':>5} {'srv drop':>8} {'RSS/cl KiB':>10} {'threads':>7} {'log KiB':>8}"
+        f"{'N':>5} {'hostile':>9} {'workers':>7} {'conn p99':>9} {'join p50':>9} {'join p99':>9} {'hb p50':>8} "
+        f"{'hb p99':>8} {'drops':>5} {'srv drop':>8} {'RSS/cl KiB':>10} {'threads':>7} {'log KiB':>8}"
     )
     print(header, flush=True)
     for n in args.sizes:
         for kind in args.hostile:
             row = scenario(n, kind, args.seconds, args.code.resolve())
             print(
-                f"{row['clients']:>5} {row['hostile']:>9} {row['workers']:>7} {row['join_p50_ms']:>7.1f}ms "
+                f"{row['clients']:>5} {row['hostile']:>9} {row['workers']:>7} {row['connect_p99_ms']:>7.1f}ms "
+                f"{row['join_p50_ms']:>7.1f}ms "
                 f"{row['join_p99_ms']:>7.1f}ms {row['hb_p50_ms']:>6.1f}ms {row['hb_p99_ms']:>6.1f}ms "
                 f"{row['drops']:>5} {row['server_dropped']:>8} {row['rss_per_client_kib']:>10.1f} "
                 f"{row['threads']:>7} {row['log_kib']:>8.1f}   {row['errors'] or ''}",

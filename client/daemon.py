@@ -266,7 +266,7 @@ class ClientDaemon:
         previous, self._session = self._session, ""
         cfg = self.config
         request = pb.JoinRequest(client_id=cfg.client_id, token=cfg.token)
-        refused = ""
+        refused = False
         while True:
             try:
                 reply = stub.Join(request, metadata=join_metadata(cfg.client_id, cfg.token, previous), timeout=30)
@@ -274,10 +274,14 @@ class ClientDaemon:
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.ALREADY_EXISTS or self._stop.is_set():
                     raise
-                if _details(exc) != refused:
-                    refused = _details(exc)
-                    log.error("the server refused client id %r: %s; trying again every %.0f s", cfg.client_id,
-                              refused, cfg.backoff_max_s)  # fmt: skip
+                if not refused:  # once: the reason stays the same while the other daemon runs
+                    refused = True
+                    log.error(
+                        "the server refused client id %r: %s; trying again every %.0f s",
+                        cfg.client_id,
+                        _details(exc),
+                        cfg.backoff_max_s,
+                    )
                 self._stop.wait(cfg.backoff_max_s)
         self._session = reply.session
         self._heartbeat_s = max(0.1, reply.heartbeat_interval_s)

@@ -783,7 +783,10 @@ def reply_from_header(header: pb.ResultHeader, *, client_id: str, parameters: Na
         raise PayloadError(f"result has an unknown stage {header.stage}", round=header.round, client_id=client_id)
     if header.failure:
         return Failure(
-            client_id=client_id, round=header.round, stage=stage, reason=f"client reported: {header.failure}"
+            client_id=client_id,
+            round=header.round,
+            stage=stage,
+            reason=f"client reported: {bound_text(header.failure)}",
         )
     metrics = dict(header.metrics)
     if stage is Stage.FIT:

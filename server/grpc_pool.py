@@ -42,6 +42,7 @@ from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.wire import (
     DEFAULT_CHUNK_BYTES,
     PayloadFile,
+    bound_text,
     open_safetensors,
     reply_from_header,
     save_payload,
@@ -591,11 +592,12 @@ class GrpcClientPool:
                 parameters, _ = open_safetensors(path, round=task.round, client_id=task.client_id)
             return reply_from_header(body, client_id=task.client_id, parameters=parameters)
         except FedcoreError as exc:
-            log.warning("round %d: rejected the reply of client %s: %s", task.round, task.client_id, exc)
-            return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=str(exc))
+            reason = bound_text(str(exc))
+            log.warning("round %d: rejected the reply of client %s: %s", task.round, task.client_id, reason)
+            return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=reason)
         except Exception as exc:  # a reply no check foresaw must still not end the round for everyone
             log.exception("round %d: the reply of client %s could not be read", task.round, task.client_id)
-            reason = f"the update could not be read ({type(exc).__name__}: {exc})"
+            reason = bound_text(f"the update could not be read ({type(exc).__name__}: {exc})")
             return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=reason)
         finally:
             if path is not None:

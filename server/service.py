@@ -134,7 +134,8 @@ class ServiceLimits:
 
     Attributes:
         max_unauthenticated_calls: joins whose request is being read or checked at once (beyond: refused with
-            RESOURCE_EXHAUSTED, the daemon retries); joins with credentials in their metadata are checked before.
+            RESOURCE_EXHAUSTED, the daemon retries). A join whose token in the metadata passed (checked before
+            its request is read) counts against its own client id instead: two at a time.
         stream_idle_s: a request or stream that makes no progress this long is cut off (a push whose chunks
             stop, a pull whose client stops reading, a request that never arrives). Seconds, > 0.
         stream_total_s: no push or pull stream lasts longer (after its pull's wait). Seconds, > stream_idle_s;
@@ -168,6 +169,7 @@ def quick_call_reserve(max_workers: int) -> int:
 
 
 _MIN_QUICK_RESERVE = 8 + 32  # heartbeats in flight plus the default max_unauthenticated_calls
+_JOINS_PER_CLIENT = 2  # joins of one authenticated client id being read at once
 
 
 class RepeatLog:
@@ -316,6 +318,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._log = RepeatLog(log, self.limits.log_every_s)
         self._watchdog = _Watchdog(self._log)
         self._joins = _Slots(self.limits.max_unauthenticated_calls)
+        self._client_joins: dict[str, _Slots] = {}  # per client id whose token passed; ids come from the tokens file
+        self._client_joins_lock = threading.Lock()
         self._long_calls = _Slots(1 << 30)  # sized by size_for_workers
 
     def size_for_workers(self, max_workers: int) -> int:
@@ -376,17 +380,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self, requests: Iterator[pb.JoinRequest], context: grpc.ServicerContext, method: Callable[..., Any]
     ) -> Any:
         client_id, token = _metadata(context, CLIENT_ID_KEY), _metadata(context, TOKEN_KEY)
-        if client_id and self._auth.tokens:
+        authenticated = bool(client_id and self._auth.tokens)
+        if authenticated:
             self._check_token(client_id, token, context)  # before the request is read
-        if not self._joins.try_acquire():
+        # a join whose token passed counts against its client id (two at a time), any other against all
+        # unauthenticated calls (max_unauthenticated_calls at a time)
+        slots = self._joins_of(client_id) if authenticated else self._joins
+        if not slots.try_acquire():
             self._refuse(context, "joins", grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins at once; retry soon")
         try:
             request = self._read_request(requests, context, "Join")
         finally:
-            self._joins.release()
+            slots.release()
         if client_id and request.client_id != client_id:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the client id in the metadata and the request differ")
         return method(request, context)
+
+    def _joins_of(self, client_id: str) -> _Slots:
+        with self._client_joins_lock:
+            return self._client_joins.setdefault(client_id, _Slots(_JOINS_PER_CLIENT))
 
     def _read_request(self, requests: Iterator[Any], context: grpc.ServicerContext, name: str) -> Any:
         """The one request message of a call, within ``stream_idle_s``; INVALID_ARGUMENT when it never comes."""
@@ -672,10 +684,12 @@ def _header_problem(header: pb.ResultHeader, task: Task) -> str:
             f"the result is for round {header.round} ({named}), but task {task.task_id} is round {task.round} "
             f"({task.stage.value})"
         )
-    if len(header.metrics) > _MAX_METRICS or any(len(key) > _MAX_METRIC_NAME for key in header.metrics):
+    if len(header.metrics) > _MAX_METRICS or any(
+        len(key) > _MAX_METRIC_NAME or not key.isprintable() for key in header.metrics
+    ):
         return (
             f"the result reports {len(header.metrics)} metrics; at most {_MAX_METRICS} are taken, each named in at "
-            f"most {_MAX_METRIC_NAME} characters (they become columns of the run's history)"
+            f"most {_MAX_METRIC_NAME} printable characters (they become columns of the run's history)"
         )
     if header.failure:
         return ""
