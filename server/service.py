@@ -596,7 +596,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "a push of this task is already in progress")
         try:
             guard.open_while = lambda: self._pool.is_receiving_open(task)  # cut off when the round closes
-            return self._receive_update(task, header, request_iterator, context)
+            return self._receive_update(task, header, request_iterator, context, guard)
+        except grpc.RpcError:
+            if guard.cut:  # the round hears at once why this client's update will not come
+                return self._reject(task, f"the upload was cut off: {guard.cut}")
+            raise
         finally:
             self._pool.end_receive(task)
 
@@ -606,6 +610,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         header: pb.ResultHeader,
         chunks: Iterator[pb.ResultChunk | memoryview],
         context: grpc.ServicerContext,
+        guard: _Guard,
     ) -> pb.PushReply:
         limit = self._pool.config.max_payload_bytes
         path = self._pool.new_spill_path(task)
@@ -621,6 +626,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 ) as receiver,
             ):
                 digest = receiver.read_until_trailer(chunks)
+                if guard.cut:
+                    path.unlink(missing_ok=True)
+                    return self._reject(task, f"the upload was cut off: {guard.cut}")
                 if not context.is_active():
                     # the connection broke mid-push: the daemon retries the same task
                     path.unlink(missing_ok=True)
