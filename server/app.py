@@ -34,6 +34,7 @@ from fedcore.tensors import check_finite, check_spec, state_spec
 from fedcore.wire import DEFAULT_CHUNK_BYTES
 from privacy.tls import read_pem
 from server.grpc_pool import GrpcClientPool, PoolConfig
+from server.limits import ServiceLimits
 from server.metrics import DEFAULT_METRICS_ADDRESS, ServerMetrics
 from server.round_loop import (
     EvaluateFn,
@@ -44,7 +45,7 @@ from server.round_loop import (
     resident_mib,
     run_rounds,
 )
-from server.service import AuthPolicy, CoordinatorService, ServiceLimits, build_server, load_tokens
+from server.service import AuthPolicy, CoordinatorService, build_server, load_tokens
 from server.state import StateStore, load_checkpoint
 
 log = logging.getLogger("fedcore.server")
@@ -71,7 +72,7 @@ class ServerConfig:
         max_workers: gRPC worker threads. Each daemon's waiting long-poll holds one; a tenth (at least 40) are
             kept for heartbeats and joins. About 1.1x the number of daemons + 40 (the default holds 1,000).
         max_calls_per_client: see :class:`server.grpc_pool.PoolConfig`.
-        max_unauthenticated_calls, stream_idle_s, stream_total_s: see :class:`server.service.ServiceLimits`.
+        max_unauthenticated_calls, stream_idle_s, stream_total_s: see :class:`server.limits.ServiceLimits`.
         insecure: serve plaintext (no TLS). Prints a warning; for tests and trusted networks only.
         tls_cert, tls_key: the server's certificate chain and key (PEM), required unless ``insecure``.
         client_ca: CA certificate (PEM) for client certificates: turns on mutual TLS, the certificate's common

@@ -11,14 +11,14 @@ Availability (no client, with or without credentials, can take the server away f
 - Credentials travel in call metadata (``fedcore-session``; for Join ``fedcore-client-id`` and
   ``fedcore-token``) and are checked before a request is read; every RPC is registered as a request stream, so
   no worker thread waits for a request that has not passed that check.
-- Long calls (pulls, pushes) hold at most ``max_workers - quick_call_reserve(max_workers)`` worker threads;
-  the rest are kept for heartbeats and joins. Each session has at most ``max_calls_per_client`` calls and one
-  waiting pull; joins being read or checked are at most ``max_unauthenticated_calls``. A call over a limit is
-  refused at once (RESOURCE_EXHAUSTED), never queued.
+- Long calls (pulls, pushes) hold at most ``max_workers - quick_call_reserve(max_workers)`` worker threads
+  (:func:`server.limits.quick_call_reserve`); the rest are kept for heartbeats and joins. Each session has at
+  most ``max_calls_per_client`` calls and one waiting pull; joins being read or checked are at most
+  ``max_unauthenticated_calls``. A call over a limit is refused at once (RESOURCE_EXHAUSTED), never queued.
 - A watchdog cuts off any request or stream idle for ``stream_idle_s`` or older than ``stream_total_s``, and an
   upload whose round closed; spill space is reserved only as bytes arrive (:class:`fedcore.wire.SpillFile`).
-- Warnings caused by clients are logged once per cause per ``log_every_s`` (:class:`RepeatLog`), and text from
-  client input is bounded before it is logged or stored.
+- Warnings caused by clients are logged once per cause per ``log_every_s`` (:class:`server.limits.RepeatLog`),
+  and text from client input is bounded before it is logged or stored.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import hashlib
 import hmac
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from fedcore.wire import (
     serialize_chunk,
 )
 from server.grpc_pool import ClientIdInUse, GrpcClientPool, Task, TooManyCalls
+from server.limits import Guard, RepeatLog, ServiceLimits, Slots, Watchdog, bounded_peer, quick_call_reserve
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("fedcore.server")
@@ -127,167 +127,14 @@ def _peer_common_name(context: grpc.ServicerContext) -> str | None:
     return names[0].decode() if names else None
 
 
-@dataclass(frozen=True, kw_only=True)
-class ServiceLimits:
-    """What one call may hold, so that no client (authenticated or not) can take the server's threads, disk or
-    log away from the others.
-
-    Attributes:
-        max_unauthenticated_calls: joins whose request is being read or checked at once (beyond: refused with
-            RESOURCE_EXHAUSTED, the daemon retries). A join whose token in the metadata passed (checked before
-            its request is read) counts against its own client id instead: two at a time.
-        stream_idle_s: a request or stream that makes no progress this long is cut off (a push whose chunks
-            stop, a pull whose client stops reading, a request that never arrives). Seconds, > 0.
-        stream_total_s: no push or pull stream lasts longer (after its pull's wait). Seconds, > stream_idle_s;
-            size it for the largest update on the slowest link (8 GiB at 10 MB/s: about 900 s).
-        log_every_s: a repeated warning of one cause (a wrong token, a cut-off stream) is logged once per this
-            many seconds, with the count of repeats. Seconds, > 0.
-    """
-
-    max_unauthenticated_calls: int = 32
-    stream_idle_s: float = 60.0
-    stream_total_s: float = 1800.0
-    log_every_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.max_unauthenticated_calls < 1:
-            raise ConfigError(f"max_unauthenticated_calls must be >= 1, got {self.max_unauthenticated_calls}")
-        if not self.stream_idle_s > 0:
-            raise ConfigError(f"stream_idle_s must be > 0, got {self.stream_idle_s}")
-        if not self.stream_total_s > self.stream_idle_s:
-            raise ConfigError(
-                f"stream_total_s ({self.stream_total_s}) must exceed stream_idle_s ({self.stream_idle_s})"
-            )
-        if not self.log_every_s > 0:
-            raise ConfigError(f"log_every_s must be > 0, got {self.log_every_s}")
-
-
-def quick_call_reserve(max_workers: int) -> int:
-    """Worker threads kept for quick calls (heartbeats, joins, leaves): long calls (pulls, pushes) may hold the
-    other ``max_workers - quick_call_reserve(max_workers)`` at most, so a heartbeat never waits behind them."""
-    return max(min(_MIN_QUICK_RESERVE, max_workers // 2), max_workers // 10)
-
-
-_MIN_QUICK_RESERVE = 8 + 32  # heartbeats in flight plus the default max_unauthenticated_calls
-_JOINS_PER_CLIENT = 2  # joins of one authenticated client id being read at once
-
-
-class RepeatLog:
-    """Logs a warning once per cause per ``every_s`` seconds; the next line of a cause says how many were left
-    out. Causes are fixed strings chosen by the server (never client input), so their number is bounded."""
-
-    def __init__(self, logger: logging.Logger, every_s: float) -> None:
-        self._log = logger
-        self._every = every_s
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-
-    def warning(self, cause: str, message: str, *args: object) -> None:
-        """Log ``message % args`` unless ``cause`` was logged less than ``every_s`` ago (then count it)."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(cause)
-            if last is not None and now - last < self._every:
-                self._skipped[cause] = self._skipped.get(cause, 0) + 1
-                return
-            self._last[cause] = now
-            skipped = self._skipped.pop(cause, 0)
-        suffix = f" ({skipped} more like this in the last {self._every:.0f} s)" if skipped else ""
-        self._log.warning(message + suffix, *args)
-
-
-class _Slots:
-    """A count of things held at once with a limit; acquiring never waits."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held = 0
-        self._lock = threading.Lock()
-
-    def try_acquire(self) -> bool:
-        with self._lock:
-            if self._held >= self.limit:
-                return False
-            self._held += 1
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            self._held -= 1
-
-
-class _Guard:
-    """One call watched by the watchdog: cut off when idle or over time (or when ``open_while`` turns False)."""
-
-    __slots__ = ("context", "cut", "idle_s", "last", "open_while", "started", "total_s", "waiting", "what")
-
-    def __init__(self, context: grpc.ServicerContext, what: str, idle_s: float, total_s: float) -> None:
-        self.context = context
-        self.what = what
-        self.idle_s = idle_s
-        self.total_s = total_s
-        self.started = self.last = time.monotonic()
-        self.waiting = False  # a pull waiting for its task: not idle
-        self.open_while: Callable[[], bool] | None = None
-        self.cut = ""
-
-    def progress(self) -> None:
-        self.last = time.monotonic()
-
-
-class _Watchdog:
-    """A thread that cancels guarded calls that stall or run too long, logging each cause once per interval."""
-
-    def __init__(self, log_once: RepeatLog) -> None:
-        self._guards: dict[int, _Guard] = {}
-        self._lock = threading.Lock()
-        self._log = log_once
-        self._thread = threading.Thread(target=self._loop, name="fedcore-stream-watchdog", daemon=True)
-        self._thread.start()
-
-    @contextlib.contextmanager
-    def guard(self, context: grpc.ServicerContext, what: str, idle_s: float, total_s: float) -> Iterator[_Guard]:
-        g = _Guard(context, what, idle_s, total_s)
-        with self._lock:
-            self._guards[id(g)] = g
-        try:
-            yield g
-        finally:
-            with self._lock:
-                self._guards.pop(id(g), None)
-
-    def _loop(self) -> None:
-        while True:
-            time.sleep(0.25)
-            now = time.monotonic()
-            with self._lock:
-                guards = list(self._guards.values())
-            for g in guards:
-                if g.cut:
-                    continue
-                if now - g.started > g.total_s:
-                    g.cut = f"it ran longer than {g.total_s:.0f} s"
-                elif not g.waiting and now - g.last > g.idle_s:
-                    g.cut = f"it made no progress for {g.idle_s:.0f} s"
-                elif g.open_while is not None and not g.open_while():
-                    g.cut = "its round closed"
-                if g.cut:
-                    self._log.warning(
-                        f"cut {g.what}", "cut off %s from %s: %s", g.what, _bounded_peer(g.context), g.cut
-                    )
-                    g.context.cancel()
-
-
-def _bounded_peer(context: grpc.ServicerContext) -> str:
-    return bound_text(context.peer(), 64)
-
-
 def _metadata(context: grpc.ServicerContext, key: str) -> str:
     for item in context.invocation_metadata() or ():
         if item.key == key and isinstance(item.value, str):
             return item.value
     return ""
+
+
+_JOINS_PER_CLIENT = 2  # joins of one authenticated client id being read at once
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -316,11 +163,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._metrics = metrics
         self.limits = limits if limits is not None else ServiceLimits()
         self._log = RepeatLog(log, self.limits.log_every_s)
-        self._watchdog = _Watchdog(self._log)
-        self._joins = _Slots(self.limits.max_unauthenticated_calls)
-        self._client_joins: dict[str, _Slots] = {}  # per client id whose token passed; ids come from the tokens file
+        self._watchdog = Watchdog(self._log)
+        self._joins = Slots(self.limits.max_unauthenticated_calls)
+        self._client_joins: dict[str, Slots] = {}  # per client id whose token passed; ids come from the tokens file
         self._client_joins_lock = threading.Lock()
-        self._long_calls = _Slots(1 << 30)  # sized by size_for_workers
+        self._long_calls = Slots(1 << 30)  # sized by size_for_workers
 
     def size_for_workers(self, max_workers: int) -> int:
         """Let long calls (pulls, pushes) hold at most ``max_workers - quick_call_reserve(max_workers)`` worker
@@ -396,9 +243,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the client id in the metadata and the request differ")
         return method(request, context)
 
-    def _joins_of(self, client_id: str) -> _Slots:
+    def _joins_of(self, client_id: str) -> Slots:
         with self._client_joins_lock:
-            return self._client_joins.setdefault(client_id, _Slots(_JOINS_PER_CLIENT))
+            return self._client_joins.setdefault(client_id, Slots(_JOINS_PER_CLIENT))
 
     def _read_request(self, requests: Iterator[Any], context: grpc.ServicerContext, name: str) -> Any:
         """The one request message of a call, within ``stream_idle_s``; INVALID_ARGUMENT when it never comes."""
@@ -450,7 +297,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self, context: grpc.ServicerContext, cause: str, code: grpc.StatusCode, details: str, client_id: str | None = ""
     ) -> NoReturn:
         self._log.warning(
-            f"refused {cause}", "refused a call (%s) from %s%s: %s", cause, _bounded_peer(context),
+            f"refused {cause}", "refused a call (%s) from %s%s: %s", cause, bounded_peer(context),
             f" (client {client_id})" if client_id else "", details,
         )  # fmt: skip
         if self._metrics is not None:
@@ -566,7 +413,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         request_iterator: Iterator[pb.ResultChunk | memoryview],
         context: grpc.ServicerContext,
         session: str,
-        guard: _Guard,
+        guard: Guard,
     ) -> pb.PushReply:
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or first.WhichOneof("body") != "header":
@@ -610,7 +457,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         header: pb.ResultHeader,
         chunks: Iterator[pb.ResultChunk | memoryview],
         context: grpc.ServicerContext,
-        guard: _Guard,
+        guard: Guard,
     ) -> pb.PushReply:
         limit = self._pool.config.max_payload_bytes
         path = self._pool.new_spill_path(task)
@@ -676,7 +523,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, "this session belongs to another client certificate")
 
 
-def _progress(chunks: Iterator[pb.ResultChunk | memoryview], guard: _Guard) -> Iterator[pb.ResultChunk | memoryview]:
+def _progress(chunks: Iterator[pb.ResultChunk | memoryview], guard: Guard) -> Iterator[pb.ResultChunk | memoryview]:
     """``chunks``, telling ``guard`` of each one (a push that stops sending is cut off when idle)."""
     for chunk in chunks:
         guard.progress()

@@ -30,9 +30,10 @@ from fedcore.wire import iter_bytes_chunks, session_metadata
 from privacy.tls import init_certs
 from server.app import ServerConfig
 from server.grpc_pool import GrpcClientPool, PoolConfig
+from server.limits import ServiceLimits
 from server.metrics import ServerMetrics
 from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
-from server.service import AuthPolicy, CoordinatorService, ServiceLimits, build_server, hash_token, load_tokens
+from server.service import AuthPolicy, CoordinatorService, build_server, hash_token, load_tokens
 from server.state import StateStore, load_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,6 +94,28 @@ def _pull(stub: pb_grpc.CoordinatorStub, session: str) -> tuple[pb.TaskHeader, N
     raise AssertionError("no task")
 
 
+def result_header_chunk(
+    session: str,
+    header: pb.TaskHeader,
+    announce: int,
+    *,
+    num_examples: int = 10,
+    metrics: dict[str, float] | None = None,
+) -> pb.ResultChunk:
+    """The first message of a push of a fit result for the task ``header``, announcing ``announce`` bytes."""
+    return pb.ResultChunk(
+        header=pb.ResultHeader(
+            session=session,
+            task_id=header.task_id,
+            round=header.round,
+            stage=pb.STAGE_FIT,
+            num_examples=num_examples,
+            payload_bytes=announce,
+            metrics=metrics or {},
+        )
+    )
+
+
 def _push(
     stub: pb_grpc.CoordinatorStub,
     session: str,
@@ -109,17 +132,8 @@ def _push(
     body = payload if send is None else send
 
     def stream() -> Iterator[pb.ResultChunk]:
-        yield pb.ResultChunk(
-            header=pb.ResultHeader(
-                session=session,
-                task_id=header.task_id,
-                round=header.round,
-                stage=pb.STAGE_FIT,
-                num_examples=num_examples,
-                payload_bytes=len(payload) if announce is None else announce,
-                metrics=metrics or {},
-            )
-        )
+        announced = len(payload) if announce is None else announce
+        yield result_header_chunk(session, header, announced, num_examples=num_examples, metrics=metrics)
         for piece in iter_bytes_chunks(body, 1024):
             yield pb.ResultChunk(data=piece)
         yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest or hashlib.sha256(payload).digest()))

@@ -22,8 +22,9 @@ from fedcore.messages import Failure
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.tensors import MAX_HEADER_BYTES, encode
 from fedcore.wire import coordinator_stub, iter_bytes_chunks, join_metadata, session_metadata
-from server.service import AuthPolicy, ServiceLimits, hash_token
-from tests.deploy.test_service import Harness, open_task
+from server.limits import ServiceLimits
+from server.service import AuthPolicy, hash_token
+from tests.deploy.test_service import Harness, open_task, result_header_chunk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,16 +115,7 @@ def test_one_waiting_pull_per_session_and_a_limit_on_calls_per_client(tmp_path: 
 def _push_stream(
     session: str, header: pb.TaskHeader, announce: int, pieces: Iterator[bytes], digest: bytes
 ) -> Iterator[pb.ResultChunk]:
-    yield pb.ResultChunk(
-        header=pb.ResultHeader(
-            session=session,
-            task_id=header.task_id,
-            round=header.round,
-            stage=pb.STAGE_FIT,
-            num_examples=1,
-            payload_bytes=announce,
-        )
-    )
+    yield result_header_chunk(session, header, announce)
     for piece in pieces:
         yield pb.ResultChunk(data=piece)
     yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest))
