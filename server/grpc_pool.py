@@ -331,21 +331,25 @@ class GrpcClientPool:
             raise ClientIdInUse(f"another daemon is already claiming client id {old.client_id!r}")
         seen = old.last_seen
         if old.calls == 0 and old.disconnected:
-            return
+            return  # its last call broke with its connection, and nothing came since: a killed daemon
         if old.calls == 0:
             old.claimed = True
             try:
                 deadline = time.monotonic() + self.config.takeover_wait_s
-                while self._clients.get(old.client_id) is old and old.last_seen == seen and old.calls == 0:
+                while True:
+                    current = self._clients.get(old.client_id)
+                    if current is None:
+                        return  # it left, or was dropped, meanwhile
+                    if current is not old or old.last_seen != seen or old.calls > 0:
+                        break  # alive (or taken back by its own daemon reconnecting)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or self._stop.is_set():
                         return  # silent for one and a half heartbeat intervals: the old daemon is gone
                     self._cond.wait(remaining)
             finally:
                 old.claimed = False
-            if self._clients.get(old.client_id) is not old or (old.calls == 0 and old.disconnected):
-                return
-        silent = time.monotonic() - old.last_seen
+        live = self._clients.get(old.client_id, old)
+        silent = time.monotonic() - live.last_seen
         raise ClientIdInUse(
             f"client id {old.client_id!r} is in use by a live session (seen {silent:.1f} s ago); another daemon "
             "runs with this --client-id: give each daemon its own id (a restarted daemon takes its id over once "

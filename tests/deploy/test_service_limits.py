@@ -22,6 +22,7 @@ from fedcore.messages import Failure
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.tensors import MAX_HEADER_BYTES, encode
 from fedcore.wire import coordinator_stub, iter_bytes_chunks, join_metadata, session_metadata
+from server.grpc_pool import ClientIdInUse, GrpcClientPool, PoolConfig
 from server.limits import ServiceLimits
 from server.service import AuthPolicy, hash_token
 from tests.deploy.test_service import Harness, open_task, result_header_chunk
@@ -248,3 +249,27 @@ def test_a_live_session_keeps_its_client_id(tmp_path: Path, caplog: pytest.LogCa
         assert time.monotonic() - started < 0.5
     finally:
         harness.close()
+
+
+def test_a_claimant_waiting_on_a_silent_session_loses_to_its_owner_reconnecting(tmp_path: Path) -> None:
+    pool = GrpcClientPool(PoolConfig(spill_dir=tmp_path, heartbeat_interval_s=0.5, liveness_timeout_s=10.0))
+    try:
+        owner = pool.join("x")
+        outcome: list[object] = []
+
+        def claim() -> None:
+            try:
+                outcome.append(pool.join("x"))
+            except ClientIdInUse as exc:
+                outcome.append(exc)
+
+        claimant = threading.Thread(target=claim)
+        claimant.start()
+        time.sleep(0.3)  # the claimant waits for a sign of life of the owner's session (up to 1.25 s)
+        again = pool.join("x", previous_session=owner)  # the owner's daemon reconnects: at once
+        claimant.join(5)
+        (refused,) = outcome
+        assert isinstance(refused, ClientIdInUse) and "is in use by a live session" in refused.message
+        assert pool.touch(again) == "x" and pool.touch(owner) is None
+    finally:
+        pool.close()
