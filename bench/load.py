@@ -26,6 +26,7 @@ Hostile clients (``--hostile``), one process next to the honest ones:
 ``stall``: 200 ``PushResult`` streams without credentials that never send a message (held open);
 ``pullflood``: joins with a valid token, then keeps 200 ``PullTask`` long-polls open on its one session;
 ``badjoin``: four threads joining with a wrong token as fast as the server answers.
+The honest clients start once the hostile one has started its attack.
 
 Everything is bounded: clients and the hostile process stop after the scenario's time, the server is killed if it
 does not stop within 10 s, and every call has a deadline. Loopback only.
@@ -261,6 +262,7 @@ def hostile(kind: str, port: int, seconds: float) -> None:
 
         for _ in range(4):
             threading.Thread(target=joins, daemon=True).start()
+    print("attacking", flush=True)  # imports done, attack under way: the honest clients may start
     stop.wait()
     time.sleep(0.5)
     channel.close()
@@ -312,8 +314,13 @@ def scenario(n: int, kind: str, seconds: float, code: Path) -> dict[str, object]
             attacker = None
             if kind != "none":
                 attacker = subprocess.Popen(
-                    [sys.executable, __file__, "--hostile-run", kind, str(port), str(seconds + 2)], cwd=ROOT
+                    [sys.executable, __file__, "--hostile-run", kind, str(port), str(seconds + 10)],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    text=True,
                 )
+                assert attacker.stdout is not None
+                attacker.stdout.readline()  # "attacking": its imports (torch) no longer compete with the joins
             stats = asyncio.run(run_clients(n, port, seconds))
             rss, threads = _proc_status(server.pid)
             if attacker is not None:
