@@ -47,7 +47,7 @@ import numpy as np
 
 from fedcore.messages import FitIns, FitRes
 from fedcore.task import FitConfig
-from fedcore.wire import DEFAULT_CHUNK_BYTES, TRANSFER_OPTIONS
+from fedcore.wire import DEFAULT_CHUNK_BYTES, TRANSFER_OPTIONS, session_metadata
 from privacy.tls import init_certs
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.service import AuthPolicy, CoordinatorService, build_server
@@ -158,7 +158,7 @@ def fedcore_client(port: int, certs: Path, chunk_bytes: int, results: Queue[tupl
 
     def heartbeat() -> None:  # as the daemon does: a long transfer must not look like a dead client
         while not done.wait(2.0):
-            stub.Heartbeat(pb.HeartbeatRequest(session=session), timeout=10)
+            stub.Heartbeat(pb.HeartbeatRequest(session=session), metadata=session_metadata(session), timeout=10)
 
     threading.Thread(target=heartbeat, daemon=True).start()
 
@@ -177,7 +177,7 @@ def fedcore_client(port: int, certs: Path, chunk_bytes: int, results: Queue[tupl
     while got is False:
         first_message.clear()
         got = receive_task(
-            timed(stub.PullTask(pb.PullTaskRequest(session=session, wait_s=5))),
+            timed(stub.PullTask(pb.PullTaskRequest(session=session, wait_s=5), metadata=session_metadata(session))),
             max_payload_bytes=1 << 40,
             client_id="bench",
         )
@@ -193,7 +193,8 @@ def fedcore_client(port: int, certs: Path, chunk_bytes: int, results: Queue[tupl
     result = pb.ResultHeader(
         session=session, task_id=header.task_id, round=1, stage=pb.STAGE_FIT, num_examples=1, payload_bytes=size
     )
-    reply = stub.PushResult(result_chunks(result, segments, BackgroundDigest(segments), chunk_bytes))  # type: ignore[arg-type]  # the stub's serializer takes DataChunk
+    chunks = result_chunks(result, segments, BackgroundDigest(segments), chunk_bytes)
+    reply = stub.PushResult(chunks, metadata=session_metadata(session))  # type: ignore[arg-type]  # the stub's serializer takes DataChunk
     up_s = time.perf_counter() - started
     done.set()
     assert reply.accepted, reply

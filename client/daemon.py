@@ -47,9 +47,11 @@ from fedcore.wire import (
     coordinator_stub,
     instruction_from_header,
     iter_data_chunks,
+    join_metadata,
     message_kind,
     payload_segments,
     result_header,
+    session_metadata,
 )
 from privacy.tls import CLIENT_FLAGS, load_ca_bundle, load_identity
 
@@ -284,9 +286,32 @@ class ClientDaemon:
         return EXIT_FINISHED
 
     def _join(self, stub: pb_grpc.CoordinatorStub) -> int:
-        """Open a session; returns the run's seed (for :meth:`_prepare_task`). Heartbeats may start at once."""
-        self._session = ""
-        reply = stub.Join(pb.JoinRequest(client_id=self.config.client_id, token=self.config.token), timeout=30)
+        """Open a session; returns the run's seed (for :meth:`_prepare_task`). Heartbeats may start at once.
+
+        The credentials travel in the call metadata; so does the session held before a reconnect, which lets the
+        server hand this daemon its id back at once. While another daemon holds the id (ALREADY_EXISTS), the
+        server's reason is logged once and the join is tried again every ``backoff_max_s``.
+        """
+        previous, self._session = self._session, ""
+        cfg = self.config
+        request = pb.JoinRequest(client_id=cfg.client_id, token=cfg.token)
+        refused = False
+        while True:
+            try:
+                reply = stub.Join(request, metadata=join_metadata(cfg.client_id, cfg.token, previous), timeout=30)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS or self._stop.is_set():
+                    raise
+                if not refused:  # once: the reason stays the same while the other daemon runs
+                    refused = True
+                    log.error(
+                        "the server refused client id %r: %s; trying again every %.0f s",
+                        cfg.client_id,
+                        _details(exc),
+                        cfg.backoff_max_s,
+                    )
+                self._stop.wait(cfg.backoff_max_s)
         self._session = reply.session
         self._heartbeat_s = max(0.1, reply.heartbeat_interval_s)
         self._chunk_bytes = reply.chunk_bytes or DEFAULT_CHUNK_BYTES
@@ -322,7 +347,11 @@ class ClientDaemon:
     def _heartbeat_loop(self, stub: pb_grpc.CoordinatorStub) -> None:
         while self._session_ok.is_set() and not self._stop.wait(self._heartbeat_s):
             try:
-                stub.Heartbeat(pb.HeartbeatRequest(session=self._session), timeout=max(2.0, self._heartbeat_s * 2))
+                stub.Heartbeat(
+                    pb.HeartbeatRequest(session=self._session),
+                    metadata=session_metadata(self._session),
+                    timeout=max(2.0, self._heartbeat_s * 2),
+                )
             except grpc.RpcError as exc:
                 log.debug("heartbeat failed: %s", _details(exc))
             except ValueError:  # the channel was closed under us (reconnecting or stopping): this loop is done
@@ -330,7 +359,7 @@ class ClientDaemon:
 
     def _leave(self, stub: pb_grpc.CoordinatorStub) -> None:
         with contextlib.suppress(grpc.RpcError):
-            stub.Leave(pb.LeaveRequest(session=self._session), timeout=5)
+            stub.Leave(pb.LeaveRequest(session=self._session), metadata=session_metadata(self._session), timeout=5)
 
     def _serve(self, stub: pb_grpc.CoordinatorStub) -> bool:
         """Pull, run and push until the run finishes (True) or the daemon is stopped (False)."""
@@ -350,7 +379,11 @@ class ClientDaemon:
 
     def _pull(self, stub: pb_grpc.CoordinatorStub) -> tuple[str, Instruction] | bool:
         timeout = self.config.poll_s + 600.0
-        stream = stub.PullTask(pb.PullTaskRequest(session=self._session, wait_s=self.config.poll_s), timeout=timeout)
+        stream = stub.PullTask(
+            pb.PullTaskRequest(session=self._session, wait_s=self.config.poll_s),
+            metadata=session_metadata(self._session),
+            timeout=timeout,
+        )
         try:
             got = receive_task(stream, max_payload_bytes=self.config.max_payload_bytes, client_id=self.config.client_id)
             if isinstance(got, bool):
@@ -363,6 +396,11 @@ class ClientDaemon:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise _SessionLost() from exc
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the server is at its limit of long-polls
+                delay = self._rng.uniform(0.5, 2.0)
+                log.debug("pull refused (%s); pulling again in %.1f s", _details(exc), delay)
+                self._stop.wait(delay)
+                return False
             raise
         except FedcoreError as exc:
             if isinstance(exc, DamagedTask):
@@ -390,7 +428,9 @@ class ClientDaemon:
             failure=f"the client could not use the task: {cause}",
         )
         try:
-            stub.PushResult(iter([pb.ResultChunk(header=failure)]), timeout=30)
+            stub.PushResult(
+                iter([pb.ResultChunk(header=failure)]), metadata=session_metadata(self._session), timeout=30
+            )
         except grpc.RpcError as exc:
             log.warning("could not tell the server about the unusable task: %s", _details(exc))
 
@@ -439,7 +479,7 @@ class ClientDaemon:
             )
             try:
                 chunks = result_chunks(header, segments, digest, self._chunk_bytes)
-                answer = stub.PushResult(chunks, timeout=600)  # type: ignore[arg-type]  # the stub's serializer takes DataChunk
+                answer = stub.PushResult(chunks, metadata=session_metadata(self._session), timeout=600)  # type: ignore[arg-type]  # the stub's serializer takes DataChunk
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                     # the server restarted: join again and push under the new session (the task may be gone)

@@ -122,7 +122,7 @@ def check_spec(
         array = arrays[name]
         if tuple(array.shape) != spec.shape:
             raise PayloadError(
-                f"tensor {name!r} has shape {tuple(array.shape)}, expected {spec.shape}.",
+                f"tensor {_name(name)} has shape {tuple(array.shape)}, expected {spec.shape}.",
                 round=round,
                 client_id=client_id,
             )
@@ -162,6 +162,25 @@ class TensorEntry:
 
 
 _MAX_DIMS = 64  # numpy's limit on array dimensions (numpy >= 2)
+
+MAX_HEADER_BYTES = 8 << 20
+"""Largest safetensors JSON header read (8 MiB: about 40,000 tensors). A header is parsed into Python objects
+many times its size, so a payload cannot make a reader take unbounded memory with a huge, repetitive header."""
+
+
+def _header_size_problem(header_len: int) -> str:
+    """Why a header of ``header_len`` bytes is not read ("" when it is read)."""
+    if header_len <= MAX_HEADER_BYTES:
+        return ""
+    return (
+        f"safetensors header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} bytes fedcore reads (about 40,000 "
+        "tensors); the payload is refused unread"
+    )
+
+
+def _name(name: str) -> str:
+    """A tensor name from a payload, bounded for an error message."""
+    return repr(name) if len(name) <= 120 else f"{name[:120]!r}... ({len(name)} characters)"
 
 
 def _fits_in_memory(shape: tuple[int, ...], itemsize: int) -> bool:
@@ -208,6 +227,8 @@ def parse_header(
     def fail(message: str) -> PayloadError:
         return PayloadError(message, round=round, client_id=client_id, stage="decode")
 
+    if _header_size_problem(len(header_json)):
+        raise fail(_header_size_problem(len(header_json)))
     try:
         header = json.loads(bytes(header_json))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -227,23 +248,27 @@ def parse_header(
             if not all(type(v) is int for v in [*shape_raw, *offsets]):
                 raise TypeError("shape and data_offsets must hold integers")
         except (KeyError, TypeError) as exc:
-            raise fail(f"tensor {name!r} has an invalid or unsupported header entry {info!r}") from exc
+            shown = repr(info)
+            shown = shown if len(shown) <= 200 else f"{shown[:200]}... ({len(shown)} characters)"
+            raise fail(f"tensor {_name(name)} has an invalid or unsupported header entry {shown}") from exc
         shape, (start, end) = tuple(shape_raw), offsets
         if min(shape, default=0) < 0 or not 0 <= start <= end <= body_len:
-            raise fail(f"tensor {name!r} has data offsets {start}..{end} outside the {body_len}-byte body (truncated)")
+            raise fail(
+                f"tensor {_name(name)} has data offsets {start}..{end} outside the {body_len}-byte body (truncated)"
+            )
         if len(shape) > _MAX_DIMS or not _fits_in_memory(shape, dtype.itemsize):
             raise fail(
-                f"tensor {name!r} has shape {_short(shape)}, which no array can have (at most {_MAX_DIMS} dimensions "
-                "and fewer than 2**63 bytes, counting zero-length dimensions as 1)"
+                f"tensor {_name(name)} has shape {_short(shape)}, which no array can have (at most {_MAX_DIMS} "
+                "dimensions and fewer than 2**63 bytes, counting zero-length dimensions as 1)"
             )
         if end - start != int(np.prod(shape, dtype=object)) * dtype.itemsize:
-            raise fail(f"tensor {name!r}: {end - start} bytes do not hold shape {shape} of {dtype.name}")
+            raise fail(f"tensor {_name(name)}: {end - start} bytes do not hold shape {shape} of {dtype.name}")
         entries[name] = TensorEntry(dtype, shape, start, end)
     position = 0
     for name, entry in sorted(entries.items(), key=lambda item: (item[1].start, item[1].end)):
         if entry.start != position:
             what = "overlaps the previous tensor" if entry.start < position else "leaves a gap before it"
-            raise fail(f"tensor {name!r} at byte {entry.start} {what} (corrupted payload)")
+            raise fail(f"tensor {_name(name)} at byte {entry.start} {what} (corrupted payload)")
         position = entry.end
     if position != body_len:
         raise fail(f"{body_len - position} bytes after the last tensor (corrupted payload)")
@@ -340,6 +365,8 @@ def split_payload(
         message = f"payload of {len(data)} bytes is too short to be safetensors (truncated?)"
         raise PayloadError(message, round=round, client_id=client_id)
     (header_len,) = struct.unpack("<Q", bytes(data[:8]))
+    if _header_size_problem(header_len):
+        raise PayloadError(_header_size_problem(header_len), round=round, client_id=client_id)
     if header_len > len(data) - 8:
         raise PayloadError(
             f"safetensors header claims {header_len} bytes but only {len(data) - 8} follow (truncated payload)",

@@ -30,12 +30,19 @@ from typing import BinaryIO
 import grpc
 import numpy as np
 
-from fedcore.errors import PayloadError
+from fedcore.errors import PayloadError, TransportError
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Reply, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
-from fedcore.tensors import NamedArrays, TensorEntry, parse_header, raw_bytes, safetensors_header
+from fedcore.tensors import (
+    MAX_HEADER_BYTES,
+    NamedArrays,
+    TensorEntry,
+    parse_header,
+    raw_bytes,
+    safetensors_header,
+)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Payload chunk size on the wire (4 MiB: well under gRPC's default 4 MiB+ message cap once framed)."""
@@ -223,6 +230,68 @@ def preallocate(fh: BinaryIO, size: int) -> None:
         # EOPNOTSUPP and friends: the file system cannot reserve; plain writes still work
 
 
+class SpillFile:
+    """A file being received, whose disk space is reserved only as its bytes arrive: at most ``ahead_bytes``
+    past what was written (never the whole announced size at once, so an announcement alone reserves nothing
+    and a stalled upload holds at most ``ahead_bytes`` it did not send). Reserving ahead keeps the writes fast
+    (see :func:`preallocate`).
+
+    Args:
+        file: the open file (written from its start).
+        announced: the payload size the sender announced (nothing past it is reserved).
+        ahead_bytes: how far past the written bytes space is reserved.
+        round, client_id: context for the error raised when the disk is full.
+
+    Raises:
+        TransportError: from :meth:`write`, when the disk has no room for the next reservation.
+    """
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        announced: int,
+        *,
+        ahead_bytes: int = 64 << 20,
+        round: int | None = None,
+        client_id: str | None = None,
+    ) -> None:
+        self._file = file
+        self._announced = announced
+        self._ahead = ahead_bytes
+        self._written = 0
+        self._reserved = 0
+        self._round, self._client_id = round, client_id
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Write ``data`` after reserving room for it (and up to ``ahead_bytes`` more)."""
+        end = self._written + len(data)
+        if end > self._reserved and hasattr(os, "posix_fallocate"):
+            target = min(self._announced, end + self._ahead)
+            try:
+                if target > self._reserved:
+                    os.posix_fallocate(self._file.fileno(), self._reserved, target - self._reserved)
+                    self._reserved = target
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise TransportError(
+                        f"no room in the spill directory for an update of {self._announced} bytes ({exc}); free "
+                        "disk space or point spill_dir elsewhere",
+                        round=self._round,
+                        client_id=self._client_id,
+                    ) from exc
+                self._reserved = self._announced  # the file system cannot reserve: plain writes still work
+        self._file.write(data)
+        self._written = end
+        return len(data)
+
+
+def bound_text(text: str, limit: int = 1000) -> str:
+    """``text`` made safe to log or store when it comes from client input: at most ``limit`` characters (a
+    longer text is cut and says how long it was), with control characters shown as ``?``."""
+    cut = text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+    return "".join(c if c.isprintable() else "?" for c in cut)
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -259,6 +328,9 @@ def read_safetensors_header(
             message = f"payload of {size} bytes is too short to be safetensors (truncated?)"
             raise PayloadError(message, round=round, client_id=client_id, stage="decode")
         (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:  # refused before the header is read into memory
+            message = f"safetensors header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} bytes fedcore reads"
+            raise PayloadError(message, round=round, client_id=client_id, stage="decode")
         if header_len > size - 8:
             message = f"safetensors header claims {header_len} bytes but only {size - 8} follow (truncated)"
             raise PayloadError(message, round=round, client_id=client_id, stage="decode")
@@ -336,7 +408,7 @@ class PayloadReceiver:
 
     def __init__(
         self,
-        sink: BinaryIO | BufferSink,
+        sink: BinaryIO | BufferSink | SpillFile,
         *,
         announced: int,
         limit: int,
@@ -509,6 +581,33 @@ TRANSFER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
 )
 """gRPC options for bulk payloads, for servers and client channels: read the socket in large pieces."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# credentials in call metadata (checked by the server before it reads a request)
+
+SESSION_KEY = "fedcore-session"
+"""Call metadata key of the session: every call after Join carries it."""
+CLIENT_ID_KEY = "fedcore-client-id"
+TOKEN_KEY = "fedcore-token"
+"""Call metadata keys of a Join's client id and token."""
+
+
+def session_metadata(session: str) -> tuple[tuple[str, str], ...]:
+    """The metadata of a call made under ``session``."""
+    return ((SESSION_KEY, session),)
+
+
+def join_metadata(client_id: str, token: str, previous_session: str = "") -> tuple[tuple[str, str], ...]:
+    """The metadata of a Join: client id and token (checked before the request is read; metadata holds printable
+    ASCII only, so other ids and tokens travel in the request alone) and, when the daemon reconnects, the session
+    it held, which lets it take its id over from that session at once."""
+    items: list[tuple[str, str]] = []
+    if all(value.isascii() and value.isprintable() for value in (client_id, token)):  # else: in the request only
+        items += [(CLIENT_ID_KEY, client_id), (TOKEN_KEY, token)]
+    if previous_session:
+        items.append((SESSION_KEY, previous_session))
+    return tuple(items)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -732,7 +831,10 @@ def reply_from_header(header: pb.ResultHeader, *, client_id: str, parameters: Na
         raise PayloadError(f"result has an unknown stage {header.stage}", round=header.round, client_id=client_id)
     if header.failure:
         return Failure(
-            client_id=client_id, round=header.round, stage=stage, reason=f"client reported: {header.failure}"
+            client_id=client_id,
+            round=header.round,
+            stage=stage,
+            reason=f"client reported: {bound_text(header.failure)}",
         )
     metrics = dict(header.metrics)
     if stage is Stage.FIT:

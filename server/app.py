@@ -44,6 +44,7 @@ from fedcore.tensors import check_spec, state_spec
 from fedcore.wire import DEFAULT_CHUNK_BYTES
 from privacy.tls import SERVER_FLAGS, load_ca_bundle, load_identity
 from server.grpc_pool import GrpcClientPool, PoolConfig
+from server.limits import ServiceLimits
 from server.metrics import DEFAULT_METRICS_ADDRESS, ServerMetrics
 from server.round_loop import (
     EvaluateFn,
@@ -79,7 +80,10 @@ class ServerConfig:
             :class:`server.round_loop.RoundConfig`.
         heartbeat_interval_s, liveness_timeout_s, max_payload_bytes, chunk_bytes: see
             :class:`server.grpc_pool.PoolConfig`.
-        max_workers: gRPC worker threads; each connected client holds up to two, so keep it above 2x clients.
+        max_workers: gRPC worker threads. Each daemon's waiting long-poll holds one; a tenth (at least 40) are
+            kept for heartbeats and joins. About 1.1x the number of daemons + 40 (the default holds 1,000).
+        max_calls_per_client: see :class:`server.grpc_pool.PoolConfig`.
+        max_unauthenticated_calls, stream_idle_s, stream_total_s: see :class:`server.limits.ServiceLimits`.
         insecure: serve plaintext (no TLS). Prints a warning; for tests and trusted networks only.
         tls_cert, tls_key: the server's certificate chain and key (PEM), required unless ``insecure``.
         client_ca: CA certificate (PEM) for client certificates: turns on mutual TLS, the certificate's common
@@ -111,7 +115,11 @@ class ServerConfig:
     liveness_timeout_s: float = 15.0
     max_payload_bytes: int = 8 << 30
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    max_workers: int = 64
+    max_workers: int = 1200
+    max_calls_per_client: int = 4
+    max_unauthenticated_calls: int = 32
+    stream_idle_s: float = 60.0
+    stream_total_s: float = 1800.0
     insecure: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -135,8 +143,8 @@ class ServerConfig:
             )
         if self.client_ca is not None and self.insecure:
             raise ConfigError("client_ca (mutual TLS) cannot be combined with --insecure")
-        if self.max_workers < 4:
-            raise ConfigError(f"max_workers must be >= 4, got {self.max_workers}")
+        if self.max_workers < 8:
+            raise ConfigError(f"max_workers must be >= 8, got {self.max_workers}")
         parse_address(self.address, what="address (--address)", allow_port_zero=True)
         parse_host(self.metrics_address, what="metrics_address (--metrics-address)")
         if self.metrics_port is not None:
@@ -242,10 +250,16 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
             liveness_timeout_s=config.liveness_timeout_s,
             max_payload_bytes=config.max_payload_bytes,
             chunk_bytes=config.chunk_bytes,
+            max_calls_per_client=config.max_calls_per_client,
         ),
         metrics,
     )
-    service = _RecordingService(pool, auth, metrics, store)
+    limits = ServiceLimits(
+        max_unauthenticated_calls=config.max_unauthenticated_calls,
+        stream_idle_s=config.stream_idle_s,
+        stream_total_s=config.stream_total_s,
+    )
+    service = _RecordingService(pool, auth, metrics, store, limits)
     server, port = build_server(
         service,
         config.address,
@@ -409,8 +423,10 @@ def _memory_line(echo: Callable[[str], None], stage: str) -> None:
 class _RecordingService(CoordinatorService):
     """The service, also noting joins in the state database."""
 
-    def __init__(self, pool: GrpcClientPool, auth: AuthPolicy, metrics: ServerMetrics, store: StateStore) -> None:
-        super().__init__(pool, auth, metrics)
+    def __init__(
+        self, pool: GrpcClientPool, auth: AuthPolicy, metrics: ServerMetrics, store: StateStore, limits: ServiceLimits
+    ) -> None:
+        super().__init__(pool, auth, metrics, limits)
         self._store = store
 
     def Join(self, request: Any, context: Any) -> Any:  # noqa: N802 - name fixed by the gRPC service

@@ -5,7 +5,10 @@ The round loop calls :meth:`GrpcClientPool.run` exactly as it calls the in-memor
 
 - Registry and liveness: a client is *available* while its session is alive. A reaper thread marks a client
   gone once no call or heartbeat arrived for ``liveness_timeout_s``, and fails its outstanding task at once
-  (not at the round deadline).
+  (not at the round deadline). A live session keeps its client id: a second daemon claiming it is refused
+  (:class:`ClientIdInUse`), while a restarted daemon whose old session is dead takes the id over at once.
+- Calls: each session has at most ``max_calls_per_client`` calls in progress and one waiting pull (a newer
+  pull ends the older one), so one client cannot hold the server's threads.
 - Instructions: each ``run`` writes the global model once to a payload file in the spill directory; every
   selected client streams it from there, so no per-client copy is held in RAM.
 - Replies: a pushed update is spilled to a file by the service, digest-checked, and only then handed here; the
@@ -17,6 +20,7 @@ The round loop calls :meth:`GrpcClientPool.run` exactly as it calls the in-memor
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import mmap
 import queue
@@ -32,12 +36,13 @@ from typing import BinaryIO
 
 import numpy as np
 
-from fedcore.errors import ConfigError, FedcoreError, RoundFailed
+from fedcore.errors import ConfigError, FedcoreError, RoundFailed, TransportError
 from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.wire import (
     DEFAULT_CHUNK_BYTES,
     PayloadFile,
+    bound_text,
     open_safetensors,
     reply_from_header,
     save_payload,
@@ -63,6 +68,8 @@ class PoolConfig:
         max_payload_bytes: largest update a client may push, in bytes (refused before it is read).
         chunk_bytes: payload chunk size on the wire, in bytes.
         max_poll_s: longest a pull may wait for a task before answering idle.
+        max_calls_per_client: calls one session may have in progress at once (a daemon uses up to three: a
+            pull, a heartbeat and a push); more are refused with RESOURCE_EXHAUSTED. >= 2.
     """
 
     spill_dir: Path
@@ -72,6 +79,7 @@ class PoolConfig:
     max_payload_bytes: int = 8 << 30
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_poll_s: float = 30.0
+    max_calls_per_client: int = 4
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval_s > 0:
@@ -87,6 +95,22 @@ class PoolConfig:
             raise ConfigError(f"chunk_bytes must be in [1 KiB, 64 MiB], got {self.chunk_bytes}")
         if not self.max_poll_s > 0:
             raise ConfigError(f"max_poll_s must be > 0, got {self.max_poll_s}")
+        if self.max_calls_per_client < 2:
+            raise ConfigError(f"max_calls_per_client must be >= 2, got {self.max_calls_per_client}")
+
+    @property
+    def takeover_wait_s(self) -> float:
+        """How long a join waits for a sign of life of an older session of the same client id before taking
+        the id over: one and a half heartbeat intervals (a live daemon heartbeats once per interval)."""
+        return min(1.5 * self.heartbeat_interval_s + 0.5, self.liveness_timeout_s)
+
+
+class ClientIdInUse(TransportError):
+    """A join claimed a client id whose session is alive (another daemon runs with the same ``--client-id``)."""
+
+
+class TooManyCalls(TransportError):
+    """A session has ``max_calls_per_client`` calls in progress already."""
 
 
 @dataclass(eq=False)
@@ -112,7 +136,12 @@ class _Client:
     client_id: str
     session: str
     last_seen: float
+    wake: threading.Condition  # on the pool's lock: notified when this client's pull should look again
     task: Task | None = None
+    calls: int = 0  # calls of this session in progress
+    pulls: int = 0  # generation of the waiting pull: a newer pull ends the older one
+    disconnected: bool = False  # the last call ended because its connection broke, and none came since
+    claimed: bool = False  # a join for this id waits to see whether this session is alive
 
 
 @dataclass
@@ -144,7 +173,8 @@ class GrpcClientPool:
         self.config = config
         self._metrics = metrics
         config.spill_dir.mkdir(parents=True, exist_ok=True)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # round loop waiters: joins, departures
         self._clients: dict[str, _Client] = {}
         self._sessions: dict[str, str] = {}
         self._run = _Run()
@@ -222,7 +252,7 @@ class GrpcClientPool:
                     client.task.closed = True
                 client.task = task
                 outstanding[task_id] = task
-            self._cond.notify_all()
+                client.wake.notify_all()
         try:
             yield from immediate
             while outstanding:
@@ -265,14 +295,29 @@ class GrpcClientPool:
                 payload.path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------- service side
-    def join(self, client_id: str) -> str:
-        """Open a session for ``client_id`` (replacing an older one: a restarted client rejoins at once)."""
-        session = secrets.token_urlsafe(24)
+    def join(self, client_id: str, *, previous_session: str = "") -> str:
+        """Open a session for ``client_id``.
+
+        An id whose session is alive stays with that session: a second claimant is refused. The older session
+        is replaced at once when ``previous_session`` names it (the same daemon reconnecting), when its last call
+        ended with a broken connection (a killed daemon), or when it shows no sign of life for
+        :attr:`PoolConfig.takeover_wait_s` (this call waits that long); its unanswered task goes to the new one.
+
+        Raises:
+            ClientIdInUse: the id's session is alive, or another join for the id is already waiting.
+        """
         with self._cond:
+            old = self._clients.get(client_id)
+            if old is not None and not (previous_session and hmac.compare_digest(previous_session, old.session)):
+                self._wait_until_gone(old)
+            session = secrets.token_urlsafe(24)
             old = self._clients.get(client_id)
             if old is not None:
                 self._sessions.pop(old.session, None)
-            client = _Client(client_id=client_id, session=session, last_seen=time.monotonic())
+                old.wake.notify_all()  # its waiting pull, if any, ends: the session is gone
+            client = _Client(
+                client_id=client_id, session=session, last_seen=time.monotonic(), wake=threading.Condition(self._lock)
+            )
             if old is not None:
                 client.task = old.task  # an unanswered task is delivered again to the restarted daemon
             self._clients[client_id] = client
@@ -281,6 +326,80 @@ class GrpcClientPool:
             self._set_connected()
         log.info("client %s joined%s", client_id, " (rejoined)" if old is not None else "")
         return session
+
+    def _wait_until_gone(self, old: _Client) -> None:
+        """With the lock held: return once ``old`` may be replaced, else raise ClientIdInUse."""
+        if old.claimed:
+            raise ClientIdInUse(f"another daemon is already claiming client id {old.client_id!r}")
+        seen = old.last_seen
+        if old.calls == 0 and old.disconnected:
+            return  # its last call broke with its connection, and nothing came since: a killed daemon
+        if old.calls == 0:
+            old.claimed = True
+            try:
+                deadline = time.monotonic() + self.config.takeover_wait_s
+                while True:
+                    current = self._clients.get(old.client_id)
+                    if current is None:
+                        return  # it left, or was dropped, meanwhile
+                    if current is not old or old.last_seen != seen or old.calls > 0:
+                        break  # alive (or taken back by its own daemon reconnecting)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._stop.is_set():
+                        return  # silent for one and a half heartbeat intervals: the old daemon is gone
+                    self._cond.wait(remaining)
+            finally:
+                old.claimed = False
+        live = self._clients.get(old.client_id, old)
+        silent = time.monotonic() - live.last_seen
+        raise ClientIdInUse(
+            f"client id {old.client_id!r} is in use by a live session (seen {silent:.1f} s ago); another daemon "
+            "runs with this --client-id: give each daemon its own id (a restarted daemon takes its id over once "
+            "the old one is gone)"
+        )
+
+    def begin_call(self, session: str) -> str:
+        """Count a call of ``session`` in progress (end it with :meth:`end_call`); returns its client id.
+
+        Raises:
+            KeyError: unknown or expired session.
+            TooManyCalls: the session has ``max_calls_per_client`` calls in progress.
+        """
+        with self._cond:
+            client = self._client(session)
+            if client is None:
+                raise KeyError(session)
+            if client.calls >= self.config.max_calls_per_client:
+                raise TooManyCalls(
+                    f"{client.calls} calls of this session are in progress (at most "
+                    f"{self.config.max_calls_per_client}); a daemon needs no more than three",
+                    client_id=client.client_id,
+                )
+            client.calls += 1
+            client.disconnected = False
+            client.last_seen = time.monotonic()
+            if client.claimed:
+                self._cond.notify_all()  # the join waiting on this id sees the session is alive
+            return client.client_id
+
+    def end_call(self, session: str, *, disconnected: bool) -> None:
+        """End a call counted by :meth:`begin_call`; ``disconnected`` when its connection broke."""
+        with self._cond:
+            client = self._client(session)
+            if client is None:
+                return
+            client.calls = max(0, client.calls - 1)
+            if disconnected:
+                client.disconnected = True
+                if client.claimed:
+                    self._cond.notify_all()
+
+    def wake(self, session: str) -> None:
+        """Make the session's waiting pull look again (its call was cancelled)."""
+        with self._cond:
+            client = self._client(session)
+            if client is not None:
+                client.wake.notify_all()
 
     def leave(self, session: str) -> None:
         """Close a session; the client's outstanding task fails at once."""
@@ -296,11 +415,16 @@ class GrpcClientPool:
             if client is None:
                 return None
             client.last_seen = time.monotonic()
+            if client.claimed:
+                self._cond.notify_all()  # the join waiting on this id sees the session is alive
             return client.client_id
 
-    def pull(self, session: str, wait_s: float) -> tuple[Task, BinaryIO] | bool:
+    def pull(
+        self, session: str, wait_s: float, cancelled: threading.Event | None = None
+    ) -> tuple[Task, BinaryIO] | bool:
         """Wait up to ``wait_s`` for the session's task; return it with its payload file opened, or whether the
-        run is finished (False: nothing yet, poll again).
+        run is finished (False: nothing yet, poll again). One pull per session waits at a time: a newer pull
+        ends the older one (it answers False). ``cancelled`` set (and :meth:`wake` called) ends the wait too.
 
         Raises:
             KeyError: unknown or expired session.
@@ -308,9 +432,14 @@ class GrpcClientPool:
         wait = wait_s if wait_s > 0 else 0.0  # NaN and negatives: do not wait
         deadline = time.monotonic() + min(wait, self.config.max_poll_s)
         with self._cond:
+            client = self._client(session)
+            if client is None:
+                raise KeyError(session)
+            client.pulls += 1
+            generation = client.pulls
+            client.wake.notify_all()  # an older pull of this session ends
             while True:
-                client = self._client(session)
-                if client is None:
+                if self._client(session) is not client:
                     raise KeyError(session)
                 client.last_seen = time.monotonic()
                 task = client.task
@@ -321,9 +450,10 @@ class GrpcClientPool:
                 if self._run.finished:
                     return True
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stop.is_set():
+                superseded = client.pulls != generation
+                if remaining <= 0 or self._stop.is_set() or superseded or (cancelled and cancelled.is_set()):
                     return False
-                self._cond.wait(min(remaining, 1.0))
+                client.wake.wait(remaining)
 
     def lookup(self, session: str, task_id: str) -> tuple[str, Task | None, str]:
         """Check a push before its payload is read: ``(client id, task or None, reason)``.
@@ -398,16 +528,26 @@ class GrpcClientPool:
         """Mark the run finished: idle pulls now tell daemons they may exit."""
         with self._cond:
             self._run.finished = True
-            self._cond.notify_all()
+            self._wake_all()
 
     def close(self) -> None:
         """Stop the liveness thread and wake every waiter."""
         self._stop.set()
         with self._cond:
-            self._cond.notify_all()
+            self._wake_all()
         self._reaper.join(timeout=5)
 
+    def is_receiving_open(self, task: Task) -> bool:
+        """Whether a push of ``task`` being read may go on (its round has not closed)."""
+        with self._cond:
+            return not task.closed
+
     # ------------------------------------------------------------------ helpers
+    def _wake_all(self) -> None:
+        self._cond.notify_all()
+        for client in self._clients.values():
+            client.wake.notify_all()
+
     def _client(self, session: str) -> _Client | None:
         client_id = self._sessions.get(session)
         return None if client_id is None else self._clients.get(client_id)
@@ -422,6 +562,7 @@ class GrpcClientPool:
             task.replies.put((task, failure, None))
         self._set_connected()
         self._cond.notify_all()
+        client.wake.notify_all()
 
     def _close(self, task: Task, *, completed: bool) -> None:
         task.closed = True
@@ -459,11 +600,12 @@ class GrpcClientPool:
                 parameters, _ = open_safetensors(path, round=task.round, client_id=task.client_id)
             return reply_from_header(body, client_id=task.client_id, parameters=parameters)
         except FedcoreError as exc:
-            log.warning("round %d: rejected the reply of client %s: %s", task.round, task.client_id, exc)
-            return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=str(exc))
+            reason = bound_text(str(exc))
+            log.warning("round %d: rejected the reply of client %s: %s", task.round, task.client_id, reason)
+            return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=reason)
         except Exception as exc:  # a reply no check foresaw must still not end the round for everyone
             log.exception("round %d: the reply of client %s could not be read", task.round, task.client_id)
-            reason = f"the update could not be read ({type(exc).__name__}: {exc})"
+            reason = bound_text(f"the update could not be read ({type(exc).__name__}: {exc})")
             return Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=reason)
         finally:
             if path is not None:

@@ -1,9 +1,10 @@
 """Prometheus metrics of the coordinator (prometheus-client), on their own registry.
 
 Exposed names: ``fedcore_rounds_completed_total``, ``fedcore_connected_clients``, ``fedcore_bytes_in_total``,
-``fedcore_bytes_out_total``, ``fedcore_round_duration_seconds`` (histogram), ``fedcore_updates_rejected_total``
-and ``fedcore_current_round``. :meth:`ServerMetrics.serve` starts the HTTP endpoint (``/metrics``), on the
-loopback interface unless told otherwise (``fedcore server start --metrics-address``).
+``fedcore_bytes_out_total``, ``fedcore_round_duration_seconds`` (histogram), ``fedcore_updates_rejected_total``,
+``fedcore_clients_dropped_total``, ``fedcore_calls_refused_total`` (by cause) and ``fedcore_current_round``.
+:meth:`ServerMetrics.serve` starts the HTTP endpoint (``/metrics``), on the loopback interface unless told
+otherwise (``fedcore server start --metrics-address``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class ServerMetrics:
         self.dropped = Counter(
             "fedcore_clients_dropped",
             "Clients marked gone because their heartbeats stopped (their task of the round failed at once)",
+            registry=self.registry,
+        )
+        self.refused_calls = Counter(
+            "fedcore_calls_refused",
+            "Calls refused before any work was done for them, by cause: no or unknown credentials, a limit "
+            "reached (calls per client, joins at once, long calls at once), a client id in use",
+            ["cause"],
             registry=self.registry,
         )
         self.round_seconds = Histogram(

@@ -5,36 +5,57 @@ session (and, with mutual TLS, against the certificate the call arrived with); p
 model from its payload file in chunks with a SHA-256 trailer; pushed updates stream into a spill file whose size
 and digest are verified before the round loop sees them. A push whose announced size exceeds the limit is
 refused before its payload is read.
+
+Availability (no client, with or without credentials, can take the server away from the others):
+
+- Credentials travel in call metadata (``fedcore-session``; for Join ``fedcore-client-id`` and
+  ``fedcore-token``) and are checked before a request is read; every RPC is registered as a request stream, so
+  no worker thread waits for a request that has not passed that check.
+- Long calls (pulls, pushes) hold at most ``max_workers - quick_call_reserve(max_workers)`` worker threads
+  (:func:`server.limits.quick_call_reserve`); the rest are kept for heartbeats and joins. Each session has at
+  most ``max_calls_per_client`` calls and one waiting pull; joins being read or checked are at most
+  ``max_unauthenticated_calls``. A call over a limit is refused at once (RESOURCE_EXHAUSTED), never queued.
+- A watchdog cuts off any request or stream idle for ``stream_idle_s`` or older than ``stream_total_s``, and an
+  upload whose round closed; spill space is reserved only as bytes arrive (:class:`fedcore.wire.SpillFile`).
+- Warnings caused by clients are logged once per cause per ``log_every_s`` (:class:`server.limits.RepeatLog`),
+  and text from client input is bounded before it is logged or stored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
-from fedcore.errors import ConfigError, FedcoreError, PayloadError, TransportError
+from fedcore.errors import ConfigError, FedcoreError, PayloadError
 from fedcore.messages import Failure, Stage
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.wire import (
+    CLIENT_ID_KEY,
+    SESSION_KEY,
+    TOKEN_KEY,
     TRANSFER_OPTIONS,
     DataChunk,
     PayloadReceiver,
+    SpillFile,
+    bound_text,
     framed_sizes,
     parse_result_chunk,
-    preallocate,
     read_safetensors_header,
     serialize_chunk,
 )
-from server.grpc_pool import GrpcClientPool, Task
+from server.grpc_pool import ClientIdInUse, GrpcClientPool, Task, TooManyCalls
+from server.limits import Guard, RepeatLog, ServiceLimits, Slots, Watchdog, bounded_peer, quick_call_reserve
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("fedcore.server")
@@ -106,19 +127,196 @@ def _peer_common_name(context: grpc.ServicerContext) -> str | None:
     return names[0].decode() if names else None
 
 
+def _metadata(context: grpc.ServicerContext, key: str) -> str:
+    for item in context.invocation_metadata() or ():
+        if item.key == key and isinstance(item.value, str):
+            return item.value
+    return ""
+
+
+_JOINS_PER_CLIENT = 2  # joins of one authenticated client id being read at once
+
+
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     """The servicer; thread-safe (gRPC runs each call on a worker thread).
+
+    The methods named after the RPCs take a request already read; :func:`build_server` registers every RPC as
+    a request stream instead, so that the call's credentials (metadata) are checked, and its limits taken,
+    before the request is read (:meth:`serve_unary`, :meth:`serve_pull`, :meth:`PushResult`).
 
     Args:
         pool: the client pool it feeds.
         auth: who may join.
         metrics: optional Prometheus metrics.
+        limits: what one call may hold.
     """
 
-    def __init__(self, pool: GrpcClientPool, auth: AuthPolicy, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        pool: GrpcClientPool,
+        auth: AuthPolicy,
+        metrics: ServerMetrics | None = None,
+        limits: ServiceLimits | None = None,
+    ) -> None:
         self._pool = pool
         self._auth = auth
         self._metrics = metrics
+        self.limits = limits if limits is not None else ServiceLimits()
+        self._log = RepeatLog(log, self.limits.log_every_s)
+        self._watchdog = Watchdog(self._log)
+        self._joins = Slots(self.limits.max_unauthenticated_calls)
+        self._client_joins: dict[str, Slots] = {}  # per client id whose token passed; ids come from the tokens file
+        self._client_joins_lock = threading.Lock()
+        self._long_calls = Slots(1 << 30)  # sized by size_for_workers
+
+    def size_for_workers(self, max_workers: int) -> int:
+        """Let long calls (pulls, pushes) hold at most ``max_workers - quick_call_reserve(max_workers)`` worker
+        threads at once; returns that number."""
+        self._long_calls.limit = max(1, max_workers - quick_call_reserve(max_workers))
+        return self._long_calls.limit
+
+    # ------------------------------------------------------------ request streams
+    def serve_unary(
+        self, method: Callable[[Any, grpc.ServicerContext], Any], *, session_call: bool
+    ) -> Callable[[Iterator[Any], grpc.ServicerContext], Any]:
+        """The handler of a unary RPC registered as a request stream: credentials, then the request, then
+        ``method``. ``session_call``: the call needs the session in its metadata (all but Join)."""
+
+        def handle(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            name = getattr(method, "__name__", "call")
+            if not session_call:
+                return self._join_call(requests, context, method)
+            with self._session_call(context) as session:
+                request = self._read_request(requests, context, name)
+                self._check_request_session(request.session, session, context)
+                return method(request, context)
+
+        return handle
+
+    def serve_pull(
+        self, requests: Iterator[pb.PullTaskRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.TaskChunk | DataChunk]:
+        """The PullTask handler: session check, a long-call slot, the request, then :meth:`PullTask` under the
+        watchdog (idle while sending, total time)."""
+        with self._session_call(context) as session, self._long_call(context):
+            request = self._read_request(requests, context, "PullTask")
+            self._check_request_session(request.session, session, context)
+            limits = self.limits
+            total = self._pool.config.max_poll_s + limits.stream_total_s
+            with self._watchdog.guard(context, "a task download", limits.stream_idle_s, total) as guard:
+                cancelled = threading.Event()
+
+                def on_end() -> None:  # the call ended (also: its client went away); its waiting pull stops
+                    cancelled.set()
+                    self._pool.wake(session)
+
+                context.add_callback(on_end)
+                guard.waiting = True
+                stream = self.PullTask(request, context, cancelled=cancelled)
+                first = next(stream, None)
+                guard.waiting = False
+                guard.progress()
+                if first is None:
+                    return
+                yield first
+                for chunk in stream:
+                    guard.progress()
+                    yield chunk
+
+    def _join_call(
+        self, requests: Iterator[pb.JoinRequest], context: grpc.ServicerContext, method: Callable[..., Any]
+    ) -> Any:
+        client_id, token = _metadata(context, CLIENT_ID_KEY), _metadata(context, TOKEN_KEY)
+        authenticated = bool(client_id and self._auth.tokens)
+        if authenticated:
+            self._check_token(client_id, token, context)  # before the request is read
+        # a join whose token passed counts against its client id (two at a time), any other against all
+        # unauthenticated calls (max_unauthenticated_calls at a time)
+        slots = self._joins_of(client_id) if authenticated else self._joins
+        if not slots.try_acquire():
+            self._refuse(context, "joins", grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins at once; retry soon")
+        try:
+            request = self._read_request(requests, context, "Join")
+        finally:
+            slots.release()
+        if client_id and request.client_id != client_id:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the client id in the metadata and the request differ")
+        return method(request, context)
+
+    def _joins_of(self, client_id: str) -> Slots:
+        with self._client_joins_lock:
+            return self._client_joins.setdefault(client_id, Slots(_JOINS_PER_CLIENT))
+
+    def _read_request(self, requests: Iterator[Any], context: grpc.ServicerContext, name: str) -> Any:
+        """The one request message of a call, within ``stream_idle_s``; INVALID_ARGUMENT when it never comes."""
+        limits = self.limits
+        with self._watchdog.guard(context, f"a {name} request", limits.stream_idle_s, limits.stream_total_s):
+            request = next(requests, None)
+        if request is None or isinstance(request, memoryview):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{name} takes exactly one request message")
+        return request
+
+    @contextlib.contextmanager
+    def _session_call(self, context: grpc.ServicerContext) -> Iterator[str]:
+        """Check the metadata's session and count the call against its client (before any request is read)."""
+        session = _metadata(context, SESSION_KEY)
+        if not session:
+            self._refuse(
+                context,
+                "no session",
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"no session in the call metadata ({SESSION_KEY!r}); join first",
+            )
+        try:
+            client_id = self._pool.begin_call(session)
+        except KeyError:
+            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "unknown or expired session; join again")
+        except TooManyCalls as exc:
+            self._refuse(context, "calls per client", grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, exc.client_id)
+        try:
+            self._check_peer(client_id, context)
+            yield session
+        finally:
+            self._pool.end_call(session, disconnected=not context.is_active())
+
+    @contextlib.contextmanager
+    def _long_call(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if not self._long_calls.try_acquire():
+            self._refuse(
+                context,
+                "long calls",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server holds {self._long_calls.limit} pulls and pushes at once; retry soon",
+            )
+        try:
+            yield
+        finally:
+            self._long_calls.release()
+
+    def _refuse(
+        self, context: grpc.ServicerContext, cause: str, code: grpc.StatusCode, details: str, client_id: str | None = ""
+    ) -> NoReturn:
+        self._log.warning(
+            f"refused {cause}", "refused a call (%s) from %s%s: %s", cause, bounded_peer(context),
+            f" (client {client_id})" if client_id else "", details,
+        )  # fmt: skip
+        if self._metrics is not None:
+            self._metrics.refused_calls.labels(cause=cause).inc()
+        _abort(context, code, details)
+
+    def _check_request_session(self, in_request: str, session: str, context: grpc.ServicerContext) -> None:
+        if in_request and not hmac.compare_digest(in_request, session):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the session in the metadata and the request differ")
+
+    def _check_token(self, client_id: str, token: str, context: grpc.ServicerContext) -> None:
+        want = self._auth.tokens.get(client_id)
+        if want is None or not hmac.compare_digest(want, hash_token(token)):
+            self._refuse(
+                context,
+                "wrong token",
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"unknown client {bound_text(client_id, 64)!r} or wrong token",
+            )
 
     # ------------------------------------------------------------------ calls
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:  # noqa: N802 - name fixed by the gRPC service
@@ -126,25 +324,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if not client_id or len(client_id) > 256 or not client_id.isprintable():
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "client_id must be 1..256 printable characters")
         if client_id in self._auth.revoked:
-            log.warning("refused join of revoked client %s from %s", client_id, context.peer())
-            _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"client {client_id!r} is revoked")
+            self._refuse(
+                context, "revoked client", grpc.StatusCode.PERMISSION_DENIED, f"client {client_id!r} is revoked"
+            )
         if self._auth.tokens:
-            want = self._auth.tokens.get(client_id)
-            if want is None or not hmac.compare_digest(want, hash_token(request.token)):
-                log.warning(
-                    "refused join of client %s from %s: unknown client or wrong token", client_id, context.peer()
-                )
-                _abort(context, grpc.StatusCode.UNAUTHENTICATED, f"unknown client {client_id!r} or wrong token")
+            self._check_token(client_id, _metadata(context, TOKEN_KEY) or request.token, context)
         if self._auth.require_client_cert:
             name = _peer_common_name(context)
             if name != client_id:
-                log.warning("refused join of client %s: certificate is for %r", client_id, name)
-                _abort(
+                self._refuse(
                     context,
+                    "certificate name",
                     grpc.StatusCode.UNAUTHENTICATED,
-                    f"the client certificate is issued to {name!r}, not to {client_id!r}",
+                    f"the client certificate is issued to {bound_text(str(name), 64)!r}, not to {client_id!r}",
                 )
-        session = self._pool.join(client_id)
+        try:
+            session = self._pool.join(client_id, previous_session=_metadata(context, SESSION_KEY))
+        except ClientIdInUse as exc:
+            self._refuse(context, "client id in use", grpc.StatusCode.ALREADY_EXISTS, exc.message)
         config = self._pool.config
         return pb.JoinReply(
             session=session,
@@ -169,11 +366,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.LeaveReply()
 
     def PullTask(  # type: ignore[override]  # noqa: N802 - name fixed by the gRPC service; yields DataChunk too
-        self, request: pb.PullTaskRequest, context: grpc.ServicerContext
+        self,
+        request: pb.PullTaskRequest,
+        context: grpc.ServicerContext,
+        cancelled: threading.Event | None = None,
     ) -> Iterator[pb.TaskChunk | DataChunk]:
         client_id = self._session_client(request.session, context)
         try:
-            got = self._pool.pull(request.session, request.wait_s)
+            got = self._pool.pull(request.session, request.wait_s, cancelled)
         except KeyError:
             _abort(context, grpc.StatusCode.UNAUTHENTICATED, "unknown or expired session; join again")
         if isinstance(got, bool):
@@ -202,19 +402,35 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def PushResult(  # noqa: N802 - name fixed by the gRPC service
         self, request_iterator: Iterator[pb.ResultChunk | memoryview], context: grpc.ServicerContext
     ) -> pb.PushReply:
+        with self._session_call(context) as session, self._long_call(context):
+            limits = self.limits
+            with self._watchdog.guard(context, "an update upload", limits.stream_idle_s, limits.stream_total_s) as g:
+                return self._push(_progress(request_iterator, g), context, session, g)
+
+    # ---------------------------------------------------------------- helpers
+    def _push(
+        self,
+        request_iterator: Iterator[pb.ResultChunk | memoryview],
+        context: grpc.ServicerContext,
+        session: str,
+        guard: Guard,
+    ) -> pb.PushReply:
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or first.WhichOneof("body") != "header":
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a ResultHeader")
         header = first.header
-        client_id = self._session_client(header.session, context)
+        self._check_request_session(header.session, session, context)
         try:
-            client_id, task, reason = self._pool.lookup(header.session, header.task_id)
+            client_id, task, reason = self._pool.lookup(session, header.task_id)
         except KeyError:
             _abort(context, grpc.StatusCode.UNAUTHENTICATED, "unknown or expired session; join again")
         if task is None:
             if reason == "duplicate":
                 return pb.PushReply(accepted=True, duplicate=True)
-            log.warning("discarding a result of client %s for task %s: %s", client_id, header.task_id, reason)
+            self._log.warning(
+                "discarded result", "discarding a result of client %s for task %s: %s", client_id,
+                bound_text(repr(header.task_id), 48), reason,
+            )  # fmt: skip
             return pb.PushReply(accepted=False, reason=reason)
         problem = _header_problem(header, task)
         if problem:
@@ -226,37 +442,40 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # retries after a broken connection backs off until the server has let go of the first attempt
             _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "a push of this task is already in progress")
         try:
-            return self._receive_update(task, header, request_iterator, context)
+            guard.open_while = lambda: self._pool.is_receiving_open(task)  # cut off when the round closes
+            return self._receive_update(task, header, request_iterator, context, guard)
+        except grpc.RpcError:
+            if guard.cut:  # the round hears at once why this client's update will not come
+                return self._reject(task, f"the upload was cut off: {guard.cut}")
+            raise
         finally:
             self._pool.end_receive(task)
 
-    # ---------------------------------------------------------------- helpers
     def _receive_update(
         self,
         task: Task,
         header: pb.ResultHeader,
         chunks: Iterator[pb.ResultChunk | memoryview],
         context: grpc.ServicerContext,
+        guard: Guard,
     ) -> pb.PushReply:
         limit = self._pool.config.max_payload_bytes
         path = self._pool.new_spill_path(task)
         try:
             with (
-                path.open("wb") as sink,
+                path.open("wb") as file,
                 PayloadReceiver(
-                    sink, announced=header.payload_bytes, limit=limit, round=task.round, client_id=task.client_id
+                    SpillFile(file, header.payload_bytes, round=task.round, client_id=task.client_id),
+                    announced=header.payload_bytes,
+                    limit=limit,
+                    round=task.round,
+                    client_id=task.client_id,
                 ) as receiver,
             ):
-                try:  # after the receiver accepted the announced size, before a byte is written
-                    preallocate(sink, header.payload_bytes)
-                except OSError as exc:
-                    raise TransportError(
-                        f"no room in the spill directory for an update of {header.payload_bytes} bytes ({exc}); "
-                        "free disk space or point spill_dir elsewhere",
-                        round=task.round,
-                        client_id=task.client_id,
-                    ) from exc
                 digest = receiver.read_until_trailer(chunks)
+                if guard.cut:
+                    path.unlink(missing_ok=True)
+                    return self._reject(task, f"the upload was cut off: {guard.cut}")
                 if not context.is_active():
                     # the connection broke mid-push: the daemon retries the same task
                     path.unlink(missing_ok=True)
@@ -276,7 +495,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return self._reply(task, self._pool.deliver(task, header, path))
 
     def _reject(self, task: Task, reason: str) -> pb.PushReply:
-        log.warning("round %d: rejected the update of client %s: %s", task.round, task.client_id, reason)
+        reason = bound_text(reason)
+        self._log.warning(
+            "rejected update", "round %d: rejected the update of client %s: %s", task.round, task.client_id, reason
+        )
         if self._metrics is not None:
             self._metrics.rejected.inc()
         failure = Failure(client_id=task.client_id, round=task.round, stage=task.stage, reason=reason)
@@ -301,6 +523,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, "this session belongs to another client certificate")
 
 
+def _progress(chunks: Iterator[pb.ResultChunk | memoryview], guard: Guard) -> Iterator[pb.ResultChunk | memoryview]:
+    """``chunks``, telling ``guard`` of each one (a push that stops sending is cut off when idle)."""
+    for chunk in chunks:
+        guard.progress()
+        yield chunk
+
+
 def _header_problem(header: pb.ResultHeader, task: Task) -> str:
     """Why a pushed result's header cannot belong to ``task`` ("" when it can)."""
     stage = _STAGES.get(header.stage)
@@ -310,10 +539,12 @@ def _header_problem(header: pb.ResultHeader, task: Task) -> str:
             f"the result is for round {header.round} ({named}), but task {task.task_id} is round {task.round} "
             f"({task.stage.value})"
         )
-    if len(header.metrics) > _MAX_METRICS or any(len(key) > _MAX_METRIC_NAME for key in header.metrics):
+    if len(header.metrics) > _MAX_METRICS or any(
+        len(key) > _MAX_METRIC_NAME or not key.isprintable() for key in header.metrics
+    ):
         return (
             f"the result reports {len(header.metrics)} metrics; at most {_MAX_METRICS} are taken, each named in at "
-            f"most {_MAX_METRIC_NAME} characters (they become columns of the run's history)"
+            f"most {_MAX_METRIC_NAME} printable characters (they become columns of the run's history)"
         )
     if header.failure:
         return ""
@@ -339,8 +570,22 @@ def _add_service(service: CoordinatorService, server: grpc.Server) -> None:
             handlers.update(table)
 
     pb_grpc.add_CoordinatorServicer_to_server(service, _Collect())
-    handlers["PullTask"] = grpc.unary_stream_rpc_method_handler(
-        service.PullTask, request_deserializer=pb.PullTaskRequest.FromString, response_serializer=serialize_chunk
+    # every RPC is served as a request stream: the handler runs before the request is read, checks the call's
+    # metadata, and reads the request under the watchdog (a unary request and a stream of one message are the
+    # same bytes on the wire, so the clients' stubs are unchanged)
+    for name, request_type, session_call in (
+        ("Join", pb.JoinRequest, False),
+        ("Heartbeat", pb.HeartbeatRequest, True),
+        ("Leave", pb.LeaveRequest, True),
+    ):
+        unary = handlers[name]
+        handlers[name] = grpc.stream_unary_rpc_method_handler(
+            service.serve_unary(getattr(service, name), session_call=session_call),
+            request_deserializer=request_type.FromString,
+            response_serializer=unary.response_serializer,
+        )
+    handlers["PullTask"] = grpc.stream_stream_rpc_method_handler(
+        service.serve_pull, request_deserializer=pb.PullTaskRequest.FromString, response_serializer=serialize_chunk
     )
     handlers["PushResult"] = grpc.stream_unary_rpc_method_handler(
         service.PushResult, request_deserializer=parse_result_chunk, response_serializer=pb.PushReply.SerializeToString
@@ -350,6 +595,8 @@ def _add_service(service: CoordinatorService, server: grpc.Server) -> None:
 
 
 _SERVICE = "fedcore.v1.Coordinator"
+_MAX_STREAMS_PER_CONNECTION = 16
+"""HTTP/2 streams one connection may have open; a daemon uses three at most (pull, heartbeat, push)."""
 
 
 def build_server(
@@ -362,14 +609,19 @@ def build_server(
 ) -> tuple[grpc.Server, int]:
     """Create (not start) a gRPC server for ``service`` on ``address``; returns it and the bound port.
 
-    ``credentials`` None means plaintext (``--insecure``). Every long-poll holds a worker thread, so
-    ``max_workers`` must exceed twice the number of clients.
+    ``credentials`` None means plaintext (``--insecure``). Every waiting long-poll and every upload holds a
+    worker thread; they may hold all but :func:`quick_call_reserve` of the ``max_workers`` threads, and a
+    pull over that limit is refused at once (the daemon polls again a moment later), so heartbeats never wait.
+    For N daemons, ``max_workers`` of about 1.1 N + 40 lets every daemon keep a long-poll open.
 
     Raises:
         ConfigError: the address cannot be bound.
     """
     message_cap = chunk_bytes + (1 << 20)
+    service.size_for_workers(max_workers)
     options = [
+        # calls beyond what the threads can run are refused by gRPC itself (RESOURCE_EXHAUSTED), not queued
+        ("grpc.max_concurrent_streams", _MAX_STREAMS_PER_CONNECTION),
         ("grpc.max_receive_message_length", message_cap),
         ("grpc.max_send_message_length", message_cap),
         ("grpc.keepalive_time_ms", 20_000),
@@ -380,7 +632,11 @@ def build_server(
         ("grpc.so_reuseport", 0),
     ]
     options += list(TRANSFER_OPTIONS)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fedcore-rpc"),
+        options=options,
+        maximum_concurrent_rpcs=2 * max_workers,
+    )
     _add_service(service, server)
     try:
         port = (

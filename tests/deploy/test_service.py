@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -25,10 +26,11 @@ from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays, decode, encode
-from fedcore.wire import iter_bytes_chunks
+from fedcore.wire import iter_bytes_chunks, session_metadata
 from privacy.tls import init_certs
 from server.app import ServerConfig
 from server.grpc_pool import GrpcClientPool, PoolConfig
+from server.limits import ServiceLimits
 from server.metrics import ServerMetrics
 from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
 from server.service import AuthPolicy, CoordinatorService, build_server, hash_token, load_tokens
@@ -41,11 +43,17 @@ GLOBAL: NamedArrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": n
 
 class Harness:
     def __init__(
-        self, tmp: Path, *, auth: AuthPolicy | None = None, credentials: object = None, **pool_kw: object
+        self,
+        tmp: Path,
+        *,
+        auth: AuthPolicy | None = None,
+        credentials: object = None,
+        limits: ServiceLimits | None = None,
+        **pool_kw: object,
     ) -> None:
         self.metrics = ServerMetrics()
         self.pool = GrpcClientPool(PoolConfig(spill_dir=tmp / "spill", **pool_kw), self.metrics)  # type: ignore[arg-type]
-        service = CoordinatorService(self.pool, auth or AuthPolicy(), self.metrics)
+        service = CoordinatorService(self.pool, auth or AuthPolicy(), self.metrics, limits)
         self.server, self.port = build_server(
             service, "127.0.0.1:0", credentials=credentials, max_workers=16, chunk_bytes=self.pool.config.chunk_bytes
         )
@@ -76,12 +84,36 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
 
 def _pull(stub: pb_grpc.CoordinatorStub, session: str) -> tuple[pb.TaskHeader, NamedArrays]:
     for _ in range(50):
-        chunks = list(stub.PullTask(pb.PullTaskRequest(session=session, wait_s=0.5)))
+        chunks = list(
+            stub.PullTask(pb.PullTaskRequest(session=session, wait_s=0.5), metadata=session_metadata(session))
+        )
         if chunks[0].WhichOneof("body") == "header":
             data = b"".join(c.data for c in chunks[1:-1])
             assert hashlib.sha256(data).digest() == chunks[-1].trailer.sha256
             return chunks[0].header, decode(data)
     raise AssertionError("no task")
+
+
+def result_header_chunk(
+    session: str,
+    header: pb.TaskHeader,
+    announce: int,
+    *,
+    num_examples: int = 10,
+    metrics: dict[str, float] | None = None,
+) -> pb.ResultChunk:
+    """The first message of a push of a fit result for the task ``header``, announcing ``announce`` bytes."""
+    return pb.ResultChunk(
+        header=pb.ResultHeader(
+            session=session,
+            task_id=header.task_id,
+            round=header.round,
+            stage=pb.STAGE_FIT,
+            num_examples=num_examples,
+            payload_bytes=announce,
+            metrics=metrics or {},
+        )
+    )
 
 
 def _push(
@@ -100,23 +132,14 @@ def _push(
     body = payload if send is None else send
 
     def stream() -> Iterator[pb.ResultChunk]:
-        yield pb.ResultChunk(
-            header=pb.ResultHeader(
-                session=session,
-                task_id=header.task_id,
-                round=header.round,
-                stage=pb.STAGE_FIT,
-                num_examples=num_examples,
-                payload_bytes=len(payload) if announce is None else announce,
-                metrics=metrics or {},
-            )
-        )
+        announced = len(payload) if announce is None else announce
+        yield result_header_chunk(session, header, announced, num_examples=num_examples, metrics=metrics)
         for piece in iter_bytes_chunks(body, 1024):
             yield pb.ResultChunk(data=piece)
         yield pb.ResultChunk(trailer=pb.Trailer(sha256=digest or hashlib.sha256(payload).digest()))
         yield from extra or []
 
-    return stub.PushResult(stream())
+    return stub.PushResult(stream(), metadata=session_metadata(session))
 
 
 Behaviour = Callable[[pb_grpc.CoordinatorStub, str, pb.TaskHeader, NamedArrays], pb.PushReply]
@@ -204,7 +227,7 @@ def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness:
     assert not list((harness.pool.config.spill_dir).glob("*.part"))
 
 
-def test_an_update_that_does_not_fit_on_disk_is_refused_before_it_is_read(
+def test_an_update_that_does_not_fit_on_disk_is_refused_at_its_first_chunk(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real = os.posix_fallocate
@@ -250,8 +273,10 @@ def _silent_client_fails_fast(harness: Harness) -> None:
     assert harness.pool.available() == []
     assert harness.metrics.dropped._value.get() == 1
     with pytest.raises(grpc.RpcError) as info:
-        stub.Heartbeat(pb.HeartbeatRequest(session=session))
-        list(stub.PullTask(pb.PullTaskRequest(session=session, wait_s=0.1)))
+        stub.Heartbeat(pb.HeartbeatRequest(session=session), metadata=session_metadata(session))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.PullTask(pb.PullTaskRequest(session=session, wait_s=0.1), metadata=session_metadata(session)))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -262,7 +287,7 @@ def test_deadline_and_duplicate_push(harness: Harness) -> None:
 
     def beat() -> None:
         while not stop.wait(0.1):
-            stub.Heartbeat(pb.HeartbeatRequest(session=session))
+            stub.Heartbeat(pb.HeartbeatRequest(session=session), metadata=session_metadata(session))
 
     threading.Thread(target=beat, daemon=True).start()
     ins = FitIns(round=1, parameters=dict(GLOBAL), config=FitConfig(), seed=0)
@@ -287,14 +312,30 @@ def test_deadline_and_duplicate_push(harness: Harness) -> None:
     stop.set()
 
 
-def test_a_refused_push_stays_refused_and_one_push_per_task_is_read_at_a_time(harness: Harness) -> None:
+class OpenTask(NamedTuple):
+    """One client "c" joined, a round of one fit task running on a thread, the task pulled."""
+
+    stub: pb_grpc.CoordinatorStub
+    session: str
+    header: pb.TaskHeader
+    params: NamedArrays
+    replies: list[object]
+    runner: threading.Thread
+
+
+def open_task(harness: Harness) -> OpenTask:
     stub = harness.stub()
     session = stub.Join(pb.JoinRequest(client_id="c")).session
     ins = FitIns(round=1, parameters=dict(GLOBAL), config=FitConfig(), seed=0)
-    got: list[object] = []
-    runner = threading.Thread(target=lambda: got.extend(harness.pool.run({"c": ins}, timeout_s=30)))
+    replies: list[object] = []
+    runner = threading.Thread(target=lambda: replies.extend(harness.pool.run({"c": ins}, timeout_s=30)))
     runner.start()
     header, params = _pull(stub, session)
+    return OpenTask(stub, session, header, params, replies, runner)
+
+
+def test_a_refused_push_stays_refused_and_one_push_per_task_is_read_at_a_time(harness: Harness) -> None:
+    stub, session, header, params, got, runner = open_task(harness)
     payload = encode(params)
     # a push that stalls after its first chunk holds the task; a second push of it is turned away meanwhile
     release = threading.Event()
@@ -313,7 +354,7 @@ def test_a_refused_push_stays_refused_and_one_push_per_task_is_read_at_a_time(ha
         yield pb.ResultChunk(data=payload[:10])
         release.wait(10)
 
-    first = stub.PushResult.future(stalled())
+    first = stub.PushResult.future(stalled(), metadata=session_metadata(session))
     spill = harness.pool.config.spill_dir
     deadline = time.monotonic() + 10
     while not list(spill.glob(f"update-{header.task_id}-*.part")) and time.monotonic() < deadline:
@@ -364,7 +405,7 @@ def test_tokens_and_revocation(tmp_path: Path) -> None:
                 stub.Join(pb.JoinRequest(client_id=client_id, token=token))
             assert info.value.code() == code
         with pytest.raises(grpc.RpcError) as info:
-            list(stub.PullTask(pb.PullTaskRequest(session="forged", wait_s=0.1)))
+            list(stub.PullTask(pb.PullTaskRequest(session="forged", wait_s=0.1), metadata=session_metadata("forged")))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         h.close()

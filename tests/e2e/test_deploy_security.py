@@ -125,7 +125,8 @@ def test_invalid_credentials_are_refused_and_metrics_match_the_run(tmp_path: Pat
             assert proc.wait(180) == 2, proc.text()  # most of it starting Python and torch on a loaded machine
             assert f"fedcore: error: [client 'client-002'] {expected[name]}" in proc.text(), proc.text()
             assert "joined" not in proc.text() and "retrying in" not in proc.text()
-        assert "refused join of client client-002" in server.text()
+        assert "refused a call (wrong token)" in server.text()
+        assert "unknown client 'client-002' or wrong token" in server.text()
 
         server.wait_for_line(f"finished {rounds} rounds", 90)
         # during --linger-s: the --stay daemons are still connected
