@@ -15,7 +15,6 @@ and a watchdog thread that polls the parent pid everywhere), so none outlives it
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -169,12 +168,11 @@ def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: f
             with open(log_path(workdir, rank), "wb") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "fedcore.engine.worker", str(spec_path), str(rank)],
+                        [sys.executable, "-c", _BOOTSTRAP, str(spec_path), str(rank)],
                         env=rank_env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
-                        preexec_fn=_pdeathsig_setter(os.getpid()),  # a bare prctl call, see there
                     )
                 )
         deadline = time.monotonic() + timeout_s
@@ -239,36 +237,31 @@ def _timeout(procs: list[subprocess.Popen[bytes]], workdir: Path, timeout_s: flo
     )
 
 
-def _pdeathsig_setter(parent_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that asks Linux to SIGKILL the child when its parent dies (None elsewhere).
+_BOOTSTRAP = (
+    "import ctypes, os, runpy, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9\n"
+    "if os.getppid() != int(os.environ['" + PARENT_ENV + "']):\n"
+    "    os._exit(1)  # the launcher died before the request took effect\n"
+    "runpy.run_module('fedcore.engine.worker', run_name='__main__', alter_sys=True)\n"
+)
+"""The worker's first lines, run by a fresh interpreter before it imports anything heavy (torch takes seconds):
+ask Linux to SIGKILL this process when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), exit if the launcher is
+already gone, then run :mod:`fedcore.engine.worker` as ``__main__``.
 
-    It runs in the child between fork and exec, before the worker spends seconds importing torch, so a launcher
-    killed during that time takes its workers along. It only calls ``prctl`` through a libc handle loaded here
-    in the parent (no import, no lock), which is safe after fork even when the parent has other threads.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    signum = int(signal.SIGKILL)
-
-    def set_pdeathsig() -> None:
-        prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return set_pdeathsig
+This is done in the child rather than in a ``preexec_fn``: a ``preexec_fn`` makes ``subprocess`` use a real
+``fork()``, which runs every library's at-fork handlers in the child; in the client daemon gRPC's handlers then
+abort the child now and then (``epoll_wait error: Bad file descriptor``, SIGABRT). Without one, ``subprocess``
+starts the child without running them."""
 
 
 def die_with_parent(parent_pid: int) -> None:
     """Make this worker die when its launcher ``parent_pid`` does, however the launcher ends.
 
-    On Linux the launcher has already asked the kernel for SIGKILL on its death (``prctl(PR_SET_PDEATHSIG)``
-    in :func:`_pdeathsig_setter`); everywhere, a daemon thread checks every :data:`WATCHDOG_PERIOD_S` whether
-    the parent pid changed (the orphan was re-parented) and then kills this worker's process group. A worker
-    whose parent is already gone exits at once.
+    On Linux the worker's bootstrap has already asked the kernel for SIGKILL on the launcher's death
+    (``prctl(PR_SET_PDEATHSIG)`` in :data:`_BOOTSTRAP`); everywhere, a daemon thread checks every
+    :data:`WATCHDOG_PERIOD_S` whether the parent pid changed (the orphan was re-parented) and then kills this
+    worker's process group. A worker whose parent is already gone exits at once.
     """
     if os.getppid() != parent_pid:
         os._exit(1)
@@ -282,9 +275,6 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="fedcore-parent-watchdog", daemon=True).start()
-
-
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def _tail(path: Path, limit: int = 4000) -> str:
