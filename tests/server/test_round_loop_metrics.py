@@ -224,3 +224,17 @@ def test_example_counts_that_are_not_integers_reject_that_update_only() -> None:
     assert "not an integer >= 0" in reasons and "beyond the float range" in reasons
     np.testing.assert_array_equal(state.parameters["w"], [1.0, 2.0])
     assert records[-1].train_metrics == {"loss": 1.0} and records[-1].metrics_left_out == 1
+
+
+def test_metric_values_of_both_signs_beyond_the_float_range_in_sum_never_fail_a_round() -> None:
+    # 10·1e308 and 30·(-1e308) are +inf and -inf as products; the mean, -0.5e308, is a float
+    counts: dict[str, object] = {"a": 10, "b": 30}
+    metrics: dict[str, object] = {"a": {"big": 1e308, "inf": math.inf}, "b": {"big": -1e308, "inf": -math.inf}}
+    sampling = SamplingConfig(fraction_fit=1.0, min_fit_clients=1)
+    state, records = run_rounds(
+        DirectPool(counts, metrics), Strategy(sampling=sampling), {"w": np.zeros(2, np.float32)}, RoundConfig(num_rounds=1)
+    )
+    assert records[-1].accepted == ("a", "b")
+    assert records[-1].train_metrics == {"big": pytest.approx(-0.5e308, rel=1e-15)}
+    assert records[-1].metrics_left_out == 2  # the two infinities
+    np.testing.assert_array_equal(state.parameters["w"], [1.0, 1.0])
