@@ -39,6 +39,7 @@ import csv
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import sqlite3
@@ -91,7 +92,8 @@ CREATE TABLE IF NOT EXISTS failures (
     superseded INTEGER NOT NULL DEFAULT 0
 );
 """
-# round_metrics.value has no type on purpose: SQLite then keeps integers (counts) as integers and floats as floats.
+# round_metrics.value has no type on purpose: SQLite then keeps integers (counts) as integers and floats as floats
+# (a NaN as the text "nan", see _to_sql).
 
 _NEW_RUN = "use a new --state-dir for a new run (add --initial FILE to start it from a saved model, e.g. a checkpoint)"
 
@@ -150,6 +152,23 @@ def _db_value(value: object) -> int | float | None:
     if isinstance(value, (bool, int, np.integer)):
         return int(value)
     return float(value)  # type: ignore[arg-type]
+
+
+_NAN = "nan"
+"""How a NaN metric value (a diverged model's test loss) is stored in round_metrics: SQLite would store a NaN
+REAL as NULL, which reads back as "no value", so the server's history.csv would lose the divergence that the
+simulation's shows."""
+
+
+def _to_sql(value: object) -> int | float | str | None:
+    plain = _db_value(value)
+    return _NAN if isinstance(plain, float) and math.isnan(plain) else plain
+
+
+def _from_sql(value: object) -> int | float | None:
+    if value == _NAN:
+        return math.nan
+    return value if value is None or isinstance(value, (int, float)) else None
 
 
 def _strategy_identity(config: StrategyConfig) -> dict[str, object]:
@@ -328,7 +347,7 @@ class StateStore:
             self._db.execute("DELETE FROM round_metrics WHERE round = ? AND superseded = 0", (record.round,))
             self._db.executemany(
                 "INSERT INTO round_metrics (round, key, value) VALUES (?, ?, ?)",
-                [(record.round, k, _db_value(v)) for k, v in row.items() if k != "round"],
+                [(record.round, k, _to_sql(v)) for k, v in row.items() if k != "round"],
             )
             self._db.execute("DELETE FROM failures WHERE round = ? AND superseded = 0", (record.round,))
             self._db.executemany(
@@ -352,7 +371,7 @@ class StateStore:
                 "SELECT round, key, value FROM round_metrics WHERE superseded = 0 ORDER BY round, rowid"
             ):
                 if int(rnd) in rows:
-                    rows[int(rnd)][str(key)] = value
+                    rows[int(rnd)][str(key)] = _from_sql(value)
         return list(rows.values())
 
     def export_csv(self, path: str | os.PathLike[str] | None = None) -> Path:
