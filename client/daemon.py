@@ -200,11 +200,13 @@ class ClientDaemon:
             ("grpc.enable_retries", 0),
             *TRANSFER_OPTIONS,
         ]
+        # the parsed address in its one written form: gRPC never sees a form it reads otherwise ([127.0.0.1]:1)
+        target = str(parse_address(cfg.server, what="server (--server)"))
         if cfg.insecure:
-            return grpc.insecure_channel(cfg.server, options=options)
+            return grpc.insecure_channel(target, options=options)
         if cfg.server_name:
             options.append(("grpc.ssl_target_name_override", cfg.server_name))
-        return grpc.secure_channel(cfg.server, self._credentials, options=options)
+        return grpc.secure_channel(target, self._credentials, options=options)
 
     # ------------------------------------------------------------------- main
     def run(self) -> int:

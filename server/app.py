@@ -225,7 +225,14 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
 
     metrics = ServerMetrics()
     if config.metrics_port is not None:
-        metrics_host, metrics_port = metrics.serve(config.metrics_port, config.metrics_address)
+        host = parse_host(config.metrics_address, what="metrics_address (--metrics-address)")  # "[::1]" -> "::1"
+        try:
+            metrics_host, metrics_port = metrics.serve(config.metrics_port, host)
+        except OSError as exc:  # an unknown host name, a port in use
+            raise ConfigError(
+                f"cannot serve metrics on {Address(host, config.metrics_port)}: {exc.strerror or exc}; give "
+                "--metrics-address an address of this machine and a free --metrics-port (0 picks one)"
+            ) from exc
         echo(f"metrics on http://{Address(metrics_host, metrics_port)}/metrics")
     auth = AuthPolicy(
         tokens=load_tokens(config.tokens_file) if config.tokens_file is not None else {},
@@ -248,7 +255,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     service = _RecordingService(pool, auth, metrics, store)
     server, port = build_server(
         service,
-        config.address,
+        str(config.listen_address),  # the parsed address, written the one way gRPC reads as we do
         credentials=credentials,
         max_workers=config.max_workers,
         chunk_bytes=config.chunk_bytes,
@@ -328,6 +335,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
             signal.signal(signal.SIGTERM, previous)
         server.stop(grace=1.0).wait(5)
         pool.close()
+        metrics.close()
         store.close()
     return final
 

@@ -232,7 +232,10 @@ def test_metric_values_of_both_signs_beyond_the_float_range_in_sum_never_fail_a_
     metrics: dict[str, object] = {"a": {"big": 1e308, "inf": math.inf}, "b": {"big": -1e308, "inf": -math.inf}}
     sampling = SamplingConfig(fraction_fit=1.0, min_fit_clients=1)
     state, records = run_rounds(
-        DirectPool(counts, metrics), Strategy(sampling=sampling), {"w": np.zeros(2, np.float32)}, RoundConfig(num_rounds=1)
+        DirectPool(counts, metrics),
+        Strategy(sampling=sampling),
+        {"w": np.zeros(2, np.float32)},
+        RoundConfig(num_rounds=1),
     )
     assert records[-1].accepted == ("a", "b")
     assert records[-1].train_metrics == {"big": pytest.approx(-0.5e308, rel=1e-15)}
