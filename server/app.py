@@ -209,6 +209,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     if config.insecure:
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
     credentials = server_credentials(config)  # TLS files checked before anything is created
+    tokens = load_tokens(config.tokens_file) if config.tokens_file is not None else {}  # so is the tokens file
     _return_large_blocks_to_the_os()
     store = StateStore(config.state_dir)
     try:
@@ -235,7 +236,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
             ) from exc
         echo(f"metrics on http://{Address(metrics_host, metrics_port)}/metrics")
     auth = AuthPolicy(
-        tokens=load_tokens(config.tokens_file) if config.tokens_file is not None else {},
+        tokens=tokens,
         require_client_cert=config.client_ca is not None,
         revoked=frozenset(config.revoked),
     )
