@@ -203,7 +203,8 @@ class StateStore:
     Raises:
         ConfigError: the directory cannot be created or written.
         StateError: another process holds the directory (a second server on it), or state.db is damaged, not a
-            database, or written by an older fedcore (the message says what to do).
+            database, or written by an older fedcore, or the directory has no state.db but results of another run
+            (history.csv, a simulation's files) that the server would overwrite (the message says what to do).
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -211,6 +212,7 @@ class StateStore:
         self.checkpoints = self.directory / "checkpoints"
         self.spill = self.directory / "spill"
         self.database = self.directory / "state.db"
+        _refuse_results_of_another_kind(self.directory, self.database)
         try:
             self.checkpoints.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -548,6 +550,29 @@ class StateStore:
                 "backup, or " + _NEW_RUN
             )
         return None
+
+
+_RESULT_FILES = ("history.csv", "config.json", "model.safetensors", "history.png")
+"""Files that, in a directory without state.db, are results of another run (a simulation's output directory, or a
+server's history whose database is gone) that a fresh server would overwrite or mix with its own."""
+
+
+def _refuse_results_of_another_kind(directory: Path, database: Path) -> None:
+    """Refuse, before anything is written, a directory without state.db (nor checkpoints) that holds results of
+    another run.
+
+    Raises:
+        StateError: names the files found and what to do.
+    """
+    if database.exists() or not directory.is_dir() or any((directory / "checkpoints").glob("round-*.safetensors")):
+        return  # (checkpoints without state.db are refused later, with a message about them)
+    found = [name for name in _RESULT_FILES if (directory / name).exists()]
+    if found:
+        raise StateError(
+            f"{str(directory)!r} is not a server state directory (no state.db) but holds {', '.join(found)}, the "
+            "results of another run (a simulation's output directory?), which this server would overwrite; give "
+            "--state-dir a new or empty directory, or restore that run's state.db to resume it"
+        )
 
 
 def _lock_directory(directory: Path) -> int:

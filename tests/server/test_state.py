@@ -75,6 +75,17 @@ def test_records_kept_but_all_checkpoints_deleted_is_refused_and_nothing_is_over
     store.close()
 
 
+def test_a_history_without_its_database_is_refused_and_kept(tmp_path: Path) -> None:
+    # state.db and the checkpoints deleted, history.csv kept: a fresh server would overwrite the old run's history
+    _run(tmp_path, 2).close()
+    for path in [tmp_path / "state.db", *(tmp_path / "checkpoints").iterdir()]:
+        path.unlink()
+    before = (tmp_path / "history.csv").read_bytes()
+    with pytest.raises(StateError, match=r"no state\.db\) but holds history\.csv"):
+        StateStore(tmp_path)
+    assert (tmp_path / "history.csv").read_bytes() == before and not (tmp_path / "state.db").exists()
+
+
 def test_checkpoints_newer_than_the_records_are_refused(tmp_path: Path) -> None:
     _run(tmp_path, 4).close()
     (tmp_path / "state.db").unlink()  # a replaced database: no rounds, no strategy
