@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, cast
@@ -51,6 +52,7 @@ from typing import Any, Literal, Protocol, cast
 import numpy as np
 import torch
 
+from fedcore.aggregation import metric_value
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, TaskFactory, TrainContext, TrainResult
 
@@ -196,7 +198,9 @@ def fit_config_dict(config: FitConfig, *, server_round: int, seed: int) -> dict[
 
 
 def scalar_metrics(metrics: object, *, stage: str) -> dict[str, float]:
-    """Keep the numeric entries (bool, int, float, numpy numbers) of a Flower metrics dict, as floats.
+    """Keep the numeric entries (bool, int, float, numpy numbers and 0-d arrays) of a Flower metrics dict, as
+    floats (:func:`fedcore.aggregation.metric_value`: an int beyond the float range becomes ±inf, which the server
+    leaves out of its averages; no value can fail the instruction).
 
     String and bytes values, which fedcore's metrics cannot carry, are dropped (logged at debug level).
 
@@ -209,12 +213,11 @@ def scalar_metrics(metrics: object, *, stage: str) -> dict[str, float]:
         )
     kept: dict[str, float] = {}
     for key, value in metrics.items():
-        if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
-            value = value.item()  # a 0-d array, as numpy arithmetic on 0-d arrays gives
-        if isinstance(value, (bool, np.bool_, numbers.Real)):
-            kept[str(key)] = float(value)
-        else:
+        number = metric_value(value)  # 0-d arrays and numpy scalars too; an int beyond the float range is ±inf
+        if number is None:
             log.debug("dropping non-numeric Flower metric %r (%s)", key, type(value).__name__)
+        else:
+            kept[str(key)] = number
     return kept
 
 
@@ -300,7 +303,12 @@ class FlowerTask:
             )
         loss, num_examples, metrics = result
         count = _count(num_examples, what="num_examples", round=None, client_id=None, stage="evaluate")
-        return EvalResult(loss=float(loss), num_examples=count, metrics=scalar_metrics(metrics, stage="evaluate"))
+        value = metric_value(loss)  # a real number: never None; an int beyond the float range is ±inf
+        return EvalResult(
+            loss=math.nan if value is None else value,
+            num_examples=count,
+            metrics=scalar_metrics(metrics, stage="evaluate"),
+        )
 
 
 def _flower_module(model: torch.nn.Module) -> FlowerParameters:

@@ -369,3 +369,26 @@ def test_what_is_no_number_is_still_refused_as_an_array() -> None:
                  seed=SEED)  # fmt: skip
     with pytest.raises(PayloadError, match=r"fit returned a str as array 1 \(param_0001\); return numeric"):
         run_instruction(FlowerTask(Texts()), ins, "c0")
+
+
+def test_flower_metric_values_of_every_kind_never_fail_the_instruction() -> None:
+    # flwr's Scalar allows any int: 10**400 (like float("inf"), NaN or a string) must not fail the client's fit
+    class Odd(_ScalarClient):
+        def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+            metrics = {"huge": 10**400, "minus": -(10**400), "nan": np.float32("nan"), "flag": np.bool_(True),
+                       "zero_d": np.array(2, np.int64), "text": "x", "raw": b"y", "vector": np.ones(2)}  # fmt: skip
+            return [p + 1 for p in parameters], 5, metrics
+
+        def evaluate(self, parameters, config):  # type: ignore[no-untyped-def]
+            return 10**400, 5, {"ok": 0.25}
+
+    task = FlowerTask(Odd())
+    initial = from_state_dict(task.build_model().state_dict())
+    reply = run_instruction(task, FitIns(round=1, parameters=initial, config=CONFIG, seed=SEED), "c0")
+    assert isinstance(reply, FitRes)
+    metrics = {k: v for k, v in reply.metrics.items() if k != "fit_seconds"}
+    assert np.isnan(metrics.pop("nan"))  # passed on, for the server to leave out of its average
+    assert metrics == {"huge": np.inf, "minus": -np.inf, "flag": 1.0, "zero_d": 2.0}
+    # a loss beyond the float range with examples: this client's evaluation fails, clearly, and nothing else
+    with pytest.raises(ClientTaskError, match=r"task\.evaluate returned loss=inf with num_examples=5"):
+        run_instruction(task, EvaluateIns(round=1, parameters=reply.parameters, batch_size=4), "c0")
