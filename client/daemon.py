@@ -241,7 +241,11 @@ class ClientDaemon:
                 # timeout, and the session must stay alive meanwhile
                 heartbeat = threading.Thread(target=self._heartbeat_loop, args=(stub,), daemon=True)
                 heartbeat.start()
-                self._prepare_task(seed)
+                try:
+                    self._prepare_task(seed)
+                except BaseException:  # the task cannot be built (bad settings, the factory raised) or Ctrl-C:
+                    self._leave(stub)  # the server drops this client now, not after its liveness timeout
+                    raise
                 if self._serve(stub):
                     log.info("the server finished the run; exiting")
                     self._leave(stub)

@@ -153,3 +153,23 @@ def test_a_task_the_daemon_cannot_use_is_reported_at_once(tmp_path: Path) -> Non
         h.pool.finish()
         thread.join(10)
         h.close()
+
+
+def test_a_daemon_whose_task_cannot_be_built_leaves_at_once(tmp_path: Path) -> None:
+    # it exits (a ConfigError: code 2); the server must not keep it as connected until the liveness timeout, or a
+    # round selects it and waits for it (every misconfigured daemon cost a round attempt 15 s later)
+    from fedcore.errors import ConfigError
+
+    h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=30.0)
+
+    def broken_factory(context: TaskContext) -> Task:
+        assert "broken" in h.pool.available()  # joined, heartbeating
+        raise ConfigError("the Flower client_fn read a key it was not given: 'partition-id'")
+
+    config = DaemonConfig(server=f"127.0.0.1:{h.port}", client_id="broken", task="unused:factory", insecure=True)
+    try:
+        with pytest.raises(ConfigError, match="partition-id"):
+            ClientDaemon(config, factory=broken_factory).run()
+        assert h.pool.available() == []  # left at once; 30 s before the liveness timeout would have dropped it
+    finally:
+        h.close()
