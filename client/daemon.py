@@ -29,8 +29,8 @@ import grpc
 from client.runner import ParallelTraining, run_instruction
 from fedcore.config import parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
-from fedcore.errors import ConfigError, FedcoreError, PayloadError, TransportError
-from fedcore.messages import Failure, Instruction, Reply, Stage
+from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, PayloadError, TransportError
+from fedcore.messages import Failure, Instruction, Reply, Stage, bounded_repr
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
@@ -302,6 +302,10 @@ class ClientDaemon:
         """Build the task for the run's ``seed`` (loads the data; may take long), unless built for it already.
 
         Called with the heartbeat thread running, so the session stays alive however long it takes.
+
+        Raises:
+            ConfigError: the task's settings are wrong (e.g. a Flower client_fn read a key it was not given).
+            ClientTaskError: the factory raised anything else (its traceback is logged).
         """
         if self._task is not None and self._task_seed == seed:
             return
@@ -315,7 +319,18 @@ class ClientDaemon:
             options=dict(self.config.task_options),
         )
         started = time.perf_counter()
-        self._task = self._factory(context)
+        try:
+            self._task = self._factory(context)
+        except FedcoreError:
+            raise
+        except Exception as exc:  # a bug or a missing file in the user's task: retrying cannot fix it (exit 2)
+            log.error("the task factory %s raised", self.config.task, exc_info=True)
+            raise ClientTaskError(
+                f"the task factory {self.config.task!r} raised {type(exc).__name__}: {bounded_repr(str(exc), 300)} "
+                "(traceback above); fix the task or its options and start the daemon again",
+                client_id=self.config.client_id,
+                stage="build",
+            ) from exc
         self._task_seed = seed
         plan = self.config.parallel
         if plan is not None and not plan.is_single_process:
