@@ -136,6 +136,8 @@ class DaemonConfig:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if not self.poll_s > 0:
             raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
+        if self.give_up_after_s is not None and not self.give_up_after_s > 0:  # NaN never gave up, -5 at once
+            raise ConfigError(f"give_up_after_s (--give-up-after-s) must be > 0 seconds, got {self.give_up_after_s}")
 
 
 class DamagedTask(FedcoreError):

@@ -14,6 +14,7 @@ and a restart on the same state directory resumes at the next round.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -141,8 +142,14 @@ class ServerConfig:
         parse_host(self.metrics_address, what="metrics_address (--metrics-address)")
         if self.metrics_port is not None:
             check_port(self.metrics_port, what="metrics_port (--metrics-port)", allow_zero=True)
-        if self.linger_s < 0:
-            raise ConfigError(f"linger_s must be >= 0, got {self.linger_s}")
+        if not 0 <= self.linger_s < math.inf:  # NaN slept into a ValueError after the last round, inf forever
+            raise ConfigError(f"linger_s must be a number of seconds >= 0, got {self.linger_s}")
+        # the round loop's and the pool's own checks, now: before any side effect, not after the data loaded and
+        # the server listens (nothing is created here)
+        self.round_config()
+        PoolConfig(spill_dir=self.state_dir / "spill", seed=self.seed, heartbeat_interval_s=self.heartbeat_interval_s,
+                   liveness_timeout_s=self.liveness_timeout_s, max_payload_bytes=self.max_payload_bytes,
+                   chunk_bytes=self.chunk_bytes)  # fmt: skip
 
     @property
     def listen_address(self) -> Address:

@@ -201,3 +201,40 @@ def test_the_client_connects_to_the_address_as_parsed() -> None:
         channel.close()
     finally:
         server.stop(None)
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--rounds=0", "num_rounds must be >= 1, got 0"),
+        ("--evaluate-every=0", "evaluate_every must be >= 1, got 0"),
+        ("--max-round-attempts=0", "max_round_attempts must be >= 1, got 0"),
+        ("--wait-for-clients-s=nan", "wait_for_clients_s must be > 0, got nan"),
+        ("--round-timeout-s=-1", "round_timeout_s must be > 0 or unset, got -1.0"),
+        ("--liveness-timeout-s=nan", "liveness_timeout_s (nan) must exceed heartbeat_interval_s (5.0)"),
+        ("--chunk-bytes=0", "chunk_bytes must be in [1 KiB, 64 MiB], got 0"),
+        ("--linger-s=nan", "linger_s must be a number of seconds >= 0, got nan"),
+        ("--linger-s=inf", "linger_s must be a number of seconds >= 0, got inf"),
+    ],
+)
+def test_every_server_value_is_checked_before_any_side_effect(
+    flag: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # these were checked only after the state directory was made, the data loaded and (for the round settings)
+    # the server listening; linger_s NaN raised ValueError after the last round and inf never ended the server
+    state = tmp_path / "state"
+    code = main(["server", "start", "--insecure", "--task", "simulations.tasks:demo_task", "--address",
+                 "127.0.0.1:0", "--state-dir", str(state), flag])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedcore: error: ") and message in err, err
+    assert not state.exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "-5", "0"])
+def test_the_client_refuses_a_give_up_time_that_is_not_positive(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # NaN never gave up (every comparison with it is false); -5 gave up after the first failed attempt (exit 3)
+    code = main(["client", "start", "--insecure", "--server", "127.0.0.1:1", "--client-id", "c0",
+                 f"--give-up-after-s={value}"])  # fmt: skip
+    assert code == 2
+    assert f"give_up_after_s (--give-up-after-s) must be > 0 seconds, got {float(value)}" in capsys.readouterr().err
