@@ -20,7 +20,7 @@ from flwr.client import ClientApp, NumPyClient
 from flwr.common import Context
 from flwr.server.strategy.aggregate import aggregate
 
-from client.flower import FlowerParameters, FlowerTask, fit_config_dict, flower_task_factory
+from client.flower import FlowerParameters, FlowerTask, fit_config_dict, flower_context, flower_task_factory
 from client.runner import run_instruction
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes
@@ -326,6 +326,34 @@ def test_a_key_the_client_fn_was_not_given_is_a_clear_error() -> None:
     assert len(cast(Any, task.client).y) == 24  # 80% of partition 1 of 4 (30 examples)
     with pytest.raises(ConfigError, match="server_node_config is a Flower node_config: it needs context='flower'"):
         flower_task_factory(flower_app.client_fn, context="fedcore", server_node_config={"partition-id": 0})
+
+
+def test_the_error_for_a_missing_key_says_which_config_lacked_it_and_how_to_give_it() -> None:
+    def reads(where: str, key: str) -> Any:
+        def client_fn(context: Context) -> object:
+            return getattr(context, where)[key]
+
+        return client_fn
+
+    client = TaskContext(client_id="c1", options={"lr": "0.1"})
+    cases = {
+        ("node_config", "partition-id"): "give the daemon --partition-id/--num-partitions",
+        ("node_config", "dataset-path"): "fedcore's node_config gives only partition-id and num-partitions "
+        "(--partition-id/--num-partitions) and data-dir (--data-dir), not 'dataset-path': read such a setting "
+        "from context.run_config and give it as --task-option key=value",
+        ("run_config", "epochs"): "give it as --task-option epochs=VALUE, to the server and to every daemon",
+    }
+    for (where, key), advice in cases.items():
+        with pytest.raises(ConfigError) as info:
+            flower_task_factory(reads(where, key))(client)
+        assert f"read a key it was not given: {key!r}" in str(info.value) and advice in str(info.value)
+    # otherwise the dicts behave as Flower's: equal to plain dicts, .get with a default raises nothing
+    flower = flower_context(TaskContext(client_id="c1", partition_id=0, num_partitions=2, options={"lr": "0.1"}))
+    assert flower.run_config == {"lr": 0.1} and flower.run_config.get("epochs", 3) == 3
+    assert {k: flower.node_config[k] for k in ("partition-id", "num-partitions")} == {
+        "partition-id": 0,
+        "num-partitions": 2,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
