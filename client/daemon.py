@@ -30,8 +30,8 @@ import grpc
 from client.runner import ParallelTraining, run_instruction
 from fedcore.config import parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
-from fedcore.errors import ConfigError, FedcoreError, PayloadError, TransportError
-from fedcore.messages import Failure, Instruction, Reply, Stage
+from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, PayloadError, TransportError
+from fedcore.messages import Failure, Instruction, Reply, Stage, bounded_repr
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
@@ -139,6 +139,8 @@ class DaemonConfig:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if not self.poll_s > 0:
             raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
+        if self.give_up_after_s is not None and not self.give_up_after_s > 0:  # NaN never gave up, -5 at once
+            raise ConfigError(f"give_up_after_s (--give-up-after-s) must be > 0 seconds, got {self.give_up_after_s}")
 
 
 class DamagedTask(FedcoreError):
@@ -204,11 +206,13 @@ class ClientDaemon:
             ("grpc.enable_retries", 0),
             *TRANSFER_OPTIONS,
         ]
+        # the parsed address in its one written form: gRPC never sees a form it reads otherwise ([127.0.0.1]:1)
+        target = str(parse_address(cfg.server, what="server (--server)"))
         if cfg.insecure:
-            return grpc.insecure_channel(cfg.server, options=options)
+            return grpc.insecure_channel(target, options=options)
         if cfg.server_name:
             options.append(("grpc.ssl_target_name_override", cfg.server_name))
-        return grpc.secure_channel(cfg.server, self._credentials, options=options)
+        return grpc.secure_channel(target, self._credentials, options=options)
 
     # ------------------------------------------------------------------- main
     def run(self) -> int:
@@ -243,7 +247,11 @@ class ClientDaemon:
                 # timeout, and the session must stay alive meanwhile
                 heartbeat = threading.Thread(target=self._heartbeat_loop, args=(stub,), daemon=True)
                 heartbeat.start()
-                self._prepare_task(seed)
+                try:
+                    self._prepare_task(seed)
+                except BaseException:  # the task cannot be built (bad settings, the factory raised) or Ctrl-C:
+                    self._leave(stub)  # the server drops this client now, not after its liveness timeout
+                    raise
                 if self._serve(stub):
                     log.info("the server finished the run; exiting")
                     self._leave(stub)
@@ -323,6 +331,10 @@ class ClientDaemon:
         """Build the task for the run's ``seed`` (loads the data; may take long), unless built for it already.
 
         Called with the heartbeat thread running, so the session stays alive however long it takes.
+
+        Raises:
+            ConfigError: the task's settings are wrong (e.g. a Flower client_fn read a key it was not given).
+            ClientTaskError: the factory raised anything else (its traceback is logged).
         """
         if self._task is not None and self._task_seed == seed:
             return
@@ -336,7 +348,18 @@ class ClientDaemon:
             options=dict(self.config.task_options),
         )
         started = time.perf_counter()
-        self._task = self._factory(context)
+        try:
+            self._task = self._factory(context)
+        except FedcoreError:
+            raise
+        except Exception as exc:  # a bug or a missing file in the user's task: retrying cannot fix it (exit 2)
+            log.error("the task factory %s raised", self.config.task, exc_info=True)
+            raise ClientTaskError(
+                f"the task factory {self.config.task!r} raised {type(exc).__name__}: {bounded_repr(str(exc), 300)} "
+                "(traceback above); fix the task or its options and start the daemon again",
+                client_id=self.config.client_id,
+                stage="build",
+            ) from exc
         self._task_seed = seed
         plan = self.config.parallel
         if plan is not None and not plan.is_single_process:

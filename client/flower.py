@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, cast
@@ -51,6 +52,7 @@ from typing import Any, Literal, Protocol, cast
 import numpy as np
 import torch
 
+from fedcore.aggregation import metric_value
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, TaskFactory, TrainContext, TrainResult
 
@@ -196,7 +198,9 @@ def fit_config_dict(config: FitConfig, *, server_round: int, seed: int) -> dict[
 
 
 def scalar_metrics(metrics: object, *, stage: str) -> dict[str, float]:
-    """Keep the numeric entries (bool, int, float, numpy numbers) of a Flower metrics dict, as floats.
+    """Keep the numeric entries (bool, int, float, numpy numbers and 0-d arrays) of a Flower metrics dict, as
+    floats (:func:`fedcore.aggregation.metric_value`: an int beyond the float range becomes ±inf, which the server
+    leaves out of its averages; no value can fail the instruction).
 
     String and bytes values, which fedcore's metrics cannot carry, are dropped (logged at debug level).
 
@@ -209,12 +213,11 @@ def scalar_metrics(metrics: object, *, stage: str) -> dict[str, float]:
         )
     kept: dict[str, float] = {}
     for key, value in metrics.items():
-        if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
-            value = value.item()  # a 0-d array, as numpy arithmetic on 0-d arrays gives
-        if isinstance(value, (bool, np.bool_, numbers.Real)):
-            kept[str(key)] = float(value)
-        else:
+        number = metric_value(value)  # 0-d arrays and numpy scalars too; an int beyond the float range is ±inf
+        if number is None:
             log.debug("dropping non-numeric Flower metric %r (%s)", key, type(value).__name__)
+        else:
+            kept[str(key)] = number
     return kept
 
 
@@ -300,7 +303,12 @@ class FlowerTask:
             )
         loss, num_examples, metrics = result
         count = _count(num_examples, what="num_examples", round=None, client_id=None, stage="evaluate")
-        return EvalResult(loss=float(loss), num_examples=count, metrics=scalar_metrics(metrics, stage="evaluate"))
+        value = metric_value(loss)  # a real number: never None; an int beyond the float range is ±inf
+        return EvalResult(
+            loss=math.nan if value is None else value,
+            num_examples=count,
+            metrics=scalar_metrics(metrics, stage="evaluate"),
+        )
 
 
 def _flower_module(model: torch.nn.Module) -> FlowerParameters:
@@ -373,6 +381,42 @@ def _option_value(text: str) -> bool | int | float | str:
 SERVER_NODE_CONFIG: Mapping[str, int] = {"partition-id": 0, "num-partitions": 1}
 
 
+class _NotingMissing(dict[str, NodeConfigValue]):
+    """A Flower ``node_config``/``run_config`` that notes each key a ``client_fn`` read and did not find (then
+    raises KeyError as a dict does), so the error can say which dict lacked it and how to give it."""
+
+    def __init__(self, items: Mapping[str, NodeConfigValue]) -> None:
+        super().__init__(items)
+        self.missing: list[str] = []
+
+    def __missing__(self, key: str) -> NodeConfigValue:
+        self.missing.append(str(key))
+        raise KeyError(key)
+
+
+def _missing_key_advice(flower: Any) -> str:
+    """How to give the key a ``client_fn`` read and was not given (see :class:`_NotingMissing`)."""
+    node = getattr(flower.node_config, "missing", [])
+    run = getattr(flower.run_config, "missing", [])
+    if node and node[0] in SERVER_NODE_CONFIG:
+        return (
+            "give the daemon --partition-id/--num-partitions, or name server_fn=/server_node_config= in "
+            "flower_task_factory for the server"
+        )
+    if node:
+        return (
+            "fedcore's node_config gives only partition-id and num-partitions (--partition-id/--num-partitions) "
+            f"and data-dir (--data-dir), not {node[0]!r}: read such a setting from context.run_config and give it "
+            "as --task-option key=value, or name server_fn=/server_node_config= in flower_task_factory"
+        )
+    if run:
+        return f"give it as --task-option {run[0]}=VALUE, to the server and to every daemon"
+    return (
+        "give the daemon --partition-id/--num-partitions, pass the key as --task-option, or name "
+        "server_fn=/server_node_config= in flower_task_factory"
+    )
+
+
 def flower_context(context: TaskContext, *, server_node_config: Mapping[str, NodeConfigValue] | None = None) -> Any:
     """The ``flwr.common.Context`` a Flower ``client_fn`` gets for fedcore's ``context``.
 
@@ -404,7 +448,13 @@ def flower_context(context: TaskContext, *, server_node_config: Mapping[str, Nod
     node_config["fedcore-client-id"] = context.client_id
     node_id = int.from_bytes(hashlib.sha256(context.client_id.encode()).digest()[:8], "little") >> 1
     run_config = {str(k): _option_value(str(v)) for k, v in context.options.items()}
-    return Context(run_id=0, node_id=node_id, node_config=node_config, state=RecordDict(), run_config=run_config)
+    return Context(
+        run_id=0,
+        node_id=node_id,
+        node_config=_NotingMissing(node_config),
+        state=RecordDict(),
+        run_config=_NotingMissing(run_config),
+    )
 
 
 def flower_task_factory(
@@ -453,8 +503,7 @@ def flower_task_factory(
             raise ConfigError(
                 f"the Flower client_fn for {role} read a key it was not given: {exc}; its node_config holds "
                 f"{sorted(flower.node_config)} and its run_config {sorted(flower.run_config)} (--task-option "
-                "key=value). Give the daemon --partition-id/--num-partitions, pass the key as --task-option, or "
-                "name server_fn=/server_node_config= in flower_task_factory"
+                f"key=value); {_missing_key_advice(flower)}"
             ) from exc
         return FlowerTask(client)
 

@@ -4,8 +4,9 @@ The gRPC daemon calls it after pulling a task; the simulation's virtual clients 
 same numbers for the same (seed, round, client), because every random draw inside is keyed by them.
 
 What a task may return: an example count that is an integer >= 0 (Python or numpy int, not bool), else the
-instruction fails with :class:`~fedcore.errors.ClientTaskError`; an evaluation loss that is a number (NaN with 0
-examples, as for an empty test split, is passed on; NaN or Inf with examples fails the evaluation); metrics as a
+instruction fails with :class:`~fedcore.errors.ClientTaskError`; an evaluation loss that is a number (NaN or Inf
+too, as a diverged model or an empty test split gives, is passed on: the server leaves it out of the federated
+loss and counts it; a loss that is no number fails the evaluation); metrics as a
 dict whose values become floats (:func:`fedcore.aggregation.metric_value`: bools as 0/1, huge ints as ±inf, NaN
 kept) under ``str`` names cut to :data:`~fedcore.messages.MAX_METRIC_NAME` characters, values that are not
 numbers (strings, None, arrays) and metrics beyond :data:`~fedcore.messages.MAX_METRICS` dropped with a warning. The
@@ -16,7 +17,6 @@ metric can fail a round.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import time
 from collections.abc import Mapping
@@ -101,7 +101,7 @@ def run_instruction(
     Raises:
         PayloadError: the global parameters do not fit the task's model.
         ClientTaskError: the task raised, returned an example count that is not an integer >= 0, a loss that is not
-            a number (or not finite with examples), or metrics that are not a dict.
+            a number, or metrics that are not a dict.
         EngineError: a parallel worker failed (names the rank and the cause).
     """
     if model is None:
@@ -185,10 +185,10 @@ def _evaluate(task: Task, model: torch.nn.Module, ins: EvaluateIns, client_id: s
     result: EvalResult = task.evaluate(model, ins.batch_size)
     num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.EVALUATE)
     loss = metric_value(result.loss)
-    if loss is None or (num_examples > 0 and not math.isfinite(loss)):
+    if loss is None:  # not a number at all: a bug in the task; NaN/Inf are values the server leaves out and counts
         raise ClientTaskError(
-            f"task.evaluate returned loss={bounded_repr(result.loss)} with num_examples={num_examples}; the loss must "
-            "be a finite number (it may be NaN only with 0 examples)",
+            f"task.evaluate returned loss={bounded_repr(result.loss)} ({type(result.loss).__name__}); the loss must "
+            "be a number",
             round=ins.round,
             client_id=client_id,
             stage=Stage.EVALUATE.value,

@@ -551,7 +551,7 @@ def weighted_average(values: Sequence[float], weights: Sequence[float]) -> float
     if math.isfinite(total):
         try:
             result = math.fsum(v * w for v, w in zip(values, weights, strict=True)) / total
-        except OverflowError:  # an intermediate partial sum left the float range
+        except (OverflowError, ValueError):  # a partial sum, or products of both signs (inf - inf), left the range
             result = math.inf
         if math.isfinite(result):
             return result

@@ -61,13 +61,24 @@ CLIENT_FLAGS = TlsFiles(cert="--cert", key="--key", ca="--ca-cert")
 
 def _read_file(path: Path, flag: str, what: str) -> bytes:
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{flag} {str(path)!r}: no such file (the {what}); {_MAKE_THEM}") from None
     except IsADirectoryError:
         raise ConfigError(f"{flag} {str(path)!r} is a directory; give the {what} file") from None
     except OSError as exc:
         raise ConfigError(f"{flag} {str(path)!r}: cannot read the {what}: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise ConfigError(f"{flag} {str(path)!r} is empty; give the {what} file ({_MAKE_THEM})")
+    return data
+
+
+def _is_ca(cert: x509.Certificate) -> bool | None:
+    """Whether ``cert`` may sign certificates (basic constraints CA:TRUE); None when it does not say."""
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return None
 
 
 def _is_private_key_pem(data: bytes) -> bool:
@@ -81,7 +92,7 @@ def load_certificates(path: Path, *, flag: str, what: str = "certificate") -> li
         path: the file. flag: the option that named it (for messages). what: what the file is meant to hold.
 
     Raises:
-        ConfigError: missing or unreadable file, a private key or non-PEM data where certificates belong, a
+        ConfigError: missing, empty or unreadable file, a private key or non-PEM data where certificates belong, a
             certificate that cannot be parsed, is expired or not yet valid. The message names the file and what
             to do.
     """
@@ -120,7 +131,7 @@ def load_private_key(path: Path, *, flag: str) -> PrivateKeyTypes:
     """Read an unencrypted PEM private key.
 
     Raises:
-        ConfigError: missing or unreadable file, a certificate where the key belongs, a passphrase-encrypted key
+        ConfigError: missing, empty or unreadable file, a certificate where the key belongs, a passphrase-encrypted key
             (gRPC cannot ask for a passphrase), or data that is not a private key.
     """
     data = _read_file(path, flag, "private key")
@@ -166,7 +177,7 @@ def load_identity(cert: Path, key: Path, *, role: Literal["server", "client"], f
 
     Raises:
         ConfigError: a file is missing, unreadable, not PEM, swapped with the other, encrypted, expired or not
-            yet valid; the key does not belong to the certificate; the certificate is not for ``role``.
+            yet valid; the key does not belong to the certificate; the certificate is a CA's or not for ``role``.
     """
     chain = load_certificates(cert, flag=flags.cert)
     private = load_private_key(key, flag=flags.key)
@@ -175,6 +186,12 @@ def load_identity(cert: Path, key: Path, *, role: Literal["server", "client"], f
         raise ConfigError(
             f"{flags.key} {str(key)!r} is not the private key of the certificate {flags.cert} {str(cert)!r} "
             f"(issued to {leaf.subject.rfc4514_string()!r}); give the key made together with that certificate"
+        )
+    if _is_ca(leaf):
+        made = "server.pem and server.key" if role == "server" else "clients/<id>.pem and .key"
+        raise ConfigError(
+            f"{flags.cert} {str(cert)!r} is a CA certificate ({leaf.subject.rfc4514_string()!r}), not the {role}'s "
+            f"own; give the {role}'s certificate and key signed by that CA ({made} from `fedcore certs init`)"
         )
     try:
         usage = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
@@ -195,11 +212,18 @@ def load_ca_bundle(path: Path | None, *, flag: str) -> bytes | None:
     """Read and check a CA certificate file (PEM, one or more certificates); None when no path was given.
 
     Raises:
-        ConfigError: see :func:`load_certificates` (missing, not PEM, a key instead, expired, not yet valid).
+        ConfigError: see :func:`load_certificates` (missing, empty, not PEM, a key instead, expired, not yet valid);
+            a certificate that says it is no CA (basic constraints CA:FALSE, e.g. a server's).
     """
     if path is None:
         return None
-    load_certificates(path, flag=flag, what="CA certificate")
+    for cert in load_certificates(path, flag=flag, what="CA certificate"):
+        if _is_ca(cert) is False:
+            raise ConfigError(
+                f"{flag} {str(path)!r} holds the certificate of {cert.subject.rfc4514_string()!r}, which is not a CA "
+                "(basic constraints CA:FALSE) and cannot have signed the other side's certificate; give the CA "
+                "certificate (ca.pem from `fedcore certs init`)"
+            )
     return _read_file(path, flag, "CA certificate")
 
 
@@ -312,7 +336,8 @@ def init_certs(
 
     Raises:
         ConfigError: a client id is empty or not usable as a file name; a host is not a DNS name or IP address
-            (e.g. it carries a port); the CA found in ``out`` is damaged, expired or encrypted.
+            (e.g. it carries a port); the CA found in ``out`` is damaged, expired or encrypted, or its key is not
+            that of its certificate.
     """
     for cid in clients:
         if not cid or "/" in cid or cid.startswith(".") or not cid.isprintable() or " " in cid:
@@ -322,8 +347,12 @@ def init_certs(
     written: list[Path] = []
     ca_pem, ca_key = out / "ca.pem", out / "ca.key"
     if ca_pem.exists() and ca_key.exists():
-        load_certificates(ca_pem, flag="--out", what="CA certificate")  # a damaged or expired CA is named
-        load_private_key(ca_key, flag="--out")
+        (ca_cert, *_) = load_certificates(ca_pem, flag="--out", what="CA certificate")  # damaged, expired: named
+        if _public_der(load_private_key(ca_key, flag="--out")) != _public_der(ca_cert.public_key()):
+            raise ConfigError(
+                f"--out {str(out)!r}: ca.key is not the key of ca.pem; certificates signed with it would fail "
+                "verification. Put back the CA's own key, or use another --out for a new CA"
+            )
         ca = Identity(ca_pem.read_bytes(), ca_key.read_bytes())
     else:
         ca = make_ca()

@@ -14,6 +14,7 @@ and a restart on the same state directory resumes at the next round.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -149,8 +150,14 @@ class ServerConfig:
         parse_host(self.metrics_address, what="metrics_address (--metrics-address)")
         if self.metrics_port is not None:
             check_port(self.metrics_port, what="metrics_port (--metrics-port)", allow_zero=True)
-        if self.linger_s < 0:
-            raise ConfigError(f"linger_s must be >= 0, got {self.linger_s}")
+        if not 0 <= self.linger_s < math.inf:  # NaN slept into a ValueError after the last round, inf forever
+            raise ConfigError(f"linger_s must be a number of seconds >= 0, got {self.linger_s}")
+        # the round loop's and the pool's own checks, now: before any side effect, not after the data loaded and
+        # the server listens (nothing is created here)
+        self.round_config()
+        PoolConfig(spill_dir=self.state_dir / "spill", seed=self.seed, heartbeat_interval_s=self.heartbeat_interval_s,
+                   liveness_timeout_s=self.liveness_timeout_s, max_payload_bytes=self.max_payload_bytes,
+                   chunk_bytes=self.chunk_bytes)  # fmt: skip
 
     @property
     def listen_address(self) -> Address:
@@ -217,6 +224,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     if config.insecure:
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
     credentials = server_credentials(config)  # TLS files checked before anything is created
+    tokens = load_tokens(config.tokens_file) if config.tokens_file is not None else {}  # so is the tokens file
     _return_large_blocks_to_the_os()
     store = StateStore(config.state_dir)
     try:
@@ -233,10 +241,17 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
 
     metrics = ServerMetrics()
     if config.metrics_port is not None:
-        metrics_host, metrics_port = metrics.serve(config.metrics_port, config.metrics_address)
+        host = parse_host(config.metrics_address, what="metrics_address (--metrics-address)")  # "[::1]" -> "::1"
+        try:
+            metrics_host, metrics_port = metrics.serve(config.metrics_port, host)
+        except OSError as exc:  # an unknown host name, a port in use
+            raise ConfigError(
+                f"cannot serve metrics on {Address(host, config.metrics_port)}: {exc.strerror or exc}; give "
+                "--metrics-address an address of this machine and a free --metrics-port (0 picks one)"
+            ) from exc
         echo(f"metrics on http://{Address(metrics_host, metrics_port)}/metrics")
     auth = AuthPolicy(
-        tokens=load_tokens(config.tokens_file) if config.tokens_file is not None else {},
+        tokens=tokens,
         require_client_cert=config.client_ca is not None,
         revoked=frozenset(config.revoked),
     )
@@ -262,7 +277,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     service = _RecordingService(pool, auth, metrics, store, limits)
     server, port = build_server(
         service,
-        config.address,
+        str(config.listen_address),  # the parsed address, written the one way gRPC reads as we do
         credentials=credentials,
         max_workers=config.max_workers,
         chunk_bytes=config.chunk_bytes,
@@ -342,6 +357,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
             signal.signal(signal.SIGTERM, previous)
         server.stop(grace=1.0).wait(5)
         pool.close()
+        metrics.close()
         store.close()
     return final
 

@@ -97,7 +97,7 @@ def load_tokens(path: Path) -> dict[str, str]:
     Returns ``client id -> token digest``.
 
     Raises:
-        ConfigError: the file is missing, a line is malformed or a client id repeats.
+        ConfigError: the file is missing, holds no token, a line is malformed or a client id repeats.
     """
     try:
         lines = path.read_text().splitlines()
@@ -114,6 +114,11 @@ def load_tokens(path: Path) -> dict[str, str]:
         if parts[0] in tokens:
             raise ConfigError(f"{path}:{number}: client id {parts[0]!r} appears twice")
         tokens[parts[0]] = hash_token(parts[1])
+    if not tokens:  # no tokens would mean no check at all: an open server where tokens were asked for
+        raise ConfigError(
+            f"the tokens file {str(path)!r} holds no 'client_id token' line; add the clients' tokens "
+            "(`fedcore certs init --clients N` writes them), or leave out --tokens-file"
+        )
     return tokens
 
 

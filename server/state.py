@@ -39,6 +39,7 @@ import csv
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import sqlite3
@@ -91,7 +92,8 @@ CREATE TABLE IF NOT EXISTS failures (
     superseded INTEGER NOT NULL DEFAULT 0
 );
 """
-# round_metrics.value has no type on purpose: SQLite then keeps integers (counts) as integers and floats as floats.
+# round_metrics.value has no type on purpose: SQLite then keeps integers (counts) as integers and floats as floats
+# (a NaN as the text "nan", see _to_sql).
 
 _NEW_RUN = "use a new --state-dir for a new run (add --initial FILE to start it from a saved model, e.g. a checkpoint)"
 
@@ -152,6 +154,23 @@ def _db_value(value: object) -> int | float | None:
     return float(value)  # type: ignore[arg-type]
 
 
+_NAN = "nan"
+"""How a NaN metric value (a diverged model's test loss) is stored in round_metrics: SQLite would store a NaN
+REAL as NULL, which reads back as "no value", so the server's history.csv would lose the divergence that the
+simulation's shows."""
+
+
+def _to_sql(value: object) -> int | float | str | None:
+    plain = _db_value(value)
+    return _NAN if isinstance(plain, float) and math.isnan(plain) else plain
+
+
+def _from_sql(value: object) -> int | float | None:
+    if value == _NAN:
+        return math.nan
+    return value if value is None or isinstance(value, (int, float)) else None
+
+
 def _strategy_identity(config: StrategyConfig) -> dict[str, object]:
     """The strategy name plus the settings that decide what its stored server-optimizer state means: FedAvgM's
     momentum (the velocity's decay) and the adaptive optimizers' moment decays. The learning rate, tau and the
@@ -184,7 +203,8 @@ class StateStore:
     Raises:
         ConfigError: the directory cannot be created or written.
         StateError: another process holds the directory (a second server on it), or state.db is damaged, not a
-            database, or written by an older fedcore (the message says what to do).
+            database, or written by an older fedcore, or the directory has no state.db but results of another run
+            (history.csv, a simulation's files) that the server would overwrite (the message says what to do).
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -192,6 +212,7 @@ class StateStore:
         self.checkpoints = self.directory / "checkpoints"
         self.spill = self.directory / "spill"
         self.database = self.directory / "state.db"
+        _refuse_results_of_another_kind(self.directory, self.database)
         try:
             self.checkpoints.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -328,7 +349,7 @@ class StateStore:
             self._db.execute("DELETE FROM round_metrics WHERE round = ? AND superseded = 0", (record.round,))
             self._db.executemany(
                 "INSERT INTO round_metrics (round, key, value) VALUES (?, ?, ?)",
-                [(record.round, k, _db_value(v)) for k, v in row.items() if k != "round"],
+                [(record.round, k, _to_sql(v)) for k, v in row.items() if k != "round"],
             )
             self._db.execute("DELETE FROM failures WHERE round = ? AND superseded = 0", (record.round,))
             self._db.executemany(
@@ -352,7 +373,7 @@ class StateStore:
                 "SELECT round, key, value FROM round_metrics WHERE superseded = 0 ORDER BY round, rowid"
             ):
                 if int(rnd) in rows:
-                    rows[int(rnd)][str(key)] = value
+                    rows[int(rnd)][str(key)] = _from_sql(value)
         return list(rows.values())
 
     def export_csv(self, path: str | os.PathLike[str] | None = None) -> Path:
@@ -529,6 +550,29 @@ class StateStore:
                 "backup, or " + _NEW_RUN
             )
         return None
+
+
+_RESULT_FILES = ("history.csv", "config.json", "model.safetensors", "history.png")
+"""Files that, in a directory without state.db, are results of another run (a simulation's output directory, or a
+server's history whose database is gone) that a fresh server would overwrite or mix with its own."""
+
+
+def _refuse_results_of_another_kind(directory: Path, database: Path) -> None:
+    """Refuse, before anything is written, a directory without state.db (nor checkpoints) that holds results of
+    another run.
+
+    Raises:
+        StateError: names the files found and what to do.
+    """
+    if database.exists() or not directory.is_dir() or any((directory / "checkpoints").glob("round-*.safetensors")):
+        return  # (checkpoints without state.db are refused later, with a message about them)
+    found = [name for name in _RESULT_FILES if (directory / name).exists()]
+    if found:
+        raise StateError(
+            f"{str(directory)!r} is not a server state directory (no state.db) but holds {', '.join(found)}, the "
+            "results of another run (a simulation's output directory?), which this server would overwrite; give "
+            "--state-dir a new or empty directory, or restore that run's state.db to resume it"
+        )
 
 
 def _lock_directory(directory: Path) -> int:

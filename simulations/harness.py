@@ -122,11 +122,17 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         The history, final state and output paths.
 
     Raises:
-        ConfigError, DatasetNotFoundError, PartitionError: before the first round.
+        ConfigError, DatasetNotFoundError, PartitionError: before the first round (ConfigError also for an
+            output.dir that is a server's state directory).
         RoundFailed: a round could not reach its quorum.
     """
     started = time.perf_counter()
     out_dir = Path(config.output.dir)
+    if (out_dir / "state.db").exists():  # its history.csv would be replaced by this simulation's
+        raise ConfigError(
+            f"output.dir {str(out_dir)!r} is a server's state directory (it holds state.db); give the simulation "
+            "its own output.dir"
+        )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config

@@ -135,12 +135,15 @@ def test_metrics_become_floats_under_str_names_and_what_is_not_a_number_is_dropp
         run_instruction(Reports(7, [0.5]), FitIns(round=1, parameters=initial, config=CONFIG, seed=1), "a")
 
 
-def test_evaluation_loss_nan_is_passed_on_only_with_zero_examples() -> None:
+def test_an_evaluation_loss_that_is_a_number_is_passed_on_and_one_that_is_not_fails() -> None:
+    # NaN/Inf losses (an empty split, a diverged model) are metric values: the server leaves them out and counts
+    # them (issue 8: a metric value never fails anything); a loss that is no number is a bug in the task
     initial = engine_tasks.initial_parameters(engine_tasks.mlp)
     ins = EvaluateIns(round=2, parameters=initial)
     reply = run_instruction(Reports(0, {}, loss=float("nan")), ins, "a")
     assert reply.num_examples == 0 and reply.loss != reply.loss  # type: ignore[union-attr]
-    with pytest.raises(ClientTaskError, match=r"loss=nan with num_examples=5"):
-        run_instruction(Reports(5, {}, loss=float("nan")), ins, "a")
-    with pytest.raises(ClientTaskError, match=r"loss='low'"):
+    reply = run_instruction(Reports(5, {"accuracy": 0.5}, loss=float("inf")), ins, "a")
+    assert (reply.num_examples, reply.loss, reply.metrics) == (5, float("inf"), {"accuracy": 0.5})  # type: ignore[union-attr]
+    assert run_instruction(Reports(5, {}, loss=10**400), ins, "a").loss == float("inf")  # type: ignore[union-attr]
+    with pytest.raises(ClientTaskError, match=r"loss='low' \(str\); the loss must be a number"):
         run_instruction(Reports(5, {}, loss="low"), ins, "a")

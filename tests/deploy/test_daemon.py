@@ -153,3 +153,32 @@ def test_a_task_the_daemon_cannot_use_is_reported_at_once(tmp_path: Path) -> Non
         h.pool.finish()
         thread.join(10)
         h.close()
+
+
+@pytest.mark.parametrize("raised", ["config", "bug"])
+def test_a_daemon_whose_task_cannot_be_built_leaves_at_once_and_exits_with_code_2(raised: str, tmp_path: Path) -> None:
+    # it exits: a FedcoreError, which the CLI prints in one line with code 2 (retrying cannot fix it), also when
+    # the factory has a bug (a legacy Flower client_fn(cid) given a Context: TypeError); and the server must not
+    # keep it as connected until the liveness timeout, or a round selects it and waits 15 s for it
+    from fedcore.errors import ClientTaskError, ConfigError, FedcoreError
+
+    h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=30.0)
+
+    def broken_factory(context: TaskContext) -> Task:
+        assert "broken" in h.pool.available()  # joined, heartbeating
+        if raised == "config":
+            raise ConfigError("the Flower client_fn read a key it was not given: 'partition-id'")
+        return cast(Task, int(context))  # type: ignore[call-overload]
+
+    config = DaemonConfig(server=f"127.0.0.1:{h.port}", client_id="broken", task="mine:factory", insecure=True)
+    try:
+        with pytest.raises(FedcoreError) as info:
+            ClientDaemon(config, factory=broken_factory).run()
+        if raised == "config":
+            assert isinstance(info.value, ConfigError) and "partition-id" in str(info.value)
+        else:
+            assert isinstance(info.value, ClientTaskError)
+            assert "the task factory 'mine:factory' raised TypeError: \"int() argument must be" in str(info.value)
+        assert h.pool.available() == []  # left at once; 30 s before the liveness timeout would have dropped it
+    finally:
+        h.close()

@@ -20,7 +20,7 @@ from flwr.client import ClientApp, NumPyClient
 from flwr.common import Context
 from flwr.server.strategy.aggregate import aggregate
 
-from client.flower import FlowerParameters, FlowerTask, fit_config_dict, flower_task_factory
+from client.flower import FlowerParameters, FlowerTask, fit_config_dict, flower_context, flower_task_factory
 from client.runner import run_instruction
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes
@@ -328,6 +328,34 @@ def test_a_key_the_client_fn_was_not_given_is_a_clear_error() -> None:
         flower_task_factory(flower_app.client_fn, context="fedcore", server_node_config={"partition-id": 0})
 
 
+def test_the_error_for_a_missing_key_says_which_config_lacked_it_and_how_to_give_it() -> None:
+    def reads(where: str, key: str) -> Any:
+        def client_fn(context: Context) -> object:
+            return getattr(context, where)[key]
+
+        return client_fn
+
+    client = TaskContext(client_id="c1", options={"lr": "0.1"})
+    cases = {
+        ("node_config", "partition-id"): "give the daemon --partition-id/--num-partitions",
+        ("node_config", "dataset-path"): "fedcore's node_config gives only partition-id and num-partitions "
+        "(--partition-id/--num-partitions) and data-dir (--data-dir), not 'dataset-path': read such a setting "
+        "from context.run_config and give it as --task-option key=value",
+        ("run_config", "epochs"): "give it as --task-option epochs=VALUE, to the server and to every daemon",
+    }
+    for (where, key), advice in cases.items():
+        with pytest.raises(ConfigError) as info:
+            flower_task_factory(reads(where, key))(client)
+        assert f"read a key it was not given: {key!r}" in str(info.value) and advice in str(info.value)
+    # otherwise the dicts behave as Flower's: equal to plain dicts, .get with a default raises nothing
+    flower = flower_context(TaskContext(client_id="c1", partition_id=0, num_partitions=2, options={"lr": "0.1"}))
+    assert flower.run_config == {"lr": 0.1} and flower.run_config.get("epochs", 3) == 3
+    assert {k: flower.node_config[k] for k in ("partition-id", "num-partitions")} == {
+        "partition-id": 0,
+        "num-partitions": 2,
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 0-d arrays: numpy scalars come back where 0-d arrays went in (p + 1), as flwr accepts
 
@@ -369,3 +397,27 @@ def test_what_is_no_number_is_still_refused_as_an_array() -> None:
                  seed=SEED)  # fmt: skip
     with pytest.raises(PayloadError, match=r"fit returned a str as array 1 \(param_0001\); return numeric"):
         run_instruction(FlowerTask(Texts()), ins, "c0")
+
+
+def test_flower_metric_values_of_every_kind_never_fail_the_instruction() -> None:
+    # flwr's Scalar allows any int: 10**400 (like float("inf"), NaN or a string) must not fail the client's fit
+    class Odd(_ScalarClient):
+        def fit(self, parameters, config):  # type: ignore[no-untyped-def]
+            metrics = {"huge": 10**400, "minus": -(10**400), "nan": np.float32("nan"), "flag": np.bool_(True),
+                       "zero_d": np.array(2, np.int64), "text": "x", "raw": b"y", "vector": np.ones(2)}  # fmt: skip
+            return [p + 1 for p in parameters], 5, metrics
+
+        def evaluate(self, parameters, config):  # type: ignore[no-untyped-def]
+            return 10**400, 5, {"ok": 0.25}
+
+    task = FlowerTask(Odd())
+    initial = from_state_dict(task.build_model().state_dict())
+    reply = run_instruction(task, FitIns(round=1, parameters=initial, config=CONFIG, seed=SEED), "c0")
+    assert isinstance(reply, FitRes)
+    metrics = {k: v for k, v in reply.metrics.items() if k != "fit_seconds"}
+    assert np.isnan(metrics.pop("nan"))  # passed on, for the server to leave out of its average
+    assert metrics == {"huge": np.inf, "minus": -np.inf, "flag": 1.0, "zero_d": 2.0}
+    # a loss beyond the float range: inf, passed on for the server to leave out (and count)
+    evaluated = run_instruction(task, EvaluateIns(round=1, parameters=reply.parameters, batch_size=4), "c0")
+    assert isinstance(evaluated, EvaluateRes)
+    assert (evaluated.loss, evaluated.num_examples, evaluated.metrics) == (np.inf, 5, {"ok": 0.25})

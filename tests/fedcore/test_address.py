@@ -134,3 +134,107 @@ def test_the_client_refuses_a_bad_server_address(capsys: pytest.CaptureFixture[s
     code = main(["client", "start", "--insecure", "--server", "localhost:70000", "--client-id", "c0"])
     assert code == 2
     assert "server (--server): port 70000 in 'localhost:70000' is out of range 1-65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("address", ["[127.0.0.1]:0", "127.0.0.1:000"])
+def test_the_server_listens_on_the_address_as_parsed(address: str, tmp_path: Path) -> None:
+    # gRPC is given the parsed address in its one written form: "[127.0.0.1]:0" passes the parser, and gRPC
+    # itself could not parse it ("Unparsable name"), failing to bind after the state directory was made
+    from fedcore.errors import RoundFailed
+    from server.app import run_server
+
+    lines: list[str] = []
+    config = ServerConfig(
+        insecure=True,
+        address=address,
+        state_dir=tmp_path / "state",
+        task="simulations.tasks:demo_task",
+        task_options={"dataset": "digits", "num_clients": "2", "model": "logreg"},
+        rounds=1,
+        evaluate=False,
+        wait_for_clients_s=1.0,
+    )
+    with pytest.raises(RoundFailed, match="0 client"):
+        run_server(config, echo=lines.append)
+    listening = [line for line in lines if line.startswith("fedcore server listening on 127.0.0.1:")]
+    assert listening, lines
+    assert 0 < int(listening[0].split()[4].rsplit(":", 1)[1]) <= 65535
+
+
+def test_the_metrics_endpoint_listens_on_the_host_as_parsed_and_names_one_it_cannot_use(tmp_path: Path) -> None:
+    # "[::1]" passes parse_host; the HTTP server was given it with its brackets (socket.gaierror traceback)
+    import socket
+
+    from fedcore.errors import RoundFailed
+    from server.app import run_server
+
+    def config(host: str, state: str) -> ServerConfig:
+        return _server(address="127.0.0.1:0", state_dir=tmp_path / state, metrics_address=host, metrics_port=0,
+                       task_options={"dataset": "digits", "num_clients": "2", "model": "logreg"}, rounds=1,
+                       evaluate=False, wait_for_clients_s=1.0)  # fmt: skip
+
+    lines: list[str] = []
+    with pytest.raises(RoundFailed, match="0 client"):
+        run_server(config("[::1]", "a"), echo=lines.append)
+    (line,) = [line for line in lines if line.startswith("metrics on http://[::1]:")]
+    port = int(line.removeprefix("metrics on http://[::1]:").removesuffix("/metrics"))
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("::1", port), timeout=5):
+        pass  # closed when the server stopped
+    with pytest.raises(ConfigError, match=r"cannot serve metrics on no-such-host\.invalid:0: .*--metrics-address"):
+        run_server(config("no-such-host.invalid", "b"), echo=lambda _: None)
+
+
+def test_the_client_connects_to_the_address_as_parsed() -> None:
+    from concurrent import futures
+
+    import grpc
+
+    from client.daemon import ClientDaemon
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        config = DaemonConfig(server=f"[127.0.0.1]:{port:06d}", client_id="c", task="m:f", insecure=True)
+        channel = ClientDaemon(config, factory=lambda ctx: None)._channel()  # type: ignore[arg-type,return-value]
+        grpc.channel_ready_future(channel).result(timeout=10)  # "[127.0.0.1]:0PORT" reaches 127.0.0.1:PORT
+        channel.close()
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--rounds=0", "num_rounds must be >= 1, got 0"),
+        ("--evaluate-every=0", "evaluate_every must be >= 1, got 0"),
+        ("--max-round-attempts=0", "max_round_attempts must be >= 1, got 0"),
+        ("--wait-for-clients-s=nan", "wait_for_clients_s must be > 0, got nan"),
+        ("--round-timeout-s=-1", "round_timeout_s must be > 0 or unset, got -1.0"),
+        ("--liveness-timeout-s=nan", "liveness_timeout_s (nan) must exceed heartbeat_interval_s (5.0)"),
+        ("--chunk-bytes=0", "chunk_bytes must be in [1 KiB, 64 MiB], got 0"),
+        ("--linger-s=nan", "linger_s must be a number of seconds >= 0, got nan"),
+        ("--linger-s=inf", "linger_s must be a number of seconds >= 0, got inf"),
+    ],
+)
+def test_every_server_value_is_checked_before_any_side_effect(
+    flag: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # these were checked only after the state directory was made, the data loaded and (for the round settings)
+    # the server listening; linger_s NaN raised ValueError after the last round and inf never ended the server
+    state = tmp_path / "state"
+    code = main(["server", "start", "--insecure", "--task", "simulations.tasks:demo_task", "--address",
+                 "127.0.0.1:0", "--state-dir", str(state), flag])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedcore: error: ") and message in err, err
+    assert not state.exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "-5", "0"])
+def test_the_client_refuses_a_give_up_time_that_is_not_positive(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # NaN never gave up (every comparison with it is false); -5 gave up after the first failed attempt (exit 3)
+    code = main(["client", "start", "--insecure", "--server", "127.0.0.1:1", "--client-id", "c0",
+                 f"--give-up-after-s={value}"])  # fmt: skip
+    assert code == 2
+    assert f"give_up_after_s (--give-up-after-s) must be > 0 seconds, got {float(value)}" in capsys.readouterr().err

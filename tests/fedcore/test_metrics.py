@@ -71,6 +71,11 @@ def test_averages_near_the_float_limit_do_not_overflow() -> None:
     assert weighted_average([1e308, -1e308], [1, 3]) == pytest.approx(-0.5e308, rel=1e-15)
     assert weighted_average([2.0, 4.0], [1e308, 1e308]) == pytest.approx(3.0, rel=1e-15)  # weights sum to inf
     assert weighted_metrics([(1, {"x": 1.7e308}), (1, {"x": 1.7e308})]).values == {"x": pytest.approx(1.7e308)}
+    # products of both signs beyond the range (1e309 and -3e309): fsum's inf - inf, not a crash
+    assert weighted_average([1e308, -1e308], [10, 30]) == pytest.approx(-0.5e308, rel=1e-15)
+    assert weighted_metrics([(10, {"x": 1e308}), (30, {"x": -1e308, "y": 1.0})]) == MetricAverages(
+        {"x": pytest.approx(-0.5e308, rel=1e-15), "y": 1.0}, 0
+    )
 
 
 def test_example_weight() -> None:

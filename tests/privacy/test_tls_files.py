@@ -67,6 +67,10 @@ def _der_cert(certs: Path, tmp: Path) -> Path:
     return _write(tmp / "server.der", cert.public_bytes(serialization.Encoding.DER))
 
 
+def _empty(certs: Path, tmp: Path) -> Path:
+    return _write(tmp / "empty.pem", b"\n")
+
+
 # case: (certificate, key) relative to the certs directory, or a maker, and the expected message
 CASES = {
     "encrypted key": ("server.pem", _encrypted_key, "--tls-key '{key}' is encrypted with a passphrase, which gRPC "
@@ -84,6 +88,10 @@ CASES = {
                             "make a matching set with `fedcore certs init"),
     "a client certificate": ("clients/client-000.pem", "clients/client-000.key", "--tls-cert '{cert}' is a client "
                              "certificate (its extended key usage does not allow server authentication)"),
+    "the CA's own pair": ("ca.pem", "ca.key", "--tls-cert '{cert}' is a CA certificate ('CN=fedcore CA,O=fedcore'), "
+                          "not the server's own; give the server's certificate and key signed by that CA"),
+    "empty certificate": (_empty, "server.key", "--tls-cert '{cert}' is empty; give the certificate file"),
+    "empty key": ("server.pem", _empty, "--tls-key '{key}' is empty; give the private key file"),
 }  # fmt: skip
 
 
@@ -120,6 +128,12 @@ def test_ca_files_are_checked(certs: Path, tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="the CA certificate cannot be parsed"):
         load_ca_bundle(garbage, flag="--ca-cert")
+    # a leaf certificate where the CA belongs (it says CA:FALSE: it cannot have signed the other side's)
+    with pytest.raises(ConfigError, match=r"--client-ca '.*server\.pem' holds the certificate of 'CN=localhost,"
+                       r"O=fedcore', which is not a CA \(basic constraints CA:FALSE\)"):  # fmt: skip
+        load_ca_bundle(certs / "server.pem", flag="--client-ca")
+    with pytest.raises(ConfigError, match=r"--ca-cert '.*empty\.pem' is empty; give the CA certificate file"):
+        load_ca_bundle(_empty(certs, tmp_path), flag="--ca-cert")
 
 
 @pytest.mark.parametrize("case", ["encrypted key", "cert and key swapped", "key of another certificate"])
@@ -146,6 +160,10 @@ def test_the_client_pair_and_ca_are_checked_before_connecting(certs: Path, tmp_p
         daemon(ca_cert=certs / "ca.pem", cert=clients / "client-000.pem", key=certs / "server.key")
     with pytest.raises(ConfigError, match=r"--cert '.*server\.pem' is a server certificate"):
         daemon(ca_cert=certs / "ca.pem", cert=certs / "server.pem", key=certs / "server.key")
+    with pytest.raises(ConfigError, match=r"--cert '.*ca\.pem' is a CA certificate .*, not the client's own"):
+        daemon(ca_cert=certs / "ca.pem", cert=certs / "ca.pem", key=certs / "ca.key")
+    with pytest.raises(ConfigError, match=r"--ca-cert '.*server\.pem' holds the certificate of 'CN=localhost"):
+        daemon(ca_cert=certs / "server.pem")
     with pytest.raises(ConfigError, match=r"--ca-cert '.*missing\.pem': no such file \(the CA certificate\)"):
         daemon(ca_cert=tmp_path / "missing.pem")
     encrypted = _encrypted_key(certs, tmp_path)
@@ -161,3 +179,13 @@ def test_certs_init_refuses_a_host_with_a_port_and_a_damaged_ca(tmp_path: Path) 
     (tmp_path / "b" / "ca.key").write_bytes((tmp_path / "b" / "ca.pem").read_bytes())
     with pytest.raises(ConfigError, match=r"--out '.*ca\.key' holds a certificate, not a private key"):
         init_certs(tmp_path / "b", clients=["client-000"])
+
+
+def test_certs_init_refuses_to_sign_with_a_key_that_is_not_the_cas(tmp_path: Path) -> None:
+    # the certificates it wrote would fail verification against ca.pem on every connection
+    init_certs(tmp_path, clients=["client-000"])
+    (tmp_path / "ca.key").write_bytes((tmp_path / "server.key").read_bytes())
+    before = (tmp_path / "server.pem").read_bytes()
+    with pytest.raises(ConfigError, match=r"ca\.key is not the key of ca\.pem"):
+        init_certs(tmp_path, clients=["client-001"])
+    assert (tmp_path / "server.pem").read_bytes() == before and not (tmp_path / "clients" / "client-001.pem").exists()

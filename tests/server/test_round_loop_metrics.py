@@ -224,3 +224,39 @@ def test_example_counts_that_are_not_integers_reject_that_update_only() -> None:
     assert "not an integer >= 0" in reasons and "beyond the float range" in reasons
     np.testing.assert_array_equal(state.parameters["w"], [1.0, 2.0])
     assert records[-1].train_metrics == {"loss": 1.0} and records[-1].metrics_left_out == 1
+
+
+def test_metric_values_of_both_signs_beyond_the_float_range_in_sum_never_fail_a_round() -> None:
+    # 10·1e308 and 30·(-1e308) are +inf and -inf as products; the mean, -0.5e308, is a float
+    counts: dict[str, object] = {"a": 10, "b": 30}
+    metrics: dict[str, object] = {"a": {"big": 1e308, "inf": math.inf}, "b": {"big": -1e308, "inf": -math.inf}}
+    sampling = SamplingConfig(fraction_fit=1.0, min_fit_clients=1)
+    state, records = run_rounds(
+        DirectPool(counts, metrics),
+        Strategy(sampling=sampling),
+        {"w": np.zeros(2, np.float32)},
+        RoundConfig(num_rounds=1),
+    )
+    assert records[-1].accepted == ("a", "b")
+    assert records[-1].train_metrics == {"big": pytest.approx(-0.5e308, rel=1e-15)}
+    assert records[-1].metrics_left_out == 2  # the two infinities
+    np.testing.assert_array_equal(state.parameters["w"], [1.0, 1.0])
+
+
+class Diverged(Reporting):
+    """A client whose evaluation gives an infinite loss on its 20 examples, and accuracy 1.0."""
+
+    def evaluate(self, model: nn.Module, batch_size: int) -> EvalResult:
+        return EvalResult(loss=math.inf, num_examples=20, metrics={"accuracy": 1.0})
+
+
+def test_a_clients_infinite_evaluation_loss_is_left_out_not_a_failure() -> None:
+    tasks = {"c0": Reporting("c0"), "c1": Diverged("c1"), "c2": Reporting("c2")}
+    params, records = run(tasks, rounds=1, strategy=strategy(fraction_evaluate=1.0))
+    record = records[-1]
+    ins = EvaluateIns(round=1, parameters=params, batch_size=16)
+    res = {cid: run_instruction(tasks[cid], ins, cid) for cid in ("c0", "c2")}
+    assert record.failures == () and record.metrics_left_out == 1  # c1's loss only
+    assert record.federated_eval_loss == pytest.approx((60 * res["c0"].loss + 40 * res["c2"].loss) / 100, rel=1e-12)
+    accuracy = (60 * res["c0"].metrics["accuracy"] + 20 * 1.0 + 40 * res["c2"].metrics["accuracy"]) / 120
+    assert record.federated_eval_metrics["accuracy"] == pytest.approx(accuracy, rel=1e-12)

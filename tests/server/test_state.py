@@ -75,6 +75,17 @@ def test_records_kept_but_all_checkpoints_deleted_is_refused_and_nothing_is_over
     store.close()
 
 
+def test_a_history_without_its_database_is_refused_and_kept(tmp_path: Path) -> None:
+    # state.db and the checkpoints deleted, history.csv kept: a fresh server would overwrite the old run's history
+    _run(tmp_path, 2).close()
+    for path in [tmp_path / "state.db", *(tmp_path / "checkpoints").iterdir()]:
+        path.unlink()
+    before = (tmp_path / "history.csv").read_bytes()
+    with pytest.raises(StateError, match=r"no state\.db\) but holds history\.csv"):
+        StateStore(tmp_path)
+    assert (tmp_path / "history.csv").read_bytes() == before and not (tmp_path / "state.db").exists()
+
+
 def test_checkpoints_newer_than_the_records_are_refused(tmp_path: Path) -> None:
     _run(tmp_path, 4).close()
     (tmp_path / "state.db").unlink()  # a replaced database: no rounds, no strategy
@@ -436,6 +447,28 @@ def test_the_server_history_keeps_integers_and_pads_every_column(tmp_path: Path)
     assert list(frame["failures"]) == [0, 1] and frame["failures"].dtype == np.int64
     assert np.isnan(frame["federated_loss"][0]) and frame["federated_loss"][1] == 1.25
     assert np.isnan(frame["train_loss"][0]) and list(frame["test_accuracy"]) == [0.125, 0.625]
+
+
+def test_a_diverged_rounds_nan_and_inf_values_survive_the_database(tmp_path: Path) -> None:
+    # SQLite stores a NaN REAL as NULL; the server's history.csv must still show the NaN test loss of a diverged
+    # model (as the simulation's does), not an empty cell that reads as "not evaluated"
+    store = StateStore(tmp_path)
+    records = [
+        RoundRecord(round=0, eval_loss=2.5, eval_metrics={"accuracy": 0.125}),
+        RoundRecord(round=1, accepted=("a",), eval_loss=float("nan"), eval_metrics={"accuracy": 0.1, "x": -np.inf}),
+        RoundRecord(round=2, accepted=("a",), train_metrics={"train_loss": float("inf")}),
+    ]
+    for record in records:
+        store.record_round(record)
+    history = store.history()
+    store.close()
+    assert np.isnan(history[1]["test_loss"]) and history[1]["test_x"] == -np.inf  # type: ignore[arg-type]
+    assert history[2]["train_loss"] == np.inf and history[2]["test_loss"] is None
+    write_history(tmp_path / "memory.csv", [r.as_row() for r in records])
+    assert (tmp_path / "history.csv").read_text() == (tmp_path / "memory.csv").read_text()
+    frame = pd.read_csv(tmp_path / "history.csv")
+    assert np.isnan(frame["test_loss"][1]) and frame["test_loss"][0] == 2.5 and frame["train_loss"][2] == np.inf
+    assert "1,1,0,,nan,0.1," in (tmp_path / "history.csv").read_text()
 
 
 def test_write_history_pads_every_row_and_writes_counts_as_integers(tmp_path: Path) -> None:

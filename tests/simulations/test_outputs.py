@@ -102,3 +102,21 @@ def test_config_json_of_the_demo_task_keeps_the_dataset_and_model(tmp_path: Path
     recorded = recipe_record(config)
     assert recorded["task"]["factory"] == DEMO_TASK
     assert recorded["data"]["dataset"] == "digits" and recorded["model"] == {"name": "2nn"}
+
+
+def test_a_simulation_and_a_server_never_share_a_directory(tmp_path: Path) -> None:
+    from fedcore.errors import ConfigError, StateError
+    from server.state import StateStore
+
+    out = tmp_path / "sim"
+    written = _simulate(out)
+    # a server given the simulation's output as --state-dir would overwrite its history.csv: refused, untouched
+    with pytest.raises(StateError, match=r"not a server state directory \(no state\.db\) but holds history\.csv, "
+                       r"config\.json, model\.safetensors.*new or empty directory"):  # fmt: skip
+        StateStore(out)
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == written
+    # and a simulation given a server's state directory as output.dir
+    StateStore(tmp_path / "server").close()
+    with pytest.raises(ConfigError, match=r"is a server's state directory \(it holds state\.db\)"):
+        _simulate(tmp_path / "server")
+    assert not (tmp_path / "server" / "config.json").exists()

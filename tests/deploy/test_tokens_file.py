@@ -1,0 +1,39 @@
+"""A tokens file that holds no token is refused: the server would otherwise run open, letting any client id join
+where the user asked for tokens (an empty policy means "no check")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedcore.cli import main
+from fedcore.errors import ConfigError
+from server.service import AuthPolicy, hash_token, load_tokens
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# client_id token\n", "   # only comments\n# here\n"])
+def test_a_tokens_file_without_tokens_is_refused(text: str, tmp_path: Path) -> None:
+    path = tmp_path / "tokens.txt"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"tokens file '.*tokens\.txt' holds no 'client_id token' line"):
+        load_tokens(path)
+
+
+def test_one_token_makes_a_closed_policy(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.txt"
+    path.write_text("# comment\nclient-000 abc  # trailing comment\n")
+    policy = AuthPolicy(tokens=load_tokens(path))
+    assert policy.tokens == {"client-000": hash_token("abc")} and not policy.open
+
+
+def test_the_server_refuses_an_empty_tokens_file_before_creating_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "tokens.txt").write_text("")
+    state = tmp_path / "state"
+    code = main(["server", "start", "--insecure", "--task", "simulations.tasks:demo_task", "--address",
+                 "127.0.0.1:0", "--state-dir", str(state), "--tokens-file", str(tmp_path / "tokens.txt")])  # fmt: skip
+    assert code == 2
+    assert "holds no 'client_id token' line" in capsys.readouterr().err
+    assert not state.exists()
