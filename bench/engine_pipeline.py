@@ -10,8 +10,9 @@ micro-batches, a rank is busy ``3 t m`` per step; the measured bubble is ``1 - b
 from __future__ import annotations
 
 import argparse
-import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,6 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from fedcore.engine.launch import free_port
 from fedcore.engine.schedules import bubble_fraction
 
 
@@ -48,9 +48,8 @@ class UniformStage(nn.Module):
         return _Sleep.apply(x * self.scale, self.seconds)  # type: ignore[no-any-return]
 
 
-def _worker(rank: int, p: int, port: int, micro: list[int], seconds: float, schedule: str, steps: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=p)
+def _worker(rank: int, p: int, rendezvous: str, micro: list[int], seconds: float, schedule: str, steps: int) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=p)
     module = UniformStage(seconds)
     for m in micro:
         stage = PipelineStage(module, rank, p, torch.device("cpu"))
@@ -93,11 +92,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     micro = [int(m) for m in args.micro.split(",")]
-    mp.spawn(
-        _worker,
-        args=(args.stages, free_port(), micro, args.t_ms / 1e3, args.schedule, args.steps),
-        nprocs=args.stages,
-    )
+    with tempfile.TemporaryDirectory() as tmp:  # a file rendezvous: no free port to pick (and race for)
+        mp.spawn(
+            _worker,
+            args=(args.stages, (Path(tmp) / "rendezvous").as_uri(), micro, args.t_ms / 1e3, args.schedule, args.steps),
+            nprocs=args.stages,
+        )
 
 
 if __name__ == "__main__":

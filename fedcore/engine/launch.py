@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,13 +46,6 @@ GRACE_S = 5.0
 
 REPORT_WAIT_S = 2.0
 """After the first failure, seconds to wait for the other ranks' reports before naming the root cause."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def error_path(workdir: Path, rank: int) -> Path:

@@ -65,7 +65,8 @@ def init_distributed(plan: ParallelPlan, device: Device, *, rank: int, init_meth
         plan: the plan; ``plan.total_ranks`` processes take part.
         device: the resolved device kind.
         rank: this process's global rank.
-        init_method: rendezvous URL, e.g. ``tcp://127.0.0.1:29500``.
+        init_method: rendezvous URL, e.g. ``file:///tmp/fedcore-engine-123-x/rendezvous`` (the launcher's choice:
+            a file in the call's own directory, so no port is picked) or ``tcp://127.0.0.1:29500``.
     """
     world_size = plan.total_ranks
     if device is Device.CUDA:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedcore.engine.batch_stats import check_batches
-from fedcore.engine.launch import DEFAULT_TIMEOUT_S, free_port, run_workers, worker_directory
+from fedcore.engine.launch import DEFAULT_TIMEOUT_S, run_workers, worker_directory
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runner import train_rank, training_data
 from fedcore.engine.runtime import single_process_env
@@ -123,7 +123,8 @@ def train_with_plan(
                 "seed": seed,
                 "round": round,
                 "client_id": client_id,
-                "init_method": f"tcp://127.0.0.1:{free_port()}",
+                # a file in this call's own directory: no port to pick, so no race with another process for one
+                "init_method": (workdir / "rendezvous").resolve().as_uri(),
                 "global_path": str(workdir / "global.safetensors"),
                 "state_path": str(workdir / "updated.safetensors"),
                 "metrics_path": str(workdir / "metrics.json"),
