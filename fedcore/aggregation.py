@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -46,6 +47,9 @@ from fedcore.tensors import (
 )
 
 __all__ = [
+    "Accumulator",
+    "Aggregator",
+    "MeanAggregator",
     "MetricAverages",
     "WeightedMean",
     "example_weight",
@@ -99,6 +103,92 @@ def _default_threads() -> int:
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
     return max(1, min(_MAX_THREADS, cpus))
+
+
+@runtime_checkable
+class Accumulator(Protocol):
+    """One round's aggregation in progress: updates are added as they arrive, the result is taken once.
+
+    :class:`WeightedMean` is the default one. An implementation validates an update completely before it keeps
+    anything of it, so a rejected update (the exceptions below) leaves the round's aggregate untouched.
+    """
+
+    @property
+    def count(self) -> int:
+        """Number of updates accepted so far."""
+        ...
+
+    def add(
+        self, update: Mapping[str, np.ndarray], weight: float, *, client_id: str | None = None, round: int | None = None
+    ) -> None:
+        """Validate and take in one client's update (``name -> array`` matching the round's spec) with its
+        aggregation weight (finite, >= 0).
+
+        Raises:
+            UpdateRejected, PayloadError, NonFiniteError: the update or its weight cannot be used.
+        """
+        ...
+
+    def result(self, *, release: bool = False) -> NamedArrays:
+        """The aggregate, with the spec's names, shapes and dtypes. ``release=True`` may reuse the accumulator's
+        memory for the result, after which the accumulator is spent.
+
+        Raises:
+            AggregationError: nothing usable was added (no updates, weights summing to 0, too few for the rule).
+        """
+        ...
+
+
+@runtime_checkable
+class Aggregator(Protocol):
+    """How a round's updates become one: the strategy carries it and the round loop folds every update through
+    the :class:`Accumulator` it starts for the round (DESIGN.md, "Round protocol seams").
+
+    """
+
+    @property
+    def name(self) -> str:
+        """A label for reports and configuration (e.g. ``"mean"``)."""
+        ...
+
+    def start(self, spec: Sequence[TensorSpec], *, round: int) -> Accumulator:
+        """A fresh accumulator for one round over tensors of ``spec``.
+
+        Raises:
+            ConfigError: the spec cannot be aggregated by this rule.
+        """
+        ...
+
+    def check(self, num_clients: int) -> None:
+        """Refuse, before any client is contacted, a round of ``num_clients`` selected clients that this rule
+        cannot aggregate (e.g. Krum with too few clients for the Byzantine clients it must tolerate).
+
+        Raises:
+            ConfigError: what does not fit and what to change.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class MeanAggregator:
+    """The streaming weighted mean (FedAvg, McMahan et al. 2017): each round folds through a :class:`WeightedMean`.
+
+    Memory O(model) whatever the number of clients; tolerates no Byzantine client (one arbitrary update moves the
+    mean arbitrarily far).
+
+    Attributes:
+        threads: fold threads per round (None: see :class:`WeightedMean`).
+    """
+
+    threads: int | None = None
+    name: str = "mean"
+
+    def start(self, spec: Sequence[TensorSpec], *, round: int) -> WeightedMean:
+        """A :class:`WeightedMean` over ``spec`` (raises ConfigError as it does)."""
+        return WeightedMean(spec, threads=self.threads)
+
+    def check(self, num_clients: int) -> None:
+        """Any number of clients >= 1 can be averaged."""
 
 
 class WeightedMean:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fedcore.aggregation import Aggregator, MeanAggregator
 from fedcore.errors import ConfigError, UpdateRejected
 from fedcore.seeding import numpy_rng
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
@@ -96,6 +97,8 @@ class Strategy:
         weighting: ``"examples"`` weights each update by its client's example count (FedAvg), ``"uniform"``
             gives every accepted update weight 1.
         server_optimizer: how the average moves the global model (:class:`ServerSGD`, :class:`ServerAdaptive`).
+        aggregator: how the round's updates become one (:class:`~fedcore.aggregation.Aggregator`; default the
+            streaming weighted mean, :class:`~fedcore.aggregation.MeanAggregator`).
         evaluate_batch_size: batch size for client-side and server-side evaluation.
     """
 
@@ -104,6 +107,7 @@ class Strategy:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     weighting: Literal["examples", "uniform"] = "examples"
     server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
+    aggregator: Aggregator = field(default_factory=MeanAggregator)
     evaluate_batch_size: int = 256
 
     def __post_init__(self) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from fedcore.aggregation import WeightedMean, example_weight, metric_value, weighted_metrics
+from fedcore.aggregation import example_weight, metric_value, weighted_metrics
 from fedcore.errors import ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage, bounded_repr
 from fedcore.strategy import Strategy, sample_clients
@@ -297,6 +297,7 @@ def _fit_round(
         needed = max(strategy.sampling.min_fit_clients, config.min_fit_results)
         available = pool.wait_for(needed, config.wait_for_clients_s)
         num = min(strategy.sampling.num_fit(len(available)), len(available))
+        strategy.aggregator.check(num)
         stage = "fit" if attempt == 1 else f"fit-attempt-{attempt}"
         selected = sample_clients(available, num, seed=config.seed, round=rnd, stage=stage)
         instructions: dict[str, Instruction] = {
@@ -304,7 +305,7 @@ def _fit_round(
             for cid in selected
         }
         _trace(rnd, "round start")
-        accumulator = WeightedMean(spec_of(state.parameters))
+        accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd)
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]]] = []
