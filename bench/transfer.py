@@ -3,7 +3,7 @@
     python bench/transfer.py                    # 1 GiB model (the issue's figure)
     python bench/transfer.py --mib 3072         # above protobuf's 2 GiB cap: one full round trip (~7 GiB RSS)
     python bench/transfer.py --mib 256          # quick run
-    python bench/transfer.py --chunk-mib 16     # another chunk size (default: fedcore.wire.DEFAULT_CHUNK_BYTES)
+    python bench/transfer.py --chunk-mib 16     # another chunk size (default: fedcore.payload.DEFAULT_CHUNK_BYTES)
 
 The server side is the real one, in this process (GrpcClientPool + CoordinatorService, TLS from privacy.tls): the
 global model is streamed from its payload file in chunks with a SHA-256 trailer, and the update is spilled to disk
@@ -46,8 +46,9 @@ import grpc
 import numpy as np
 
 from fedcore.messages import FitIns, FitRes
+from fedcore.payload import DEFAULT_CHUNK_BYTES
 from fedcore.task import FitConfig
-from fedcore.wire import DEFAULT_CHUNK_BYTES, TRANSFER_OPTIONS, session_metadata
+from fedcore.wire import TRANSFER_OPTIONS, session_metadata
 from privacy.tls import init_certs
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.service import AuthPolicy, CoordinatorService, build_server
@@ -148,8 +149,9 @@ def fedcore_client(port: int, certs: Path, chunk_bytes: int, results: Queue[tupl
     """The daemon's side of one round trip, through the daemon's own receive and send code; puts (download s,
     upload s, payload bytes) on ``results``."""
     from client.daemon import receive_task, result_chunks
+    from fedcore.payload import payload_segments
     from fedcore.proto.v1 import fedcore_pb2 as pb
-    from fedcore.wire import BackgroundDigest, coordinator_stub, payload_segments
+    from fedcore.wire import BackgroundDigest, coordinator_stub
 
     channel = _client_channel(port, certs, chunk_bytes)
     stub = coordinator_stub(channel)  # the daemon's stub: payload chunks without protobuf copies

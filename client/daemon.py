@@ -32,24 +32,21 @@ from fedcore.config import parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, PayloadError, TransportError
 from fedcore.messages import Failure, Instruction, Reply, Stage, bounded_repr
+from fedcore.payload import DEFAULT_CHUNK_BYTES, DataChunk, iter_data_chunks, payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
 from fedcore.tensors import NamedArrays, decode
 from fedcore.wire import (
-    DEFAULT_CHUNK_BYTES,
     TRANSFER_OPTIONS,
     BackgroundDigest,
     BufferSink,
-    DataChunk,
     PayloadReceiver,
     chunk_body,
     coordinator_stub,
     instruction_from_header,
-    iter_data_chunks,
     join_metadata,
     message_kind,
-    payload_segments,
     result_header,
     session_metadata,
 )
@@ -576,7 +573,7 @@ def receive_task(
 def result_chunks(
     header: pb.ResultHeader, segments: list[memoryview], digest: BackgroundDigest, chunk_bytes: int
 ) -> Iterator[pb.ResultChunk | DataChunk]:
-    """One ``PushResult`` stream: the header, the payload ``segments`` (see :func:`fedcore.wire.payload_segments`)
+    """One ``PushResult`` stream: the header, the payload ``segments`` (see :func:`fedcore.payload.payload_segments`)
     cut into framed chunks of ``chunk_bytes`` (each byte copied once), then the trailer with ``digest``."""
     yield pb.ResultChunk(header=header)
     if segments:

@@ -130,3 +130,10 @@ class Failure:
 
 Instruction = FitIns | EvaluateIns
 Reply = FitRes | EvaluateRes | Failure
+
+
+def bound_text(text: str, limit: int = 1000) -> str:
+    """``text`` made safe to log or store when it comes from client input: at most ``limit`` characters (a
+    longer text is cut and says how long it was), with control characters shown as ``?``."""
+    cut = text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+    return "".join(c if c.isprintable() else "?" for c in cut)

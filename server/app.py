@@ -31,6 +31,7 @@ import torch
 from fedcore.config import Address, apply_overrides, check_port, from_mapping, load_toml, parse_address, parse_host
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.kernels import warm_up as warm_up_kernels
+from fedcore.payload import DEFAULT_CHUNK_BYTES
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.task import (
     FitConfig,
@@ -42,7 +43,6 @@ from fedcore.task import (
     trainable_names,
 )
 from fedcore.tensors import check_spec, state_spec
-from fedcore.wire import DEFAULT_CHUNK_BYTES
 from privacy.tls import SERVER_FLAGS, load_ca_bundle, load_identity
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.limits import ServiceLimits

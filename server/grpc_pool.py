@@ -37,17 +37,10 @@ from typing import BinaryIO
 import numpy as np
 
 from fedcore.errors import ConfigError, FedcoreError, RoundFailed, TransportError
-from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage
+from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage, bound_text
+from fedcore.payload import DEFAULT_CHUNK_BYTES, PayloadFile, open_safetensors, save_payload
 from fedcore.proto.v1 import fedcore_pb2 as pb
-from fedcore.wire import (
-    DEFAULT_CHUNK_BYTES,
-    PayloadFile,
-    bound_text,
-    open_safetensors,
-    reply_from_header,
-    save_payload,
-    task_header,
-)
+from fedcore.wire import reply_from_header, task_header
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("fedcore.server")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from fedcore.errors import ConfigError
-from fedcore.wire import bound_text
+from fedcore.messages import bound_text
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ Availability (no client, with or without credentials, can take the server away f
   most ``max_calls_per_client`` calls and one waiting pull; joins being read or checked are at most
   ``max_unauthenticated_calls``. A call over a limit is refused at once (RESOURCE_EXHAUSTED), never queued.
 - A watchdog cuts off any request or stream idle for ``stream_idle_s`` or older than ``stream_total_s``, and an
-  upload whose round closed; spill space is reserved only as bytes arrive (:class:`fedcore.wire.SpillFile`).
+  upload whose round closed; spill space is reserved only as bytes arrive (:class:`fedcore.payload.SpillFile`).
 - Warnings caused by clients are logged once per cause per ``log_every_s`` (:class:`server.limits.RepeatLog`),
   and text from client input is bounded before it is logged or stored.
 """
@@ -37,7 +37,8 @@ from typing import Any, NoReturn
 import grpc
 
 from fedcore.errors import ConfigError, FedcoreError, PayloadError
-from fedcore.messages import Failure, Stage
+from fedcore.messages import Failure, Stage, bound_text
+from fedcore.payload import DataChunk, SpillFile, framed_sizes, read_safetensors_header
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.wire import (
@@ -45,13 +46,8 @@ from fedcore.wire import (
     SESSION_KEY,
     TOKEN_KEY,
     TRANSFER_OPTIONS,
-    DataChunk,
     PayloadReceiver,
-    SpillFile,
-    bound_text,
-    framed_sizes,
     parse_result_chunk,
-    read_safetensors_header,
     serialize_chunk,
 )
 from server.grpc_pool import ClientIdInUse, GrpcClientPool, Task, TooManyCalls

@@ -52,9 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from fedcore.errors import ConfigError, PayloadError, StateError
-from fedcore.strategy import StrategyConfig
-from fedcore.tensors import NamedArrays
-from fedcore.wire import (
+from fedcore.payload import (
     DIGEST_KEY,
     PayloadFile,
     check_digest,
@@ -62,6 +60,8 @@ from fedcore.wire import (
     read_safetensors_header,
     save_payload,
 )
+from fedcore.strategy import StrategyConfig
+from fedcore.tensors import NamedArrays
 from server.round_loop import RoundRecord, ServerState
 
 log = logging.getLogger("fedcore.server")

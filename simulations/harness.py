@@ -4,7 +4,7 @@
 factory, the same one a client daemon would be given), runs :func:`server.round_loop.run_rounds` through the
 in-memory pool, and reports: a progress bar, a per-round table on the console, a history CSV written after
 every round (a crash never loses a finished round) by the same writer as the server's, a PNG plot, the final
-model as safetensors (with its own digest, see :func:`fedcore.wire.check_digest`), and the resolved recipe as
+model as safetensors (with its own digest, see :func:`fedcore.payload.check_digest`), and the resolved recipe as
 JSON. For the same recipe and seed every file but the plot is byte for byte the same, except history.csv's
 ``seconds`` column (wall time).
 """
@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from fedcore.config import to_mapping
 from fedcore.errors import ConfigError
+from fedcore.payload import save_payload
 from fedcore.strategy import build_strategy
 from fedcore.task import (
     Task,
@@ -37,7 +38,6 @@ from fedcore.task import (
     load_task_factory,
     trainable_names,
 )
-from fedcore.wire import save_payload
 from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from server.state import history_columns, write_history
 from simulations.config import DEMO_TASK, SimulationConfig

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fedcore.engine.dp import DataParallelExecutor
+from fedcore.engine.data_parallel import DataParallelExecutor
 from fedcore.engine.pipeline import PipelineExecutor
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv

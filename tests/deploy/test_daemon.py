@@ -16,18 +16,11 @@ import pytest
 from client.daemon import ClientDaemon, DaemonConfig, DamagedTask, receive_task, result_chunks
 from fedcore.errors import PayloadError
 from fedcore.messages import Failure, FitIns
+from fedcore.payload import iter_data_chunks, payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.task import FitConfig, Task, TaskContext
 from fedcore.tensors import decode
-from fedcore.wire import (
-    BackgroundDigest,
-    chunk_body,
-    iter_data_chunks,
-    parse_result_chunk,
-    parse_task_chunk,
-    payload_segments,
-    serialize_chunk,
-)
+from fedcore.wire import BackgroundDigest, chunk_body, parse_result_chunk, parse_task_chunk, serialize_chunk
 from tests.deploy.test_service import Harness
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,9 +14,9 @@ import pytest
 
 from fedcore.cli import main
 from fedcore.messages import FitIns, Reply
+from fedcore.payload import DataChunk
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.task import FitConfig
-from fedcore.wire import DataChunk
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.metrics import ServerMetrics
 from server.service import AuthPolicy, CoordinatorService

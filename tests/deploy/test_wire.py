@@ -12,19 +12,15 @@ from safetensors.numpy import load_file
 
 from fedcore.errors import PayloadError
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Stage
+from fedcore.payload import framed_sizes, iter_data_chunks, open_safetensors, payload_segments, save_payload
 from fedcore.task import FitConfig
 from fedcore.tensors import decode
 from fedcore.wire import (
     PayloadReceiver,
-    framed_sizes,
     instruction_from_header,
     iter_bytes_chunks,
-    iter_data_chunks,
-    open_safetensors,
-    payload_segments,
     reply_from_header,
     result_header,
-    save_payload,
     task_header,
 )
 
@@ -160,8 +156,9 @@ def test_instruction_and_reply_conversion() -> None:
 
 
 def test_chunk_codec_is_protobuf_compatible_and_copy_free() -> None:
+    from fedcore.payload import DataChunk
     from fedcore.proto.v1 import fedcore_pb2 as pb
-    from fedcore.wire import BufferSink, DataChunk, chunk_body, parse_result_chunk, parse_task_chunk, serialize_chunk
+    from fedcore.wire import BufferSink, chunk_body, parse_result_chunk, parse_task_chunk, serialize_chunk
 
     for size in (0, 1, 127, 128, 300_000):
         data = bytes(range(256)) * (size // 256) + b"z" * (size % 256)

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedcore.payload import save_payload
 from fedcore.tensors import encode
-from fedcore.wire import save_payload
 from server.state import StateStore, load_checkpoint
 from tests.e2e.deploy_helpers import ROOT, Proc, client_args, server_args
 

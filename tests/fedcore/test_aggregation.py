@@ -327,7 +327,7 @@ def test_result_release_frees_the_unused_half_of_a_large_sum() -> None:
 
 
 def test_updates_mapped_from_files_fold_like_in_memory_ones(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from fedcore.wire import open_safetensors, save_payload
+    from fedcore.payload import open_safetensors, save_payload
 
     base, updates = _mixed_updates()
     in_memory, from_files = WeightedMean(spec_of(base), threads=2), WeightedMean(spec_of(base), threads=2)
@@ -343,7 +343,7 @@ def test_updates_mapped_from_files_fold_like_in_memory_ones(tmp_path) -> None:  
 
 
 def test_a_rejected_mapped_update_leaves_the_sum_untouched(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from fedcore.wire import open_safetensors, save_payload
+    from fedcore.payload import open_safetensors, save_payload
 
     base, updates = _mixed_updates(1)
     acc = WeightedMean(spec_of(base), threads=2)

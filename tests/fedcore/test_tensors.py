@@ -51,7 +51,7 @@ def test_decoded_arrays_are_writable() -> None:
 
 
 def test_decode_without_copy_shares_a_writable_buffer_and_copies_what_it_must() -> None:
-    from fedcore.wire import payload_segments
+    from fedcore.payload import payload_segments
 
     model = _model()
     buffer = bytearray(encode(model))

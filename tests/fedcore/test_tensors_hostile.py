@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fedcore.errors import PayloadError
+from fedcore.payload import open_safetensors
 from fedcore.tensors import decode, encode
-from fedcore.wire import open_safetensors
 
 
 def payload(header: object, body: bytes = b"") -> bytes:

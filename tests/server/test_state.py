@@ -19,8 +19,8 @@ import pytest
 
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.messages import Failure, Stage
+from fedcore.payload import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
 from fedcore.strategy import StrategyConfig
-from fedcore.wire import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
 from server.round_loop import RoundRecord, ServerState
 from server.state import HISTORY_COLUMNS, StateStore, load_checkpoint, write_history
 
@@ -548,3 +548,16 @@ def test_the_same_tensors_and_metadata_always_give_the_same_bytes(tmp_path: Path
     with pytest.raises(PayloadError, match="cannot carry its own digest"):
         save_payload(tmp_path / "q.safetensors", arrays, self_digest=True, frame_bytes=1024)
     assert not (tmp_path / "q.safetensors").exists()
+
+
+def test_checkpoints_and_simulations_do_not_load_grpc() -> None:
+    """Checkpoint files and the simulation harness depend on fedcore.payload alone, never on the gRPC edge."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, server.state, simulations.harness\n"
+        "print(sorted(m for m in ('grpc', 'fedcore.wire') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from fedcore.config import from_mapping
-from fedcore.wire import check_digest
+from fedcore.payload import check_digest
 from server.state import HISTORY_COLUMNS, history_columns, load_checkpoint
 from simulations.config import SimulationConfig, load_recipe
 from simulations.harness import run_simulation
