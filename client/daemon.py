@@ -28,15 +28,16 @@ from pathlib import Path
 import grpc
 
 from client.runner import ParallelTraining, run_instruction
+from client.state import ClientStateStore
 from fedcore.config import parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, PayloadError, TransportError
-from fedcore.messages import Failure, Instruction, Reply, Stage, bounded_repr
+from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage, bounded_repr
 from fedcore.payload import DEFAULT_CHUNK_BYTES, DataChunk, iter_data_chunks, payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
-from fedcore.tensors import NamedArrays, decode
+from fedcore.tensors import NamedArrays, decode, read_metadata
 from fedcore.wire import (
     TRANSFER_OPTIONS,
     BackgroundDigest,
@@ -47,6 +48,7 @@ from fedcore.wire import (
     instruction_from_header,
     join_metadata,
     message_kind,
+    payload_arrays,
     result_header,
     session_metadata,
 )
@@ -96,6 +98,9 @@ class DaemonConfig:
         threads: torch intra-op threads for local training (None: torch's default, one per core).
         parallel: train each round under this parallel plan (data/sharded/pipeline parallel, see
             :mod:`fedcore.engine`); None or a plan of all ones trains in this process.
+        state_dir: where this client keeps its persistent state between rounds and restarts (client mods such as
+            SCAFFOLD's control variate; :class:`client.state.ClientStateStore`, one file per client id), written
+            only when a mod keeps state.
     """
 
     server: str
@@ -119,6 +124,7 @@ class DaemonConfig:
     max_payload_bytes: int = 8 << 30
     threads: int | None = None
     parallel: ParallelPlan | None = None
+    state_dir: Path = Path("fedcore-client-state")
 
     def __post_init__(self) -> None:
         if not self.client_id:
@@ -185,6 +191,7 @@ class ClientDaemon:
         self._rng = random.Random()
         self._credentials = client_credentials(config)  # TLS files checked now, before the first connection
         self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
+        self._state = ClientStateStore(config.state_dir)
 
     def stop(self) -> None:
         """Ask the daemon to stop after the current call."""
@@ -408,9 +415,9 @@ class ClientDaemon:
             got = receive_task(stream, max_payload_bytes=self.config.max_payload_bytes, client_id=self.config.client_id)
             if isinstance(got, bool):
                 return got
-            header, parameters = got
+            header, parameters, metadata = got
             try:
-                instruction = instruction_from_header(header, parameters)
+                instruction = instruction_from_header(header, parameters, metadata)
             except FedcoreError as exc:  # an unknown stage or invalid settings: the task cannot run here
                 raise DamagedTask(header, exc) from exc
         except grpc.RpcError as exc:
@@ -462,7 +469,9 @@ class ClientDaemon:
             parallel = self._parallel
             if parallel is not None and self._deadline_s > 0:  # parallel workers are killed at the round's deadline
                 parallel = dataclasses.replace(parallel, timeout_s=self._deadline_s)
-            reply: Reply = run_instruction(self._task, instruction, self.config.client_id, parallel=parallel)
+            reply: Reply = run_instruction(
+                self._task, instruction, self.config.client_id, parallel=parallel, state=self._state
+            )
         except FedcoreError as exc:
             log.warning("round %d %s failed: %s", instruction.round, instruction.stage.value, exc)
             reply = Failure(
@@ -483,9 +492,10 @@ class ClientDaemon:
 
     def _push(self, stub: pb_grpc.CoordinatorStub, task_id: str, reply: Reply) -> None:
         segments: list[memoryview] = []
-        if not isinstance(reply, Failure) and hasattr(reply, "parameters"):
+        if isinstance(reply, FitRes):
             try:
-                segments = payload_segments(reply.parameters)  # views of the update: no encoded copy of the model
+                # views of the update and its tensor groups: no encoded copy of the model
+                segments = payload_segments(*payload_arrays(reply))
             except FedcoreError as exc:  # e.g. a dtype safetensors cannot hold: the server hears why
                 log.warning("round %d: cannot send the update: %s", reply.round, exc)
                 reply = Failure(client_id=self.config.client_id, round=reply.round, stage=Stage.FIT, reason=str(exc))
@@ -531,7 +541,7 @@ class ClientDaemon:
 
 def receive_task(
     chunks: Iterator[memoryview | pb.TaskChunk], *, max_payload_bytes: int, client_id: str
-) -> tuple[pb.TaskHeader, NamedArrays] | bool:
+) -> tuple[pb.TaskHeader, NamedArrays, dict[str, str]] | bool:
     """Read one ``PullTask`` stream: the task header and its payload, decoded.
 
     The payload is received into one buffer allocated after its announced size passed ``max_payload_bytes``,
@@ -539,8 +549,10 @@ def receive_task(
     are views into that buffer (no further copy of the model).
 
     Returns:
-        ``(header, parameters)``; or a bool when the server had no task: True when the run is finished, False
-        when there is nothing yet (or the stream ended early), so the caller polls again.
+        ``(header, arrays, metadata)`` (the payload's arrays, tensor groups included, and its header metadata,
+        which :func:`fedcore.wire.instruction_from_header` splits them by); or a bool when the server had no
+        task: True when the run is finished, False when there is nothing yet (or the stream ended early), so the
+        caller polls again.
 
     Raises:
         DamagedTask: the header arrived but the payload is over the limit, truncated, corrupted or not
@@ -565,9 +577,10 @@ def receive_task(
         with receiver:
             receiver.finish(receiver.read_until_trailer(chunks))
         parameters = decode(sink.buffer, allow_nonfinite=True, copy=False, round=header.round, client_id=client_id)
+        metadata = read_metadata(sink.buffer)
     except FedcoreError as exc:
         raise DamagedTask(header, exc) from exc
-    return header, parameters
+    return header, parameters, metadata
 
 
 def result_chunks(

@@ -21,9 +21,12 @@ import operator
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
+from client.mods import run_chain
+from client.state import ClientStateStore
 from fedcore.aggregation import metric_value
 from fedcore.engine.launch import DEFAULT_TIMEOUT_S
 from fedcore.engine.plan import ParallelPlan
@@ -39,6 +42,7 @@ from fedcore.messages import (
     Stage,
     bounded_repr,
 )
+from fedcore.mods import ModContext
 from fedcore.seeding import derive_seed
 from fedcore.task import EvalResult, Task, TaskContext, TrainContext, TrainResult
 from fedcore.tensors import NamedArrays, check_spec, from_state_dict, state_spec, to_state_dict
@@ -84,8 +88,12 @@ def run_instruction(
     *,
     model: torch.nn.Module | None = None,
     parallel: ParallelTraining | None = None,
+    state: ClientStateStore | None = None,
 ) -> FitRes | EvaluateRes:
     """Execute one instruction with ``task`` on this client.
+
+    A fit instruction that declares client mods runs through their chain (:func:`client.mods.run_chain`), with
+    the training below at its end.
 
     Args:
         task: the user's task for this client's data.
@@ -93,6 +101,8 @@ def run_instruction(
         client_id: this client's id (keys its random streams together with the seed and round).
         model: a model of the task's architecture to reuse (its state is overwritten); built if None.
         parallel: train fit instructions under this parallel plan (evaluation stays in-process).
+        state: the clients' persistent state (:class:`client.state.ClientStateStore`), which mods use; None when
+            this client keeps none.
 
     Returns:
         :class:`FitRes` with the trained parameters in the global model's names and dtypes, or
@@ -103,7 +113,35 @@ def run_instruction(
         ClientTaskError: the task raised, returned an example count that is not an integer >= 0, a loss that is not
             a number, or metrics that are not a dict.
         EngineError: a parallel worker failed (names the rank and the cause).
+        ConfigError: a declared client mod is unknown or refuses its parameters.
     """
+    if isinstance(instruction, FitIns) and instruction.mods:
+        if model is None:
+            with torch.random.fork_rng(devices=[]):
+                model = task.build_model()
+        local = parallel is None or parallel.plan.is_single_process
+        context = ModContext(
+            client_id=client_id,
+            model=model if local else None,
+            state=state.entry(client_id) if state is not None else None,
+        )
+        built = model
+        return run_chain(
+            instruction,
+            context,
+            lambda ins: cast(FitRes, _run_instruction(task, ins, client_id, model=built, parallel=parallel)),
+        )
+    return _run_instruction(task, instruction, client_id, model=model, parallel=parallel)
+
+
+def _run_instruction(
+    task: Task,
+    instruction: Instruction,
+    client_id: str,
+    *,
+    model: torch.nn.Module | None = None,
+    parallel: ParallelTraining | None = None,
+) -> FitRes | EvaluateRes:
     if model is None:
         with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten; keep global RNG untouched
             model = task.build_model()

@@ -65,7 +65,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--partition", help="iid, dirichlet, dirichlet-client, shards, quantity, natural")
     p.add_argument("--alpha", type=float, help="Dirichlet concentration")
     p.add_argument("--model", help="cnn, 2nn, logreg")
-    p.add_argument("--strategy", help="fedavg, fedavgm, fedprox, fedadagrad, fedadam, fedyogi")
+    p.add_argument("--strategy", help="fedavg, fedavgm, fedprox, fedadagrad, fedadam, fedyogi, scaffold")
     p.add_argument("--clients-per-round", type=int, help="minimum clients selected per round")
     p.add_argument("--epochs", type=int, help="local epochs per round")
     p.add_argument("--batch-size", type=int)
@@ -343,6 +343,11 @@ def _add_client(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "schedule=1f1b (see the README's section on large models)",
     )
     start.add_argument("--parallel-config", help="TOML file whose [parallel] table is the plan")
+    start.add_argument(
+        "--state-dir",
+        default="fedcore-client-state",
+        help="where the client keeps its state between rounds and restarts (e.g. SCAFFOLD's control variate)",
+    )
     start.set_defaults(func=_cmd_client_start)
 
 
@@ -380,6 +385,7 @@ def _cmd_client_start(args: argparse.Namespace) -> int:
         give_up_after_s=args.give_up_after_s,
         exit_when_finished=not args.stay,
         threads=args.threads,
+        state_dir=Path(args.state_dir),
     )
     if config.insecure:
         print("WARNING: connecting without TLS (--insecure): the model and updates travel in plaintext")

@@ -33,6 +33,24 @@ def bounded_repr(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+ModParam = bool | int | float | str
+"""A client mod's parameter value: a scalar (see :class:`ModSpec`)."""
+
+
+@dataclass(frozen=True)
+class ModSpec:
+    """A client mod as the strategy declares it and the fit instruction carries it: a registered name and its
+    parameters (see :mod:`fedcore.mods`, which checks both, and :mod:`client.mods`, which runs the chain).
+
+    Attributes:
+        name: the mod's registered name (e.g. ``"scaffold"``).
+        params: its parameters, ``name -> bool | int | float | str``.
+    """
+
+    name: str
+    params: Mapping[str, ModParam] = field(default_factory=dict)
+
+
 class Stage(StrEnum):
     """The protocol stage a message belongs to."""
 
@@ -49,6 +67,10 @@ class FitIns:
         parameters: the global model, ``name -> array`` in the model's order.
         config: local training settings.
         seed: the run's seed; the client derives its generators from (seed, round, client id).
+        groups: algorithm state sent besides the model, ``group -> name -> array`` (SCAFFOLD's server control
+            variate under ``"control"``); empty for plain FedAvg. The strategy declares each group's rule
+            (:class:`fedcore.strategy.GroupRule`).
+        mods: the client mods to run around the local training, in order, outermost first (:mod:`client.mods`).
     """
 
     round: int
@@ -56,6 +78,8 @@ class FitIns:
     config: FitConfig
     seed: int
     stage: Stage = Stage.FIT
+    groups: Mapping[str, NamedArrays] = field(default_factory=dict)
+    mods: tuple[ModSpec, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -84,6 +108,9 @@ class FitRes:
         parameters: the locally trained model, same names, shapes and dtypes as the global model.
         num_examples: local training examples (FedAvg weight), >= 0.
         metrics: scalar training metrics (e.g. ``train_loss``).
+        groups: algorithm state returned besides the model, ``group -> name -> array`` (SCAFFOLD: the change of
+            the client's control variate under ``"control"``); each group the strategy declares must be present
+            with the spec of the server's state of that group, else the update is rejected.
     """
 
     client_id: str
@@ -91,6 +118,7 @@ class FitRes:
     parameters: NamedArrays
     num_examples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+    groups: Mapping[str, NamedArrays] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

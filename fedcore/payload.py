@@ -21,6 +21,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,118 @@ class PayloadFile:
     size: int
     sha256: bytes
     frame_bytes: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tensor groups in one payload
+
+GROUPS_KEY = "fedcore.groups"
+"""Header metadata key listing the tensor groups a payload carries besides the model (a JSON list of names)."""
+
+GROUP_PREFIX = "@"
+"""Tensors of group ``g`` are stored as ``@g/<name>``; a model tensor name may not start with it."""
+
+_GROUP_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
+MAX_GROUPS = 16
+"""The most tensor groups one payload carries besides the model."""
+
+
+def check_group_name(name: object) -> str:
+    """``name`` if it can name a tensor group: a letter, then letters, digits, ``_`` or ``-``; 64 characters at
+    most.
+
+    Raises:
+        PayloadError: any other name (bounded in the message).
+    """
+    if not isinstance(name, str) or _GROUP_NAME.fullmatch(name) is None:
+        shown = repr(name)[:70]
+        raise PayloadError(
+            f"{shown} cannot name a tensor group: use a letter, then letters, digits, '_' or '-' (64 at most)"
+        )
+    return name
+
+
+def pack_groups(
+    parameters: Mapping[str, np.ndarray], groups: Mapping[str, Mapping[str, np.ndarray]]
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The model and its tensor groups as one flat set of named arrays plus header metadata, for one payload.
+
+    The model's tensors keep their names; those of group ``g`` become ``@g/<name>``, and the metadata entry
+    :data:`GROUPS_KEY` lists the groups (JSON, in order). No array is copied. Without groups the result is the model
+    alone with empty metadata: the payload of a plain FedAvg round is unchanged.
+
+    Raises:
+        PayloadError: a group name that :func:`check_group_name` refuses, more than :data:`MAX_GROUPS` groups, an
+            empty group, or a model tensor whose name starts with :data:`GROUP_PREFIX`.
+    """
+    if not groups:
+        return dict(parameters), {}
+    if len(groups) > MAX_GROUPS:
+        raise PayloadError(f"{len(groups)} tensor groups; a payload carries at most {MAX_GROUPS}")
+    arrays: dict[str, np.ndarray] = {}
+    for name, array in parameters.items():
+        if name.startswith(GROUP_PREFIX):
+            raise PayloadError(
+                f"model tensor {name[:80]!r} starts with {GROUP_PREFIX!r}, which is reserved for tensor groups"
+            )
+        arrays[name] = array
+    for group, tensors in groups.items():
+        check_group_name(group)
+        if not tensors:
+            raise PayloadError(f"tensor group {group!r} is empty; leave it out instead")
+        for name, array in tensors.items():
+            arrays[f"{GROUP_PREFIX}{group}/{name}"] = array
+    return arrays, {GROUPS_KEY: json.dumps(list(groups))}
+
+
+def unpack_groups(
+    arrays: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str],
+    *,
+    round: int | None = None,
+    client_id: str | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """Split a payload's arrays back into ``(model, groups)``: the inverse of :func:`pack_groups`.
+
+    Raises:
+        PayloadError: the group list is not a JSON list of valid, distinct names; a tensor names a group the
+            list does not hold; or a listed group carries no tensor.
+    """
+
+    def fail(message: str) -> PayloadError:
+        return PayloadError(message, round=round, client_id=client_id, stage="decode")
+
+    listed = metadata.get(GROUPS_KEY)
+    names: list[str] = []
+    if listed is not None:
+        try:
+            names = json.loads(listed)
+        except ValueError:
+            raise fail(f"the {GROUPS_KEY!r} metadata entry is not JSON") from None
+        if not isinstance(names, list) or len(names) > MAX_GROUPS:
+            raise fail(f"the {GROUPS_KEY!r} metadata entry is not a list of at most {MAX_GROUPS} group names")
+        try:
+            for name in names:
+                check_group_name(name)
+        except PayloadError as exc:
+            raise fail(exc.message) from None
+        if len(set(names)) != len(names):
+            raise fail(f"the payload lists a tensor group twice: {sorted({n for n in names if names.count(n) > 1})}")
+    groups: dict[str, dict[str, np.ndarray]] = {name: {} for name in names}
+    model: dict[str, np.ndarray] = {}
+    for key, array in arrays.items():
+        if not key.startswith(GROUP_PREFIX):
+            model[key] = array
+            continue
+        group, sep, name = key[len(GROUP_PREFIX) :].partition("/")
+        if not sep or group not in groups:
+            raise fail(f"tensor {key[:80]!r} belongs to no tensor group the payload lists ({', '.join(names)})")
+        groups[group][name] = array
+    empty = [name for name, tensors in groups.items() if not tensors]
+    if empty:
+        raise fail(f"tensor group(s) {', '.join(empty)} listed but carrying no tensor")
+    return model, groups
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ FedProx        FedAvg with ``FitConfig.mu > 0`` (Li et al. 2020)
 FedAdagrad     ``ServerAdaptive("adagrad")``  (Reddi et al. 2021)
 FedAdam        ``ServerAdaptive("adam")``     (Reddi et al. 2021)
 FedYogi        ``ServerAdaptive("yogi")``     (Reddi et al. 2021)
+SCAFFOLD       ``ServerSGD(lr=eta_g)``, a ``control`` tensor group and the ``scaffold`` client mod
+               (Karimireddy et al. 2020; :mod:`fedcore.algorithms.scaffold`)
 =============  ==============================================================================================
 
 The round loop (:mod:`server.round_loop`) owns the control flow; the strategy only answers "whom", "with what
@@ -18,17 +20,21 @@ settings", "with what weight" and "how to step the global model".
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from fedcore.aggregation import Aggregator, MeanAggregator
-from fedcore.errors import ConfigError, UpdateRejected
+from fedcore.errors import ConfigError, PayloadError, UpdateRejected
+from fedcore.messages import ModSpec
+from fedcore.mods import check_mods
+from fedcore.payload import check_group_name
 from fedcore.seeding import numpy_rng
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
 from fedcore.task import FitConfig
+from fedcore.tensors import NamedArrays
 
-STRATEGY_NAMES = ("fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam", "fedyogi")
+STRATEGY_NAMES = ("fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam", "fedyogi", "scaffold")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +92,36 @@ def sample_clients(available: Sequence[str], num: int, *, seed: int, round: int,
     return [pool[i] for i in sorted(int(c) for c in chosen)]
 
 
+class GroupRule(Protocol):
+    """The rule of one tensor group besides the model (DESIGN.md, "Tensor groups"): its server-side state, how the
+    replies' tensors of the group are combined, and how the combination updates the state.
+
+    Each round the server sends the group's state with the fit instruction (``FitIns.groups``); every accepted
+    reply must carry the group with the same names, shapes and dtypes (``FitRes.groups``); the replies' tensors
+    go through :attr:`aggregator` with :meth:`weight`, and :meth:`update` makes the next state from the result.
+    The round loop applies the rules of all groups alike; it knows no algorithm by name.
+    """
+
+    @property
+    def aggregator(self) -> Aggregator:
+        """How the replies' tensors of the group are combined."""
+        ...
+
+    def init(self, parameters: NamedArrays, *, trainable: frozenset[str] | None) -> NamedArrays:
+        """The group's state at round 0 for the initial model ``parameters`` (``trainable``: see
+        :class:`server.round_loop.ServerState`)."""
+        ...
+
+    def weight(self, num_examples: int) -> float:
+        """The aggregation weight of a reply from a client with ``num_examples`` training examples."""
+        ...
+
+    def update(self, state: NamedArrays, combined: NamedArrays, *, accepted: int, available: int) -> NamedArrays:
+        """The group's next state from its current ``state`` and the ``combined`` replies of ``accepted`` clients,
+        out of ``available`` clients connected when the round started. Must not mutate its inputs."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
     """A federated algorithm as a composition of parts.
@@ -100,6 +136,13 @@ class Strategy:
         aggregator: how the round's updates become one (:class:`~fedcore.aggregation.Aggregator`; default the
             streaming weighted mean, :class:`~fedcore.aggregation.MeanAggregator`).
         evaluate_batch_size: batch size for client-side and server-side evaluation.
+        groups: the tensor groups exchanged besides the model, ``name -> rule`` (:class:`GroupRule`); empty for
+            FedAvg and its relatives.
+        mods: the client mods every fit instruction declares, in order, outermost first (:mod:`fedcore.mods`);
+            checked against the registry here, when the strategy is configured.
+
+    Raises:
+        ConfigError: bad weighting or batch size, a group name that cannot travel, or a mod that cannot run.
     """
 
     name: str = "fedavg"
@@ -109,12 +152,20 @@ class Strategy:
     server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
     aggregator: Aggregator = field(default_factory=MeanAggregator)
     evaluate_batch_size: int = 256
+    groups: Mapping[str, GroupRule] = field(default_factory=dict)
+    mods: tuple[ModSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.weighting not in ("examples", "uniform"):
             raise ConfigError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
         if self.evaluate_batch_size < 1:
             raise ConfigError(f"evaluate_batch_size must be >= 1, got {self.evaluate_batch_size}")
+        for name in self.groups:
+            try:
+                check_group_name(name)
+            except PayloadError as exc:
+                raise ConfigError(exc.message) from None
+        check_mods(tuple(self.mods))
 
     def weight(self, num_examples: int) -> float:
         """The aggregation weight of an update from a client with ``num_examples`` training examples.
@@ -137,10 +188,10 @@ class StrategyConfig:
     """The ``[strategy]`` table of a recipe: which algorithm, with its server-side hyper-parameters.
 
     Attributes:
-        name: one of fedavg, fedavgm, fedprox, fedadagrad, fedadam, fedyogi.
-        weighting: ``"examples"`` (FedAvg) or ``"uniform"``.
-        server_lr: server learning rate (eta). 1.0 for FedAvg/FedProx; Reddi et al. tune it in [1e-3, 1] for
-            the adaptive ones.
+        name: one of fedavg, fedavgm, fedprox, fedadagrad, fedadam, fedyogi, scaffold.
+        weighting: ``"examples"`` (FedAvg) or ``"uniform"`` (SCAFFOLD's paper averages the models uniformly).
+        server_lr: server learning rate (eta; SCAFFOLD's eta_g). 1.0 for FedAvg/FedProx/SCAFFOLD; Reddi et al.
+            tune it in [1e-3, 1] for the adaptive ones.
         server_momentum: FedAvgM momentum (beta), in [0, 1).
         beta1, beta2: FedAdam/FedYogi moment decay rates, in [0, 1).
         tau: adaptivity (epsilon) of the adaptive optimizers, > 0.
@@ -169,9 +220,14 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
     """Compose the :class:`Strategy` a recipe describes.
 
     FedProx is FedAvg's server with the proximal coefficient ``fit.mu`` on the clients; with ``mu = 0`` it is
-    exactly FedAvg (Li et al. 2020, section 3).
+    exactly FedAvg (Li et al. 2020, section 3). SCAFFOLD is :func:`fedcore.algorithms.scaffold.scaffold` with
+    ``server_lr`` as its global step size eta_g.
     """
     optimizer: ServerOptimizer
+    if config.name == "scaffold":
+        from fedcore.algorithms.scaffold import scaffold
+
+        return scaffold(fit=fit, sampling=sampling, server_lr=config.server_lr, weighting=config.weighting)
     if config.name in ("fedavg", "fedprox", "fedavgm"):
         optimizer = ServerSGD(lr=config.server_lr, momentum=config.server_momentum)
     else:

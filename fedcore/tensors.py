@@ -341,7 +341,7 @@ def encode(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None 
     return b"".join([safetensors_header(arrays, metadata), *(raw_bytes(a) for a in arrays.values())])
 
 
-def read_metadata(data: bytes) -> dict[str, str]:
+def read_metadata(data: bytes | bytearray | memoryview) -> dict[str, str]:
     """Return the user metadata of a safetensors payload (without fedcore's own keys).
 
     Raises:

@@ -15,14 +15,28 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import BinaryIO
 
 import grpc
+import numpy as np
 
-from fedcore.errors import PayloadError
-from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Reply, Stage, bound_text
-from fedcore.payload import DATA_TAG, DEFAULT_CHUNK_BYTES, DataChunk, SpillFile
+from fedcore.errors import ConfigError, PayloadError
+from fedcore.messages import (
+    EvaluateIns,
+    EvaluateRes,
+    Failure,
+    FitIns,
+    FitRes,
+    Instruction,
+    ModParam,
+    ModSpec,
+    Reply,
+    Stage,
+    bound_text,
+)
+from fedcore.mods import check_mods
+from fedcore.payload import DATA_TAG, DEFAULT_CHUNK_BYTES, DataChunk, SpillFile, pack_groups, unpack_groups
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
@@ -367,29 +381,87 @@ def fit_config_from_pb(message: pb.FitConfig) -> FitConfig:
     )
 
 
+def mod_to_pb(spec: ModSpec) -> pb.ModSpec:
+    """A client mod declaration -> protobuf (each parameter in the oneof field of its type)."""
+    message = pb.ModSpec(name=spec.name)
+    for key, value in spec.params.items():
+        param = message.params[key]
+        if isinstance(value, bool):
+            param.flag = value
+        elif isinstance(value, int):
+            param.integer = value
+        elif isinstance(value, float):
+            param.number = value
+        else:
+            param.text = value
+    return message
+
+
+def mod_from_pb(message: pb.ModSpec) -> ModSpec:
+    """Protobuf -> a client mod declaration (not yet checked against the registry: see :func:`check_mods`).
+
+    Raises:
+        ConfigError: a parameter without a value.
+    """
+    params: dict[str, ModParam] = {}
+    for key, param in message.params.items():
+        kind = param.WhichOneof("value")
+        if kind is None:
+            raise ConfigError(
+                f"parameter {bound_text(key, 40)!r} of client mod {bound_text(message.name, 40)!r} has no value"
+            )
+        params[key] = getattr(param, kind)
+    return ModSpec(message.name, params)
+
+
+def payload_arrays(message: Instruction | FitRes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The arrays and header metadata of the payload that carries ``message``'s model and its tensor groups
+    (:func:`fedcore.payload.pack_groups`; without groups, the model alone and no metadata).
+
+    Raises:
+        PayloadError: a group name that cannot travel, an empty group, or a model tensor named like a group's.
+    """
+    groups = message.groups if isinstance(message, FitIns | FitRes) else {}
+    return pack_groups(message.parameters, groups)
+
+
 def task_header(instruction: Instruction, *, task_id: str, payload_bytes: int) -> pb.TaskHeader:
-    """The header announcing ``instruction``; its parameters follow as a chunked payload of ``payload_bytes``."""
+    """The header announcing ``instruction``; its parameters (and tensor groups, see :func:`payload_arrays`) follow
+    as a chunked payload of ``payload_bytes``."""
     header = pb.TaskHeader(
         task_id=task_id, round=instruction.round, stage=_STAGE_TO_PB[instruction.stage], payload_bytes=payload_bytes
     )
     if isinstance(instruction, FitIns):
         header.seed = instruction.seed
         header.fit.CopyFrom(fit_config_to_pb(instruction.config))
+        header.mods.extend(mod_to_pb(spec) for spec in instruction.mods)
     else:
         header.evaluate_batch_size = instruction.batch_size
     return header
 
 
-def instruction_from_header(header: pb.TaskHeader, parameters: NamedArrays) -> Instruction:
-    """Rebuild the instruction a client received.
+def instruction_from_header(
+    header: pb.TaskHeader, parameters: NamedArrays, metadata: Mapping[str, str] | None = None
+) -> Instruction:
+    """Rebuild the instruction a client received from its header and payload (``parameters``: the payload's
+    arrays, ``metadata``: its header metadata, which lists the tensor groups split off the arrays here).
 
     Raises:
-        PayloadError: unknown stage. ConfigError: invalid fit settings.
+        PayloadError: unknown stage, or tensor groups that do not unpack (see :func:`unpack_groups`).
+        ConfigError: invalid fit settings, or client mods that are unknown or have bad parameters.
     """
     stage = _STAGE_FROM_PB.get(header.stage)
     if stage is Stage.FIT:
+        model, groups = unpack_groups(parameters, metadata or {}, round=header.round)
+        mods = tuple(mod_from_pb(m) for m in header.mods)
+        check_mods(mods)  # refused on arrival: an unknown mod never runs half a round
         return FitIns(
-            round=header.round, parameters=parameters, config=fit_config_from_pb(header.fit), seed=header.seed
+            round=header.round,
+            parameters=model,
+            config=fit_config_from_pb(header.fit),
+            seed=header.seed,
+            groups=groups,
+            mods=mods,
         )
     if stage is Stage.EVALUATE:
         return EvaluateIns(round=header.round, parameters=parameters, batch_size=header.evaluate_batch_size)
@@ -413,11 +485,18 @@ def result_header(reply: Reply, *, session: str, task_id: str, payload_bytes: in
     return header
 
 
-def reply_from_header(header: pb.ResultHeader, *, client_id: str, parameters: NamedArrays | None) -> Reply:
-    """Rebuild a client's reply on the server. ``client_id`` comes from the session, never from the message.
+def reply_from_header(
+    header: pb.ResultHeader,
+    *,
+    client_id: str,
+    parameters: NamedArrays | None,
+    metadata: Mapping[str, str] | None = None,
+) -> Reply:
+    """Rebuild a client's reply on the server. ``client_id`` comes from the session, never from the message;
+    ``parameters`` and ``metadata`` are the payload's arrays and header metadata (tensor groups are split off here).
 
     Raises:
-        PayloadError: unknown stage, or a fit result without parameters.
+        PayloadError: unknown stage, a fit result without parameters, or tensor groups that do not unpack.
     """
     stage = _STAGE_FROM_PB.get(header.stage)
     if stage is None:
@@ -433,12 +512,14 @@ def reply_from_header(header: pb.ResultHeader, *, client_id: str, parameters: Na
     if stage is Stage.FIT:
         if parameters is None:
             raise PayloadError("fit result without parameters", round=header.round, client_id=client_id)
+        model, groups = unpack_groups(parameters, metadata or {}, round=header.round, client_id=client_id)
         return FitRes(
             client_id=client_id,
             round=header.round,
-            parameters=parameters,
+            parameters=model,
             num_examples=header.num_examples,
             metrics=metrics,
+            groups=groups,
         )
     return EvaluateRes(
         client_id=client_id, round=header.round, loss=header.loss, num_examples=header.num_examples, metrics=metrics

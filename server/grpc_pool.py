@@ -37,10 +37,10 @@ from typing import BinaryIO
 import numpy as np
 
 from fedcore.errors import ConfigError, FedcoreError, RoundFailed, TransportError
-from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage, bound_text
+from fedcore.messages import Failure, FitIns, FitRes, Instruction, Reply, Stage, bound_text
 from fedcore.payload import DEFAULT_CHUNK_BYTES, PayloadFile, open_safetensors, save_payload
 from fedcore.proto.v1 import fedcore_pb2 as pb
-from fedcore.wire import reply_from_header, task_header
+from fedcore.wire import payload_arrays, reply_from_header, task_header
 from server.metrics import ServerMetrics
 
 log = logging.getLogger("fedcore.server")
@@ -208,17 +208,19 @@ class GrpcClientPool:
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         replies: queue.Queue[tuple[Task, Reply | pb.ResultHeader, Path | None]] = queue.Queue()
-        files: dict[int, PayloadFile] = {}
+        files: dict[tuple[int, int], PayloadFile] = {}
         outstanding: dict[str, Task] = {}
         immediate: list[Failure] = []
         for instruction in instructions.values():
-            key = id(instruction.parameters)
+            key = _payload_key(instruction)
             if key not in files:
                 name = f"global-r{instruction.round}-{instruction.stage.value}-{uuid.uuid4().hex[:8]}.safetensors"
                 # framed for the wire; not fsynced: after a crash the round is run again from the checkpoint
+                arrays, metadata = payload_arrays(instruction)  # the model and its tensor groups, in one payload
                 files[key] = save_payload(
                     self.config.spill_dir / name,
-                    instruction.parameters,
+                    arrays,
+                    metadata,
                     frame_bytes=self.config.chunk_bytes,
                     durable=False,
                 )
@@ -229,7 +231,7 @@ class GrpcClientPool:
                 if client is None:
                     immediate.append(self._failure(client_id, instruction, "client is not connected"))
                     continue
-                payload = files[id(instruction.parameters)]
+                payload = files[_payload_key(instruction)]
                 task_id = uuid.uuid4().hex
                 task = Task(
                     task_id=task_id,
@@ -588,10 +590,10 @@ class GrpcClientPool:
         if not isinstance(body, pb.ResultHeader):
             return body
         try:
-            parameters = None
+            parameters, metadata = None, None
             if path is not None:
-                parameters, _ = open_safetensors(path, round=task.round, client_id=task.client_id)
-            return reply_from_header(body, client_id=task.client_id, parameters=parameters)
+                parameters, metadata = open_safetensors(path, round=task.round, client_id=task.client_id)
+            return reply_from_header(body, client_id=task.client_id, parameters=parameters, metadata=metadata)
         except FedcoreError as exc:
             reason = bound_text(str(exc))
             log.warning("round %d: rejected the reply of client %s: %s", task.round, task.client_id, reason)
@@ -613,6 +615,12 @@ class GrpcClientPool:
                 return
             if path is not None:
                 path.unlink(missing_ok=True)
+
+
+def _payload_key(instruction: Instruction) -> tuple[int, int]:
+    """Instructions that share a model and tensor groups (the same objects) share one payload file."""
+    groups = instruction.groups if isinstance(instruction, FitIns) else None
+    return id(instruction.parameters), id(groups)
 
 
 def _drop_pages(arrays: Mapping[str, np.ndarray]) -> None:

@@ -32,7 +32,7 @@ from fedcore.errors import ConfigError, FedcoreError, RoundFailed, UpdateRejecte
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage, bounded_repr
 from fedcore.strategy import Strategy, sample_clients
 from fedcore.task import EvalResult
-from fedcore.tensors import NamedArrays, check_finite, spec_of
+from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, spec_of
 from server.pool import ClientPool
 
 log = logging.getLogger("fedcore.server")
@@ -93,12 +93,15 @@ class ServerState:
             (:func:`fedcore.task.trainable_names`). None: every floating tensor is stepped. Not stored in
             checkpoints: whoever loads one derives it again from the task's model (a property of the model,
             not of the round), and the round loop keeps the initial state's value for the whole run.
+        groups: the server-side state of each tensor group the strategy declares (``group -> name -> array``,
+            e.g. SCAFFOLD's server control variate), sent with every fit instruction and stored in checkpoints.
     """
 
     round: int
     parameters: NamedArrays
     optimizer_state: NamedArrays
     trainable: frozenset[str] | None = None
+    groups: Mapping[str, NamedArrays] = field(default_factory=dict)
 
 
 def initial_state(
@@ -109,7 +112,8 @@ def initial_state(
     optimizer_state: NamedArrays | None = None,
 ) -> ServerState:
     """A fresh run's round-0 state: the initial model, the strategy's initial optimizer state (unless one is given,
-    non-empty) and the trainable names (see :class:`ServerState`).
+    non-empty), the trainable names (see :class:`ServerState`) and each tensor group's initial state
+    (:meth:`fedcore.strategy.GroupRule.init`).
 
     Raises:
         NonFiniteError: the initial model holds NaN or Inf.
@@ -117,7 +121,10 @@ def initial_state(
     check_finite(parameters)
     if not optimizer_state:
         optimizer_state = strategy.server_optimizer.init(parameters, trainable=trainable)
-    return ServerState(round=0, parameters=parameters, optimizer_state=optimizer_state, trainable=trainable)
+    groups = {name: rule.init(parameters, trainable=trainable) for name, rule in strategy.groups.items()}
+    return ServerState(
+        round=0, parameters=parameters, optimizer_state=optimizer_state, trainable=trainable, groups=groups
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +224,7 @@ def run_rounds(
     """
     state = initial if isinstance(initial, ServerState) else initial_state(initial, strategy)
     trainable = state.trainable  # a property of the model: the same for the whole run
+    _check_groups(strategy, state)
 
     def round_end(record: RoundRecord, state: ServerState) -> ServerState:
         returned = on_round_end(record, state) if on_round_end is not None else None
@@ -245,6 +253,46 @@ def run_rounds(
         release_memory()
         _trace(rnd, "round end")
     return state, records
+
+
+def _check_groups(strategy: Strategy, state: ServerState) -> None:
+    """Refuse a state whose tensor groups are not the strategy's (a checkpoint of another algorithm).
+
+    Raises:
+        ConfigError: the groups differ (both sets are named).
+    """
+    if set(state.groups) != set(strategy.groups):
+        raise ConfigError(
+            f"the server state (round {state.round}) holds the tensor groups {sorted(state.groups)} but strategy "
+            f"{strategy.name!r} declares {sorted(strategy.groups)}; start from a state of this strategy"
+        )
+
+
+def _check_reply_groups(reply: FitRes, specs: Mapping[str, tuple[TensorSpec, ...]], rnd: int) -> None:
+    """Validate a reply's tensor groups completely before anything of the reply is folded.
+
+    Raises:
+        UpdateRejected: a declared group is missing or an undeclared one is present.
+        PayloadError, NonFiniteError: a group's names, shapes or dtypes differ from the server's state of it, or it
+            holds NaN or Inf.
+    """
+    groups = reply.groups if isinstance(reply.groups, Mapping) else {}
+    missing, extra = sorted(set(specs) - set(groups)), sorted(set(groups) - set(specs), key=str)
+    if missing or extra:
+        raise UpdateRejected(
+            "the reply's tensor groups differ from the strategy's: "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing {', '.join(missing)}" if missing else "",
+                    f"unexpected {bounded_repr(extra[:5])}" if extra else "",
+                )
+                if part
+            )
+        )
+    for name, spec in specs.items():
+        check_spec(groups[name], spec, round=rnd, client_id=reply.client_id)
+        check_finite(groups[name], round=rnd, client_id=reply.client_id)
 
 
 def release_memory() -> None:
@@ -301,11 +349,22 @@ def _fit_round(
         stage = "fit" if attempt == 1 else f"fit-attempt-{attempt}"
         selected = sample_clients(available, num, seed=config.seed, round=rnd, stage=stage)
         instructions: dict[str, Instruction] = {
-            cid: FitIns(round=rnd, parameters=state.parameters, config=strategy.fit, seed=config.seed)
+            cid: FitIns(
+                round=rnd,
+                parameters=state.parameters,
+                config=strategy.fit,
+                seed=config.seed,
+                groups=state.groups,
+                mods=strategy.mods,
+            )
             for cid in selected
         }
         _trace(rnd, "round start")
         accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd)
+        group_specs = {name: spec_of(state.groups[name]) for name in strategy.groups}
+        group_sums = {
+            name: rule.aggregator.start(group_specs[name], round=rnd) for name, rule in strategy.groups.items()
+        }
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]]] = []
@@ -321,7 +380,10 @@ def _fit_round(
             try:
                 if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples < 0:
                     raise UpdateRejected(f"the example count {bounded_repr(num_examples)} is not an integer >= 0")
+                _check_reply_groups(reply, group_specs, rnd)  # all of them before anything is folded
                 accumulator.add(reply.parameters, strategy.weight(num_examples), client_id=client_id, round=rnd)
+                for name, rule in strategy.groups.items():  # already checked: adding them cannot fail now
+                    group_sums[name].add(reply.groups[name], rule.weight(num_examples), client_id=client_id, round=rnd)
             except FedcoreError as exc:
                 log.warning("round %d: rejected the update of client %s: %s", rnd, client_id, exc)
                 failures.append(Failure(client_id=client_id, round=rnd, stage=Stage.FIT, reason=str(exc)))
@@ -349,6 +411,17 @@ def _fit_round(
             )
             del average
             check_finite(parameters, round=rnd)  # block by block: no model-sized temporary
+            groups = {
+                name: rule.update(
+                    state.groups[name],
+                    group_sums.pop(name).result(release=True),
+                    accepted=len(accepted),
+                    available=len(available),
+                )
+                for name, rule in strategy.groups.items()
+            }
+            for name in groups:
+                check_finite(groups[name], round=rnd)
             _trace(rnd, "server step")
         except FedcoreError as exc:
             if attempt == config.max_round_attempts:
@@ -371,7 +444,11 @@ def _fit_round(
             metrics_left_out=train_metrics.left_out,
         )
         new_state = ServerState(
-            round=rnd, parameters=parameters, optimizer_state=optimizer_state, trainable=state.trainable
+            round=rnd,
+            parameters=parameters,
+            optimizer_state=optimizer_state,
+            trainable=state.trainable,
+            groups=groups,
         )
         return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover

@@ -7,7 +7,9 @@ Layout of a state directory::
     state.lock                      held (flock) by the one process using the directory; holds its pid
     checkpoints/round-000003.safetensors
                                     global model ("param/<name>"), server optimizer state ("opt/<name>"), the
-                                    round, and the file's own SHA-256 (header metadata "fedcore.sha256")
+                                    server state of each tensor group ("group/<group>/<name>", e.g. SCAFFOLD's
+                                    control variate), the round, and the file's own SHA-256 (header metadata
+                                    "fedcore.sha256")
     history.csv                     one row per round (the current rows of the rounds table), see write_history
     spill/                          payload files in flight (emptied at start)
 
@@ -68,6 +70,7 @@ log = logging.getLogger("fedcore.server")
 
 _PARAM = "param/"
 _OPT = "opt/"
+_GROUP = "group/"
 _KEEP_CHECKPOINTS = 2
 _FORMAT = "2"
 _MAX_TEXT = 2000  # characters of client-derived text (ids, failure reasons) stored per row
@@ -630,6 +633,8 @@ def _checkpoint_problem(path: Path, recorded: Mapping[int, str]) -> str | None:
 def _write_state(path: Path, state: ServerState, *, self_digest: bool) -> PayloadFile:
     arrays: dict[str, np.ndarray] = {_PARAM + n: a for n, a in state.parameters.items()}
     arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
+    for group, tensors in state.groups.items():
+        arrays.update({f"{_GROUP}{group}/{n}": a for n, a in tensors.items()})
     return save_payload(path, arrays, {"round": str(state.round)}, self_digest=self_digest)
 
 
@@ -662,16 +667,20 @@ def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verif
         raise PayloadError(f"checkpoint {str(path)!r} is unreadable: {exc.message}") from exc
     params: NamedArrays = {}
     opt: NamedArrays = {}
+    groups: dict[str, NamedArrays] = {}
     for name, array in views.items():
         value = array if mapped else np.array(array)
         if name.startswith(_PARAM):
             params[name[len(_PARAM) :]] = value
         elif name.startswith(_OPT):
             opt[name[len(_OPT) :]] = value
+        elif name.startswith(_GROUP) and "/" in name[len(_GROUP) :]:
+            group, _, tensor = name[len(_GROUP) :].partition("/")
+            groups.setdefault(group, {})[tensor] = value
         else:
             params[name] = value
     try:
         rnd = int(metadata.get("round", "0"))
     except ValueError as exc:
         raise PayloadError(f"checkpoint {str(path)!r} has a non-numeric round {metadata.get('round')!r}") from exc
-    return ServerState(round=rnd, parameters=params, optimizer_state=opt)
+    return ServerState(round=rnd, parameters=params, optimizer_state=opt, groups=groups)

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from client.state import ClientStateStore
 from fedcore.config import to_mapping
 from fedcore.errors import ConfigError
 from fedcore.payload import save_payload
@@ -48,6 +50,9 @@ log = logging.getLogger("fedcore.simulation")
 
 COLUMNS = ("round", "clients", "train_loss", "test_loss", "test_accuracy", "seconds")
 OUTPUT_FILES = ("config.json", "history.csv", "history.png", "model.safetensors")
+CLIENT_STATE_DIR = "client-state"
+"""The virtual clients' persistent state under output.dir (one file per client that keeps state, e.g. SCAFFOLD's
+control variate); emptied when a simulation starts."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
             (out_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)  # nor an earlier run's client state
         (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
     except OSError as exc:
         raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
@@ -161,7 +167,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
 
     server_task = factory(TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options))
     strategy = build_strategy(config.strategy, config.train, config.sampling)
-    pool = InMemoryPool(ids, make_task)
+    pool = InMemoryPool(ids, make_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR))
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []

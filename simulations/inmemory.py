@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from client.runner import ParallelTraining, run_instruction
+from client.state import ClientStateStore
 from fedcore.errors import FedcoreError, RoundFailed
 from fedcore.messages import Failure, Instruction, Reply
 from fedcore.task import Task
@@ -27,6 +28,8 @@ class InMemoryPool:
         client_ids: the virtual clients' ids.
         make_task: builds the task (data shard) of one client; called once per client, on first use.
         parallel: optionally, per client, a parallel plan to train its fit instructions with (None: in-process).
+        state: the virtual clients' persistent state (a directory keyed by client id, read only for the clients
+            being run), or None when no client keeps state.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class InMemoryPool:
         client_ids: Sequence[str],
         make_task: Callable[[str], Task],
         parallel: Callable[[str], ParallelTraining | None] | None = None,
+        state: ClientStateStore | None = None,
     ) -> None:
         if len(set(client_ids)) != len(client_ids):
             raise ValueError("client ids must be unique")
@@ -41,6 +45,7 @@ class InMemoryPool:
         self._make_task = make_task
         self._tasks: dict[str, Task] = {}
         self._parallel = parallel
+        self._state = state
 
     def available(self) -> list[str]:
         """All virtual clients are always available."""
@@ -66,7 +71,7 @@ class InMemoryPool:
         for client_id, instruction in instructions.items():
             try:
                 plan = self._parallel(client_id) if self._parallel is not None else None
-                yield run_instruction(self.task(client_id), instruction, client_id, parallel=plan)
+                yield run_instruction(self.task(client_id), instruction, client_id, parallel=plan, state=self._state)
             except FedcoreError as exc:
                 yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
             except Exception as exc:  # a bug in user code must not kill the whole simulation

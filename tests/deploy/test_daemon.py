@@ -83,8 +83,8 @@ def test_receive_task_decodes_views_of_one_checked_buffer() -> None:
     arrays = {"w": np.arange(1000, dtype=np.float32).reshape(10, 100), "step": np.array(4, np.int64)}
     got = _receive(_task_stream(_payload(arrays), chunk_bytes=333))
     assert isinstance(got, tuple)
-    header, params = got
-    assert header.task_id == "t1" and list(params) == ["w", "step"]
+    header, params, metadata = got
+    assert header.task_id == "t1" and list(params) == ["w", "step"] and metadata == {}
     np.testing.assert_array_equal(params["w"], arrays["w"])
     assert int(params["step"]) == 4 and params["w"].base is not None  # a view of the receive buffer
     params["w"] += 1  # writable: the runner may load it in place

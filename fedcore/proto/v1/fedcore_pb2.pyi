@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -79,7 +79,7 @@ class FitConfig(_message.Message):
     def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., mu: _Optional[float] = ..., max_steps: _Optional[int] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
-    __slots__ = ("task_id", "round", "stage", "seed", "fit", "evaluate_batch_size", "payload_bytes", "deadline_s")
+    __slots__ = ("task_id", "round", "stage", "seed", "fit", "evaluate_batch_size", "payload_bytes", "deadline_s", "mods")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class TaskHeader(_message.Message):
     EVALUATE_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    MODS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     stage: Stage
@@ -96,7 +97,35 @@ class TaskHeader(_message.Message):
     evaluate_batch_size: int
     payload_bytes: int
     deadline_s: float
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[_Union[Stage, str]] = ..., seed: _Optional[int] = ..., fit: _Optional[_Union[FitConfig, _Mapping]] = ..., evaluate_batch_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    mods: _containers.RepeatedCompositeFieldContainer[ModSpec]
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[_Union[Stage, str]] = ..., seed: _Optional[int] = ..., fit: _Optional[_Union[FitConfig, _Mapping]] = ..., evaluate_batch_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., deadline_s: _Optional[float] = ..., mods: _Optional[_Iterable[_Union[ModSpec, _Mapping]]] = ...) -> None: ...
+
+class ModSpec(_message.Message):
+    __slots__ = ("name", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModParam
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModParam, _Mapping]] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params: _containers.MessageMap[str, ModParam]
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, ModParam]] = ...) -> None: ...
+
+class ModParam(_message.Message):
+    __slots__ = ("flag", "integer", "number", "text")
+    FLAG_FIELD_NUMBER: _ClassVar[int]
+    INTEGER_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    flag: bool
+    integer: int
+    number: float
+    text: str
+    def __init__(self, flag: _Optional[bool] = ..., integer: _Optional[int] = ..., number: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Trailer(_message.Message):
     __slots__ = ("sha256",)
