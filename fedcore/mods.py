@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from fedcore.errors import ConfigError
-from fedcore.messages import FitIns, FitRes, ModSpec, bounded_repr
+from fedcore.messages import FitIns, FitRes, ModSpec, bound_text, bounded_repr
 from fedcore.tensors import NamedArrays
 
 MAX_MODS = 16
@@ -100,7 +100,9 @@ def register(name: str, factory: Callable[..., Mod]) -> None:
     """
     known = registry.get(name)
     if known is not None and known is not factory:
-        raise ConfigError(f"a client mod named {name!r} is already registered ({known!r})")
+        raise ConfigError(
+            f"a client mod named {bounded_repr(name)} is already registered ({known!r}); pick another name"
+        )
     registry[name] = factory
 
 
@@ -127,20 +129,21 @@ def build_mod(spec: ModSpec) -> Mod:
         ConfigError: unknown name, or parameters the mod refuses (unknown, missing, wrong type or out of range).
     """
     factory = lookup(spec.name)
+    name = bounded_repr(spec.name, 40)
     if not isinstance(spec.params, Mapping) or not all(isinstance(k, str) for k in spec.params):
-        raise ConfigError(f"the parameters of client mod {spec.name!r} must be a mapping of names to values")
+        raise ConfigError(f"the parameters of client mod {name} must be a mapping of names to values")
     for key, value in spec.params.items():
         if not isinstance(value, bool | int | float | str):
             raise ConfigError(
-                f"parameter {bounded_repr(key, 40)} of client mod {spec.name!r} is a {type(value).__name__}; "
+                f"parameter {bounded_repr(key, 40)} of client mod {name} is a {type(value).__name__}; "
                 "mod parameters are bool, int, float or str"
             )
     try:
         return factory(**spec.params)
     except ConfigError as exc:
-        raise ConfigError(f"client mod {spec.name!r}: {exc.message}") from None
+        raise ConfigError(f"client mod {name}: {bound_text(exc.message, 300)}") from None
     except TypeError as exc:  # an unknown or missing keyword
-        raise ConfigError(f"client mod {spec.name!r} refuses its parameters: {exc}") from None
+        raise ConfigError(f"client mod {name} refuses its parameters: {bound_text(str(exc), 300)}") from None
 
 
 def check_mods(specs: tuple[ModSpec, ...]) -> list[Mod]:
@@ -156,7 +159,6 @@ def check_mods(specs: tuple[ModSpec, ...]) -> list[Mod]:
     if None in names:
         raise ConfigError("client mods are declared as ModSpec(name, params)")
     if len(set(names)) != len(names):
-        raise ConfigError(
-            f"a client mod is declared twice: {', '.join(sorted({str(n) for n in names if names.count(n) > 1}))}"
-        )
+        twice = sorted({bounded_repr(n, 40) for n in names if names.count(n) > 1})
+        raise ConfigError(f"a client mod is declared twice: {', '.join(twice)}; declare each once")
     return [build_mod(spec) for spec in specs]
