@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fedcore.aggregation import Aggregator, MeanAggregator
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
-from fedcore.messages import FitIns, FitRes, ModSpec
+from fedcore.messages import FitIns, FitRes, ModSpec, bounded_repr
 from fedcore.mods import CallNext, ModContext, StateEntry
 from fedcore.server_opt import ServerSGD
 from fedcore.strategy import SamplingConfig, Strategy
@@ -125,7 +125,7 @@ class ScaffoldMod:
         unknown = sorted(set(c) - set(trainable))
         if unknown:
             raise PayloadError(
-                f"SCAFFOLD: the control group names {', '.join(unknown[:5])}, not trainable parameters of the model",
+                f"SCAFFOLD: the control group names {bounded_repr(unknown[:5])}, not trainable parameters of the model",
                 round=instruction.round,
                 client_id=context.client_id,
             )
@@ -143,7 +143,8 @@ class ScaffoldMod:
                     if correction is None:
                         continue
                     touched = True
-                    correction = correction.to(device=p.device, dtype=p.dtype)
+                    if correction.device != p.device or correction.dtype != p.dtype:  # moved once, then reused
+                        correction = corrections[id(p)] = correction.to(device=p.device, dtype=p.dtype)
                     if p.grad is None:
                         p.grad = correction.clone()
                     else:
