@@ -151,8 +151,11 @@ class Aggregator(Protocol):
         """A label for reports and configuration (e.g. ``"mean"``)."""
         ...
 
-    def start(self, spec: Sequence[TensorSpec], *, round: int) -> Accumulator:
-        """A fresh accumulator for one round over tensors of ``spec``.
+    def start(
+        self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
+    ) -> Accumulator:
+        """A fresh accumulator for one round over tensors of ``spec`` (``reference``: the global model the round's
+        clients started from, for rules that work on the difference from it).
 
         Raises:
             ConfigError: the spec cannot be aggregated by this rule.
@@ -183,8 +186,10 @@ class MeanAggregator:
     threads: int | None = None
     name: str = "mean"
 
-    def start(self, spec: Sequence[TensorSpec], *, round: int) -> WeightedMean:
-        """A :class:`WeightedMean` over ``spec`` (raises ConfigError as it does)."""
+    def start(
+        self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
+    ) -> WeightedMean:
+        """A :class:`WeightedMean` over ``spec`` (raises ConfigError as it does; ``reference`` is not needed)."""
         return WeightedMean(spec, threads=self.threads)
 
     def check(self, num_clients: int) -> None:

@@ -10,6 +10,7 @@ context (round, client id, stage) where it has it, plus a sentence on what to do
     ├── UpdateRejected                             one client's update failed validation (the round goes on)
     ├── AggregationError                           nothing valid to aggregate (e.g. zero total weight)
     ├── RoundFailed                                a round could not complete (no quorum, all clients failed)
+    ├── BudgetExhausted                            the next round would exceed the privacy budget: the run stops
     ├── ClientTaskError                            the user's Task raised while fitting or evaluating
     ├── PartitionError         (also ValueError)   a partition cannot satisfy its constraints
     ├── DatasetNotFoundError   (also FileNotFoundError)  dataset files are missing; says how to get them
@@ -86,6 +87,11 @@ class AggregationError(FedcoreError):
 
 class RoundFailed(FedcoreError):
     """A round could not be completed (too few clients, no valid update)."""
+
+
+class BudgetExhausted(FedcoreError):
+    """The next round would spend more privacy than the configured target epsilon; the round loop ends the run
+    cleanly with the last round within budget."""
 
 
 class ClientTaskError(FedcoreError):

@@ -83,7 +83,10 @@ class Mod(Protocol):
         ...
 
 
-_BUILTIN: dict[str, str] = {"scaffold": "fedcore.algorithms.scaffold:ScaffoldMod"}
+_BUILTIN: dict[str, str] = {
+    "scaffold": "fedcore.algorithms.scaffold:ScaffoldMod",
+    "dp-clip": "privacy.dp.distributed:ClipAndNoiseMod",
+}
 """Built-in mods, imported on first use: ``name -> "module:class"``."""
 
 registry: dict[str, Callable[..., Mod]] = {}

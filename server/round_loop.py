@@ -25,10 +25,10 @@ import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 from fedcore.aggregation import example_weight, metric_value, weighted_metrics
-from fedcore.errors import ConfigError, FedcoreError, RoundFailed, UpdateRejected
+from fedcore.errors import BudgetExhausted, ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage, bounded_repr
 from fedcore.strategy import Strategy, sample_clients
 from fedcore.task import EvalResult
@@ -141,6 +141,8 @@ class RoundRecord:
         federated_eval_loss, federated_eval_metrics: example-weighted client-side evaluation (None if not run).
         seconds: wall time of the round, including evaluation.
         attempts: how many selections the round needed to reach its quorum.
+        aggregation: what the strategy's accumulator reports about the round (:class:`Reporting`, e.g. the
+            privacy spent: ``epsilon``), each a history column.
         metrics_left_out: how many reported metric values were left out of this round's averages (training and
             federated evaluation metrics, see :func:`fedcore.aggregation.weighted_metrics`: not a finite number,
             or from a client that reported 0 examples), plus the server's own evaluation values that were not
@@ -160,6 +162,7 @@ class RoundRecord:
     seconds: float = 0.0
     attempts: int = 1
     metrics_left_out: int = 0
+    aggregation: Mapping[str, float] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, float | int | None]:
         """A flat row for the history table (CSV)."""
@@ -176,11 +179,22 @@ class RoundRecord:
         for key, value in self.eval_metrics.items():
             if key != "accuracy":
                 row[f"test_{key}"] = value
+        row.update(self.aggregation)
         if self.federated_eval_loss is not None:
             row["federated_loss"] = self.federated_eval_loss
             for key, value in self.federated_eval_metrics.items():
                 row[f"federated_{key}"] = value
         return row
+
+
+@runtime_checkable
+class Reporting(Protocol):
+    """An accumulator that reports figures of its round once its result is taken (e.g. DP-FedAvg's epsilon); the
+    round loop puts them into the round's record (:attr:`RoundRecord.aggregation`)."""
+
+    def report(self) -> Mapping[str, float]:
+        """``name -> value`` for the round's record (names distinct from the record's other columns)."""
+        ...
 
 
 RoundCallback = Callable[[RoundRecord, ServerState], "ServerState | None"]
@@ -241,7 +255,11 @@ def run_rounds(
         state = round_end(record, state)
     for rnd in range(state.round + 1, config.num_rounds + 1):
         started = time.perf_counter()
-        state, record = _fit_round(pool, strategy, state, config, rnd)
+        try:
+            state, record = _fit_round(pool, strategy, state, config, rnd)
+        except BudgetExhausted as exc:  # raised before any client is contacted: the last round is kept
+            log.warning("stopping before round %d: %s", rnd, exc)
+            break
         evaluate_now = rnd % config.evaluate_every == 0 or rnd == config.num_rounds
         if evaluate_now:
             record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn)
@@ -360,7 +378,7 @@ def _fit_round(
             for cid in selected
         }
         _trace(rnd, "round start")
-        accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd)
+        accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd, reference=state.parameters)
         group_specs = {name: spec_of(state.groups[name]) for name in strategy.groups}
         group_sums = {
             name: rule.aggregator.start(group_specs[name], round=rnd) for name, rule in strategy.groups.items()
@@ -404,6 +422,7 @@ def _fit_round(
                     round=rnd,
                 )
             average = accumulator.result(release=True)  # the running sum becomes the average in place
+            aggregation = dict(accumulator.report()) if isinstance(accumulator, Reporting) else {}
             del accumulator
             _trace(rnd, "average")
             parameters, optimizer_state = strategy.server_optimizer.step(
@@ -442,6 +461,7 @@ def _fit_round(
             train_metrics=train_metrics.values,
             attempts=attempt,
             metrics_left_out=train_metrics.left_out,
+            aggregation=aggregation,
         )
         new_state = ServerState(
             round=rnd,

@@ -1,0 +1,318 @@
+"""DP-FedAvg on the server: an :class:`~fedcore.aggregation.Aggregator` that wraps the streaming mean.
+
+Each round the accumulator takes every accepted update ``w_k``, forms ``delta_k = w_k - w`` against the global
+model ``w`` the round started from (``reference``), and folds ``delta_k`` with weight 1 into a
+:class:`~fedcore.aggregation.WeightedMean` over float64 tensors. The result is McMahan et al. 2018's
+*fixed-denominator* estimator with uniform weights (their ``f~_f`` with every ``w_k = 1``, so ``q W = m``)::
+
+    w_next = w + (sum_k clip(delta_k, C) + N(0, (z C)^2 I)) / m
+
+with ``m`` the expected number of clients per round, not the number that replied: the denominator does not depend
+on who took part, so the sum's sensitivity ``C`` bounds the average's at ``C / m``. The server optimizer then steps
+from this model as from any average (``ServerSGD(lr=1)`` gives ``w_next``).
+
+Two modes (:class:`DPFedAvgAggregator`):
+
+- ``"central"``: the trusted server clips each update (fixed C, or adaptive clipping, :mod:`privacy.dp.mechanism`)
+  and adds the noise to the sum.
+- ``"distributed"``: the clients clip and add their noise shares (:mod:`privacy.dp.distributed`); the server only
+  sums, and refuses to release a sum of fewer than ``n_min = ceil(m (1 - tolerated_dropout))`` updates, whose
+  noise would be below ``z C``.
+
+Floating tensors are privatized; integer tensors (e.g. BatchNorm's ``num_batches_tracked``) keep the global
+model's value, so nothing of a client's data reaches them. After each released round the accumulator reports the
+epsilon spent so far (:mod:`privacy.dp.accounting`), and a round whose release would exceed ``target_epsilon`` is
+refused before any client is contacted (:class:`~fedcore.errors.BudgetExhausted`: the run ends with the last round
+within budget).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from fedcore.aggregation import WeightedMean
+from fedcore.errors import AggregationError, BudgetExhausted, ConfigError, PayloadError, UpdateRejected
+from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec
+from privacy.dp.accounting import Accountant, epsilon
+from privacy.dp.accounting import check as check_accounting
+from privacy.dp.mechanism import (
+    AdaptiveClipping,
+    clip_update,
+    gaussian_noise,
+    minimum_contributors,
+    noise_share_stddev,
+    update_noise_multiplier,
+)
+
+log = logging.getLogger("fedcore.privacy")
+
+DPMode = Literal["central", "distributed"]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DPFedAvgAggregator:
+    """Client-level DP-FedAvg's aggregation (see the module docstring).
+
+    Attributes:
+        mode: ``"central"`` (the server clips and adds noise) or ``"distributed"`` (the clients do).
+        clipping_norm: C > 0 (the initial C with adaptive clipping).
+        noise_multiplier: z > 0; with adaptive clipping the total over both queries (Andrew et al. 2021).
+        expected_clients: m >= 1, the clients selected per round (the fixed denominator).
+        population: N >= m, the clients rounds sample from (sampling rate q = m / N for the accountant).
+        delta: the delta epsilon is reported for, in (0, 1).
+        target_epsilon: stop before a round whose epsilon would exceed it (None: no budget).
+        accountant: ``"rdp"`` or ``"pld"`` (:mod:`privacy.dp.accounting`).
+        adaptive: adaptive clipping settings (central mode only), or None for a fixed C.
+        tolerated_dropout: distributed mode: the fraction of the m clients that may drop out while the sum still
+            carries noise ``z C`` (each share is raised to ``z C / sqrt(n_min)``).
+        threads: fold threads of the wrapped streaming mean (None: its default).
+
+    Raises:
+        ConfigError: a value out of range, or adaptive clipping in distributed mode.
+    """
+
+    mode: DPMode
+    clipping_norm: float
+    noise_multiplier: float
+    expected_clients: int
+    population: int
+    delta: float = 1e-5
+    target_epsilon: float | None = None
+    accountant: Accountant = "rdp"
+    adaptive: AdaptiveClipping | None = None
+    tolerated_dropout: float = 0.0
+    threads: int | None = None
+    name: str = "dp-fedavg"
+    _norms: dict[int, float] = field(default_factory=dict, repr=False)
+    _epsilons: dict[int, float] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("central", "distributed"):
+            raise ConfigError(f"dp mode must be 'central' or 'distributed', got {self.mode!r}")
+        noise_share_stddev(self.noise_multiplier, self.clipping_norm, self.expected_clients, self.tolerated_dropout)
+        if isinstance(self.population, bool) or not isinstance(self.population, int):
+            raise ConfigError(f"the client population must be an integer, got {self.population!r}")
+        if self.population < self.expected_clients:
+            raise ConfigError(
+                f"the client population N={self.population} is smaller than the clients per round m="
+                f"{self.expected_clients}; give the number of clients rounds sample from"
+            )
+        if self.mode == "central" and self.tolerated_dropout:
+            raise ConfigError("tolerated_dropout applies to distributed mode (central mode adds all the noise itself)")
+        if self.adaptive is not None:
+            if self.mode != "central":
+                raise ConfigError(
+                    "adaptive clipping needs the clipped count of all clients with its own noise, which the server "
+                    "computes in central mode only; distributed mode takes a fixed clipping_norm"
+                )
+            update_noise_multiplier(self.noise_multiplier, self.adaptive.clipped_count_stddev)
+        if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
+            raise ConfigError(f"target_epsilon must be a finite number > 0, got {self.target_epsilon!r}")
+        check_accounting(
+            noise_multiplier=self.noise_multiplier,
+            sampling_rate=self.sampling_rate,
+            delta=self.delta,
+            accountant=self.accountant,
+        )
+        self._norms.setdefault(1, float(self.clipping_norm))
+
+    @property
+    def sampling_rate(self) -> float:
+        """q = m / N."""
+        return self.expected_clients / self.population
+
+    @property
+    def minimum_clients(self) -> int:
+        """The fewest updates a round may be released from: m in central mode's accounting, ``n_min`` in
+        distributed mode (:func:`~privacy.dp.mechanism.minimum_contributors`)."""
+        return minimum_contributors(self.expected_clients, self.tolerated_dropout)
+
+    def update_noise_multiplier(self) -> float:
+        """The noise multiplier applied to the update sum: z, or ``z_delta`` with adaptive clipping."""
+        if self.adaptive is None:
+            return float(self.noise_multiplier)
+        return update_noise_multiplier(self.noise_multiplier, self.adaptive.clipped_count_stddev)
+
+    def share_stddev(self) -> float:
+        """Distributed mode: each client's noise standard deviation ``z C / sqrt(n_min)``."""
+        return noise_share_stddev(
+            self.noise_multiplier, self.clipping_norm, self.expected_clients, self.tolerated_dropout
+        )
+
+    def epsilon_after(self, rounds: int) -> float:
+        """The epsilon at :attr:`delta` once ``rounds`` rounds have been released (computed once per count)."""
+        known = self._epsilons.get(rounds)
+        if known is not None:
+            return known
+        spent = self._epsilons[rounds] = epsilon(
+            noise_multiplier=self.noise_multiplier,
+            sampling_rate=self.sampling_rate,
+            rounds=rounds,
+            delta=self.delta,
+            accountant=self.accountant,
+        )
+        return spent
+
+    def clipping_norm_for(self, round: int) -> float:
+        """The clipping norm of ``round``: fixed, or adaptive clipping's from the last round this process aggregated
+        (a server restarted from a checkpoint starts again from the initial norm: the norm is not checkpointed)."""
+        known = [r for r in self._norms if r <= round]
+        return self._norms[max(known)] if known else float(self.clipping_norm)
+
+    def check(self, num_clients: int) -> None:
+        """Refuse a round that selects more than m clients (a higher sampling rate than the accountant assumes)
+        or, in distributed mode, fewer than ``n_min`` (the sum would carry too little noise).
+
+        Raises:
+            ConfigError: what does not fit and what to change.
+        """
+        if num_clients > self.expected_clients:
+            raise ConfigError(
+                f"the round selects {num_clients} clients but DP-FedAvg accounts for m={self.expected_clients} per "
+                f"round (sampling rate {self.expected_clients}/{self.population}); lower the clients per round or "
+                "configure the privacy settings for the clients connected"
+            )
+        if self.mode == "distributed" and num_clients < self.minimum_clients:
+            raise ConfigError(
+                f"the round selects {num_clients} clients but distributed DP needs at least n_min="
+                f"{self.minimum_clients} noise shares (m={self.expected_clients}, tolerated dropout "
+                f"{self.tolerated_dropout}); wait for more clients or raise tolerated_dropout"
+            )
+
+    def start(
+        self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
+    ) -> DPFedAvgAccumulator:
+        """The round's accumulator around the global model ``reference``.
+
+        Raises:
+            BudgetExhausted: releasing round ``round`` would exceed :attr:`target_epsilon`.
+            ConfigError: no ``reference``, or one that does not fit ``spec``.
+        """
+        spent = self.epsilon_after(round)
+        if self.target_epsilon is not None and spent > self.target_epsilon:
+            raise BudgetExhausted(
+                f"round {round} would spend epsilon {spent:.4g} > target_epsilon {self.target_epsilon} "
+                f"(delta {self.delta}); training stops with the model of round {round - 1}",
+                round=round,
+            )
+        if reference is None:
+            raise ConfigError("DP-FedAvg clips each update's difference from the global model: pass reference=")
+        return DPFedAvgAccumulator(self, spec, reference, round=round, epsilon=spent)
+
+
+class DPFedAvgAccumulator:
+    """One round of :class:`DPFedAvgAggregator` (implements :class:`~fedcore.aggregation.Accumulator`, plus
+    :meth:`report`). Not thread-safe, like the streaming mean it wraps."""
+
+    def __init__(
+        self,
+        rule: DPFedAvgAggregator,
+        spec: Sequence[TensorSpec],
+        reference: Mapping[str, np.ndarray],
+        *,
+        round: int,
+        epsilon: float,
+    ) -> None:
+        self._rule = rule
+        self._spec = tuple(spec)
+        try:
+            check_spec(reference, self._spec)
+            check_finite(reference)
+        except PayloadError as exc:
+            raise ConfigError(f"the global model cannot be the reference of DP-FedAvg: {exc}") from None
+        self._reference = reference
+        self._floating = tuple(s for s in self._spec if np.dtype(s.dtype).kind == "f")
+        if not self._floating:
+            raise ConfigError("DP-FedAvg needs a model with floating tensors; this one has none")
+        self._sum = WeightedMean([TensorSpec(s.name, s.shape, "float64") for s in self._floating], threads=rule.threads)
+        self._round = round
+        self._epsilon = epsilon
+        self._clipping_norm = rule.clipping_norm_for(round)
+        self._unclipped = 0
+        self._noise_std = 0.0
+
+    @property
+    def count(self) -> int:
+        """Updates accepted so far."""
+        return self._sum.count
+
+    def add(
+        self, update: Mapping[str, np.ndarray], weight: float, *, client_id: str | None = None, round: int | None = None
+    ) -> None:
+        """Validate one client's model, form its update against the global model and fold it (clipped first in
+        central mode) with weight 1.
+
+        Raises:
+            UpdateRejected: ``weight`` is not 1 (DP-FedAvg weights every update alike: weighting "uniform").
+            PayloadError, NonFiniteError: the model does not fit the round's spec or holds NaN/Inf.
+        """
+        if weight != 1.0:
+            raise UpdateRejected(f"DP-FedAvg weights every update 1, got weight {weight!r}; use weighting = 'uniform'")
+        check_spec(update, self._spec, round=round, client_id=client_id)
+        check_finite(update, round=round, client_id=client_id)
+        delta = {
+            s.name: np.asarray(update[s.name], dtype=np.float64) - np.asarray(self._reference[s.name], dtype=np.float64)
+            for s in self._floating
+        }
+        if self._rule.mode == "central":
+            delta, norm = clip_update(delta, self._clipping_norm)
+            self._unclipped += norm <= self._clipping_norm
+        self._sum.add(delta, 1.0, client_id=client_id, round=round)
+
+    def result(self, *, release: bool = False) -> NamedArrays:
+        """``w + (sum of the (clipped) updates + noise) / m`` in the spec's dtypes (integer tensors: ``w``'s).
+
+        Raises:
+            AggregationError: no update, or (distributed mode) fewer than ``n_min`` updates: the sum would carry
+                less noise than accounted, so nothing is released.
+        """
+        rule, k = self._rule, self._sum.count
+        if k == 0:
+            raise AggregationError("no update to aggregate")
+        if rule.mode == "distributed" and k < rule.minimum_clients:
+            raise AggregationError(
+                f"only {k} updates arrived but distributed DP needs n_min={rule.minimum_clients} noise shares for "
+                f"noise z*C on the sum; the round is not released (raise tolerated_dropout to tolerate more dropouts)"
+            )
+        mean = self._sum.result(release=release)
+        rng = np.random.default_rng()  # OS entropy: the noise must not be derivable from the run's seed
+        if rule.mode == "central":
+            std = rule.update_noise_multiplier() * self._clipping_norm
+            noise = gaussian_noise({s.name: s.shape for s in self._floating}, std, rng)
+            self._noise_std = std / rule.expected_clients
+        else:
+            noise = {}
+            self._noise_std = rule.share_stddev() * math.sqrt(k) / rule.expected_clients
+        out: NamedArrays = {}
+        for s in self._spec:
+            ref = np.asarray(self._reference[s.name])
+            if s.name not in mean:
+                out[s.name] = np.array(ref, copy=True)
+                continue
+            total = mean[s.name] * k
+            if s.name in noise:
+                total += noise[s.name]
+            out[s.name] = (ref.astype(np.float64) + total / rule.expected_clients).astype(s.dtype)
+        if rule.adaptive is not None:
+            count_noise = float(rng.normal(0.0, rule.adaptive.clipped_count_stddev))
+            following = rule.adaptive.next_norm(
+                self._clipping_norm, self._unclipped, rule.expected_clients, count_noise
+            )
+            rule._norms[self._round + 1] = following
+        return out
+
+    def report(self) -> Mapping[str, float]:
+        """The round's privacy figures for its record (after :meth:`result`): ``epsilon`` spent by the rounds
+        released so far (this one included), the clipping norm used, and the standard deviation of the noise on
+        the average (``dp_noise_std``)."""
+        return {
+            "epsilon": self._epsilon,
+            "dp_clipping_norm": self._clipping_norm,
+            "dp_noise_std": self._noise_std,
+        }

@@ -1,0 +1,147 @@
+"""The ``[privacy]`` table of a recipe or server config, and :func:`apply_dp`, which turns a strategy into
+client-level DP-FedAvg (McMahan et al. 2018) in central or distributed mode.
+
+``apply_dp`` composes (STYLE.md §2): it keeps the strategy's sampling, local training and server optimizer, and
+replaces how updates are combined (:class:`~privacy.dp.aggregator.DPFedAvgAggregator`, uniform weights) and, in
+distributed mode, prepends the ``dp-clip`` client mod (:mod:`privacy.dp.distributed`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from fedcore.errors import ConfigError
+from fedcore.messages import ModSpec
+from fedcore.strategy import Strategy
+from privacy.dp.accounting import ACCOUNTANTS, Accountant
+from privacy.dp.aggregator import DPFedAvgAggregator, DPMode
+from privacy.dp.distributed import MOD_NAME
+from privacy.dp.mechanism import AdaptiveClipping
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrivacyConfig:
+    """Client-level differential privacy settings (the ``[privacy]`` table).
+
+    Attributes:
+        dp: ``"off"``, ``"central"`` (the trusted server clips every update and adds the noise) or
+            ``"distributed"`` (each client clips and adds its noise share; for use with secure aggregation).
+        clipping_norm: C, the L2 bound of each client's update (the initial C with adaptive clipping), > 0.
+        noise_multiplier: z, the noise standard deviation on the sum over C, > 0.
+        adaptive_clipping: track a quantile of the update norms (Andrew et al. 2021; central mode only).
+        target_quantile: gamma, the fraction of updates left unclipped, in (0, 1).
+        clipping_lr: eta_C, the geometric step of adaptive clipping, > 0.
+        clipped_count_stddev: sigma_b, the noise on the count of unclipped updates; 0: m / 20 as in the paper.
+        delta: the delta epsilon is reported for, in (0, 1) (choose it below 1 / number of clients).
+        target_epsilon: stop before a round that would spend more (0: no target).
+        accountant: ``"rdp"`` or ``"pld"`` (dp-accounting).
+        tolerated_dropout: distributed mode: the fraction of a round's clients that may drop out with the sum's
+            noise still >= z C, in [0, 1) (each share is raised to ``z C / sqrt(ceil(m (1 - d)))``).
+        population: N, the number of clients rounds sample from (the sampling rate is m / N). A simulation uses
+            its number of clients when 0; a server needs it.
+    """
+
+    dp: Literal["off", "central", "distributed"] = "off"
+    clipping_norm: float = 1.0
+    noise_multiplier: float = 1.0
+    adaptive_clipping: bool = False
+    target_quantile: float = 0.5
+    clipping_lr: float = 0.2
+    clipped_count_stddev: float = 0.0
+    delta: float = 1e-5
+    target_epsilon: float = 0.0
+    accountant: Accountant = "rdp"
+    tolerated_dropout: float = 0.0
+    population: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dp not in ("off", "central", "distributed"):
+            raise ConfigError(f"privacy.dp must be 'off', 'central' or 'distributed', got {self.dp!r}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ConfigError(f"privacy.accountant must be one of {', '.join(ACCOUNTANTS)}, got {self.accountant!r}")
+        for name in ("clipping_norm", "noise_multiplier", "clipping_lr"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"privacy.{name} must be a finite number > 0, got {value!r}")
+        for name in ("clipped_count_stddev", "target_epsilon"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"privacy.{name} must be a finite number >= 0 (0: default/none), got {value!r}")
+        if not 0 < self.target_quantile < 1:
+            raise ConfigError(f"privacy.target_quantile must be in (0, 1), got {self.target_quantile!r}")
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"privacy.delta must be in (0, 1), got {self.delta!r}")
+        if not 0 <= self.tolerated_dropout < 1:
+            raise ConfigError(f"privacy.tolerated_dropout must be in [0, 1), got {self.tolerated_dropout!r}")
+        if self.population < 0:
+            raise ConfigError(f"privacy.population must be >= 0, got {self.population!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether DP is on."""
+        return self.dp != "off"
+
+
+def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | None = None) -> Strategy:
+    """``strategy`` with client-level DP-FedAvg as ``config`` says (unchanged when ``config.dp == "off"``).
+
+    Args:
+        strategy: the strategy to privatize: its sampling, fit settings and server optimizer are kept.
+        config: the privacy settings.
+        population: N when ``config.population`` is 0 (a simulation passes its number of clients).
+
+    Returns:
+        The strategy with ``weighting="uniform"``, a :class:`~privacy.dp.aggregator.DPFedAvgAggregator` and, in
+        distributed mode, the ``dp-clip`` mod first (outermost, so it sees the final reply).
+
+    Raises:
+        ConfigError: no population, a strategy with tensor groups (e.g. SCAFFOLD: its control variates would
+            leave the clients unprotected) or a non-mean aggregator (robust rules and DP noise do not compose
+            here), or settings the mechanism refuses.
+    """
+    if not config.enabled:
+        return strategy
+    n = config.population or population or 0
+    if n < 1:
+        raise ConfigError(
+            "differential privacy needs the number of clients rounds sample from, for the sampling rate: "
+            "set privacy.population"
+        )
+    if strategy.groups:
+        raise ConfigError(
+            f"strategy {strategy.name!r} exchanges tensor groups ({', '.join(sorted(strategy.groups))}) that DP-FedAvg "
+            "does not privatize; use a FedAvg-family strategy with privacy.dp"
+        )
+    if strategy.aggregator.name != "mean":
+        raise ConfigError(
+            f"privacy.dp replaces the aggregator with DP-FedAvg's clipped mean; the strategy's "
+            f"{strategy.aggregator.name!r} aggregator cannot be combined with it"
+        )
+    mode: DPMode = "central" if config.dp == "central" else "distributed"
+    m = min(strategy.sampling.num_fit(n), n)
+    adaptive = None
+    if config.adaptive_clipping:
+        adaptive = AdaptiveClipping(
+            target_quantile=config.target_quantile,
+            learning_rate=config.clipping_lr,
+            clipped_count_stddev=config.clipped_count_stddev or m / 20,
+        )
+    aggregator = DPFedAvgAggregator(
+        mode=mode,
+        clipping_norm=config.clipping_norm,
+        noise_multiplier=config.noise_multiplier,
+        expected_clients=m,
+        population=n,
+        delta=config.delta,
+        target_epsilon=config.target_epsilon or None,
+        accountant=config.accountant,
+        adaptive=adaptive,
+        tolerated_dropout=config.tolerated_dropout,
+    )
+    mods = strategy.mods
+    if config.dp == "distributed":
+        share = ModSpec(MOD_NAME, {"clipping_norm": config.clipping_norm, "noise_stddev": aggregator.share_stddev()})
+        mods = (share, *mods)
+    return replace(strategy, weighting="uniform", aggregator=aggregator, mods=mods)
