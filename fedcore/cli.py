@@ -36,7 +36,20 @@ SIMULATE_SHORTCUTS = {
     "mu": "train.mu",
     "out": "output.dir",
     "task": "task.factory",
+    "dp": "privacy.dp",
+    "clipping_norm": "privacy.clipping_norm",
+    "noise_multiplier": "privacy.noise_multiplier",
+    "target_epsilon": "privacy.target_epsilon",
 }
+
+#: the differential privacy flags of ``simulate`` and ``server start`` (the rest of ``[privacy]`` through --set).
+DP_FLAG_HELP = {
+    "dp": "client-level DP-FedAvg: off, central (the server clips and adds noise) or distributed (clients do)",
+    "clipping_norm": "DP: L2 clipping norm C of each client's update (privacy.clipping_norm)",
+    "noise_multiplier": "DP: noise standard deviation over C (privacy.noise_multiplier)",
+    "target_epsilon": "DP: stop before a round that would spend more epsilon (privacy.target_epsilon)",
+}
+DP_FLAG_TYPES: dict[str, type] = {"dp": str, "clipping_norm": float, "noise_multiplier": float, "target_epsilon": float}
 
 
 def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -79,6 +92,8 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="option for --task")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or per-round table")
+    for name, kind in DP_FLAG_TYPES.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, help=DP_FLAG_HELP[name])
     p.set_defaults(func=_cmd_simulate)
 
 
@@ -234,6 +249,7 @@ SERVER_SHORTCUTS: dict[str, tuple[str, type]] = {
     "batch_size": ("train.batch_size", int),
     "lr": ("train.lr", float),
     "mu": ("train.mu", float),
+    **{name: (f"privacy.{name}", kind) for name, kind in DP_FLAG_TYPES.items()},
 }
 
 
@@ -253,7 +269,9 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     for name, kind in SERVER_FLAGS.items():
         start.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, help=SERVER_FLAG_HELP.get(name))
     for name, (key, kind) in SERVER_SHORTCUTS.items():
-        start.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, help=f"sets {key}")
+        start.add_argument(
+            "--" + name.replace("_", "-"), type=kind, dest=name, help=DP_FLAG_HELP.get(name, f"sets {key}")
+        )
     start.add_argument(
         "--task-option", action="append", default=[], metavar="KEY=VALUE", help="option for the task factory"
     )

@@ -43,6 +43,7 @@ from fedcore.task import (
     trainable_names,
 )
 from fedcore.tensors import check_spec, state_spec
+from privacy.dp.config import PrivacyConfig, apply_dp
 from privacy.tls import SERVER_FLAGS, load_ca_bundle, load_identity
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.limits import ServiceLimits
@@ -96,6 +97,8 @@ class ServerConfig:
             Prometheus server on another machine scrape it).
         linger_s: after the last round, keep answering for this long so daemons learn the run finished.
         strategy, sampling, train: the strategy, client selection and local training settings.
+        privacy: client-level differential privacy (``[privacy]``, :class:`privacy.dp.config.PrivacyConfig`; off
+            by default; a server needs ``privacy.population``).
     """
 
     address: str = "0.0.0.0:8443"
@@ -133,6 +136,7 @@ class ServerConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
     train: FitConfig = field(default_factory=FitConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         if self.task is None and self.initial is None:
@@ -319,6 +323,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         echo(
             f"round {record.round}: {len(record.accepted)} update(s), {len(record.failures)} failure(s)"
             + (f", test accuracy {acc:.4f}" if isinstance(acc, float) else "")
+            + (f", epsilon {row['epsilon']:.4g}" if isinstance(row.get("epsilon"), float) else "")
             + f", {record.seconds:.2f} s"
             + (f", rss {memory[0]:.0f} MiB (peak {memory[1]:.0f} MiB)" if memory is not None else "")
         )
@@ -367,7 +372,7 @@ def _open_run(
 ) -> tuple[Strategy, Task | None, ServerState]:
     """The strategy, the server's task and the state to start from: resumed from the state directory, refused if
     that holds a run of another strategy or model, or fresh."""
-    strategy = build_strategy(config.strategy, config.train, config.sampling)
+    strategy = apply_dp(build_strategy(config.strategy, config.train, config.sampling), config.privacy)
     store.check_strategy(config.strategy)
     server_task = None
     if config.task is not None:

@@ -197,6 +197,17 @@ class Reporting(Protocol):
         ...
 
 
+@runtime_checkable
+class Budgeted(Protocol):
+    """An aggregator with a budget (e.g. DP-FedAvg's target epsilon): the round loop evaluates the model of the
+    last round the budget allows and stops there; a round beyond it raises
+    :class:`~fedcore.errors.BudgetExhausted` from ``start``."""
+
+    def allows(self, round: int) -> bool:
+        """Whether round ``round`` may be run within the budget."""
+        ...
+
+
 RoundCallback = Callable[[RoundRecord, ServerState], "ServerState | None"]
 """Called after each round with its record and the new state; may return an equal state to continue from instead
 (e.g. the same arrays mapped read-only from the checkpoint just written), or None to keep the state as is."""
@@ -260,7 +271,10 @@ def run_rounds(
         except BudgetExhausted as exc:  # raised before any client is contacted: the last round is kept
             log.warning("stopping before round %d: %s", rnd, exc)
             break
-        evaluate_now = rnd % config.evaluate_every == 0 or rnd == config.num_rounds
+        last = rnd == config.num_rounds or (
+            isinstance(strategy.aggregator, Budgeted) and not strategy.aggregator.allows(rnd + 1)
+        )
+        evaluate_now = rnd % config.evaluate_every == 0 or last
         if evaluate_now:
             record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn)
         record = replace(record, seconds=time.perf_counter() - started)
@@ -270,6 +284,9 @@ def run_rounds(
         del record
         release_memory()
         _trace(rnd, "round end")
+        if last and rnd < config.num_rounds:
+            log.warning("round %d is the last within the strategy's budget; training stops", rnd)
+            break
     return state, records
 
 

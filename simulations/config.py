@@ -16,6 +16,7 @@ from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.errors import ConfigError
 from fedcore.strategy import SamplingConfig, StrategyConfig
 from fedcore.task import FitConfig
+from privacy.dp.config import PrivacyConfig
 
 DATASET_NAMES = ("fashion-mnist", "mnist-5k", "digits", "synthetic")
 PARTITION_NAMES = ("iid", "dirichlet", "dirichlet-client", "shards", "quantity", "natural")
@@ -158,6 +159,7 @@ class SimulationConfig:
         rounds: number of federated rounds.
         evaluate_every: evaluate the global model on the test set every this many rounds (and after the last).
         data, model, task, strategy, sampling, train, output: the component configs.
+        privacy: differential privacy (``[privacy]``, :class:`privacy.dp.config.PrivacyConfig`; off by default).
     """
 
     seed: int = 0
@@ -170,6 +172,7 @@ class SimulationConfig:
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=0.1, min_fit_clients=2))
     train: FitConfig = field(default_factory=lambda: FitConfig(local_epochs=1, batch_size=32, lr=0.05))
     output: OutputConfig = field(default_factory=OutputConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         if not 1 <= self.rounds <= 1_000_000:

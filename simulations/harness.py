@@ -40,6 +40,7 @@ from fedcore.task import (
     load_task_factory,
     trainable_names,
 )
+from privacy.dp.config import apply_dp
 from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from server.state import history_columns, write_history
 from simulations.config import DEMO_TASK, SimulationConfig
@@ -105,7 +106,7 @@ def client_ids(num_clients: int) -> list[str]:
     return [f"client-{i:0{width}d}" for i in range(num_clients)]
 
 
-def _format_row(row: Mapping[str, object]) -> str:
+def _format_row(row: Mapping[str, object], columns: tuple[str, ...] = COLUMNS) -> str:
     def fmt(key: str, value: object) -> str:
         if value is None or (isinstance(value, float) and value != value):
             return f"{'-':>10}"
@@ -113,7 +114,7 @@ def _format_row(row: Mapping[str, object]) -> str:
             return f"{int(value):>10d}"  # type: ignore[call-overload]
         return f"{float(value):>10.4f}"  # type: ignore[arg-type]
 
-    return " ".join(fmt(k, row.get(k)) for k in COLUMNS)
+    return " ".join(fmt(k, row.get(k)) for k in columns)
 
 
 def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = print) -> SimulationResult:
@@ -166,7 +167,9 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         return factory(context)
 
     server_task = factory(TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options))
-    strategy = build_strategy(config.strategy, config.train, config.sampling)
+    strategy = apply_dp(
+        build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
+    )
     pool = InMemoryPool(ids, make_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR))
 
     csv_path = out_dir / "history.csv"
@@ -176,15 +179,16 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     bar = config.output.progress and sys.stderr.isatty()
     progress = tqdm(total=config.rounds, desc="rounds", unit="round", disable=not bar, leave=False)
     say = tqdm.write if config.output.progress else echo
+    columns = (*COLUMNS[:-1], "epsilon", COLUMNS[-1]) if config.privacy.enabled else COLUMNS
     if config.output.progress:
-        say(" ".join(f"{c:>10}" for c in COLUMNS))
+        say(" ".join(f"{c:>10}" for c in columns))
 
     def on_round_end(record: RoundRecord, state: ServerState) -> None:
         row = record.as_row()
         rows.append(row)
         write_history(csv_path, rows)  # the server's writer: one schema for both history files
         if config.output.progress:
-            say(_format_row(row))
+            say(_format_row(row, columns))
         if record.eval_loss is not None and not math.isfinite(record.eval_loss):
             divergent_rounds.append(record.round)
             log.warning("round %d: test loss %s: training diverged", record.round, record.eval_loss)

@@ -159,6 +159,11 @@ class DPFedAvgAggregator:
         )
         return spent
 
+    def allows(self, round: int) -> bool:
+        """Whether releasing round ``round`` keeps epsilon within :attr:`target_epsilon` (always without one); the
+        round loop stops after the last round allowed (:class:`server.round_loop.Budgeted`)."""
+        return self.target_epsilon is None or self.epsilon_after(round) <= self.target_epsilon
+
     def clipping_norm_for(self, round: int) -> float:
         """The clipping norm of ``round``: fixed, or adaptive clipping's from the last round this process aggregated
         (a server restarted from a checkpoint starts again from the initial norm: the norm is not checkpointed)."""
@@ -195,7 +200,7 @@ class DPFedAvgAggregator:
             ConfigError: no ``reference``, or one that does not fit ``spec``.
         """
         spent = self.epsilon_after(round)
-        if self.target_epsilon is not None and spent > self.target_epsilon:
+        if not self.allows(round):
             raise BudgetExhausted(
                 f"round {round} would spend epsilon {spent:.4g} > target_epsilon {self.target_epsilon} "
                 f"(delta {self.delta}); training stops with the model of round {round - 1}",

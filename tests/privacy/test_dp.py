@@ -319,13 +319,14 @@ def test_simulation_reports_epsilon_per_round_and_stops_at_the_target(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Central DP, q = 4 / 8: the history's epsilon after round r is dp-accounting's for (q, z, r, delta); with the
-    target between the epsilons of rounds 2 and 3, a 5-round run stops after round 2 and keeps its model."""
+    target between the epsilons of rounds 2 and 3, a 5-round run stops after round 2, evaluates and keeps its model."""
     eps = [epsilon(noise_multiplier=1.0, sampling_rate=0.5, rounds=r, delta=1e-5) for r in (1, 2, 3)]
     config = load_recipe(
         None,
         [
             *SMALL_DP,
             "rounds=5",
+            "evaluate_every=5",
             "privacy.dp='central'",
             f"privacy.target_epsilon={(eps[1] + eps[2]) / 2}",
             f"output.dir={str(tmp_path)!r}",
@@ -336,6 +337,8 @@ def test_simulation_reports_epsilon_per_round_and_stops_at_the_target(
     history = result.history
     assert list(history["round"]) == [0, 1, 2]
     assert result.final.round == 2
+    assert history["test_accuracy"].iloc[2] > 0  # the last round within budget is evaluated like a final round
+    assert math.isnan(history["test_accuracy"].iloc[1])
     assert list(history["epsilon"].iloc[1:]) == eps[:2]
     assert math.isnan(history["epsilon"].iloc[0])
     assert (history["dp_clipping_norm"].iloc[1:] == 0.5).all()
