@@ -86,6 +86,7 @@ class Mod(Protocol):
 _BUILTIN: dict[str, str] = {
     "scaffold": "fedcore.algorithms.scaffold:ScaffoldMod",
     "dp-clip": "privacy.dp.distributed:ClipAndNoiseMod",
+    "dp-sgd": "privacy.dp.sgd:DPSGDMod",
 }
 """Built-in mods, imported on first use: ``name -> "module:class"``."""
 

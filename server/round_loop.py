@@ -165,7 +165,8 @@ class RoundRecord:
     aggregation: Mapping[str, float] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, float | int | None]:
-        """A flat row for the history table (CSV)."""
+        """A flat row for the history table (CSV): the counts, ``train_loss``, every other training metric as
+        ``train_<name>`` (except wall times, names ending in ``seconds``), the evaluations, :attr:`aggregation`."""
         row: dict[str, float | int | None] = {
             "round": self.round,
             "clients": len(self.accepted),
@@ -176,6 +177,9 @@ class RoundRecord:
             "test_accuracy": self.eval_metrics.get("accuracy"),
             "seconds": round(self.seconds, 4),
         }
+        for key, value in self.train_metrics.items():  # wall times stay out: the history's bytes repeat per seed
+            if key != "train_loss" and not key.endswith("seconds"):
+                row[f"train_{key}"] = value
         for key, value in self.eval_metrics.items():
             if key != "accuracy":
                 row[f"test_{key}"] = value

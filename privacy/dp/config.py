@@ -41,6 +41,10 @@ class PrivacyConfig:
             noise still >= z C, in [0, 1) (each share is raised to ``z C / sqrt(ceil(m (1 - d)))``).
         population: N, the number of clients rounds sample from (the sampling rate is m / N). A simulation uses
             its number of clients when 0; a server needs it.
+        dp_sgd: sample-level DP-SGD on every client through Opacus (the ``dp-sgd`` client mod,
+            :mod:`privacy.dp.sgd`), alone or with ``dp``.
+        dp_sgd_noise_multiplier: DP-SGD's noise over the per-example clipping norm, > 0.
+        dp_sgd_max_grad_norm: DP-SGD's per-example gradient clipping norm, > 0.
     """
 
     dp: Literal["off", "central", "distributed"] = "off"
@@ -55,13 +59,22 @@ class PrivacyConfig:
     accountant: Accountant = "rdp"
     tolerated_dropout: float = 0.0
     population: int = 0
+    dp_sgd: bool = False
+    dp_sgd_noise_multiplier: float = 1.0
+    dp_sgd_max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dp not in ("off", "central", "distributed"):
             raise ConfigError(f"privacy.dp must be 'off', 'central' or 'distributed', got {self.dp!r}")
         if self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"privacy.accountant must be one of {', '.join(ACCOUNTANTS)}, got {self.accountant!r}")
-        for name in ("clipping_norm", "noise_multiplier", "clipping_lr"):
+        for name in (
+            "clipping_norm",
+            "noise_multiplier",
+            "clipping_lr",
+            "dp_sgd_noise_multiplier",
+            "dp_sgd_max_grad_norm",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"privacy.{name} must be a finite number > 0, got {value!r}")
@@ -80,12 +93,13 @@ class PrivacyConfig:
 
     @property
     def enabled(self) -> bool:
-        """Whether DP is on."""
+        """Whether client-level DP is on."""
         return self.dp != "off"
 
 
 def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | None = None) -> Strategy:
-    """``strategy`` with client-level DP-FedAvg as ``config`` says (unchanged when ``config.dp == "off"``).
+    """``strategy`` with client-level DP-FedAvg and/or sample-level DP-SGD as ``config`` says (unchanged when
+    both are off).
 
     Args:
         strategy: the strategy to privatize: its sampling, fit settings and server optimizer are kept.
@@ -93,14 +107,32 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
         population: N when ``config.population`` is 0 (a simulation passes its number of clients).
 
     Returns:
-        The strategy with ``weighting="uniform"``, a :class:`~privacy.dp.aggregator.DPFedAvgAggregator` and, in
-        distributed mode, the ``dp-clip`` mod first (outermost, so it sees the final reply).
+        With ``dp``: the strategy with ``weighting="uniform"``, a :class:`~privacy.dp.aggregator.DPFedAvgAggregator`
+        and, in distributed mode, the ``dp-clip`` mod first (outermost, so it sees the final reply). With
+        ``dp_sgd``: the ``dp-sgd`` mod (inside ``dp-clip``).
 
     Raises:
         ConfigError: no population, a strategy with tensor groups (e.g. SCAFFOLD: its control variates would
             leave the clients unprotected) or a non-mean aggregator (robust rules and DP noise do not compose
             here), or settings the mechanism refuses.
     """
+    if config.dp_sgd:
+        if strategy.groups:
+            raise ConfigError(
+                f"strategy {strategy.name!r} exchanges tensor groups ({', '.join(sorted(strategy.groups))}) and "
+                "corrects gradients itself; DP-SGD cannot be combined with it"
+            )
+        from privacy.dp.sgd import MOD_NAME as SGD_MOD  # imports Opacus: only when DP-SGD is asked for
+
+        sgd = ModSpec(
+            SGD_MOD,
+            {
+                "noise_multiplier": config.dp_sgd_noise_multiplier,
+                "max_grad_norm": config.dp_sgd_max_grad_norm,
+                "delta": config.delta,
+            },
+        )
+        strategy = replace(strategy, mods=(sgd, *strategy.mods))
     if not config.enabled:
         return strategy
     n = config.population or population or 0
