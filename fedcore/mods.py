@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from fedcore.errors import ConfigError
+from fedcore.errors import ClientTaskError, ConfigError
 from fedcore.messages import FitIns, FitRes, ModSpec, bound_text, bounded_repr
 from fedcore.tensors import NamedArrays
 
@@ -69,6 +69,33 @@ class ModContext:
     client_id: str
     model: torch.nn.Module | None
     state: StateEntry | None
+
+
+def in_process(
+    instruction: FitIns, context: ModContext, *, mod: str, state_for: str
+) -> tuple[torch.nn.Module, StateEntry]:
+    """The model and the client state a mod that acts during training needs, or a clear refusal.
+
+    Args:
+        mod: the mod's name for the message (e.g. ``"DP-SGD"``).
+        state_for: what the mod keeps in the client's state (e.g. ``"its privacy accounting"``).
+
+    Raises:
+        ClientTaskError: training runs in other processes (a parallel plan), or the client keeps no state.
+    """
+    if context.model is None:
+        raise ClientTaskError(
+            f"{mod}: local training runs in other processes (a parallel plan); {mod} needs it in this one",
+            round=instruction.round,
+            client_id=context.client_id,
+        )
+    if context.state is None:
+        raise ClientTaskError(
+            f"{mod}: this client keeps no state for {state_for}; give the daemon a state directory",
+            round=instruction.round,
+            client_id=context.client_id,
+        )
+    return context.model, context.state
 
 
 CallNext = Callable[[FitIns], FitRes]

@@ -40,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fedcore.errors import ClientTaskError, ConfigError
 from fedcore.messages import FitIns, FitRes, bound_text
-from fedcore.mods import CallNext, ModContext
+from fedcore.mods import CallNext, ModContext, in_process
 
 log = logging.getLogger("fedcore.privacy")
 
@@ -121,11 +121,7 @@ class DPSGDMod:
         def fail(message: str) -> ClientTaskError:
             return ClientTaskError(f"DP-SGD: {message}", round=instruction.round, client_id=context.client_id)
 
-        model, state = context.model, context.state
-        if model is None:
-            raise fail("local training runs in other processes (a parallel plan); DP-SGD needs it in this one")
-        if state is None:
-            raise fail("this client keeps no state for its privacy accounting; give the daemon a state directory")
+        model, state = in_process(instruction, context, mod="DP-SGD", state_for="its privacy accounting")
         problems = model_problems(model)
         if problems:
             raise fail(

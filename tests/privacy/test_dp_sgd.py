@@ -21,6 +21,9 @@ from fedcore.task import FitConfig
 from fedcore.training import train_supervised
 from privacy.dp.config import PrivacyConfig, apply_dp
 from privacy.dp.sgd import DPSGDMod, make_private_model
+from simulations.config import load_recipe
+from simulations.harness import run_simulation
+from tests.privacy.test_dp import SMALL_DP
 
 
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -111,27 +114,9 @@ def test_dp_sgd_is_a_client_option() -> None:
 def test_simulation_with_dp_sgd_and_central_dp(tmp_path: Path) -> None:
     """Both levels at once through the simulation's real clients: every client reports its sample-level epsilon
     (history column train_sgd_epsilon), the server its client-level epsilon."""
-    from simulations.config import load_recipe
-    from simulations.harness import run_simulation
-
     config = load_recipe(
         None,
-        [
-            "data.dataset=digits",
-            "data.num_clients=4",
-            "data.partition=iid",
-            "model.name=logreg",
-            "sampling.min_fit_clients=2",
-            "sampling.fraction_fit=0.5",
-            "strategy.name='fedavg'",
-            "train.batch_size=30",
-            "rounds=2",
-            "output.progress=false",
-            "output.plot=false",
-            "privacy.dp='central'",
-            "privacy.dp_sgd=true",
-            f"output.dir={str(tmp_path)!r}",
-        ],
+        [*SMALL_DP, "rounds=2", "privacy.dp='central'", "privacy.dp_sgd=true", f"output.dir={str(tmp_path)!r}"],
     )
     history = run_simulation(config, echo=lambda _: None).history
     assert list(history["round"]) == [0, 1, 2]
