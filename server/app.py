@@ -139,6 +139,8 @@ class ServerConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
+        if self.privacy.enabled or self.privacy.dp_sgd:  # refused here, before the state directory is touched
+            apply_dp(build_strategy(self.strategy, self.train, self.sampling), self.privacy)
         if self.task is None and self.initial is None:
             raise ConfigError("give the server a task (--task module:attr) or an initial model (--initial FILE)")
         if not self.insecure and (self.tls_cert is None or self.tls_key is None):

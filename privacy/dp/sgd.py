@@ -158,7 +158,9 @@ class DPSGDMod:
             hooked = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
         handle = register_optimizer_step_pre_hook(privatize)
         try:
-            reply = call_next(instruction)
+            with warnings.catch_warnings():  # Opacus' hooks on a first layer whose input needs no gradient
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                reply = call_next(instruction)
         finally:
             handle.remove()
             hooked._close()  # removes the hooks and the per-example gradients; the model is the task's again
