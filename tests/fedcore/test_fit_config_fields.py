@@ -130,3 +130,13 @@ def test_fields_that_cannot_travel_as_scalars_are_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"Bad.sizes is declared .*must be int, float, bool, str"):
         scalar_fields(Bad)
+
+
+def test_every_field_is_a_flag_of_simulate_and_server_start() -> None:
+    from fedcore.cli import server_options, simulate_options
+
+    for options in (server_options(), simulate_options()):
+        by_key = {o.key: o for o in options}
+        for f in scalar_fields(FitConfig):
+            option = by_key[f"train.{f.name}"]
+            assert (option.kind, option.default, option.help) == (f.kind, f.default, f.help)
