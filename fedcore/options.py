@@ -96,8 +96,11 @@ def _shape(annotation: Any) -> tuple[Action, type, tuple[Any, ...] | None] | Non
     return None
 
 
-def _walk(cls: type, prefix: str, skip: Collection[str]) -> list[tuple[str, str, Any, dataclasses.Field[Any], str]]:
-    """(key, name, annotation, field, help) of every flaggable field, nested sections flattened."""
+def _walk(
+    cls: type, prefix: str, skip: Collection[str], defaults: object | None
+) -> list[tuple[str, str, Any, Any, str]]:
+    """(key, name, annotation, default, help) of every field, nested sections flattened. ``defaults`` is the
+    section's default value (a section's default may differ from its class's field defaults), None at the root."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     out = []
@@ -105,11 +108,20 @@ def _walk(cls: type, prefix: str, skip: Collection[str]) -> list[tuple[str, str,
         key = prefix + f.name
         if not f.init or key in skip:
             continue
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        elif f.default_factory is not dataclasses.MISSING:
+            try:
+                default = f.default_factory()
+            except ConfigError:  # a section with no valid default (TLS needs files): its fields' own defaults
+                default = None
+        else:
+            default = None if f.default is dataclasses.MISSING else f.default
         annotation = hints[f.name]
         if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
-            out += _walk(annotation, key + ".", skip)
+            out += _walk(annotation, key + ".", skip, default)
         else:
-            out.append((key, f.name, annotation, f, docs.get(f.name, "")))
+            out.append((key, f.name, annotation, default, docs.get(f.name, "")))
     return out
 
 
@@ -131,21 +143,18 @@ def derive_options(
             named like a ``reserved`` flag (a bug in the caller's table, found when the parser is built).
     """
     pinned = dict(flags or {})
-    fields = _walk(cls, "", skip)
+    fields = _walk(cls, "", skip, None)
     taken = set(pinned.values()) | {r.replace("_", "-") for r in reserved}
     if len(set(pinned.values())) != len(pinned):
         raise ConfigError(f"two config keys pin the same flag in {sorted(pinned.items())}")
     names = [name for key, name, *_ in fields if key not in pinned]
     options = []
     seen: dict[str, str] = {}
-    for key, name, annotation, f, help_text in fields:
+    for key, name, annotation, default, help_text in fields:
         shape = _shape(annotation)
         if shape is None:
             continue
         action, kind, choices = shape
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
         if key in pinned:
             flag = pinned[key]
         else:
@@ -166,13 +175,21 @@ def derive_options(
 
 
 def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
-    """Add the options to ``parser``; each defaults to None ("not given"), so a flag only overrides what the user
-    typed."""
+    """Add the options to ``parser``, those of a nested table under its ``[table]`` heading in the help. Each
+    defaults to None ("not given"), so a flag only overrides what the user typed."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for option in options:
+        section, _, name = option.key.rpartition(".")
+        target: argparse._ArgumentGroup | argparse.ArgumentParser = parser
+        if section:
+            if section not in groups:
+                groups[section] = parser.add_argument_group(f"[{section}]")
+            target = groups[section]
         text = option.help.replace("%", "%%")
-        shown = option.default not in (None, (), {}) and option.action == "store"
-        if shown:
+        if option.default not in (None, (), {}) and option.action == "store":
             text = f"{text} (default: {option.default})".strip()
+        elif option.action == "store_false":
+            text = f"turn off, which is on by default: {text}"
         kwargs: dict[str, Any] = {"dest": option.dest, "default": None, "help": text or None}
         if option.action in ("store_true", "store_false"):
             kwargs["action"] = "store_const"
@@ -181,11 +198,13 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
             kwargs.update(action="append", metavar="KEY=VALUE")
         else:
             kwargs["type"] = str if option.kind is Path else option.kind
+            kwargs["metavar"] = name.upper()
             if option.action == "append":
                 kwargs["action"] = "append"
             if option.choices is not None:
                 kwargs["choices"] = option.choices
-        parser.add_argument(option.flag, **kwargs)
+                del kwargs["metavar"]
+        target.add_argument(option.flag, **kwargs)
 
 
 def parse_pairs(items: Sequence[str], flag: str) -> dict[str, str]:
