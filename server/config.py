@@ -30,7 +30,7 @@ from fedcore.config import (
     parse_address,
     parse_host,
 )
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, PayloadError
 from fedcore.payload import DEFAULT_CHUNK_BYTES
 from fedcore.strategy import SamplingConfig, StrategyConfig
 from fedcore.task import FitConfig
@@ -268,6 +268,7 @@ def check_server_config(config: ServerConfig) -> None:
     from fedcore.task import load_task_factory
     from privacy.tls import SERVER_FLAGS, load_ca_bundle, load_identity
     from server.service import load_tokens
+    from server.state import load_checkpoint
 
     state = config.state_dir
     if state.exists() and not state.is_dir():
@@ -277,9 +278,17 @@ def check_server_config(config: ServerConfig) -> None:
         raise ConfigError(
             f"state_dir (--state-dir) {str(state)!r} cannot be created: {str(parent)!r} is not a writable directory"
         )
-    for what, path in (("initial (--initial)", config.initial),):
-        if path is not None and not path.is_file():
-            raise ConfigError(f"{what} {str(path)!r} is not a file; give the safetensors model to start from")
+    if config.initial is not None:
+        if not config.initial.is_file():
+            raise ConfigError(
+                f"initial (--initial) {str(config.initial)!r} is not a file; give the safetensors model to start from"
+            )
+        try:
+            load_checkpoint(config.initial, mapped=True, verify=False)  # header and layout; no read of the tensors
+        except PayloadError as exc:
+            raise ConfigError(
+                f"initial (--initial) {str(config.initial)!r} is not a usable safetensors model: {exc.message}"
+            ) from None
     if config.data_dir is not None and not config.data_dir.is_dir():
         raise ConfigError(f"data_dir (--data-dir) {str(config.data_dir)!r} is not a directory")
     if config.task is not None:

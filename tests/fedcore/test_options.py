@@ -9,6 +9,7 @@ import logging
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from client.daemon import DaemonConfig, load_daemon_config
@@ -17,6 +18,7 @@ from fedcore.errors import ConfigError
 from fedcore.options import add_options, derive_options, given_values, to_overrides
 from fedcore.strategy import StrategyConfig
 from fedcore.task import FitConfig
+from fedcore.tensors import encode
 from server.config import (
     ServerConfig,
     TlsSettings,
@@ -189,11 +191,13 @@ def test_contradictions_and_missing_files_are_refused_before_anything_is_created
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = tmp_path / "state"
+    (tmp_path / "junk.safetensors").write_bytes(b"not a model")
     base = ["server", "start", "--task", "simulations.tasks:demo_task", "--address", "127.0.0.1:0",
             "--state-dir", str(state)]  # fmt: skip
     cases = [
         (["--insecure", "--tls-cert", "c.pem"], "--tls-cert cannot be combined with --insecure"),
         (["--insecure", "--initial", str(tmp_path / "none.safetensors")], "initial (--initial) '"),
+        (["--insecure", "--initial", str(tmp_path / "junk.safetensors")], "is not a usable safetensors model"),
         (["--insecure", "--data-dir", str(tmp_path / "nowhere")], "data_dir (--data-dir) '"),
         (["--insecure", "--tokens-file", str(tmp_path / "none.txt")], "cannot read the tokens file"),
         (["--insecure", "--task", "no_such_module:factory"], "cannot import task module 'no_such_module'"),
@@ -210,6 +214,10 @@ def test_contradictions_and_missing_files_are_refused_before_anything_is_created
         err = capsys.readouterr().err
         assert message in err, (extra, err)
         assert not state.exists(), extra
+    good = tmp_path / "model.safetensors"
+    good.write_bytes(encode({"w": np.arange(3, dtype=np.float32)}))
+    check_server_config(ServerConfig(initial=good, tls=TlsSettings(insecure=True), state_dir=state))  # no error
+    assert not state.exists()
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"state_dir \(--state-dir\) '.*file' is a file"):
         check_server_config(ServerConfig(task="simulations.tasks:demo_task", tls=TlsSettings(insecure=True),
