@@ -173,6 +173,16 @@ def scalar_fields(cls: type) -> tuple[ScalarField, ...]:
         ConfigError: ``cls`` is not a dataclass, or a field is not ``int``, ``float``, ``bool``, ``str`` or one of
             these ``| None`` (such a field cannot travel as one scalar: declare it so or convert it by hand).
     """
+    known = _SCALAR_FIELDS.get(cls)
+    if known is None:
+        known = _SCALAR_FIELDS[cls] = _derive_scalar_fields(cls)  # a class's fields do not change: read them once
+    return known
+
+
+_SCALAR_FIELDS: dict[type, tuple[ScalarField, ...]] = {}
+
+
+def _derive_scalar_fields(cls: type) -> tuple[ScalarField, ...]:
     if not dataclasses.is_dataclass(cls):
         raise ConfigError(f"{cls!r} is not a dataclass, so its fields cannot be derived")
     hints = typing.get_type_hints(cls)
