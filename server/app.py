@@ -99,11 +99,17 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     credentials = server_credentials(config)  # TLS files checked before anything is created
     tokens = load_tokens(config.auth.tokens_file) if config.auth.tokens_file is not None else {}
     _return_large_blocks_to_the_os()
-    store = StateStore(config.state_dir)
+    metrics = _serve_metrics(config, echo)  # before the state directory: a port in use leaves nothing behind
+    try:
+        store = StateStore(config.state_dir)
+    except BaseException:
+        metrics.close()
+        raise
     try:
         strategy, server_task, initial = _open_run(config, store, echo)  # refusals come first, in a moment
     except BaseException:
         store.close()
+        metrics.close()
         raise
     warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
@@ -112,17 +118,6 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     if server_task is not None and config.round.evaluate:
         evaluate_fn = central_evaluation(server_task, strategy.evaluate_batch_size)
 
-    metrics = ServerMetrics()
-    if config.metrics_port is not None:
-        host = parse_host(config.metrics_address, what="metrics_address (--metrics-address)")  # "[::1]" -> "::1"
-        try:
-            metrics_host, metrics_port = metrics.serve(config.metrics_port, host)
-        except OSError as exc:  # an unknown host name, a port in use
-            raise ConfigError(
-                f"cannot serve metrics on {Address(host, config.metrics_port)}: {exc.strerror or exc}; give "
-                "--metrics-address an address of this machine and a free --metrics-port (0 picks one)"
-            ) from exc
-        echo(f"metrics on http://{Address(metrics_host, metrics_port)}/metrics")
     auth = AuthPolicy(
         tokens=tokens,
         require_client_cert=config.tls.client_ca is not None,
@@ -218,6 +213,27 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         metrics.close()
         store.close()
     return final
+
+
+def _serve_metrics(config: ServerConfig, echo: Callable[[str], None]) -> ServerMetrics:
+    """The server's metrics, served on ``metrics_port`` when one is set.
+
+    Raises:
+        ConfigError: the endpoint cannot listen there (an unknown host name, a port in use).
+    """
+    metrics = ServerMetrics()
+    if config.metrics_port is not None:
+        host = parse_host(config.metrics_address, what="metrics_address (--metrics-address)")  # "[::1]" -> "::1"
+        try:
+            metrics_host, metrics_port = metrics.serve(config.metrics_port, host)
+        except OSError as exc:
+            metrics.close()
+            raise ConfigError(
+                f"cannot serve metrics on {Address(host, config.metrics_port)}: {exc.strerror or exc}; give "
+                "--metrics-address an address of this machine and a free --metrics-port (0 picks one)"
+            ) from exc
+        echo(f"metrics on http://{Address(metrics_host, metrics_port)}/metrics")
+    return metrics
 
 
 def _open_run(

@@ -180,6 +180,7 @@ def test_the_metrics_endpoint_listens_on_the_host_as_parsed_and_names_one_it_can
         pass  # closed when the server stopped
     with pytest.raises(ConfigError, match=r"cannot serve metrics on no-such-host\.invalid:0: .*--metrics-address"):
         run_server(config("no-such-host.invalid", "b"), echo=lambda _: None)
+    assert not (tmp_path / "b").exists()  # refused before the state directory was made
 
 
 def test_the_client_connects_to_the_address_as_parsed() -> None:
