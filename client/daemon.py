@@ -16,20 +16,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from client.runner import ParallelTraining, run_instruction
 from client.state import ClientStateStore
-from fedcore.config import parse_address, parse_host
+from fedcore.config import apply_overrides, from_mapping, load_toml, merge_mappings, parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, PayloadError, TransportError
 from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage, bounded_repr
@@ -78,24 +80,32 @@ _RETRYABLE = (
 class DaemonConfig:
     """Settings of one client daemon.
 
+    A TOML file (``fedcore client start --config daemon.toml``, :func:`load_daemon_config`) has these keys and a
+    ``[parallel]`` table; each key is also a flag (:mod:`fedcore.options`), and flags win over the file.
+
     Attributes:
-        server: the coordinator's ``host:port``.
-        client_id: this client's identity (with mutual TLS: its certificate's common name).
-        task: the task factory ``module:attr``.
-        task_options: string options for the factory (the demo task: dataset, partition, model, ...).
-        partition_id, num_partitions: for built-in demo data, which shard this client holds.
-        data_dir: handed to the task (where the user's data lives).
-        token: the client's token, if the server uses tokens.
-        insecure: plaintext (no TLS); the server must be started with ``--insecure`` too.
-        ca_cert: CA certificate (PEM) that signed the server's certificate (None: the system roots).
-        cert, key: this client's certificate and key (PEM) for mutual TLS.
-        server_name: expected name in the server certificate, when it differs from the host in ``server``.
-        poll_s: how long one long-poll may wait on the server.
-        backoff_initial_s, backoff_max_s: reconnect delays (exponential, full jitter).
-        give_up_after_s: stop when the server stays unreachable this long (None: never).
-        exit_when_finished: exit once the server says the run is over.
-        max_payload_bytes: largest global model accepted from the server.
-        threads: torch intra-op threads for local training (None: torch's default, one per core).
+        server: HOST:PORT of the coordinator ([::1]:8443 for IPv6).
+        client_id: this client's id (with mutual TLS: its certificate's common name).
+        task: task factory module:attr.
+        task_options: string options for the task factory (the demo task: dataset, partition, model, ...).
+        partition_id: which shard of the built-in dataset this client holds (demo data).
+        num_partitions: into how many shards the built-in dataset is split (demo data).
+        data_dir: data directory handed to the task (where the user's data lives).
+        token: this client's token, if the server uses tokens; write --token=VALUE if it begins with '-'. On the
+            command line every local user sees it: prefer token_file or FEDCORE_TOKEN.
+        token_file: read the token from this file (its first line).
+        insecure: plaintext gRPC, no TLS (the server must be --insecure too).
+        ca_cert: CA certificate (PEM) that signed the server certificate (unset: the system roots).
+        cert: client certificate (PEM) for mutual TLS.
+        key: client key (PEM) for mutual TLS.
+        server_name: name expected in the server certificate (default: the host of server).
+        poll_s: long-poll duration in seconds.
+        backoff_initial_s: first reconnect delay in seconds (exponential, full jitter).
+        backoff_max_s: longest reconnect delay in seconds.
+        give_up_after_s: exit when the server stays unreachable this long, in seconds (unset: never).
+        exit_when_finished: exit once the server says the run is over (the flag --stay keeps running).
+        max_payload_bytes: largest global model accepted from the server, in bytes.
+        threads: torch threads for local training (default: one per core).
         parallel: train each round under this parallel plan (data/sharded/pipeline parallel, see
             :mod:`fedcore.engine`); None or a plan of all ones trains in this process.
         state_dir: where this client keeps its persistent state between rounds and restarts (client mods such as
@@ -105,12 +115,13 @@ class DaemonConfig:
 
     server: str
     client_id: str
-    task: str
+    task: str = "simulations.tasks:demo_task"
     task_options: Mapping[str, str] = field(default_factory=dict)
     partition_id: int | None = None
     num_partitions: int | None = None
     data_dir: Path | None = None
     token: str = ""
+    token_file: Path | None = None
     insecure: bool = False
     ca_cert: Path | None = None
     cert: Path | None = None
@@ -132,6 +143,12 @@ class DaemonConfig:
         parse_address(self.server, what="server (--server)")
         if self.server_name is not None:
             parse_host(self.server_name, what="server_name (--server-name)")
+        if self.token and self.token_file is not None:
+            raise ConfigError("give the token once: --token or --token-file, not both")
+        if self.token_file is not None and not self.token_file.is_file():
+            raise ConfigError(f"token_file (--token-file) {str(self.token_file)!r} is not a file")
+        if self.data_dir is not None and not self.data_dir.is_dir():  # TLS files: client_credentials checks them
+            raise ConfigError(f"data_dir (--data-dir) {str(self.data_dir)!r} is not a directory")
         if (self.cert is None) != (self.key is None):
             raise ConfigError("give both --cert and --key for mutual TLS, or neither")
         if self.insecure and (self.cert is not None or self.ca_cert is not None):
@@ -144,6 +161,61 @@ class DaemonConfig:
             raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
         if self.give_up_after_s is not None and not self.give_up_after_s > 0:  # NaN never gave up, -5 at once
             raise ConfigError(f"give_up_after_s (--give-up-after-s) must be > 0 seconds, got {self.give_up_after_s}")
+        if self.max_payload_bytes < 1:
+            raise ConfigError(f"max_payload_bytes must be >= 1, got {self.max_payload_bytes}")
+        pid, count = self.partition_id, self.num_partitions
+        if pid is not None and count is not None and not 0 <= pid < count:
+            raise ConfigError(
+                f"partition_id (--partition-id) {pid} is not in 0..{count - 1} (--num-partitions {count})"
+            )
+
+    def read_token(self) -> str:
+        """The token: ``token``, or the first line of ``token_file``.
+
+        Raises:
+            ConfigError: the token file cannot be read or is empty.
+        """
+        if self.token_file is None:
+            return self.token
+        try:
+            text = self.token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read token_file (--token-file) {str(self.token_file)!r}: {exc}") from None
+        if not text:
+            raise ConfigError(f"token_file (--token-file) {str(self.token_file)!r} is empty; write the token in it")
+        return text.splitlines()[0].strip()
+
+
+def load_daemon_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    flags: Mapping[str, Any] | None = None,
+    *,
+    parallel: ParallelPlan | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DaemonConfig:
+    """Build a daemon's config from an optional TOML file, then ``key=value`` overrides, then ``flags`` (a nested
+    mapping, as :func:`fedcore.options.given_values` makes), each winning over the one before. The file's
+    ``[parallel]`` table is the plan (:meth:`ParallelPlan.from_mapping`) unless ``parallel`` is given. Without a
+    token or token file, the token comes from ``FEDCORE_TOKEN`` in ``environ`` (default: the process's).
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or invalid value, no server or client id.
+    """
+    data: dict[str, Any] = load_toml(Path(path)) if path is not None else {}
+    data = merge_mappings(apply_overrides(data, list(overrides)), flags or {})
+    table = data.pop("parallel", None)
+    if parallel is None and table is not None:
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[parallel] must be a table of the plan's keys, got {table!r}")
+        parallel = ParallelPlan.from_mapping(table)
+    for key, flag in (("server", "--server HOST:PORT"), ("client_id", "--client-id ID")):
+        if key not in data:
+            raise ConfigError(f"give the daemon its {key}: {flag}, or {key} = ... in the --config file")
+    env = os.environ if environ is None else environ
+    if not data.get("token") and data.get("token_file") is None and env.get("FEDCORE_TOKEN"):
+        data["token"] = env["FEDCORE_TOKEN"]
+    return dataclasses.replace(from_mapping(DaemonConfig, data), parallel=parallel)
 
 
 class DamagedTask(FedcoreError):
@@ -190,6 +262,7 @@ class ClientDaemon:
         self._deadline_s = 0.0  # seconds the server gave the current task until its round's deadline (0: none)
         self._rng = random.Random()
         self._credentials = client_credentials(config)  # TLS files checked now, before the first connection
+        self._token = config.read_token()
         self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
         self._state = ClientStateStore(config.state_dir)
 
@@ -306,11 +379,11 @@ class ClientDaemon:
         """
         previous, self._session = self._session, ""
         cfg = self.config
-        request = pb.JoinRequest(client_id=cfg.client_id, token=cfg.token)
+        request = pb.JoinRequest(client_id=cfg.client_id, token=self._token)
         refused = False
         while True:
             try:
-                reply = stub.Join(request, metadata=join_metadata(cfg.client_id, cfg.token, previous), timeout=30)
+                reply = stub.Join(request, metadata=join_metadata(cfg.client_id, self._token, previous), timeout=30)
                 break
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.ALREADY_EXISTS or self._stop.is_set():

@@ -17,6 +17,10 @@ context (round, client id, stage) where it has it, plus a sentence on what to do
     │                                              database or checkpoints, records that disagree); says what to do
     ├── TransportError                             a client pool / transport could not deliver a message
     └── EngineError                                a parallel training worker failed (names the rank and cause)
+
+A builtin exception (``ValueError``, ``RuntimeError``, ...) raised where a user can meet it is a bug:
+``tests/fedcore/test_error_tree.py`` reads the source and refuses one, except the few it lists with the reason
+(unreachable code, a protocol such as ``dict.__missing__``, control flow caught right where it is raised).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fedcore.errors import ClientTaskError
 from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult
 from fedcore.training import LossFn, evaluate_supervised, train_supervised
 
@@ -41,10 +42,12 @@ class SupervisedTask:
         """The local training tensors ``(x, y)``.
 
         Raises:
-            ValueError: this task holds no training data (a server-side task).
+            ClientTaskError: this task holds no training data (a server-side task).
         """
         if self.train_data is None:
-            raise ValueError("this task has no training data (was it made for the server role?)")
+            raise ClientTaskError(
+                "this task has no training data (was it made for the server role?); give it train_data to train"
+            )
         return self.train_data
 
     def train(self, model: nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
@@ -64,6 +67,6 @@ class SupervisedTask:
         """Loss and accuracy on ``test_data`` (or ``train_data`` when there is no test split)."""
         data = self.test_data if self.test_data is not None else self.train_data
         if data is None:
-            raise ValueError("this task has neither test nor training data to evaluate on")
+            raise ClientTaskError("this task has neither test nor training data to evaluate on; give it test_data")
         x, y = data
         return evaluate_supervised(model, x, y, batch_size=batch_size, loss_fn=self.loss_fn)

@@ -26,6 +26,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from fedcore.config import scalar_fields
 from fedcore.errors import ConfigError
 from fedcore.seeding import derive_seed
 from fedcore.tensors import NamedArrays, from_state_dict, to_state_dict
@@ -55,10 +56,10 @@ class FitConfig:
     max_steps: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("lr", "momentum", "weight_decay", "mu"):
-            value = getattr(self, name)
-            if not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number, got {value}")
+        for f in scalar_fields(type(self)):  # every float setting, declared once (the dataclass's fields)
+            value = getattr(self, f.name)
+            if f.kind is float and value is not None and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
         if self.local_epochs < 1:
             raise ConfigError(f"local_epochs must be >= 1, got {self.local_epochs}")
         if self.batch_size < 1:

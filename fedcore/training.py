@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from fedcore.errors import ClientTaskError
 from fedcore.task import EvalResult, FitConfig, TrainResult
 
 LossFn = Callable[..., torch.Tensor]
@@ -57,12 +58,14 @@ def train_supervised(
         term is not included in ``train_loss``, so losses stay comparable across mu.
 
     Raises:
-        ValueError: ``x`` and ``y`` lengths differ, or ``mu > 0`` without ``global_parameters``.
+        ClientTaskError: ``x`` and ``y`` lengths differ, or ``mu > 0`` without ``global_parameters``.
     """
     if len(x) != len(y):
-        raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
+        raise ClientTaskError(f"x has {len(x)} samples but y has {len(y)}; give inputs and labels of the same length")
     if config.mu > 0 and global_parameters is None:
-        raise ValueError("FedProx (mu > 0) needs the round's global parameters")
+        raise ClientTaskError(
+            "FedProx (mu > 0) needs the round's global parameters: pass global_parameters=context.global_parameters"
+        )
     loss_fn = loss_fn or nn.functional.cross_entropy
     n = len(x)
     if n == 0:

@@ -21,6 +21,7 @@ from typing import BinaryIO
 import grpc
 import numpy as np
 
+from fedcore.config import scalar_fields
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.messages import (
     EvaluateIns,
@@ -355,30 +356,79 @@ def chunk_body(chunk: memoryview | pb.TaskChunk | pb.ResultChunk) -> tuple[str |
 # typed messages <-> protobuf
 
 
+_INT32_MAX = (1 << 31) - 1
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
 def fit_config_to_pb(config: FitConfig) -> pb.FitConfig:
-    """FitConfig -> protobuf (``max_steps=None`` travels as 0)."""
-    return pb.FitConfig(
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-        mu=config.mu,
-        max_steps=config.max_steps or 0,
-    )
+    """FitConfig (or a subclass) -> protobuf, derived from the dataclass's fields.
+
+    Every field goes into ``values`` by name (an unset optional field is left out). The frozen typed fields 1-7
+    of the message are filled too, by name, for daemons older than ``values`` (``None`` travels there as 0, and a
+    value beyond their int32 range leaves them 0, which such a daemon refuses).
+
+    Raises:
+        ConfigError: an int field beyond the 64-bit range.
+    """
+    message = pb.FitConfig()
+    legacy = message.DESCRIPTOR.fields_by_name
+    for f in scalar_fields(type(config)):
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        if f.kind is int and not _INT64[0] <= value <= _INT64[1]:
+            raise ConfigError(f"FitConfig.{f.name}={value} does not fit in 64 bits; give a smaller value")
+        if f.kind is float:
+            value = float(value)  # an int given for a float field travels as the float it stands for
+        slot = message.values[f.name]
+        setattr(slot, _VALUE_SLOTS[f.kind], value)
+        if f.name in legacy and f.name != "values" and not (f.kind is int and abs(value) > _INT32_MAX):
+            setattr(message, f.name, value)
+    return message
 
 
-def fit_config_from_pb(message: pb.FitConfig) -> FitConfig:
-    """Protobuf -> FitConfig (validated by its constructor: ConfigError on bad values)."""
-    return FitConfig(
-        local_epochs=message.local_epochs,
-        batch_size=message.batch_size,
-        lr=message.lr,
-        momentum=message.momentum,
-        weight_decay=message.weight_decay,
-        mu=message.mu,
-        max_steps=message.max_steps or None,
-    )
+#: the ``ConfigValue`` oneof member each scalar kind travels in.
+_VALUE_SLOTS: dict[type, str] = {int: "int_value", float: "float_value", bool: "bool_value", str: "string_value"}
+
+
+def fit_config_from_pb(message: pb.FitConfig, cls: type[FitConfig] = FitConfig) -> FitConfig:
+    """Protobuf -> FitConfig (or the subclass ``cls``), derived from the dataclass's fields and validated by its
+    constructor.
+
+    Reads ``values``; a message without it (from a server older than the map) is read from the typed fields that
+    carry the same names (0 in an optional int field meaning unset), the other fields keeping their defaults.
+
+    Raises:
+        ConfigError: a key this client's FitConfig does not have (the server runs a newer fedcore: upgrade this
+            client), a value of the wrong type, or a value the FitConfig refuses.
+    """
+    fields = {f.name: f for f in scalar_fields(cls)}
+    kwargs: dict[str, object] = {}
+    if not message.values:
+        for name in message.DESCRIPTOR.fields_by_name:
+            if name in fields:
+                value = getattr(message, name)
+                kwargs[name] = None if fields[name].optional and value == 0 else value
+        return cls(**kwargs)  # type: ignore[arg-type]
+    unknown = sorted(set(message.values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"the server sent FitConfig setting(s) {', '.join(repr(bound_text(k, 40)) for k in unknown[:5])} that this "
+            "client does not know: the server runs a newer fedcore; upgrade fedcore on this client"
+        )
+    for name, slot in message.values.items():
+        f = fields[name]
+        kind = slot.WhichOneof("kind")
+        value = getattr(slot, kind) if kind is not None else None
+        if kind == "int_value" and f.kind is float:
+            value = float(value)  # type: ignore[arg-type]
+        elif kind != _VALUE_SLOTS[f.kind]:
+            raise ConfigError(
+                f"the server sent FitConfig.{name} as {kind or 'nothing'}, expected {f.kind.__name__}; the server "
+                "and this client run incompatible fedcore versions"
+            )
+        kwargs[name] = value
+    return cls(**kwargs)  # type: ignore[arg-type]
 
 
 def mod_to_pb(spec: ModSpec) -> pb.ModSpec:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from client.runner import ParallelTraining, run_instruction
 from client.state import ClientStateStore
-from fedcore.errors import FedcoreError, RoundFailed
+from fedcore.errors import ConfigError, FedcoreError, RoundFailed
 from fedcore.messages import Failure, Instruction, Reply
 from fedcore.task import Task
 
@@ -40,7 +40,7 @@ class InMemoryPool:
         state: ClientStateStore | None = None,
     ) -> None:
         if len(set(client_ids)) != len(client_ids):
-            raise ValueError("client ids must be unique")
+            raise ConfigError(f"client ids must be unique; {len(client_ids) - len(set(client_ids))} repeat")
         self._ids = list(client_ids)
         self._make_task = make_task
         self._tasks: dict[str, Task] = {}

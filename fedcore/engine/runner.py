@@ -23,7 +23,7 @@ from fedcore.engine.data_parallel import DataParallelExecutor
 from fedcore.engine.pipeline import PipelineExecutor
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv
-from fedcore.errors import ConfigError
+from fedcore.errors import ClientTaskError, ConfigError
 from fedcore.seeding import derive_seed
 from fedcore.task import FitConfig, Task
 from fedcore.tensors import to_state_dict
@@ -94,7 +94,9 @@ def train_rank(
     """
     x, y, loss_fn = training_data(task)
     if len(x) != len(y):
-        raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
+        raise ClientTaskError(
+            f"the task's training data has {len(x)} inputs but {len(y)} labels; give x and y of the same length"
+        )
     model = task.build_model()
     model.load_state_dict(to_state_dict(global_parameters), strict=True)
     model.to(env.device)

@@ -9,6 +9,7 @@ process group; any other plan starts ``data_parallel * pipeline`` workers (:mod:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -109,15 +110,7 @@ def train_with_plan(
             spec = {
                 "task_factory": task_factory,
                 "task_context": task_context_to_json(task_context),
-                "config": {
-                    "local_epochs": config.local_epochs,
-                    "batch_size": config.batch_size,
-                    "lr": config.lr,
-                    "momentum": config.momentum,
-                    "weight_decay": config.weight_decay,
-                    "mu": config.mu,
-                    "max_steps": config.max_steps,
-                },
+                "config": dataclasses.asdict(config),  # every FitConfig field; the worker rebuilds it
                 "plan": plan.to_mapping(),
                 "device": device.value,
                 "seed": seed,

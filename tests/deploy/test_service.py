@@ -28,7 +28,7 @@ from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays, decode, encode
 from fedcore.wire import iter_bytes_chunks, session_metadata
 from privacy.tls import init_certs
-from server.app import ServerConfig
+from server.config import RoundSettings, ServerConfig, TlsSettings
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.limits import ServiceLimits
 from server.metrics import ServerMetrics
@@ -485,13 +485,12 @@ def test_state_checkpoints_are_atomic_and_resume(tmp_path: Path) -> None:
 def _demo_server_config(state_dir: Path, *, wait_for_clients_s: float) -> ServerConfig:
     """A plaintext server on an ephemeral port running the demo task on ``digits`` for 3 rounds."""
     return ServerConfig(
-        insecure=True,
+        tls=TlsSettings(insecure=True),
         address="127.0.0.1:0",
         state_dir=state_dir,
         task="simulations.tasks:demo_task",
         task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
-        rounds=3,
-        wait_for_clients_s=wait_for_clients_s,
+        round=RoundSettings(rounds=3, wait_for_clients_s=wait_for_clients_s),
     )
 
 

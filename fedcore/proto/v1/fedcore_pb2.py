@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x65\x64\x63ore/proto/v1/fedcore.proto\x12\nfedcore.v1\"/\n\x0bJoinRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\x94\x01\n\tJoinReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x1a\n\x12liveness_timeout_s\x18\x04 \x01(\x01\x12\x19\n\x11max_payload_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x05\"#\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x1c\n\x0eHeartbeatReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"2\n\x0fPullTaskRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"\x88\x01\n\tFitConfig\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\x05\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x10\n\x08momentum\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\n\n\x02mu\x18\x06 \x01(\x01\x12\x11\n\tmax_steps\x18\x07 \x01(\x05\"\xeb\x01\n\nTaskHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12 \n\x05stage\x18\x03 \x01(\x0e\x32\x11.fedcore.v1.Stage\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\"\n\x03\x66it\x18\x05 \x01(\x0b\x32\x15.fedcore.v1.FitConfig\x12\x1b\n\x13\x65valuate_batch_size\x18\x06 \x01(\x05\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x03\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\x12!\n\x04mods\x18\t \x03(\x0b\x32\x13.fedcore.v1.ModSpec\"\x8d\x01\n\x07ModSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12/\n\x06params\x18\x02 \x03(\x0b\x32\x1f.fedcore.v1.ModSpec.ParamsEntry\x1a\x43\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.fedcore.v1.ModParam:\x02\x38\x01\"X\n\x08ModParam\x12\x0e\n\x04\x66lag\x18\x01 \x01(\x08H\x00\x12\x11\n\x07integer\x18\x02 \x01(\x03H\x00\x12\x10\n\x06number\x18\x03 \x01(\x01H\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x42\x07\n\x05value\"\x19\n\x07Trailer\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\"\x18\n\x04Idle\x12\x10\n\x08\x66inished\x18\x01 \x01(\x08\"\x97\x01\n\tTaskChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedcore.v1.TaskHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12&\n\x07trailer\x18\x03 \x01(\x0b\x32\x13.fedcore.v1.TrailerH\x00\x12 \n\x04idle\x18\x04 \x01(\x0b\x32\x10.fedcore.v1.IdleH\x00\x42\x06\n\x04\x62ody\"\x95\x02\n\x0cResultHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x05\x12 \n\x05stage\x18\x04 \x01(\x0e\x32\x11.fedcore.v1.Stage\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.fedcore.v1.ResultHeader.MetricsEntry\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x15\n\rpayload_bytes\x18\t \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"y\n\x0bResultChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.fedcore.v1.ResultHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12&\n\x07trailer\x18\x03 \x01(\x0b\x32\x13.fedcore.v1.TrailerH\x00\x42\x06\n\x04\x62ody\"@\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x0c\n\nLeaveReply*A\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\r\n\tSTAGE_FIT\x10\x01\x12\x12\n\x0eSTAGE_EVALUATE\x10\x02\x32\xc9\x02\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.fedcore.v1.JoinRequest\x1a\x15.fedcore.v1.JoinReply\x12\x45\n\tHeartbeat\x12\x1c.fedcore.v1.HeartbeatRequest\x1a\x1a.fedcore.v1.HeartbeatReply\x12@\n\x08PullTask\x12\x1b.fedcore.v1.PullTaskRequest\x1a\x15.fedcore.v1.TaskChunk0\x01\x12>\n\nPushResult\x12\x17.fedcore.v1.ResultChunk\x1a\x15.fedcore.v1.PushReply(\x01\x12\x39\n\x05Leave\x12\x18.fedcore.v1.LeaveRequest\x1a\x16.fedcore.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x65\x64\x63ore/proto/v1/fedcore.proto\x12\nfedcore.v1\"/\n\x0bJoinRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\x94\x01\n\tJoinReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x1a\n\x12liveness_timeout_s\x18\x04 \x01(\x01\x12\x19\n\x11max_payload_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x05\"#\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x1c\n\x0eHeartbeatReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"2\n\x0fPullTaskRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"\x83\x02\n\tFitConfig\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\x05\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x10\n\x08momentum\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\n\n\x02mu\x18\x06 \x01(\x01\x12\x11\n\tmax_steps\x18\x07 \x01(\x05\x12\x31\n\x06values\x18\x08 \x03(\x0b\x32!.fedcore.v1.FitConfig.ValuesEntry\x1a\x46\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.fedcore.v1.ConfigValue:\x02\x38\x01\"o\n\x0b\x43onfigValue\x12\x13\n\tint_value\x18\x01 \x01(\x03H\x00\x12\x15\n\x0b\x66loat_value\x18\x02 \x01(\x01H\x00\x12\x14\n\nbool_value\x18\x03 \x01(\x08H\x00\x12\x16\n\x0cstring_value\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xeb\x01\n\nTaskHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12 \n\x05stage\x18\x03 \x01(\x0e\x32\x11.fedcore.v1.Stage\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\"\n\x03\x66it\x18\x05 \x01(\x0b\x32\x15.fedcore.v1.FitConfig\x12\x1b\n\x13\x65valuate_batch_size\x18\x06 \x01(\x05\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x03\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\x12!\n\x04mods\x18\t \x03(\x0b\x32\x13.fedcore.v1.ModSpec\"\x8d\x01\n\x07ModSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12/\n\x06params\x18\x02 \x03(\x0b\x32\x1f.fedcore.v1.ModSpec.ParamsEntry\x1a\x43\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.fedcore.v1.ModParam:\x02\x38\x01\"X\n\x08ModParam\x12\x0e\n\x04\x66lag\x18\x01 \x01(\x08H\x00\x12\x11\n\x07integer\x18\x02 \x01(\x03H\x00\x12\x10\n\x06number\x18\x03 \x01(\x01H\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x42\x07\n\x05value\"\x19\n\x07Trailer\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\"\x18\n\x04Idle\x12\x10\n\x08\x66inished\x18\x01 \x01(\x08\"\x97\x01\n\tTaskChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedcore.v1.TaskHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12&\n\x07trailer\x18\x03 \x01(\x0b\x32\x13.fedcore.v1.TrailerH\x00\x12 \n\x04idle\x18\x04 \x01(\x0b\x32\x10.fedcore.v1.IdleH\x00\x42\x06\n\x04\x62ody\"\x95\x02\n\x0cResultHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x05\x12 \n\x05stage\x18\x04 \x01(\x0e\x32\x11.fedcore.v1.Stage\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.fedcore.v1.ResultHeader.MetricsEntry\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x15\n\rpayload_bytes\x18\t \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"y\n\x0bResultChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.fedcore.v1.ResultHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12&\n\x07trailer\x18\x03 \x01(\x0b\x32\x13.fedcore.v1.TrailerH\x00\x42\x06\n\x04\x62ody\"@\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x0c\n\nLeaveReply*A\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\r\n\tSTAGE_FIT\x10\x01\x12\x12\n\x0eSTAGE_EVALUATE\x10\x02\x32\xc9\x02\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.fedcore.v1.JoinRequest\x1a\x15.fedcore.v1.JoinReply\x12\x45\n\tHeartbeat\x12\x1c.fedcore.v1.HeartbeatRequest\x1a\x1a.fedcore.v1.HeartbeatReply\x12@\n\x08PullTask\x12\x1b.fedcore.v1.PullTaskRequest\x1a\x15.fedcore.v1.TaskChunk0\x01\x12>\n\nPushResult\x12\x17.fedcore.v1.ResultChunk\x1a\x15.fedcore.v1.PushReply(\x01\x12\x39\n\x05Leave\x12\x18.fedcore.v1.LeaveRequest\x1a\x16.fedcore.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedcore.proto.v1.fedcore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_FITCONFIG_VALUESENTRY']._loaded_options = None
+  _globals['_FITCONFIG_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_MODSPEC_PARAMSENTRY']._loaded_options = None
   _globals['_MODSPEC_PARAMSENTRY']._serialized_options = b'8\001'
   _globals['_RESULTHEADER_METRICSENTRY']._loaded_options = None
   _globals['_RESULTHEADER_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_STAGE']._serialized_start=1699
-  _globals['_STAGE']._serialized_end=1764
+  _globals['_STAGE']._serialized_start=1935
+  _globals['_STAGE']._serialized_end=2000
   _globals['_JOINREQUEST']._serialized_start=46
   _globals['_JOINREQUEST']._serialized_end=93
   _globals['_JOINREPLY']._serialized_start=96
@@ -48,33 +50,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLTASKREQUEST']._serialized_start=313
   _globals['_PULLTASKREQUEST']._serialized_end=363
   _globals['_FITCONFIG']._serialized_start=366
-  _globals['_FITCONFIG']._serialized_end=502
-  _globals['_TASKHEADER']._serialized_start=505
-  _globals['_TASKHEADER']._serialized_end=740
-  _globals['_MODSPEC']._serialized_start=743
-  _globals['_MODSPEC']._serialized_end=884
-  _globals['_MODSPEC_PARAMSENTRY']._serialized_start=817
-  _globals['_MODSPEC_PARAMSENTRY']._serialized_end=884
-  _globals['_MODPARAM']._serialized_start=886
-  _globals['_MODPARAM']._serialized_end=974
-  _globals['_TRAILER']._serialized_start=976
-  _globals['_TRAILER']._serialized_end=1001
-  _globals['_IDLE']._serialized_start=1003
-  _globals['_IDLE']._serialized_end=1027
-  _globals['_TASKCHUNK']._serialized_start=1030
-  _globals['_TASKCHUNK']._serialized_end=1181
-  _globals['_RESULTHEADER']._serialized_start=1184
-  _globals['_RESULTHEADER']._serialized_end=1461
-  _globals['_RESULTHEADER_METRICSENTRY']._serialized_start=1415
-  _globals['_RESULTHEADER_METRICSENTRY']._serialized_end=1461
-  _globals['_RESULTCHUNK']._serialized_start=1463
-  _globals['_RESULTCHUNK']._serialized_end=1584
-  _globals['_PUSHREPLY']._serialized_start=1586
-  _globals['_PUSHREPLY']._serialized_end=1650
-  _globals['_LEAVEREQUEST']._serialized_start=1652
-  _globals['_LEAVEREQUEST']._serialized_end=1683
-  _globals['_LEAVEREPLY']._serialized_start=1685
-  _globals['_LEAVEREPLY']._serialized_end=1697
-  _globals['_COORDINATOR']._serialized_start=1767
-  _globals['_COORDINATOR']._serialized_end=2096
+  _globals['_FITCONFIG']._serialized_end=625
+  _globals['_FITCONFIG_VALUESENTRY']._serialized_start=555
+  _globals['_FITCONFIG_VALUESENTRY']._serialized_end=625
+  _globals['_CONFIGVALUE']._serialized_start=627
+  _globals['_CONFIGVALUE']._serialized_end=738
+  _globals['_TASKHEADER']._serialized_start=741
+  _globals['_TASKHEADER']._serialized_end=976
+  _globals['_MODSPEC']._serialized_start=979
+  _globals['_MODSPEC']._serialized_end=1120
+  _globals['_MODSPEC_PARAMSENTRY']._serialized_start=1053
+  _globals['_MODSPEC_PARAMSENTRY']._serialized_end=1120
+  _globals['_MODPARAM']._serialized_start=1122
+  _globals['_MODPARAM']._serialized_end=1210
+  _globals['_TRAILER']._serialized_start=1212
+  _globals['_TRAILER']._serialized_end=1237
+  _globals['_IDLE']._serialized_start=1239
+  _globals['_IDLE']._serialized_end=1263
+  _globals['_TASKCHUNK']._serialized_start=1266
+  _globals['_TASKCHUNK']._serialized_end=1417
+  _globals['_RESULTHEADER']._serialized_start=1420
+  _globals['_RESULTHEADER']._serialized_end=1697
+  _globals['_RESULTHEADER_METRICSENTRY']._serialized_start=1651
+  _globals['_RESULTHEADER_METRICSENTRY']._serialized_end=1697
+  _globals['_RESULTCHUNK']._serialized_start=1699
+  _globals['_RESULTCHUNK']._serialized_end=1820
+  _globals['_PUSHREPLY']._serialized_start=1822
+  _globals['_PUSHREPLY']._serialized_end=1886
+  _globals['_LEAVEREQUEST']._serialized_start=1888
+  _globals['_LEAVEREQUEST']._serialized_end=1919
+  _globals['_LEAVEREPLY']._serialized_start=1921
+  _globals['_LEAVEREPLY']._serialized_end=1933
+  _globals['_COORDINATOR']._serialized_start=2003
+  _globals['_COORDINATOR']._serialized_end=2332
 # @@protoc_insertion_point(module_scope)

@@ -61,7 +61,14 @@ class PullTaskRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class FitConfig(_message.Message):
-    __slots__ = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay", "mu", "max_steps")
+    __slots__ = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay", "mu", "max_steps", "values")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ConfigValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ConfigValue, _Mapping]] = ...) -> None: ...
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +76,7 @@ class FitConfig(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     MU_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     local_epochs: int
     batch_size: int
     lr: float
@@ -76,7 +84,20 @@ class FitConfig(_message.Message):
     weight_decay: float
     mu: float
     max_steps: int
-    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., mu: _Optional[float] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    values: _containers.MessageMap[str, ConfigValue]
+    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., mu: _Optional[float] = ..., max_steps: _Optional[int] = ..., values: _Optional[_Mapping[str, ConfigValue]] = ...) -> None: ...
+
+class ConfigValue(_message.Message):
+    __slots__ = ("int_value", "float_value", "bool_value", "string_value")
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    int_value: int
+    float_value: float
+    bool_value: bool
+    string_value: str
+    def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
     __slots__ = ("task_id", "round", "stage", "seed", "fit", "evaluate_batch_size", "payload_bytes", "deadline_s", "mods")
