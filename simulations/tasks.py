@@ -98,6 +98,28 @@ def prepare_data(config: DataConfig, seed: int) -> PreparedData:
     )
 
 
+@dataclass(frozen=True)
+class ModelConstructor:
+    """Builds one of the built-in models; equal constructors build the same architecture (so clients may share
+    one model object, :class:`client.runner.ModelCache`)."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def __call__(self) -> torch.nn.Module:
+        return build_model(self.name, self.input_shape, self.num_classes)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_constructor(name: str, input_shape: tuple[int, ...], num_classes: int) -> ModelConstructor:
+    """A checked constructor: the name and shape are validated once (by building the model), not mid-run."""
+    constructor = ModelConstructor(name, input_shape, num_classes)
+    with torch.random.fork_rng(devices=[]):
+        constructor()
+    return constructor
+
+
 def demo_task(context: TaskContext) -> SupervisedTask:
     """Task factory for the built-in datasets and models.
 
@@ -113,11 +135,7 @@ def demo_task(context: TaskContext) -> SupervisedTask:
     if context.num_partitions is not None and context.num_partitions != data_config.num_clients:
         data_config = replace(data_config, num_clients=context.num_partitions)
     prepared = prepare_data(data_config, context.seed)
-    input_shape, num_classes = prepared.input_shape, prepared.num_classes
-    build_model(model_name, input_shape, num_classes)  # validate the name/shape now, not mid-run
-
-    def model_fn() -> torch.nn.Module:
-        return build_model(model_name, input_shape, num_classes)
+    model_fn = _model_constructor(model_name, prepared.input_shape, prepared.num_classes)
 
     test = (prepared.x_test, prepared.y_test)
     if context.role == "server":
