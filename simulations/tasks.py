@@ -146,4 +146,5 @@ def demo_task(context: TaskContext) -> SupervisedTask:
             f"client {context.client_id!r} needs a partition id in 0..{len(prepared.partitions) - 1}, got {pid}"
         )
     idx = torch.from_numpy(prepared.partitions[pid])
-    return SupervisedTask(model_fn=model_fn, train_data=(prepared.x_train[idx], prepared.y_train[idx]), test_data=test)
+    shard = (prepared.x_train.index_select(0, idx), prepared.y_train.index_select(0, idx))  # not x[idx]: 100x slower
+    return SupervisedTask(model_fn=model_fn, train_data=shard, test_data=test)

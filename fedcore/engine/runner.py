@@ -103,7 +103,7 @@ def train_rank(
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]
             optimizer.zero_grad(set_to_none=True)
-            batch_loss, batch_seen = executor.forward_backward(x[idx], y[idx])
+            batch_loss, batch_seen = executor.forward_backward(x.index_select(0, idx), y.index_select(0, idx))
             executor.finish_gradients()
             for param, anchor in anchors:
                 prox = (param.detach() - anchor) * config.mu
