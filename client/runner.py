@@ -156,10 +156,12 @@ class ModelCache:
 
     def _restore(self) -> None:
         for module, training in self._modes:
-            module.training = training
+            if module.training != training:  # nn.Module.__setattr__ is slow; usually nothing changed
+                module.training = training
         for param, flag in self._requires_grad:
             param.grad = None
-            param.requires_grad_(flag)
+            if param.requires_grad != flag:
+                param.requires_grad_(flag)
         with torch.no_grad():
             for module, name, value in self._extra_buffers:
                 current = getattr(module, name)

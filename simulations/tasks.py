@@ -55,6 +55,12 @@ def data_config_from_options(options: Mapping[str, str]) -> tuple[DataConfig, st
     return data, options.get("model", "cnn")
 
 
+@functools.lru_cache(maxsize=16)
+def _parsed_options(options: tuple[tuple[str, str], ...]) -> tuple[DataConfig, str]:
+    """:func:`data_config_from_options`, parsed once per set of options (every virtual client has the same)."""
+    return data_config_from_options(dict(options))
+
+
 @functools.lru_cache(maxsize=4)
 def prepare_data(config: DataConfig, seed: int) -> PreparedData:
     """Load, normalize and partition the dataset ``config`` names (cached per process).
@@ -129,7 +135,7 @@ def demo_task(context: TaskContext) -> SupervisedTask:
     Raises:
         ConfigError: missing or out-of-range partition id, unknown option, dataset or model.
     """
-    data_config, model_name = data_config_from_options(context.options)
+    data_config, model_name = _parsed_options(tuple(sorted(context.options.items())))
     if context.data_dir is not None:
         data_config = replace(data_config, data_dir=Path(context.data_dir))
     if context.num_partitions is not None and context.num_partitions != data_config.num_clients:
