@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from client.runner import ParallelTraining, run_instruction
+from client.runner import ModelCache, ParallelTraining, run_instruction
 from client.state import ClientStateStore
 from fedcore.config import apply_overrides, from_mapping, load_toml, merge_mappings, parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
@@ -38,7 +38,7 @@ from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage, bounded
 from fedcore.payload import DEFAULT_CHUNK_BYTES, DataChunk, iter_data_chunks, payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
-from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
+from fedcore.task import Task, TaskContext, TaskFactory, check_engine_task, load_task_factory
 from fedcore.tensors import NamedArrays, decode, read_metadata
 from fedcore.wire import (
     TRANSFER_OPTIONS,
@@ -259,6 +259,7 @@ class ClientDaemon:
         self._task: Task | None = None
         self._task_seed: int | None = None
         self._parallel: ParallelTraining | None = None
+        self._models = ModelCache()
         self._deadline_s = 0.0  # seconds the server gave the current task until its round's deadline (0: none)
         self._rng = random.Random()
         self._credentials = client_credentials(config)  # TLS files checked now, before the first connection
@@ -438,8 +439,10 @@ class ClientDaemon:
                 stage="build",
             ) from exc
         self._task_seed = seed
+        self._models = ModelCache()  # the model is built once per task and reused by every round
         plan = self.config.parallel
         if plan is not None and not plan.is_single_process:
+            check_engine_task(self._task, client_id=self.config.client_id)  # a task with its own loop: refused now
             plan.check_model(self._task.build_model())  # a bad split point fails here, before any round
             self._parallel = ParallelTraining(task_factory=self.config.task, task_context=context, plan=plan)
         log.info("task ready in %.2f s", time.perf_counter() - started)
@@ -543,7 +546,12 @@ class ClientDaemon:
             if parallel is not None and self._deadline_s > 0:  # parallel workers are killed at the round's deadline
                 parallel = dataclasses.replace(parallel, timeout_s=self._deadline_s)
             reply: Reply = run_instruction(
-                self._task, instruction, self.config.client_id, parallel=parallel, state=self._state
+                self._task,
+                instruction,
+                self.config.client_id,
+                models=self._models,
+                parallel=parallel,
+                state=self._state,
             )
         except FedcoreError as exc:
             log.warning("round %d %s failed: %s", instruction.round, instruction.stage.value, exc)

@@ -1,8 +1,10 @@
 """A ready-made :class:`~fedcore.task.Task` for supervised learning on in-memory tensors.
 
 Most users need no Task class of their own: give :class:`SupervisedTask` a model constructor and the client's
-``(x, y)`` tensors. It trains with :func:`fedcore.training.train_supervised` (FedProx-aware) and exposes its
-data and loss to the parallel engine (:mod:`fedcore.engine`) through ``training_data()`` and ``loss_fn``.
+``(x, y)`` tensors. It trains with :func:`fedcore.training.train_supervised` (FedProx-aware) and declares its
+model, data and loss to the parallel engine (:mod:`fedcore.engine`) through ``model_fn``, ``training_data()``
+and ``loss_fn``: it is an :class:`~fedcore.task.EngineTask`, so every parallel plan trains it. A subclass that
+overrides ``train`` has its own loop, which runs on one device and is refused under a parallel plan.
 """
 
 from __future__ import annotations

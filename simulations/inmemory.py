@@ -1,10 +1,11 @@
 """The in-memory client pool: virtual clients in this process, run one after another.
 
 Deterministic by construction: clients run in the order of the instructions (the sorted selection), each with
-randomness keyed by (seed, round, client), so the same seed gives the same history to the last bit. Each
-instruction builds its model afresh from the client's task (cheap next to training, and correct even when a
-client's task builds another architecture, which the runner then rejects), so memory stays at one model plus
-the data whatever the number of clients.
+randomness keyed by (seed, round, client), so the same seed gives the same history to the last bit. The clients
+share one model object (:class:`client.runner.ModelCache`): it is built once, every instruction overwrites its
+state, and it trains exactly as a model built for the instruction would; a client whose task builds another kind
+of model gets its own (which the runner rejects when it does not fit the global model). Memory stays at one
+model plus the data whatever the number of clients.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from client.runner import ParallelTraining, run_instruction
+from client.runner import ModelCache, ParallelTraining, run_instruction
 from client.state import ClientStateStore
 from fedcore.errors import ConfigError, FedcoreError, RoundFailed
 from fedcore.messages import Failure, Instruction, Reply
@@ -46,6 +47,7 @@ class InMemoryPool:
         self._tasks: dict[str, Task] = {}
         self._parallel = parallel
         self._state = state
+        self._models = ModelCache()
 
     def available(self) -> list[str]:
         """All virtual clients are always available."""
@@ -71,7 +73,9 @@ class InMemoryPool:
         for client_id, instruction in instructions.items():
             try:
                 plan = self._parallel(client_id) if self._parallel is not None else None
-                yield run_instruction(self.task(client_id), instruction, client_id, parallel=plan, state=self._state)
+                yield run_instruction(
+                    self.task(client_id), instruction, client_id, models=self._models, parallel=plan, state=self._state
+                )
             except FedcoreError as exc:
                 yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
             except Exception as exc:  # a bug in user code must not kill the whole simulation
