@@ -26,6 +26,7 @@ from fedcore.aggregation import Aggregator, MeanAggregator
 from fedcore.errors import ConfigError, UpdateRejected
 from fedcore.seeding import numpy_rng
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
+from fedcore.stages import RoundProtocol
 from fedcore.task import FitConfig
 
 STRATEGY_NAMES = ("fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam", "fedyogi")
@@ -100,6 +101,8 @@ class Strategy:
         aggregator: how the round's updates become one (:class:`~fedcore.aggregation.Aggregator`; default the
             streaming weighted mean, :class:`~fedcore.aggregation.MeanAggregator`).
         evaluate_batch_size: batch size for client-side and server-side evaluation.
+        protocol: a multi-stage round protocol whose exchanges run around each round's fit exchange
+            (:class:`~fedcore.stages.RoundProtocol`, e.g. secure aggregation); None: a round is one fit exchange.
     """
 
     name: str = "fedavg"
@@ -109,6 +112,7 @@ class Strategy:
     server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
     aggregator: Aggregator = field(default_factory=MeanAggregator)
     evaluate_batch_size: int = 256
+    protocol: RoundProtocol | None = None
 
     def __post_init__(self) -> None:
         if self.weighting not in ("examples", "uniform"):

@@ -21,7 +21,20 @@ from typing import BinaryIO
 import grpc
 
 from fedcore.errors import PayloadError
-from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Reply, Stage, bound_text
+from fedcore.messages import (
+    EvaluateIns,
+    EvaluateRes,
+    Failure,
+    FitIns,
+    FitRes,
+    Reply,
+    ServerMessage,
+    Stage,
+    StageIns,
+    StageRes,
+    StageValue,
+    bound_text,
+)
 from fedcore.payload import DATA_TAG, DEFAULT_CHUNK_BYTES, DataChunk, SpillFile
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
@@ -30,7 +43,7 @@ from fedcore.tensors import (
     NamedArrays,
 )
 
-_STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE}
+_STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE, Stage.PROTOCOL: pb.STAGE_PROTOCOL}
 _STAGE_FROM_PB = {v: k for k, v in _STAGE_TO_PB.items()}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -367,24 +380,57 @@ def fit_config_from_pb(message: pb.FitConfig) -> FitConfig:
     )
 
 
-def task_header(instruction: Instruction, *, task_id: str, payload_bytes: int) -> pb.TaskHeader:
-    """The header announcing ``instruction``; its parameters follow as a chunked payload of ``payload_bytes``."""
+def stage_message_to_pb(message: StageIns | StageRes) -> pb.StageMessage:
+    """The protocol, stage name and fields of a stage message (its tensors travel as the payload)."""
+    out = pb.StageMessage(protocol=message.protocol, name=message.name, attempt=message.attempt)
+    for key, value in message.fields.items():
+        if isinstance(value, bytes):
+            out.fields[key].bytes_value = value
+        elif isinstance(value, int):
+            out.fields[key].int_value = value
+        else:
+            out.fields[key].str_value = value
+    return out
+
+
+def stage_fields_from_pb(message: pb.StageMessage) -> dict[str, StageValue]:
+    """The fields of a received stage message (checked against their bounds when the message is built)."""
+    fields: dict[str, StageValue] = {}
+    for key, value in message.fields.items():
+        kind = value.WhichOneof("value")
+        fields[key] = (
+            value.int_value if kind == "int_value" else value.str_value if kind == "str_value" else value.bytes_value
+        )
+    return fields
+
+
+def task_header(
+    instruction: ServerMessage, *, task_id: str, payload_bytes: int, deadline_s: float = 0.0
+) -> pb.TaskHeader:
+    """The header announcing ``instruction``; its tensors (the global model, a stage's tensors) follow as a
+    chunked payload of ``payload_bytes``. ``deadline_s``: seconds left until the exchange's deadline (0: none)."""
     header = pb.TaskHeader(
-        task_id=task_id, round=instruction.round, stage=_STAGE_TO_PB[instruction.stage], payload_bytes=payload_bytes
+        task_id=task_id,
+        round=instruction.round,
+        stage=_STAGE_TO_PB[instruction.stage],
+        payload_bytes=payload_bytes,
+        deadline_s=deadline_s,
     )
     if isinstance(instruction, FitIns):
         header.seed = instruction.seed
         header.fit.CopyFrom(fit_config_to_pb(instruction.config))
-    else:
+    elif isinstance(instruction, EvaluateIns):
         header.evaluate_batch_size = instruction.batch_size
+    else:
+        header.protocol_stage.CopyFrom(stage_message_to_pb(instruction))
     return header
 
 
-def instruction_from_header(header: pb.TaskHeader, parameters: NamedArrays) -> Instruction:
-    """Rebuild the instruction a client received.
+def instruction_from_header(header: pb.TaskHeader, parameters: NamedArrays) -> ServerMessage:
+    """Rebuild the instruction a client received (``parameters``: the payload that followed the header).
 
     Raises:
-        PayloadError: unknown stage. ConfigError: invalid fit settings.
+        PayloadError: unknown stage, or a stage message out of bounds. ConfigError: invalid fit settings.
     """
     stage = _STAGE_FROM_PB.get(header.stage)
     if stage is Stage.FIT:
@@ -393,15 +439,30 @@ def instruction_from_header(header: pb.TaskHeader, parameters: NamedArrays) -> I
         )
     if stage is Stage.EVALUATE:
         return EvaluateIns(round=header.round, parameters=parameters, batch_size=header.evaluate_batch_size)
+    if stage is Stage.PROTOCOL:
+        message = header.protocol_stage
+        return StageIns(
+            round=header.round,
+            attempt=message.attempt,
+            protocol=message.protocol,
+            name=message.name,
+            fields=stage_fields_from_pb(message),
+            tensors=parameters,
+        )
     raise PayloadError(f"task {header.task_id!r} has an unknown stage {header.stage}", round=header.round)
 
 
 def result_header(reply: Reply, *, session: str, task_id: str, payload_bytes: int = 0) -> pb.ResultHeader:
-    """The header of a pushed reply (a FitRes's parameters follow as a payload of ``payload_bytes``)."""
+    """The header of a pushed reply (a FitRes's parameters, a StageRes's tensors follow as a payload of
+    ``payload_bytes``)."""
     header = pb.ResultHeader(session=session, task_id=task_id, round=reply.round, payload_bytes=payload_bytes)
     if isinstance(reply, Failure):
         header.stage = _STAGE_TO_PB[reply.stage]
         header.failure = reply.reason or "unknown failure"
+        return header
+    if isinstance(reply, StageRes):
+        header.stage = pb.STAGE_PROTOCOL
+        header.protocol_stage.CopyFrom(stage_message_to_pb(reply))
         return header
     header.num_examples = reply.num_examples
     header.metrics.update({k: float(v) for k, v in reply.metrics.items()})
@@ -416,8 +477,10 @@ def result_header(reply: Reply, *, session: str, task_id: str, payload_bytes: in
 def reply_from_header(header: pb.ResultHeader, *, client_id: str, parameters: NamedArrays | None) -> Reply:
     """Rebuild a client's reply on the server. ``client_id`` comes from the session, never from the message.
 
+    ``parameters`` is the payload that followed the header (None: none came; a stage reply then has no tensors).
+
     Raises:
-        PayloadError: unknown stage, or a fit result without parameters.
+        PayloadError: unknown stage, a fit result without parameters, or a stage message out of bounds.
     """
     stage = _STAGE_FROM_PB.get(header.stage)
     if stage is None:
@@ -428,6 +491,17 @@ def reply_from_header(header: pb.ResultHeader, *, client_id: str, parameters: Na
             round=header.round,
             stage=stage,
             reason=f"client reported: {bound_text(header.failure)}",
+        )
+    if stage is Stage.PROTOCOL:
+        message = header.protocol_stage
+        return StageRes(
+            client_id=client_id,
+            round=header.round,
+            attempt=message.attempt,
+            protocol=message.protocol,
+            name=message.name,
+            fields=stage_fields_from_pb(message),
+            tensors=parameters if parameters is not None else {},
         )
     metrics = dict(header.metrics)
     if stage is Stage.FIT:

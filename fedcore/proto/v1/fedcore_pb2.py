@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x65\x64\x63ore/proto/v1/fedcore.proto\x12\nfedcore.v1\"/\n\x0bJoinRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\x94\x01\n\tJoinReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x1a\n\x12liveness_timeout_s\x18\x04 \x01(\x01\x12\x19\n\x11max_payload_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x05\"#\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x1c\n\x0eHeartbeatReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"2\n\x0fPullTaskRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"\x88\x01\n\tFitConfig\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\x05\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x10\n\x08momentum\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\n\n\x02mu\x18\x06 \x01(\x01\x12\x11\n\tmax_steps\x18\x07 \x01(\x05\"\xc8\x01\n\nTaskHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12 \n\x05stage\x18\x03 \x01(\x0e\x32\x11.fedcore.v1.Stage\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\"\n\x03\x66it\x18\x05 \x01(\x0b\x32\x15.fedcore.v1.FitConfig\x12\x1b\n\x13\x65valuate_batch_size\x18\x06 \x01(\x05\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x03\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\"\x19\n\x07Trailer\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\"\x18\n\x04Idle\x12\x10\n\x08\x66inished\x18\x01 \x01(\x08\"\x97\x01\n\tTaskChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedcore.v1.TaskHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12&\n\x07trailer\x18\x03 \x01(\x0b\x32\x13.fedcore.v1.TrailerH\x00\x12 \n\x04idle\x18\x04 \x01(\x0b\x32\x10.fedcore.v1.IdleH\x00\x42\x06\n\x04\x62ody\"\x95\x02\n\x0cResultHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x05\x12 \n\x05stage\x18\x04 \x01(\x0e\x32\x11.fedcore.v1.Stage\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.fedcore.v1.ResultHeader.MetricsEntry\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x15\n\rpayload_bytes\x18\t \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"y\n\x0bResultChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.fedcore.v1.ResultHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12&\n\x07trailer\x18\x03 \x01(\x0b\x32\x13.fedcore.v1.TrailerH\x00\x42\x06\n\x04\x62ody\"@\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x0c\n\nLeaveReply*A\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\r\n\tSTAGE_FIT\x10\x01\x12\x12\n\x0eSTAGE_EVALUATE\x10\x02\x32\xc9\x02\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.fedcore.v1.JoinRequest\x1a\x15.fedcore.v1.JoinReply\x12\x45\n\tHeartbeat\x12\x1c.fedcore.v1.HeartbeatRequest\x1a\x1a.fedcore.v1.HeartbeatReply\x12@\n\x08PullTask\x12\x1b.fedcore.v1.PullTaskRequest\x1a\x15.fedcore.v1.TaskChunk0\x01\x12>\n\nPushResult\x12\x17.fedcore.v1.ResultChunk\x1a\x15.fedcore.v1.PushReply(\x01\x12\x39\n\x05Leave\x12\x18.fedcore.v1.LeaveRequest\x1a\x16.fedcore.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x65\x64\x63ore/proto/v1/fedcore.proto\x12\nfedcore.v1\"/\n\x0bJoinRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"\x94\x01\n\tJoinReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x1a\n\x12liveness_timeout_s\x18\x04 \x01(\x01\x12\x19\n\x11max_payload_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x05\"#\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x1c\n\x0eHeartbeatReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"2\n\x0fPullTaskRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"V\n\nStageValue\x12\x15\n\x0b\x62ytes_value\x18\x01 \x01(\x0cH\x00\x12\x13\n\tint_value\x18\x02 \x01(\x12H\x00\x12\x13\n\tstr_value\x18\x03 \x01(\tH\x00\x42\x07\n\x05value\"\xbc\x01\n\x0cStageMessage\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x34\n\x06\x66ields\x18\x03 \x03(\x0b\x32$.fedcore.v1.StageMessage.FieldsEntry\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x1a\x45\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.fedcore.v1.StageValue:\x02\x38\x01\"\x88\x01\n\tFitConfig\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\x05\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x10\n\x08momentum\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\n\n\x02mu\x18\x06 \x01(\x01\x12\x11\n\tmax_steps\x18\x07 \x01(\x05\"\xfa\x01\n\nTaskHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x05\x12 \n\x05stage\x18\x03 \x01(\x0e\x32\x11.fedcore.v1.Stage\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\"\n\x03\x66it\x18\x05 \x01(\x0b\x32\x15.fedcore.v1.FitConfig\x12\x1b\n\x13\x65valuate_batch_size\x18\x06 \x01(\x05\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x03\x12\x12\n\ndeadline_s\x18\x08 \x01(\x01\x12\x30\n\x0eprotocol_stage\x18\x14 \x01(\x0b\x32\x18.fedcore.v1.StageMessage\"\x19\n\x07Trailer\x12\x0e\n\x06sha256\x18\x01 \x01(\x0c\"\x18\n\x04Idle\x12\x10\n\x08\x66inished\x18\x01 \x01(\x08\"\x97\x01\n\tTaskChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedcore.v1.TaskHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12&\n\x07trailer\x18\x03 \x01(\x0b\x32\x13.fedcore.v1.TrailerH\x00\x12 \n\x04idle\x18\x04 \x01(\x0b\x32\x10.fedcore.v1.IdleH\x00\x42\x06\n\x04\x62ody\"\xc7\x02\n\x0cResultHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x05\x12 \n\x05stage\x18\x04 \x01(\x0e\x32\x11.fedcore.v1.Stage\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.fedcore.v1.ResultHeader.MetricsEntry\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x15\n\rpayload_bytes\x18\t \x01(\x03\x12\x30\n\x0eprotocol_stage\x18\x14 \x01(\x0b\x32\x18.fedcore.v1.StageMessage\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"y\n\x0bResultChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.fedcore.v1.ResultHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12&\n\x07trailer\x18\x03 \x01(\x0b\x32\x13.fedcore.v1.TrailerH\x00\x42\x06\n\x04\x62ody\"@\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x0c\n\nLeaveReply*U\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\r\n\tSTAGE_FIT\x10\x01\x12\x12\n\x0eSTAGE_EVALUATE\x10\x02\x12\x12\n\x0eSTAGE_PROTOCOL\x10\x03\x32\xc9\x02\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.fedcore.v1.JoinRequest\x1a\x15.fedcore.v1.JoinReply\x12\x45\n\tHeartbeat\x12\x1c.fedcore.v1.HeartbeatRequest\x1a\x1a.fedcore.v1.HeartbeatReply\x12@\n\x08PullTask\x12\x1b.fedcore.v1.PullTaskRequest\x1a\x15.fedcore.v1.TaskChunk0\x01\x12>\n\nPushResult\x12\x17.fedcore.v1.ResultChunk\x1a\x15.fedcore.v1.PushReply(\x01\x12\x39\n\x05Leave\x12\x18.fedcore.v1.LeaveRequest\x1a\x16.fedcore.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedcore.proto.v1.fedcore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STAGEMESSAGE_FIELDSENTRY']._loaded_options = None
+  _globals['_STAGEMESSAGE_FIELDSENTRY']._serialized_options = b'8\001'
   _globals['_RESULTHEADER_METRICSENTRY']._loaded_options = None
   _globals['_RESULTHEADER_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_STAGE']._serialized_start=1430
-  _globals['_STAGE']._serialized_end=1495
+  _globals['_STAGE']._serialized_start=1809
+  _globals['_STAGE']._serialized_end=1894
   _globals['_JOINREQUEST']._serialized_start=46
   _globals['_JOINREQUEST']._serialized_end=93
   _globals['_JOINREPLY']._serialized_start=96
@@ -45,28 +47,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREPLY']._serialized_end=311
   _globals['_PULLTASKREQUEST']._serialized_start=313
   _globals['_PULLTASKREQUEST']._serialized_end=363
-  _globals['_FITCONFIG']._serialized_start=366
-  _globals['_FITCONFIG']._serialized_end=502
-  _globals['_TASKHEADER']._serialized_start=505
-  _globals['_TASKHEADER']._serialized_end=705
-  _globals['_TRAILER']._serialized_start=707
-  _globals['_TRAILER']._serialized_end=732
-  _globals['_IDLE']._serialized_start=734
-  _globals['_IDLE']._serialized_end=758
-  _globals['_TASKCHUNK']._serialized_start=761
-  _globals['_TASKCHUNK']._serialized_end=912
-  _globals['_RESULTHEADER']._serialized_start=915
-  _globals['_RESULTHEADER']._serialized_end=1192
-  _globals['_RESULTHEADER_METRICSENTRY']._serialized_start=1146
-  _globals['_RESULTHEADER_METRICSENTRY']._serialized_end=1192
-  _globals['_RESULTCHUNK']._serialized_start=1194
-  _globals['_RESULTCHUNK']._serialized_end=1315
-  _globals['_PUSHREPLY']._serialized_start=1317
-  _globals['_PUSHREPLY']._serialized_end=1381
-  _globals['_LEAVEREQUEST']._serialized_start=1383
-  _globals['_LEAVEREQUEST']._serialized_end=1414
-  _globals['_LEAVEREPLY']._serialized_start=1416
-  _globals['_LEAVEREPLY']._serialized_end=1428
-  _globals['_COORDINATOR']._serialized_start=1498
-  _globals['_COORDINATOR']._serialized_end=1827
+  _globals['_STAGEVALUE']._serialized_start=365
+  _globals['_STAGEVALUE']._serialized_end=451
+  _globals['_STAGEMESSAGE']._serialized_start=454
+  _globals['_STAGEMESSAGE']._serialized_end=642
+  _globals['_STAGEMESSAGE_FIELDSENTRY']._serialized_start=573
+  _globals['_STAGEMESSAGE_FIELDSENTRY']._serialized_end=642
+  _globals['_FITCONFIG']._serialized_start=645
+  _globals['_FITCONFIG']._serialized_end=781
+  _globals['_TASKHEADER']._serialized_start=784
+  _globals['_TASKHEADER']._serialized_end=1034
+  _globals['_TRAILER']._serialized_start=1036
+  _globals['_TRAILER']._serialized_end=1061
+  _globals['_IDLE']._serialized_start=1063
+  _globals['_IDLE']._serialized_end=1087
+  _globals['_TASKCHUNK']._serialized_start=1090
+  _globals['_TASKCHUNK']._serialized_end=1241
+  _globals['_RESULTHEADER']._serialized_start=1244
+  _globals['_RESULTHEADER']._serialized_end=1571
+  _globals['_RESULTHEADER_METRICSENTRY']._serialized_start=1525
+  _globals['_RESULTHEADER_METRICSENTRY']._serialized_end=1571
+  _globals['_RESULTCHUNK']._serialized_start=1573
+  _globals['_RESULTCHUNK']._serialized_end=1694
+  _globals['_PUSHREPLY']._serialized_start=1696
+  _globals['_PUSHREPLY']._serialized_end=1760
+  _globals['_LEAVEREQUEST']._serialized_start=1762
+  _globals['_LEAVEREQUEST']._serialized_end=1793
+  _globals['_LEAVEREPLY']._serialized_start=1795
+  _globals['_LEAVEREPLY']._serialized_end=1807
+  _globals['_COORDINATOR']._serialized_start=1897
+  _globals['_COORDINATOR']._serialized_end=2226
 # @@protoc_insertion_point(module_scope)
