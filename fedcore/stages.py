@@ -7,6 +7,14 @@ I/O-free state machines, one per round on the server (:class:`ServerStages`, mad
 :class:`~fedcore.messages.StageRes`: the stage's name, small typed fields, optional tensors). The transports
 only move them: :mod:`server.stages` drives the server side through any client pool, with a deadline per stage
 and dropouts reported per stage; :mod:`client.stages` dispatches each instruction to the client's machine.
+
+How SecAgg+ (Bell et al. 2020) maps onto it: ``advertise_keys`` and ``share_keys`` are exchanges before the fit
+exchange (public keys and encrypted shares as bytes fields); the masked input is collected either by the fit
+exchange itself, with a client mod masking the update using the round's client machine
+(:meth:`client.stages.ClientStages.machine`), or by an exchange after fit whose reply carries the masked vector as
+tensors (``uint32`` at the field's width); ``unmask`` is an exchange after fit, told by ``fit_done`` and the
+dropouts which shares to ask for. The unmasked sum reaches the aggregate through the strategy's aggregator, whose
+result the round loop takes only after the after-fit exchanges.
 """
 
 from __future__ import annotations

@@ -403,7 +403,7 @@ def _stages_before_fit(
     run = start_protocol(strategy.protocol, round=rnd, attempt=attempt, clients=list(instructions), seed=config.seed)
     try:
         failures.extend(run.run_phase(pool, Phase.BEFORE_FIT, config.round_timeout_s))
-    except RoundFailed as exc:
+    except FedcoreError as exc:  # as the fit exchange's errors: this attempt fails, the next starts afresh
         log.warning("round %d: the round protocol %s stopped the round: %s", rnd, run.protocol, exc.message)
         failures.extend(run.stop(exc.message))
     return run, {cid: ins for cid, ins in instructions.items() if cid in run.alive}
@@ -416,7 +416,8 @@ def _stages_after_fit(
     fit exchange with them (:mod:`server.stages`); dropouts go to ``failures``. No protocol: nothing happens.
 
     Raises:
-        RoundFailed: the protocol stopped the round (the attempt fails, and is retried).
+        FedcoreError: the protocol stopped the round (RoundFailed) or failed otherwise; the attempt fails, and is
+            retried.
     """
     if run is None:
         return

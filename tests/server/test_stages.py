@@ -4,6 +4,8 @@ left as they were."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from simulations.inmemory import InMemoryPool
 from tests.stage_protocol import (
     TranscriptClientProtocol,
     TranscriptProtocol,
+    TranscriptServer,
     model,
     stage_task,
 )
@@ -159,3 +162,16 @@ def test_stage_names_and_attempts_out_of_bounds_are_refused() -> None:
     with pytest.raises(PayloadError, match="attempt must be an int >= 1"):
         StageIns(round=1, attempt=0, protocol="p", name="s")
     StageIns(round=1, attempt=1, protocol="p", name="s", fields={"k": -(1 << 63), "t": "é" * 10, "b": b"\0"})
+
+
+def test_a_protocol_that_addresses_a_client_outside_the_round_fails_the_attempt() -> None:
+    class Stray(TranscriptProtocol):
+        def start(self, *, round: int, attempt: int, clients: Sequence[str], seed: int) -> TranscriptServer:
+            machine = super().start(round=round, attempt=attempt, clients=[*clients, "stranger"], seed=seed)
+            machine.alive = list(clients)
+            return machine
+
+    pool, _ = _pool(["a", "b"])
+    config = RoundConfig(num_rounds=1, seed=SEED, max_round_attempts=1)
+    with pytest.raises(RoundFailed, match=r"addressed 1 client\(s\) not selected for this round at stage 'hello'"):
+        run_rounds(pool, _strategy(2, Stray()), initial_parameters(model, SEED), config)
