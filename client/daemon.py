@@ -30,11 +30,22 @@ from typing import Any
 import grpc
 
 from client.runner import ModelCache, ParallelTraining, run_instruction
+from client.stages import ClientStages
 from client.state import ClientStateStore
 from fedcore.config import apply_overrides, from_mapping, load_toml, merge_mappings, parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, PayloadError, TransportError
-from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage, bounded_repr
+from fedcore.messages import (
+    Failure,
+    FitRes,
+    Reply,
+    ServerMessage,
+    Stage,
+    StageIns,
+    StageRes,
+    bounded_repr,
+    payload_arrays,
+)
 from fedcore.payload import DEFAULT_CHUNK_BYTES, DataChunk, iter_data_chunks, payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
@@ -50,7 +61,6 @@ from fedcore.wire import (
     instruction_from_header,
     join_metadata,
     message_kind,
-    payload_arrays,
     result_header,
     session_metadata,
 )
@@ -266,6 +276,8 @@ class ClientDaemon:
         self._token = config.read_token()
         self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
         self._state = ClientStateStore(config.state_dir)
+        # round protocols' client sides: those registered in this process (e.g. by the task's module, imported above)
+        self._stages = ClientStages()
 
     def stop(self) -> None:
         """Ask the daemon to stop after the current call."""
@@ -480,7 +492,7 @@ class ClientDaemon:
             self._push(stub, task_id, reply)
         return False
 
-    def _pull(self, stub: pb_grpc.CoordinatorStub) -> tuple[str, Instruction] | bool:
+    def _pull(self, stub: pb_grpc.CoordinatorStub) -> tuple[str, ServerMessage] | bool:
         timeout = self.config.poll_s + 600.0
         stream = stub.PullTask(
             pb.PullTaskRequest(session=self._session, wait_s=self.config.poll_s),
@@ -537,24 +549,29 @@ class ClientDaemon:
         except grpc.RpcError as exc:
             log.warning("could not tell the server about the unusable task: %s", _details(exc))
 
-    def _execute(self, instruction: Instruction) -> Reply:
+    def _execute(self, instruction: ServerMessage) -> Reply:
         assert self._task is not None  # set by _prepare_task
         started = time.perf_counter()
-        log.info("round %d %s started", instruction.round, instruction.stage.value)
+        log.info("round %d %s started", instruction.round, _what(instruction))
         try:
-            parallel = self._parallel
-            if parallel is not None and self._deadline_s > 0:  # parallel workers are killed at the round's deadline
-                parallel = dataclasses.replace(parallel, timeout_s=self._deadline_s)
-            reply: Reply = run_instruction(
-                self._task,
-                instruction,
-                self.config.client_id,
-                models=self._models,
-                parallel=parallel,
-                state=self._state,
-            )
+            reply: Reply
+            if isinstance(instruction, StageIns):  # a round protocol's exchange: the round's state machine answers
+                reply = self._stages.handle(instruction, self.config.client_id)
+            else:
+                self._stages.observe(instruction.round)
+                parallel = self._parallel
+                if parallel is not None and self._deadline_s > 0:  # parallel workers are killed at the deadline
+                    parallel = dataclasses.replace(parallel, timeout_s=self._deadline_s)
+                reply = run_instruction(
+                    self._task,
+                    instruction,
+                    self.config.client_id,
+                    models=self._models,
+                    parallel=parallel,
+                    state=self._state,
+                )
         except FedcoreError as exc:
-            log.warning("round %d %s failed: %s", instruction.round, instruction.stage.value, exc)
+            log.warning("round %d %s failed: %s", instruction.round, _what(instruction), exc)
             reply = Failure(
                 client_id=self.config.client_id, round=instruction.round, stage=instruction.stage, reason=str(exc)
             )
@@ -566,20 +583,20 @@ class ClientDaemon:
                 stage=instruction.stage,
                 reason=f"{type(exc).__name__}: {exc}",
             )
-        log.info(
-            "round %d %s done in %.2f s", instruction.round, instruction.stage.value, time.perf_counter() - started
-        )
+        log.info("round %d %s done in %.2f s", instruction.round, _what(instruction), time.perf_counter() - started)
         return reply
 
     def _push(self, stub: pb_grpc.CoordinatorStub, task_id: str, reply: Reply) -> None:
         segments: list[memoryview] = []
-        if isinstance(reply, FitRes):
+        arrays, metadata = payload_arrays(reply)
+        if isinstance(reply, FitRes) or arrays:  # a stage reply without tensors has no payload
             try:
                 # views of the update and its tensor groups: no encoded copy of the model
-                segments = payload_segments(*payload_arrays(reply))
+                segments = payload_segments(arrays, metadata)
             except FedcoreError as exc:  # e.g. a dtype safetensors cannot hold: the server hears why
                 log.warning("round %d: cannot send the update: %s", reply.round, exc)
-                reply = Failure(client_id=self.config.client_id, round=reply.round, stage=Stage.FIT, reason=str(exc))
+                stage = Stage.PROTOCOL if isinstance(reply, StageRes) else Stage.FIT
+                reply = Failure(client_id=self.config.client_id, round=reply.round, stage=stage, reason=str(exc))
         digest = BackgroundDigest(segments)  # overlaps the first push
         delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         for attempt in range(1, 1000):
@@ -618,6 +635,13 @@ class ClientDaemon:
     def _rejoin(self, stub: pb_grpc.CoordinatorStub) -> None:
         # the heartbeat thread of run() is still running and picks up the new session
         self._prepare_task(self._join(stub))
+
+
+def _what(instruction: ServerMessage) -> str:
+    """How the log names an instruction: its stage, or a protocol stage's protocol and name."""
+    if isinstance(instruction, StageIns):
+        return f"{instruction.protocol} stage {instruction.name!r}"
+    return instruction.stage.value
 
 
 def receive_task(

@@ -31,6 +31,7 @@ from fedcore.mods import check_mods
 from fedcore.payload import check_group_name
 from fedcore.seeding import numpy_rng
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
+from fedcore.stages import RoundProtocol
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays
 
@@ -140,6 +141,8 @@ class Strategy:
             FedAvg and its relatives.
         mods: the client mods every fit instruction declares, in order, outermost first (:mod:`fedcore.mods`);
             checked against the registry here, when the strategy is configured.
+        protocol: a multi-stage round protocol whose exchanges run around each round's fit exchange
+            (:class:`~fedcore.stages.RoundProtocol`, e.g. secure aggregation); None: a round is one fit exchange.
 
     Raises:
         ConfigError: bad weighting or batch size, a group name that cannot travel, or a mod that cannot run.
@@ -154,6 +157,7 @@ class Strategy:
     evaluate_batch_size: int = 256
     groups: Mapping[str, GroupRule] = field(default_factory=dict)
     mods: tuple[ModSpec, ...] = ()
+    protocol: RoundProtocol | None = None
 
     def __post_init__(self) -> None:
         if self.weighting not in ("examples", "uniform"):

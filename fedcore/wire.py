@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import BinaryIO
 
 import grpc
-import numpy as np
 
 from fedcore.config import scalar_fields
 from fedcore.errors import ConfigError, PayloadError
@@ -29,15 +28,18 @@ from fedcore.messages import (
     Failure,
     FitIns,
     FitRes,
-    Instruction,
     ModParam,
     ModSpec,
     Reply,
+    ServerMessage,
     Stage,
+    StageIns,
+    StageRes,
+    StageValue,
     bound_text,
 )
 from fedcore.mods import check_mods
-from fedcore.payload import DATA_TAG, DEFAULT_CHUNK_BYTES, DataChunk, SpillFile, pack_groups, unpack_groups
+from fedcore.payload import DATA_TAG, DEFAULT_CHUNK_BYTES, DataChunk, SpillFile, unpack_groups
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
@@ -45,7 +47,7 @@ from fedcore.tensors import (
     NamedArrays,
 )
 
-_STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE}
+_STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE, Stage.PROTOCOL: pb.STAGE_PROTOCOL}
 _STAGE_FROM_PB = {v: k for k, v in _STAGE_TO_PB.items()}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -464,40 +466,63 @@ def mod_from_pb(message: pb.ModSpec) -> ModSpec:
     return ModSpec(message.name, params)
 
 
-def payload_arrays(message: Instruction | FitRes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The arrays and header metadata of the payload that carries ``message``'s model and its tensor groups
-    (:func:`fedcore.payload.pack_groups`; without groups, the model alone and no metadata).
+def stage_message_to_pb(message: StageIns | StageRes) -> pb.StageMessage:
+    """The protocol, stage name and fields of a stage message (its tensors travel as the payload)."""
+    out = pb.StageMessage(protocol=message.protocol, name=message.name, attempt=message.attempt)
+    for key, value in message.fields.items():
+        if isinstance(value, bytes):
+            out.fields[key].bytes_value = value
+        elif isinstance(value, int):
+            out.fields[key].int_value = value
+        else:
+            out.fields[key].str_value = value
+    return out
 
-    Raises:
-        PayloadError: a group name that cannot travel, an empty group, or a model tensor named like a group's.
-    """
-    groups = message.groups if isinstance(message, FitIns | FitRes) else {}
-    return pack_groups(message.parameters, groups)
+
+def stage_fields_from_pb(message: pb.StageMessage) -> dict[str, StageValue]:
+    """The fields of a received stage message (checked against their bounds when the message is built)."""
+    fields: dict[str, StageValue] = {}
+    for key, value in message.fields.items():
+        kind = value.WhichOneof("value")
+        fields[key] = (
+            value.int_value if kind == "int_value" else value.str_value if kind == "str_value" else value.bytes_value
+        )
+    return fields
 
 
-def task_header(instruction: Instruction, *, task_id: str, payload_bytes: int) -> pb.TaskHeader:
-    """The header announcing ``instruction``; its parameters (and tensor groups, see :func:`payload_arrays`) follow
-    as a chunked payload of ``payload_bytes``."""
+def task_header(
+    instruction: ServerMessage, *, task_id: str, payload_bytes: int, deadline_s: float = 0.0
+) -> pb.TaskHeader:
+    """The header announcing ``instruction``; its tensors (the global model, a stage's tensors) follow as a
+    chunked payload of ``payload_bytes``, with a fit instruction's tensor groups (see :func:`payload_arrays`).
+    ``deadline_s``: seconds left until the exchange's deadline (0: none)."""
     header = pb.TaskHeader(
-        task_id=task_id, round=instruction.round, stage=_STAGE_TO_PB[instruction.stage], payload_bytes=payload_bytes
+        task_id=task_id,
+        round=instruction.round,
+        stage=_STAGE_TO_PB[instruction.stage],
+        payload_bytes=payload_bytes,
+        deadline_s=deadline_s,
     )
     if isinstance(instruction, FitIns):
         header.seed = instruction.seed
         header.fit.CopyFrom(fit_config_to_pb(instruction.config))
         header.mods.extend(mod_to_pb(spec) for spec in instruction.mods)
-    else:
+    elif isinstance(instruction, EvaluateIns):
         header.evaluate_batch_size = instruction.batch_size
+    else:
+        header.protocol_stage.CopyFrom(stage_message_to_pb(instruction))
     return header
 
 
 def instruction_from_header(
     header: pb.TaskHeader, parameters: NamedArrays, metadata: Mapping[str, str] | None = None
-) -> Instruction:
+) -> ServerMessage:
     """Rebuild the instruction a client received from its header and payload (``parameters``: the payload's
-    arrays, ``metadata``: its header metadata, which lists the tensor groups split off the arrays here).
+    arrays, ``metadata``: its header metadata, which lists a fit instruction's tensor groups, split off here).
 
     Raises:
-        PayloadError: unknown stage, or tensor groups that do not unpack (see :func:`unpack_groups`).
+        PayloadError: unknown stage, tensor groups that do not unpack (see :func:`unpack_groups`), or a stage
+            message out of bounds.
         ConfigError: invalid fit settings, or client mods that are unknown or have bad parameters.
     """
     stage = _STAGE_FROM_PB.get(header.stage)
@@ -515,15 +540,30 @@ def instruction_from_header(
         )
     if stage is Stage.EVALUATE:
         return EvaluateIns(round=header.round, parameters=parameters, batch_size=header.evaluate_batch_size)
+    if stage is Stage.PROTOCOL:
+        message = header.protocol_stage
+        return StageIns(
+            round=header.round,
+            attempt=message.attempt,
+            protocol=message.protocol,
+            name=message.name,
+            fields=stage_fields_from_pb(message),
+            tensors=parameters,
+        )
     raise PayloadError(f"task {header.task_id!r} has an unknown stage {header.stage}", round=header.round)
 
 
 def result_header(reply: Reply, *, session: str, task_id: str, payload_bytes: int = 0) -> pb.ResultHeader:
-    """The header of a pushed reply (a FitRes's parameters follow as a payload of ``payload_bytes``)."""
+    """The header of a pushed reply (a FitRes's parameters, a StageRes's tensors follow as a payload of
+    ``payload_bytes``)."""
     header = pb.ResultHeader(session=session, task_id=task_id, round=reply.round, payload_bytes=payload_bytes)
     if isinstance(reply, Failure):
         header.stage = _STAGE_TO_PB[reply.stage]
         header.failure = reply.reason or "unknown failure"
+        return header
+    if isinstance(reply, StageRes):
+        header.stage = pb.STAGE_PROTOCOL
+        header.protocol_stage.CopyFrom(stage_message_to_pb(reply))
         return header
     header.num_examples = reply.num_examples
     header.metrics.update({k: float(v) for k, v in reply.metrics.items()})
@@ -545,8 +585,11 @@ def reply_from_header(
     """Rebuild a client's reply on the server. ``client_id`` comes from the session, never from the message;
     ``parameters`` and ``metadata`` are the payload's arrays and header metadata (tensor groups are split off here).
 
+    ``parameters`` is the payload that followed the header (None: none came; a stage reply then has no tensors).
+
     Raises:
-        PayloadError: unknown stage, a fit result without parameters, or tensor groups that do not unpack.
+        PayloadError: unknown stage, a fit result without parameters, tensor groups that do not unpack, or a stage
+            message out of bounds.
     """
     stage = _STAGE_FROM_PB.get(header.stage)
     if stage is None:
@@ -557,6 +600,17 @@ def reply_from_header(
             round=header.round,
             stage=stage,
             reason=f"client reported: {bound_text(header.failure)}",
+        )
+    if stage is Stage.PROTOCOL:
+        message = header.protocol_stage
+        return StageRes(
+            client_id=client_id,
+            round=header.round,
+            attempt=message.attempt,
+            protocol=message.protocol,
+            name=message.name,
+            fields=stage_fields_from_pb(message),
+            tensors=parameters if parameters is not None else {},
         )
     metrics = dict(header.metrics)
     if stage is Stage.FIT:
