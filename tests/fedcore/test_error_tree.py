@@ -30,9 +30,9 @@ ALLOWED_AT = {
     ("client/flower.py", "__missing__", "KeyError"): "the dict protocol: a missing key raises KeyError",
     ("fedcore/engine/launch.py", "handler", "SystemExit"): "a SIGTERM handler ends the worker process with the "
     "signal's exit status",
-    ("server/grpc_pool.py", "begin_call", "KeyError"): "an unknown session; server/service.py catches it and "
+    ("server/sessions.py", "begin_call", "KeyError"): "an unknown session; server/service.py catches it and "
     "answers the client UNAUTHENTICATED (join again)",
-    ("server/grpc_pool.py", "pull", "KeyError"): "as begin_call",
+    ("server/sessions.py", "wait_pull", "KeyError"): "as begin_call",
     ("server/grpc_pool.py", "lookup", "KeyError"): "as begin_call",
     ("server/service.py", "_abort", "RuntimeError"): "unreachable: grpc's context.abort always raises",
 }
