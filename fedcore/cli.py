@@ -29,6 +29,7 @@ SIMULATE_SHORTCUTS = {
     "alpha": "data.alpha",
     "model": "model.name",
     "strategy": "strategy.name",
+    "aggregator": "strategy.aggregator",
     "clients_per_round": "sampling.min_fit_clients",
     "epochs": "train.local_epochs",
     "batch_size": "train.batch_size",
@@ -66,6 +67,10 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--alpha", type=float, help="Dirichlet concentration")
     p.add_argument("--model", help="cnn, 2nn, logreg")
     p.add_argument("--strategy", help="fedavg, fedavgm, fedprox, fedadagrad, fedadam, fedyogi")
+    p.add_argument(
+        "--aggregator",
+        help="mean, median, trimmed_mean, krum, multi_krum, norm_bound (parameters: --set strategy.byzantine=2 ...)",
+    )
     p.add_argument("--clients-per-round", type=int, help="minimum clients selected per round")
     p.add_argument("--epochs", type=int, help="local epochs per round")
     p.add_argument("--batch-size", type=int)
@@ -227,6 +232,7 @@ SERVER_FLAG_HELP = {
 SERVER_SHORTCUTS: dict[str, tuple[str, type]] = {
     "strategy": ("strategy.name", str),
     "server_lr": ("strategy.server_lr", float),
+    "aggregator": ("strategy.aggregator", str),
     "fraction_fit": ("sampling.fraction_fit", float),
     "min_fit_clients": ("sampling.min_fit_clients", int),
     "fraction_evaluate": ("sampling.fraction_evaluate", float),

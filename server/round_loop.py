@@ -305,7 +305,7 @@ def _fit_round(
             for cid in selected
         }
         _trace(rnd, "round start")
-        accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd)
+        accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd, reference=state.parameters)
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]]] = []
