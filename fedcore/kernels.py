@@ -117,8 +117,10 @@ def warm_up() -> None:
     first round's fold does not hold the GIL for a compile while heartbeats wait)."""
     total = np.zeros(1)
     for dtype in FUSED_DTYPES:
-        block = np.ones(1, dtype=dtype)
-        fold_block(total, block, 1.0)
-        all_finite(block)
-        squared_distance(block, block)
+        for writeable in (True, False):  # updates mapped from spill files are read-only: their own signature
+            block = np.ones(1, dtype=dtype)
+            block.flags.writeable = writeable
+            fold_block(total, block, 1.0)
+            all_finite(block)
+            squared_distance(block, block)
     trimmed_mean_columns(np.zeros((3, 2)), 1, np.zeros(2))
