@@ -105,7 +105,14 @@ def trimmed_mean_columns(values: np.ndarray, trim: int, out: np.ndarray) -> None
             column = tile[c]
             if trim > 0:
                 _select(column, 0, n, trim)
-                _select(column, trim, n, n - trim - 1)
+                if keep == 2:  # an even median: the other middle value is the smallest above it
+                    smallest = trim + 1
+                    for i in range(trim + 2, n):
+                        if column[i] < column[smallest]:
+                            smallest = i
+                    column[trim + 1], column[smallest] = column[smallest], column[trim + 1]
+                elif keep > 2:
+                    _select(column, trim, n, n - trim - 1)
             total = 0.0
             for i in range(trim, n - trim):
                 total += column[i]
