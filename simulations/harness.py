@@ -163,12 +163,13 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     server_task = factory(TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options))
     strategy = build_strategy(config.strategy, config.train, config.sampling)
     attackers = choose_attackers(ids, config.attack, seed=config.seed)
+    client_task: Callable[[str], Task] = make_task
     if attackers:
         kind, count = config.attack.kind, len(attackers)
         log.warning("attack %s by %d of %d clients: %s", kind, count, len(ids), sorted(attackers))
         classes = num_classes(server_task) if config.attack.kind == "label_flip" else 0
-        make_task = attacked_tasks(make_task, attackers, config.attack, classes)
-    pool = AttackedPool(InMemoryPool(ids, make_task), attackers, config.attack, seed=config.seed)
+        client_task = attacked_tasks(make_task, attackers, config.attack, classes)
+    pool = AttackedPool(InMemoryPool(ids, client_task), attackers, config.attack, seed=config.seed)
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []
