@@ -191,6 +191,10 @@ class StrategyConfig:
             raise ConfigError(f"server_momentum applies to fedavgm only, not {self.name!r}")
         if self.aggregator not in AGGREGATOR_NAMES:
             raise ConfigError(f"unknown aggregator {self.aggregator!r}; choose one of {', '.join(AGGREGATOR_NAMES)}")
+        if isinstance(self.byzantine, bool) or not isinstance(self.byzantine, int) or self.byzantine < 0:
+            raise ConfigError(
+                f"byzantine (the Byzantine clients to tolerate) must be an integer >= 0, got {self.byzantine!r}"
+            )
         if self.aggregator == "norm_bound" and self.norm_bound is None:
             raise ConfigError("aggregator norm_bound needs strategy.norm_bound (the L2 bound on each update's change)")
         build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
