@@ -362,7 +362,7 @@ def _fit_round(
             for cid in selected
         }
         _trace(rnd, "round start")
-        accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd)
+        accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd, reference=state.parameters)
         group_specs = {name: spec_of(state.groups[name]) for name in strategy.groups}
         group_sums = {
             name: rule.aggregator.start(group_specs[name], round=rnd) for name, rule in strategy.groups.items()

@@ -43,6 +43,7 @@ from fedcore.task import (
 )
 from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from server.state import history_columns, write_history
+from simulations.attacks import AttackedPool, attacked_tasks, choose_attackers, num_classes
 from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.inmemory import InMemoryPool
 from simulations.tasks import demo_task
@@ -168,7 +169,19 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
 
     server_task = factory(TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options))
     strategy = build_strategy(config.strategy, config.train, config.sampling)
-    pool = InMemoryPool(ids, make_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR))
+    attackers = choose_attackers(ids, config.attack, seed=config.seed)
+    client_task: Callable[[str], Task] = make_task
+    if attackers:
+        kind, count = config.attack.kind, len(attackers)
+        log.warning("attack %s by %d of %d clients: %s", kind, count, len(ids), sorted(attackers))
+        classes = num_classes(server_task) if config.attack.kind == "label_flip" else 0
+        client_task = attacked_tasks(make_task, attackers, config.attack, classes)
+    pool = AttackedPool(
+        InMemoryPool(ids, client_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR)),
+        attackers,
+        config.attack,
+        seed=config.seed,
+    )
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []
