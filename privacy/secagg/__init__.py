@@ -19,3 +19,40 @@ round and signatures of Bonawitz et al. §6, not implemented); what the sum itse
 learns the other's update from the model; use differential privacy for that); clients that send arbitrary
 values within the field (the sum is not robust to poisoning).
 """
+
+from privacy.secagg.client import SecAggClient
+from privacy.secagg.config import RoundParams, SecAggConfig, default_neighbours
+from privacy.secagg.messages import (
+    AdvertiseKeysIns,
+    AdvertiseKeysRes,
+    ClientMessage,
+    MaskedInputIns,
+    MaskedInputRes,
+    ServerMessage,
+    ShareKeysIns,
+    ShareKeysRes,
+    Stage,
+    UnmaskIns,
+    UnmaskRes,
+)
+from privacy.secagg.server import SecAggResult, SecAggServer
+
+__all__ = [
+    "AdvertiseKeysIns",
+    "AdvertiseKeysRes",
+    "ClientMessage",
+    "MaskedInputIns",
+    "MaskedInputRes",
+    "RoundParams",
+    "SecAggClient",
+    "SecAggConfig",
+    "SecAggResult",
+    "SecAggServer",
+    "ServerMessage",
+    "ShareKeysIns",
+    "ShareKeysRes",
+    "Stage",
+    "UnmaskIns",
+    "UnmaskRes",
+    "default_neighbours",
+]
