@@ -9,6 +9,7 @@ loop's stage exchange drives the same machines over its transports, with deadlin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ def run_round(
     graph_seed: bytes | None = None,
     tamper: Tamper | None = None,
     on_reply: Callable[[ClientMessage], None] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> SecAggResult:
     """One round over ``updates`` (``client id -> (update, integer weight)``); the result of the server.
 
@@ -48,6 +50,8 @@ def run_round(
         graph_seed: the graph's seed, else random.
         tamper: applied to every server message before its client sees it.
         on_reply: called with every client reply before the server sees it (e.g. to record sizes).
+        timings: if given, seconds spent are added under ``"client:<stage>"`` (all clients together) and
+            ``"server:<stage>"`` (receiving that stage's replies and closing it).
 
     Raises:
         RoundFailed: the server aborted the round.
@@ -57,25 +61,37 @@ def run_round(
     seeds = rounding_seeds or {}
     clients = {cid: SecAggClient(cid, rounding_seed=seeds.get(cid)) for cid in updates}
     silent: set[str] = set()
+    spent = timings if timings is not None else {}
     outbox = server.start()
     while server.stage not in (Stage.DONE, Stage.ABORTED):
-        silent |= (dropouts or {}).get(server.stage, set())
+        stage = server.stage
+        silent |= (dropouts or {}).get(stage, set())
+        client_time = server_time = 0.0
         for cid, message in outbox.items():
             if cid in silent:
                 continue
             if tamper is not None:
                 message = tamper(cid, message)
             update, weight = updates[cid]
+            start = time.perf_counter()
             try:
                 reply = clients[cid].handle(message, update=update, weight=weight)
             except ProtocolError:
                 silent.add(cid)
                 continue
+            finally:
+                client_time += time.perf_counter() - start
             if on_reply is not None:
                 on_reply(reply)
+            start = time.perf_counter()
             try:
                 server.receive(reply)
             except UpdateRejected:
                 silent.add(cid)
+            server_time += time.perf_counter() - start
+        start = time.perf_counter()
         outbox = server.advance()
+        server_time += time.perf_counter() - start
+        spent[f"client:{stage.value}"] = spent.get(f"client:{stage.value}", 0.0) + client_time
+        spent[f"server:{stage.value}"] = spent.get(f"server:{stage.value}", 0.0) + server_time
     return server.result
