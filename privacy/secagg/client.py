@@ -109,7 +109,9 @@ class SecAggClient:
                     stage=message.stage.value,
                 )
             return self.masked_input(message, update, weight)
-        return self.unmask(message)
+        if isinstance(message, UnmaskIns):
+            return self.unmask(message)
+        raise self._error(f"a {type(message).__name__} is not a server message of this protocol")
 
     # -- stages ---------------------------------------------------------------------------------------------------
 

@@ -12,8 +12,9 @@ A driver (the round's stage exchange) runs it as::
 
 A client that does not answer a stage before :meth:`SecAggServer.advance` is a dropout from then on. The server
 keeps a running sum of the masked uploads (never an individual one), and aborts with
-:class:`~fedcore.errors.RoundFailed`, revealing nothing, when fewer than ``t`` neighbours of any client that is
-still needed remain: before asking anyone to unmask when it can see that coming, and after the unmask stage if
+:class:`~fedcore.errors.RoundFailed`, revealing nothing, when fewer than 2 (or ``t``) clients answer a stage (a
+"sum" of one update is that update), or when fewer than ``t`` neighbours of any client that is still needed
+remain: before asking anyone to unmask when it can see that coming, and after the unmask stage if
 too few answered (the server then holds fewer than ``t`` shares of some secret, which reveal nothing about it,
 and computes nothing from the others). Dropouts after key sharing are recovered: their pairwise masks are
 recomputed from their mask secret keys, rebuilt from ``t`` neighbours' shares (Bonawitz et al. 2017, §4;
@@ -137,6 +138,7 @@ class SecAggServer:
         self.expected: frozenset[str] = frozenset()
         self._replied: set[str] = set()
         self._keys: dict[str, tuple[bytes, bytes]] = {}
+        self._seen_keys: set[bytes] = set()
         self._advertised: frozenset[str] = frozenset()
         self._ciphertexts: dict[str, Mapping[str, bytes]] = {}
         self._shared: frozenset[str] = frozenset()
@@ -201,10 +203,10 @@ class SecAggServer:
         pair = (reply.encryption_key, reply.mask_key)
         if any(len(k) != crypto.KEY_BYTES for k in pair) or pair[0] == pair[1]:
             raise self._rejected("public keys must be two distinct 32-byte X25519 keys", reply.client_id)
-        seen = {k for p in self._keys.values() for k in p}
-        if seen & set(pair):
+        if self._seen_keys & set(pair):
             raise self._rejected("public keys already advertised by another client (replayed?)", reply.client_id)
         self._keys[reply.client_id] = pair
+        self._seen_keys.update(pair)
 
     def _take_ciphertexts(self, reply: ShareKeysRes) -> None:
         cid = reply.client_id
@@ -263,6 +265,11 @@ class SecAggServer:
         stage = self.stage
         self._replied = set()
         outbox: dict[str, ServerMessage]
+        if stage is not Stage.UNMASK and len(alive) < max(2, self.params.threshold):
+            raise self._abort(
+                f"only {len(alive)} of {len(self.clients)} clients answered, fewer than max(2, threshold "
+                f"{self.params.threshold}); a sum of fewer than 2 updates would reveal an update"
+            )
         if stage is Stage.ADVERTISE_KEYS:
             self._advertised = alive
             self._require(alive, alive, "advertised keys")
@@ -285,8 +292,6 @@ class SecAggServer:
             self._ciphertexts = {}
         elif stage is Stage.COLLECT_MASKED_INPUT:
             self._survivors = alive
-            if len(alive) < self.params.threshold:
-                raise self._abort(f"only {len(alive)} masked inputs arrived, fewer than the threshold")
             self._require(self._shared, alive, "sent their masked input")
             dropped = self._shared - alive
             self._requests = {

@@ -161,6 +161,13 @@ def test_one_dropout_too_many_aborts_and_reveals_nothing(stage: Stage) -> None:
         assert not any(isinstance(r, UnmaskRes) for r in replies)
 
 
+@pytest.mark.parametrize("stage", [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_INPUT])
+def test_a_round_never_unmasks_a_single_update(stage: Stage) -> None:
+    updates = _updates(2)  # k = 1, t = 1: one client alone would make the "sum" its own update
+    with pytest.raises(RoundFailed, match=r"fewer than max\(2, threshold 1\); a sum of fewer than 2 updates"):
+        run_round(SecAggConfig(), updates, _spec(updates), dropouts={stage: {"client-1"}})
+
+
 def _start_round(
     n: int, config: SecAggConfig, *, round: int = 1
 ) -> tuple[SecAggServer, dict[str, SecAggClient], Updates]:
@@ -296,6 +303,16 @@ def test_a_client_never_reveals_both_shares_of_a_peer() -> None:
 
 def test_server_rejects_bad_replies_and_keeps_nothing_of_them() -> None:
     config = SecAggConfig()
+    server, clients, updates = _start_round(10, config)
+    outbox = server.start()
+    keys = clients["client-0"].handle(outbox["client-0"])
+    server.receive(keys)
+    with pytest.raises(UpdateRejected, match="already advertised by another client"):
+        server.receive(dataclasses.replace(keys, client_id="client-1"))
+    with pytest.raises(UpdateRejected, match="two distinct 32-byte"):
+        server.receive(dataclasses.replace(keys, client_id="client-2", mask_key=b"short"))
+    with pytest.raises(ProtocolError, match="not a server message"):
+        clients["client-0"].handle(keys)  # type: ignore[arg-type]
     server, clients, updates = _start_round(10, config)
     outbox = server.start()
     for _ in range(2):
