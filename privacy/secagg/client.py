@@ -9,7 +9,9 @@ neighbours only. Stages, each refused out of order, for another round, or with p
    the neighbours that advertised, and encrypt each neighbour's shares to it (AES-GCM bound to round and ids).
 3. :meth:`SecAggClient.masked_input`: decrypt and keep the shares received, quantize the update with the weight
    folded in, add the self mask and one pairwise mask per neighbour that shared (+ toward a higher-numbered
-   neighbour, - toward a lower one), modulo ``2^b``.
+   neighbour, - toward a lower one), modulo ``2^b``. Its two halves, :meth:`SecAggClient.receive_shares` and
+   :meth:`SecAggClient.mask`, may run apart (the shares can travel with the fit instruction, the masking run
+   as a client mod on the fit result).
 4. :meth:`SecAggClient.unmask`: reveal, per neighbour, the self-mask seed share if it survived or the mask-key
    share if it dropped out after sharing, never both; refused if fewer than ``t`` neighbours survived; a second
    unmask request is refused.
@@ -176,7 +178,8 @@ class SecAggClient:
         return ShareKeysRes(round=self.round, client_id=self.client_id, ciphertexts=ciphertexts)
 
     def masked_input(self, message: MaskedInputIns, update: Mapping[str, np.ndarray], weight: int) -> MaskedInputRes:
-        """Stage 3: keep the neighbours' shares (decrypted and checked), answer with the masked upload.
+        """Stage 3: keep the neighbours' shares (:meth:`receive_shares`), answer with the masked upload
+        (:meth:`mask`).
 
         Args:
             message: the ciphertexts of the neighbours that shared.
@@ -184,12 +187,24 @@ class SecAggClient:
             weight: integer example weight, ``0..max_weight``.
 
         Raises:
-            ProtocolError: a ciphertext that fails authentication, a sender that is not a neighbour that
-                advertised, or fewer than ``t`` of them.
+            ProtocolError: as :meth:`receive_shares`.
             PayloadError, NonFiniteError, ConfigError: the update or weight cannot be quantized.
         """
+        self.receive_shares(message)
+        return self.mask(update, weight)
+
+    def receive_shares(self, message: MaskedInputIns) -> None:
+        """First half of stage 3 (where the shares travel ahead of training, e.g. with the fit instruction):
+        decrypt, check and keep the shares the neighbours sent; they fix whom the upload is masked with.
+
+        Raises:
+            ProtocolError: a ciphertext of the wrong size or that fails authentication (tampered, replayed from
+                another round, redirected), a sender that is not a neighbour that advertised, fewer than ``t``
+                senders, or shares received twice.
+        """
         self._expect(Stage.COLLECT_MASKED_INPUT, message.stage, message.round)
-        params, _, mask_key = self._state()
+        if self._received:
+            raise self._error("the neighbours' shares arrived twice")
         senders = self._check_peers(message.ciphertexts, known=self._peer_keys)
         received = {}
         for sender in senders:
@@ -206,19 +221,32 @@ class SecAggClient:
                 shamir.decode(plaintext[: shamir.SHARE_BYTES]),
                 shamir.decode(plaintext[shamir.SHARE_BYTES :]),
             )
+        self._received = received
+
+    def mask(self, update: Mapping[str, np.ndarray], weight: int) -> MaskedInputRes:
+        """Second half of stage 3: quantize ``update`` with ``weight`` folded in, add the self mask and one
+        pairwise mask per neighbour whose shares arrived (+ toward a higher-numbered one, - toward a lower one),
+        modulo ``2^b``.
+
+        Raises:
+            ProtocolError: the shares have not arrived (:meth:`receive_shares`).
+            PayloadError, NonFiniteError, ConfigError: the update or weight cannot be quantized.
+        """
+        if self.stage is not Stage.COLLECT_MASKED_INPUT or not self._received:
+            raise self._error("the update can be masked only once, after the neighbours' shares arrived")
+        params, _, mask_key = self._state()
         vector = quantize(
             update, weight, params, self._spec, rounding_key(self._rounding_seed, self.round, self.client_id)
         )
         expander = crypto.MaskExpander(params.dtype)
         streams = [(expander.stream(self._seed), 1)]
         me = self._index[self.client_id]
-        for sender in senders:
-            seed = self._pair_key(mask_key, self._peer_keys[sender][1], PAIRWISE_MASK, sender)
-            streams.append((expander.stream(seed), 1 if me < self._index[sender] else -1))
+        for peer in sorted(self._received, key=self._index.__getitem__):
+            seed = self._pair_key(mask_key, self._peer_keys[peer][1], PAIRWISE_MASK, peer)
+            streams.append((expander.stream(seed), 1 if me < self._index[peer] else -1))
         expander.apply(vector, streams)
         if params.field_bits < 8 * params.dtype.itemsize:
             vector &= params.dtype.type(params.modulus_mask)
-        self._received = received
         self.stage = Stage.UNMASK
         return MaskedInputRes(round=self.round, client_id=self.client_id, masked=vector)
 

@@ -173,7 +173,8 @@ def _start_round(
 ) -> tuple[SecAggServer, dict[str, SecAggClient], Updates]:
     updates = _updates(n)
     server = SecAggServer(config, round=round, clients=list(updates), spec=_spec(updates), graph_seed=GRAPH_SEED)
-    return server, {cid: SecAggClient(cid) for cid in updates}, updates
+    seeds = _seeds(updates)
+    return server, {cid: SecAggClient(cid, rounding_seed=seeds[cid]) for cid in updates}, updates
 
 
 def _exchange(
@@ -183,6 +184,29 @@ def _exchange(
         update, weight = updates[cid]
         server.receive(clients[cid].handle(message, update=update, weight=weight))
     return server.advance()
+
+
+def test_shares_can_travel_ahead_of_the_masking() -> None:
+    """Stage 3 in two halves (shares with the fit instruction, masking on the fit result) gives the same sum."""
+    config = SecAggConfig()
+    server, clients, updates = _start_round(10, config)
+    outbox = server.start()
+    for _ in range(2):
+        outbox = _exchange(server, clients, updates, outbox)
+    for cid, message in outbox.items():
+        assert isinstance(message, MaskedInputIns)
+        with pytest.raises(ProtocolError, match="after the neighbours' shares arrived"):
+            clients[cid].mask(*updates[cid])
+        clients[cid].receive_shares(message)
+    for cid in outbox:
+        with pytest.raises(ProtocolError, match="arrived twice"):
+            clients[cid].receive_shares(outbox[cid])  # type: ignore[arg-type]
+        server.receive(clients[cid].mask(*updates[cid]))
+        with pytest.raises(ProtocolError, match="masked only once"):
+            clients[cid].mask(*updates[cid])
+    outbox = server.advance()
+    _exchange(server, clients, updates, outbox)
+    _check_exact(server.result.field_sum, config, updates, set(updates))
 
 
 def test_a_masked_upload_looks_uniform_and_uncorrelated() -> None:
