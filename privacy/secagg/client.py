@@ -50,14 +50,14 @@ PAIRWISE_MASK = b"pairwise-mask"
 STOCHASTIC_ROUNDING = b"stochastic-rounding"
 
 
-def share_associated_data(round: int, sender: str, receiver: str) -> bytes:
-    """AES-GCM associated data of the share ciphertext ``sender -> receiver`` in ``round``."""
-    return b"share" + crypto.context(round, sender, receiver)
+def share_associated_data(round: int, attempt: int, sender: str, receiver: str) -> bytes:
+    """AES-GCM associated data of the share ciphertext ``sender -> receiver`` in ``round``'s ``attempt``."""
+    return b"share" + crypto.context(round, attempt, sender, receiver)
 
 
 def rounding_key(seed: bytes, round: int, client_id: str) -> bytes:
     """The key of a client's stochastic-rounding dither in ``round``, derived from a 32-byte ``seed``."""
-    return crypto.derive(seed, STOCHASTIC_ROUNDING, crypto.context(round, client_id))
+    return crypto.derive(seed, STOCHASTIC_ROUNDING, crypto.context(round, 0, client_id))
 
 
 class SecAggClient:
@@ -81,6 +81,7 @@ class SecAggClient:
         self.stage = Stage.ADVERTISE_KEYS
         self._rounding_seed = rounding_seed if rounding_seed is not None else os.urandom(crypto.KEY_BYTES)
         self.round = -1
+        self.attempt = 0
         self._params: RoundParams | None = None
         self._spec: tuple[TensorSpec, ...] = ()
         self._index: dict[str, int] = {}
@@ -137,7 +138,11 @@ class SecAggClient:
         if len(set(message.participants)) != len(message.participants) or self.client_id not in message.participants:
             raise self._error("the participant list repeats ids or does not name this client")
         graph = harary(params.num_clients, params.neighbours, message.graph_seed)
+        for name, value in (("round", message.round), ("attempt", message.attempt)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+                raise self._error(f"the {name} must be an integer in 0..2^32-1, got {value!r}")
         self.round = message.round
+        self.attempt = message.attempt
         self._params = params
         self._spec = message.spec
         self._index = {cid: i for i, cid in enumerate(message.participants)}
@@ -172,7 +177,9 @@ class SecAggClient:
             self._share_keys[peer] = key
             x = self._index[peer] + 1
             plaintext = shamir.encode(seed_shares[x]) + shamir.encode(key_shares[x])
-            ciphertexts[peer] = crypto.encrypt(key, plaintext, share_associated_data(self.round, self.client_id, peer))
+            ciphertexts[peer] = crypto.encrypt(
+                key, plaintext, share_associated_data(self.round, self.attempt, self.client_id, peer)
+            )
         self._peer_keys = {p: message.public_keys[p] for p in peers}
         self.stage = Stage.COLLECT_MASKED_INPUT
         return ShareKeysRes(round=self.round, client_id=self.client_id, ciphertexts=ciphertexts)
@@ -213,7 +220,9 @@ class SecAggClient:
                 raise self._error(f"a share ciphertext has {len(ciphertext)} bytes, expected {CIPHERTEXT_BYTES}")
             try:
                 plaintext = crypto.decrypt(
-                    self._share_keys[sender], ciphertext, share_associated_data(self.round, sender, self.client_id)
+                    self._share_keys[sender],
+                    ciphertext,
+                    share_associated_data(self.round, self.attempt, sender, self.client_id),
                 )
             except ProtocolError as exc:
                 raise self._error(f"from neighbour {sender[:64]!r}: {exc.message}") from None
@@ -316,4 +325,4 @@ class SecAggClient:
 
     def _pair_key(self, key: X25519PrivateKey, peer_public: bytes, purpose: bytes, peer: str) -> bytes:
         first, second = sorted((self.client_id, peer), key=self._index.__getitem__)
-        return crypto.agree(key, peer_public, purpose, crypto.context(self.round, first, second))
+        return crypto.agree(key, peer_public, purpose, crypto.context(self.round, self.attempt, first, second))

@@ -62,9 +62,10 @@ def private_key(raw: bytes) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(raw)
 
 
-def context(round: int, *ids: str) -> bytes:
-    """Unambiguous bytes of a round number and client ids (each length-prefixed), for HKDF info and AEAD data."""
-    parts = [struct.pack(">Q", round)]
+def context(round: int, attempt: int, *ids: str) -> bytes:
+    """Unambiguous bytes of a round, its attempt and client ids (each length-prefixed), for HKDF info and AEAD
+    data."""
+    parts = [struct.pack(">QI", round, attempt)]
     for client_id in ids:
         data = client_id.encode()
         parts.append(struct.pack(">H", len(data)) + data)
@@ -78,7 +79,8 @@ def agree(key: X25519PrivateKey, peer_public: bytes, purpose: bytes, info: bytes
         key: our private key.
         peer_public: the peer's raw 32-byte public key.
         purpose: what the key is for (e.g. ``b"share-encryption"``); keys for different purposes differ.
-        info: the round and the pair of client ids (:func:`context`, the ids in the same order on both sides).
+        info: the round, attempt and pair of client ids (:func:`context`, the ids in the same order on both
+            sides).
 
     Raises:
         ProtocolError: a public key of the wrong size, or one of low order (the agreement would be all zeros).

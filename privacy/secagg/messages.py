@@ -58,6 +58,8 @@ class AdvertiseKeysIns:
             ``index + 1``).
         graph_seed: 32 public random bytes from which everyone derives the sharing graph.
         spec: names, shapes and dtypes of the tensors to aggregate, in upload order.
+        attempt: the attempt of the round (a round that misses its quorum is tried again with a fresh
+            selection); bound, with the round, into every key and ciphertext.
     """
 
     round: int
@@ -65,6 +67,7 @@ class AdvertiseKeysIns:
     participants: tuple[str, ...]
     graph_seed: bytes
     spec: tuple[TensorSpec, ...]
+    attempt: int = 1
 
     stage = Stage.ADVERTISE_KEYS
 

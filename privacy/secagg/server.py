@@ -96,6 +96,7 @@ class SecAggServer:
     Args:
         config: the user's configuration; resolved here for ``len(clients)`` clients.
         round: the round number (bound into every key and ciphertext of the round).
+        attempt: the round's attempt (a round retried with a fresh selection), bound in the same way.
         clients: the selected client ids (unique, non-empty, at most ``MAX_ID_BYTES`` UTF-8 bytes each).
         spec: the float tensors to aggregate, in upload order.
         graph_seed: 32 public bytes that permute the sharing graph; None: fresh from the OS CSPRNG.
@@ -112,10 +113,12 @@ class SecAggServer:
         round: int,
         clients: Sequence[str],
         spec: Sequence[TensorSpec],
+        attempt: int = 1,
         graph_seed: bytes | None = None,
     ) -> None:
-        if isinstance(round, bool) or not isinstance(round, int) or round < 0:
-            raise ConfigError(f"secure aggregation: the round must be an integer >= 0, got {round!r}")
+        for name, value in (("round", round), ("attempt", attempt)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+                raise ConfigError(f"secure aggregation: the {name} must be an integer in 0..2^32-1, got {value!r}")
         ids = tuple(clients)
         if len(set(ids)) != len(ids):
             raise ConfigError("secure aggregation: the selected client ids repeat")
@@ -126,6 +129,7 @@ class SecAggServer:
         self.spec = tuple(spec)
         check_quantizable(self.spec)
         self.round = round
+        self.attempt = attempt
         self.clients = ids
         self.graph_seed = graph_seed if graph_seed is not None else os.urandom(crypto.KEY_BYTES)
         self._index = {cid: i for i, cid in enumerate(ids)}
@@ -170,7 +174,12 @@ class SecAggServer:
             raise self._failed("the round has already started")
         self.expected = frozenset(self.clients)
         message = AdvertiseKeysIns(
-            round=self.round, params=self.params, participants=self.clients, graph_seed=self.graph_seed, spec=self.spec
+            round=self.round,
+            params=self.params,
+            participants=self.clients,
+            graph_seed=self.graph_seed,
+            spec=self.spec,
+            attempt=self.attempt,
         )
         return dict.fromkeys(self.clients, message)
 
@@ -353,7 +362,7 @@ class SecAggServer:
             for peer in self._ordered(self.neighbours[owner] & self._survivors):
                 first, second = sorted((owner, peer), key=self._index.__getitem__)
                 seed = crypto.agree(
-                    private, self._keys[peer][1], PAIRWISE_MASK, crypto.context(self.round, first, second)
+                    private, self._keys[peer][1], PAIRWISE_MASK, crypto.context(self.round, self.attempt, first, second)
                 )
                 # the survivor added +mask toward a higher-numbered peer, -mask toward a lower one: undo it
                 streams.append((expander.stream(seed), -1 if self._index[peer] < self._index[owner] else 1))

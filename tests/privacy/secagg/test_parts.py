@@ -166,11 +166,12 @@ def test_mask_is_the_aes_ctr_keystream() -> None:
 
 def test_key_agreement_and_authenticated_encryption() -> None:
     a, b = crypto.new_private_key(), crypto.new_private_key()
-    info = crypto.context(3, "a", "b")
+    info = crypto.context(3, 1, "a", "b")
     key = crypto.agree(a, crypto.public_bytes(b), b"share-encryption", info)
     assert key == crypto.agree(b, crypto.public_bytes(a), b"share-encryption", info)
     assert key != crypto.agree(a, crypto.public_bytes(b), b"pairwise-mask", info)
-    assert key != crypto.agree(a, crypto.public_bytes(b), b"share-encryption", crypto.context(4, "a", "b"))
+    assert key != crypto.agree(a, crypto.public_bytes(b), b"share-encryption", crypto.context(4, 1, "a", "b"))
+    assert key != crypto.agree(a, crypto.public_bytes(b), b"share-encryption", crypto.context(3, 2, "a", "b"))
     message = crypto.encrypt(key, b"shares", b"ad")
     assert crypto.decrypt(key, message, b"ad") == b"shares"
     tampered = bytearray(message)
@@ -181,7 +182,7 @@ def test_key_agreement_and_authenticated_encryption() -> None:
         crypto.decrypt(key, message, b"other")
     with pytest.raises(ProtocolError, match=r"low order|failed"):
         crypto.agree(a, bytes(32), b"x", info)
-    assert crypto.context(1, "ab", "c") != crypto.context(1, "a", "bc")
+    assert crypto.context(1, 1, "ab", "c") != crypto.context(1, 1, "a", "bc")
 
 
 # -- quantization -------------------------------------------------------------------------------------------------
