@@ -121,6 +121,9 @@ class SecAggClient:
     def advertise_keys(self, message: AdvertiseKeysIns) -> AdvertiseKeysRes:
         """Stage 1: validate the round's parameters, derive the neighbours, answer with two fresh public keys."""
         self._expect(Stage.ADVERTISE_KEYS, message.stage, message.round, first=True)
+        for name, value in (("round", message.round), ("attempt", message.attempt)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+                raise self._error(f"the {name} must be an integer in 0..2^32-1, got {value!r}")
         params = message.params
         try:
             resolved = SecAggConfig(
@@ -137,10 +140,10 @@ class SecAggClient:
             raise self._error("the server's parameters do not match the number of participants")
         if len(set(message.participants)) != len(message.participants) or self.client_id not in message.participants:
             raise self._error("the participant list repeats ids or does not name this client")
-        graph = harary(params.num_clients, params.neighbours, message.graph_seed)
-        for name, value in (("round", message.round), ("attempt", message.attempt)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
-                raise self._error(f"the {name} must be an integer in 0..2^32-1, got {value!r}")
+        try:
+            graph = harary(params.num_clients, params.neighbours, message.graph_seed)
+        except ConfigError as exc:
+            raise self._error(f"the server's graph is invalid: {exc.message}") from None
         self.round = message.round
         self.attempt = message.attempt
         self._params = params

@@ -186,7 +186,8 @@ class SecAggServer:
     # -- replies --------------------------------------------------------------------------------------------------
 
     def receive(self, reply: ClientMessage) -> None:
-        """Take in one client's reply to the current stage, after checking it completely.
+        """Take in one client's reply to the current stage, after checking it completely. The transport vouches
+        that ``reply.client_id`` is the sender (an authenticated session); the server checks everything else.
 
         Raises:
             UpdateRejected: a reply of another round or stage, from a client not asked, a second reply, or one
