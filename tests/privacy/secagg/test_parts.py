@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from fedcore.config import from_mapping
 from fedcore.errors import ConfigError, ProtocolError
 from fedcore.tensors import TensorSpec
 from privacy.secagg import crypto, shamir
@@ -87,6 +88,13 @@ def test_bit_budget_edge_is_exact() -> None:
 def test_config_refuses_bad_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         SecAggConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_config_loads_from_a_toml_table() -> None:
+    config = from_mapping(SecAggConfig, {"neighbours": 7, "clip": 0.5, "field_bits": 24})
+    assert config == SecAggConfig(neighbours=7, clip=0.5, field_bits=24)
+    with pytest.raises(ConfigError, match="unknown key"):
+        from_mapping(SecAggConfig, {"neighbors": 7})
 
 
 def test_only_float_tensors_are_quantizable() -> None:
