@@ -58,7 +58,7 @@ def serve(port_file: Path, log_file: Path, clients: int, stop_after_s: float) ->
     """Run the coordinator of the tree on ``sys.path`` until stdin closes (or ``stop_after_s``)."""
     import logging
 
-    from server.app import ServerConfig
+    from server.config import PoolSettings
     from server.grpc_pool import GrpcClientPool, PoolConfig
     from server.metrics import ServerMetrics
     from server.service import AuthPolicy, CoordinatorService, build_server, hash_token
@@ -70,7 +70,7 @@ def serve(port_file: Path, log_file: Path, clients: int, stop_after_s: float) ->
     spill = Path(tempfile.mkdtemp(prefix="fedcore-load-"))
     pool = GrpcClientPool(PoolConfig(spill_dir=spill), metrics)
     service = CoordinatorService(pool, AuthPolicy(tokens=tokens), metrics)
-    workers = ServerConfig.__dataclass_fields__["max_workers"].default
+    workers = PoolSettings().max_workers
     server, port = build_server(
         service, "127.0.0.1:0", credentials=None, max_workers=workers, chunk_bytes=pool.config.chunk_bytes
     )

@@ -16,27 +16,40 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
-from client.runner import ParallelTraining, run_instruction
+from client.runner import ModelCache, ParallelTraining, run_instruction
+from client.stages import ClientStages
 from client.state import ClientStateStore
-from fedcore.config import parse_address, parse_host
+from fedcore.config import apply_overrides, from_mapping, load_toml, merge_mappings, parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, PayloadError, TransportError
-from fedcore.messages import Failure, FitRes, Instruction, Reply, Stage, bounded_repr
+from fedcore.messages import (
+    Failure,
+    FitRes,
+    Reply,
+    ServerMessage,
+    Stage,
+    StageIns,
+    StageRes,
+    bounded_repr,
+    payload_arrays,
+)
 from fedcore.payload import DEFAULT_CHUNK_BYTES, DataChunk, iter_data_chunks, payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
-from fedcore.task import Task, TaskContext, TaskFactory, load_task_factory
+from fedcore.task import Task, TaskContext, TaskFactory, check_engine_task, load_task_factory
 from fedcore.tensors import NamedArrays, decode, read_metadata
 from fedcore.wire import (
     TRANSFER_OPTIONS,
@@ -48,7 +61,6 @@ from fedcore.wire import (
     instruction_from_header,
     join_metadata,
     message_kind,
-    payload_arrays,
     result_header,
     session_metadata,
 )
@@ -78,24 +90,32 @@ _RETRYABLE = (
 class DaemonConfig:
     """Settings of one client daemon.
 
+    A TOML file (``fedcore client start --config daemon.toml``, :func:`load_daemon_config`) has these keys and a
+    ``[parallel]`` table; each key is also a flag (:mod:`fedcore.options`), and flags win over the file.
+
     Attributes:
-        server: the coordinator's ``host:port``.
-        client_id: this client's identity (with mutual TLS: its certificate's common name).
-        task: the task factory ``module:attr``.
-        task_options: string options for the factory (the demo task: dataset, partition, model, ...).
-        partition_id, num_partitions: for built-in demo data, which shard this client holds.
-        data_dir: handed to the task (where the user's data lives).
-        token: the client's token, if the server uses tokens.
-        insecure: plaintext (no TLS); the server must be started with ``--insecure`` too.
-        ca_cert: CA certificate (PEM) that signed the server's certificate (None: the system roots).
-        cert, key: this client's certificate and key (PEM) for mutual TLS.
-        server_name: expected name in the server certificate, when it differs from the host in ``server``.
-        poll_s: how long one long-poll may wait on the server.
-        backoff_initial_s, backoff_max_s: reconnect delays (exponential, full jitter).
-        give_up_after_s: stop when the server stays unreachable this long (None: never).
-        exit_when_finished: exit once the server says the run is over.
-        max_payload_bytes: largest global model accepted from the server.
-        threads: torch intra-op threads for local training (None: torch's default, one per core).
+        server: HOST:PORT of the coordinator ([::1]:8443 for IPv6).
+        client_id: this client's id (with mutual TLS: its certificate's common name).
+        task: task factory module:attr.
+        task_options: string options for the task factory (the demo task: dataset, partition, model, ...).
+        partition_id: which shard of the built-in dataset this client holds (demo data).
+        num_partitions: into how many shards the built-in dataset is split (demo data).
+        data_dir: data directory handed to the task (where the user's data lives).
+        token: this client's token, if the server uses tokens; write --token=VALUE if it begins with '-'. On the
+            command line every local user sees it: prefer token_file or FEDCORE_TOKEN.
+        token_file: read the token from this file (its first line).
+        insecure: plaintext gRPC, no TLS (the server must be --insecure too).
+        ca_cert: CA certificate (PEM) that signed the server certificate (unset: the system roots).
+        cert: client certificate (PEM) for mutual TLS.
+        key: client key (PEM) for mutual TLS.
+        server_name: name expected in the server certificate (default: the host of server).
+        poll_s: long-poll duration in seconds.
+        backoff_initial_s: first reconnect delay in seconds (exponential, full jitter).
+        backoff_max_s: longest reconnect delay in seconds.
+        give_up_after_s: exit when the server stays unreachable this long, in seconds (unset: never).
+        exit_when_finished: exit once the server says the run is over (the flag --stay keeps running).
+        max_payload_bytes: largest global model accepted from the server, in bytes.
+        threads: torch threads for local training (default: one per core).
         parallel: train each round under this parallel plan (data/sharded/pipeline parallel, see
             :mod:`fedcore.engine`); None or a plan of all ones trains in this process.
         state_dir: where this client keeps its persistent state between rounds and restarts (client mods such as
@@ -105,12 +125,13 @@ class DaemonConfig:
 
     server: str
     client_id: str
-    task: str
+    task: str = "simulations.tasks:demo_task"
     task_options: Mapping[str, str] = field(default_factory=dict)
     partition_id: int | None = None
     num_partitions: int | None = None
     data_dir: Path | None = None
     token: str = ""
+    token_file: Path | None = None
     insecure: bool = False
     ca_cert: Path | None = None
     cert: Path | None = None
@@ -132,6 +153,12 @@ class DaemonConfig:
         parse_address(self.server, what="server (--server)")
         if self.server_name is not None:
             parse_host(self.server_name, what="server_name (--server-name)")
+        if self.token and self.token_file is not None:
+            raise ConfigError("give the token once: --token or --token-file, not both")
+        if self.token_file is not None and not self.token_file.is_file():
+            raise ConfigError(f"token_file (--token-file) {str(self.token_file)!r} is not a file")
+        if self.data_dir is not None and not self.data_dir.is_dir():  # TLS files: client_credentials checks them
+            raise ConfigError(f"data_dir (--data-dir) {str(self.data_dir)!r} is not a directory")
         if (self.cert is None) != (self.key is None):
             raise ConfigError("give both --cert and --key for mutual TLS, or neither")
         if self.insecure and (self.cert is not None or self.ca_cert is not None):
@@ -144,6 +171,61 @@ class DaemonConfig:
             raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
         if self.give_up_after_s is not None and not self.give_up_after_s > 0:  # NaN never gave up, -5 at once
             raise ConfigError(f"give_up_after_s (--give-up-after-s) must be > 0 seconds, got {self.give_up_after_s}")
+        if self.max_payload_bytes < 1:
+            raise ConfigError(f"max_payload_bytes must be >= 1, got {self.max_payload_bytes}")
+        pid, count = self.partition_id, self.num_partitions
+        if pid is not None and count is not None and not 0 <= pid < count:
+            raise ConfigError(
+                f"partition_id (--partition-id) {pid} is not in 0..{count - 1} (--num-partitions {count})"
+            )
+
+    def read_token(self) -> str:
+        """The token: ``token``, or the first line of ``token_file``.
+
+        Raises:
+            ConfigError: the token file cannot be read or is empty.
+        """
+        if self.token_file is None:
+            return self.token
+        try:
+            text = self.token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read token_file (--token-file) {str(self.token_file)!r}: {exc}") from None
+        if not text:
+            raise ConfigError(f"token_file (--token-file) {str(self.token_file)!r} is empty; write the token in it")
+        return text.splitlines()[0].strip()
+
+
+def load_daemon_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    flags: Mapping[str, Any] | None = None,
+    *,
+    parallel: ParallelPlan | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DaemonConfig:
+    """Build a daemon's config from an optional TOML file, then ``key=value`` overrides, then ``flags`` (a nested
+    mapping, as :func:`fedcore.options.given_values` makes), each winning over the one before. The file's
+    ``[parallel]`` table is the plan (:meth:`ParallelPlan.from_mapping`) unless ``parallel`` is given. Without a
+    token or token file, the token comes from ``FEDCORE_TOKEN`` in ``environ`` (default: the process's).
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or invalid value, no server or client id.
+    """
+    data: dict[str, Any] = load_toml(Path(path)) if path is not None else {}
+    data = merge_mappings(apply_overrides(data, list(overrides)), flags or {})
+    table = data.pop("parallel", None)
+    if parallel is None and table is not None:
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[parallel] must be a table of the plan's keys, got {table!r}")
+        parallel = ParallelPlan.from_mapping(table)
+    for key, flag in (("server", "--server HOST:PORT"), ("client_id", "--client-id ID")):
+        if key not in data:
+            raise ConfigError(f"give the daemon its {key}: {flag}, or {key} = ... in the --config file")
+    env = os.environ if environ is None else environ
+    if not data.get("token") and data.get("token_file") is None and env.get("FEDCORE_TOKEN"):
+        data["token"] = env["FEDCORE_TOKEN"]
+    return dataclasses.replace(from_mapping(DaemonConfig, data), parallel=parallel)
 
 
 class DamagedTask(FedcoreError):
@@ -187,11 +269,15 @@ class ClientDaemon:
         self._task: Task | None = None
         self._task_seed: int | None = None
         self._parallel: ParallelTraining | None = None
+        self._models = ModelCache()
         self._deadline_s = 0.0  # seconds the server gave the current task until its round's deadline (0: none)
         self._rng = random.Random()
         self._credentials = client_credentials(config)  # TLS files checked now, before the first connection
+        self._token = config.read_token()
         self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
         self._state = ClientStateStore(config.state_dir)
+        # round protocols' client sides: those registered in this process (e.g. by the task's module, imported above)
+        self._stages = ClientStages()
 
     def stop(self) -> None:
         """Ask the daemon to stop after the current call."""
@@ -306,11 +392,11 @@ class ClientDaemon:
         """
         previous, self._session = self._session, ""
         cfg = self.config
-        request = pb.JoinRequest(client_id=cfg.client_id, token=cfg.token)
+        request = pb.JoinRequest(client_id=cfg.client_id, token=self._token)
         refused = False
         while True:
             try:
-                reply = stub.Join(request, metadata=join_metadata(cfg.client_id, cfg.token, previous), timeout=30)
+                reply = stub.Join(request, metadata=join_metadata(cfg.client_id, self._token, previous), timeout=30)
                 break
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.ALREADY_EXISTS or self._stop.is_set():
@@ -365,8 +451,10 @@ class ClientDaemon:
                 stage="build",
             ) from exc
         self._task_seed = seed
+        self._models = ModelCache()  # the model is built once per task and reused by every round
         plan = self.config.parallel
         if plan is not None and not plan.is_single_process:
+            check_engine_task(self._task, client_id=self.config.client_id)  # a task with its own loop: refused now
             plan.check_model(self._task.build_model())  # a bad split point fails here, before any round
             self._parallel = ParallelTraining(task_factory=self.config.task, task_context=context, plan=plan)
         log.info("task ready in %.2f s", time.perf_counter() - started)
@@ -404,7 +492,7 @@ class ClientDaemon:
             self._push(stub, task_id, reply)
         return False
 
-    def _pull(self, stub: pb_grpc.CoordinatorStub) -> tuple[str, Instruction] | bool:
+    def _pull(self, stub: pb_grpc.CoordinatorStub) -> tuple[str, ServerMessage] | bool:
         timeout = self.config.poll_s + 600.0
         stream = stub.PullTask(
             pb.PullTaskRequest(session=self._session, wait_s=self.config.poll_s),
@@ -461,19 +549,29 @@ class ClientDaemon:
         except grpc.RpcError as exc:
             log.warning("could not tell the server about the unusable task: %s", _details(exc))
 
-    def _execute(self, instruction: Instruction) -> Reply:
+    def _execute(self, instruction: ServerMessage) -> Reply:
         assert self._task is not None  # set by _prepare_task
         started = time.perf_counter()
-        log.info("round %d %s started", instruction.round, instruction.stage.value)
+        log.info("round %d %s started", instruction.round, _what(instruction))
         try:
-            parallel = self._parallel
-            if parallel is not None and self._deadline_s > 0:  # parallel workers are killed at the round's deadline
-                parallel = dataclasses.replace(parallel, timeout_s=self._deadline_s)
-            reply: Reply = run_instruction(
-                self._task, instruction, self.config.client_id, parallel=parallel, state=self._state
-            )
+            reply: Reply
+            if isinstance(instruction, StageIns):  # a round protocol's exchange: the round's state machine answers
+                reply = self._stages.handle(instruction, self.config.client_id)
+            else:
+                self._stages.observe(instruction.round)
+                parallel = self._parallel
+                if parallel is not None and self._deadline_s > 0:  # parallel workers are killed at the deadline
+                    parallel = dataclasses.replace(parallel, timeout_s=self._deadline_s)
+                reply = run_instruction(
+                    self._task,
+                    instruction,
+                    self.config.client_id,
+                    models=self._models,
+                    parallel=parallel,
+                    state=self._state,
+                )
         except FedcoreError as exc:
-            log.warning("round %d %s failed: %s", instruction.round, instruction.stage.value, exc)
+            log.warning("round %d %s failed: %s", instruction.round, _what(instruction), exc)
             reply = Failure(
                 client_id=self.config.client_id, round=instruction.round, stage=instruction.stage, reason=str(exc)
             )
@@ -485,20 +583,20 @@ class ClientDaemon:
                 stage=instruction.stage,
                 reason=f"{type(exc).__name__}: {exc}",
             )
-        log.info(
-            "round %d %s done in %.2f s", instruction.round, instruction.stage.value, time.perf_counter() - started
-        )
+        log.info("round %d %s done in %.2f s", instruction.round, _what(instruction), time.perf_counter() - started)
         return reply
 
     def _push(self, stub: pb_grpc.CoordinatorStub, task_id: str, reply: Reply) -> None:
         segments: list[memoryview] = []
-        if isinstance(reply, FitRes):
+        arrays, metadata = payload_arrays(reply)
+        if isinstance(reply, FitRes) or arrays:  # a stage reply without tensors has no payload
             try:
                 # views of the update and its tensor groups: no encoded copy of the model
-                segments = payload_segments(*payload_arrays(reply))
+                segments = payload_segments(arrays, metadata)
             except FedcoreError as exc:  # e.g. a dtype safetensors cannot hold: the server hears why
                 log.warning("round %d: cannot send the update: %s", reply.round, exc)
-                reply = Failure(client_id=self.config.client_id, round=reply.round, stage=Stage.FIT, reason=str(exc))
+                stage = Stage.PROTOCOL if isinstance(reply, StageRes) else Stage.FIT
+                reply = Failure(client_id=self.config.client_id, round=reply.round, stage=stage, reason=str(exc))
         digest = BackgroundDigest(segments)  # overlaps the first push
         delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         for attempt in range(1, 1000):
@@ -537,6 +635,13 @@ class ClientDaemon:
     def _rejoin(self, stub: pb_grpc.CoordinatorStub) -> None:
         # the heartbeat thread of run() is still running and picks up the new session
         self._prepare_task(self._join(stub))
+
+
+def _what(instruction: ServerMessage) -> str:
+    """How the log names an instruction: its stage, or a protocol stage's protocol and name."""
+    if isinstance(instruction, StageIns):
+        return f"{instruction.protocol} stage {instruction.name!r}"
+    return instruction.stage.value
 
 
 def receive_task(

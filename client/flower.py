@@ -13,13 +13,10 @@ The ``config`` dict a Flower client receives in ``fit`` (see :func:`fit_config_d
 
     server_round   int    the federated round, 1-based
     seed           int    a 63-bit seed keyed by (run seed, round, client id): seed local shuffling with it
-    local_epochs   int    FitConfig.local_epochs (E)
-    batch_size     int    FitConfig.batch_size (B)
-    lr             float  FitConfig.lr (client learning rate)
-    momentum       float  FitConfig.momentum
-    weight_decay   float  FitConfig.weight_decay
-    mu             float  FitConfig.mu (FedProx proximal coefficient; 0 = FedAvg)
-    max_steps      int    FitConfig.max_steps (only present when set)
+
+and every field of :class:`fedcore.task.FitConfig` under its own name and type (today ``local_epochs`` (E),
+``batch_size`` (B), ``lr``, ``momentum``, ``weight_decay``, ``mu`` (FedProx; 0 = FedAvg) and ``max_steps``, the
+last only when set),
 
 and in ``evaluate``: ``{"batch_size": int}``.
 
@@ -53,6 +50,7 @@ import numpy as np
 import torch
 
 from fedcore.aggregation import metric_value
+from fedcore.config import scalar_fields
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, TaskFactory, TrainContext, TrainResult
 
@@ -181,19 +179,13 @@ def as_flower_array(
 
 
 def fit_config_dict(config: FitConfig, *, server_round: int, seed: int) -> dict[str, FlowerScalar]:
-    """The Flower ``config`` dict for ``fit`` (keys in the module docstring); plain ints and floats only."""
-    out: dict[str, FlowerScalar] = {
-        "server_round": int(server_round),
-        "seed": int(seed),
-        "local_epochs": int(config.local_epochs),
-        "batch_size": int(config.batch_size),
-        "lr": float(config.lr),
-        "momentum": float(config.momentum),
-        "weight_decay": float(config.weight_decay),
-        "mu": float(config.mu),
-    }
-    if config.max_steps is not None:
-        out["max_steps"] = int(config.max_steps)
+    """The Flower ``config`` dict for ``fit``: ``server_round``, ``seed``, then every field of the FitConfig by
+    its name (derived from the dataclass; an unset optional field is left out). Plain bool/int/float/str only."""
+    out: dict[str, FlowerScalar] = {"server_round": int(server_round), "seed": int(seed)}
+    for f in scalar_fields(type(config)):
+        value = getattr(config, f.name)
+        if value is not None:
+            out[f.name] = f.kind(value)
     return out
 
 

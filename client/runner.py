@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
@@ -43,9 +44,9 @@ from fedcore.messages import (
     bounded_repr,
 )
 from fedcore.mods import ModContext
-from fedcore.seeding import derive_seed
-from fedcore.task import EvalResult, Task, TaskContext, TrainContext, TrainResult
-from fedcore.tensors import NamedArrays, check_spec, from_state_dict, state_spec, to_state_dict
+from fedcore.task import EvalResult, Task, TaskContext, check_engine_task
+from fedcore.tensors import NamedArrays, TensorSpec, check_spec, from_state_dict, state_spec, to_state_dict
+from fedcore.training import train_task
 
 log = logging.getLogger("fedcore.client")
 
@@ -78,7 +79,120 @@ def load_parameters(model: torch.nn.Module, parameters: NamedArrays, *, round: i
         PayloadError: names, shapes or dtypes differ from the model's state dict.
     """
     check_spec(parameters, state_spec(model.state_dict()), round=round, client_id=client_id)
-    model.load_state_dict(to_state_dict(parameters), strict=True)
+    _copy_into(model, parameters)
+
+
+def _copy_into(model: torch.nn.Module, parameters: NamedArrays) -> None:
+    with warnings.catch_warnings():  # arrays mapped read-only (a checkpoint, a payload) are copied, never written
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        model.load_state_dict(to_state_dict(parameters), strict=True)
+
+
+class ModelCache:
+    """The task's model, built once and reused by every instruction (in simulation, by every client).
+
+    Building and randomly initializing a model for each instruction only to overwrite its state costs more than
+    the training of a small client. The cache keeps one model per kind of task: tasks whose class and model
+    constructor (``task.model_fn`` where the task has one, e.g. :class:`~fedcore.supervised.SupervisedTask`) are
+    equal share it, as :meth:`~fedcore.task.Task.build_model` promises the same architecture everywhere; a task
+    of another kind replaces it (memory stays at one model), and one whose key cannot be hashed gets a fresh
+    model each time.
+
+    A reused model trains exactly as a fresh one, bit for bit: each instruction overwrites its whole state
+    (parameters and buffers, e.g. BatchNorm statistics), and before it is handed out again every module's
+    train/eval mode, every parameter's ``requires_grad`` and the buffers left out of the state dict
+    (``persistent=False``) are put back as they were built, and gradients are dropped. The optimizer and the
+    random streams come from the instruction. A task must not change the model's structure in ``train``
+    (replace modules, register hooks): a model whose instruction failed is dropped and built again.
+
+    The spec of the model's state and the last global model checked against it are kept, so the same global
+    model (one per round, shared by a simulation's clients) is validated once.
+    """
+
+    def __init__(self) -> None:
+        self._key: object = None
+        self._model: torch.nn.Module | None = None
+        self._spec: tuple[TensorSpec, ...] = ()
+        self._modes: list[tuple[torch.nn.Module, bool]] = []
+        self._requires_grad: list[tuple[torch.nn.Parameter, bool]] = []
+        self._extra_buffers: list[tuple[torch.nn.Module, str, torch.Tensor | None]] = []
+        self._checked: NamedArrays | None = None
+
+    def load(self, task: Task, parameters: NamedArrays, *, round: int, client_id: str) -> torch.nn.Module:
+        """A model of ``task``'s architecture holding ``parameters``: the cached one when it fits, else built.
+
+        Raises:
+            PayloadError: names, shapes or dtypes of ``parameters`` differ from the model's state dict.
+        """
+        key = _model_key(task)
+        model = self._model
+        if model is None or key is None or key != self._key:
+            self.discard()
+            model = _build(task)
+            if key is None:  # cannot be told apart from other tasks' models: not kept
+                load_parameters(model, parameters, round=round, client_id=client_id)
+                return model
+            self._remember(key, model)
+        else:
+            self._restore()
+        if parameters is not self._checked:
+            check_spec(parameters, self._spec, round=round, client_id=client_id)
+            self._checked = parameters  # the object itself is kept, so no other dict can pass for it by its id
+        _copy_into(model, parameters)
+        return model
+
+    def discard(self) -> None:
+        """Drop the cached model (after a failed instruction: the task may have left it changed)."""
+        self._key, self._model, self._spec, self._checked = None, None, (), None
+        self._modes, self._requires_grad, self._extra_buffers = [], [], []
+
+    def _remember(self, key: object, model: torch.nn.Module) -> None:
+        self._key, self._model = key, model
+        self._spec = state_spec(model.state_dict())
+        self._modes = [(module, module.training) for module in model.modules()]
+        self._requires_grad = [(p, p.requires_grad) for p in model.parameters()]
+        self._extra_buffers = [
+            (module, name, None if buffer is None else buffer.detach().clone())
+            for module in model.modules()
+            for name, buffer in module.named_buffers(prefix="", recurse=False)
+            if name in module._non_persistent_buffers_set
+        ]
+
+    def _restore(self) -> None:
+        for module, training in self._modes:
+            if module.training != training:  # nn.Module.__setattr__ is slow; usually nothing changed
+                module.training = training
+        for param, flag in self._requires_grad:
+            param.grad = None
+            if param.requires_grad != flag:
+                param.requires_grad_(flag)
+        with torch.no_grad():
+            for module, name, value in self._extra_buffers:
+                current = getattr(module, name)
+                if (
+                    value is not None
+                    and current is not None
+                    and current.shape == value.shape
+                    and current.dtype == value.dtype
+                ):
+                    current.copy_(value)
+                else:
+                    setattr(module, name, None if value is None else value.clone())
+
+
+def _model_key(task: Task) -> object:
+    """What identifies the model ``task`` builds: its class and model constructor; None when not hashable."""
+    key = (type(task), getattr(task, "model_fn", None))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _build(task: Task) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten; keep global RNG untouched
+        return task.build_model()
 
 
 def run_instruction(
@@ -87,6 +201,7 @@ def run_instruction(
     client_id: str,
     *,
     model: torch.nn.Module | None = None,
+    models: ModelCache | None = None,
     parallel: ParallelTraining | None = None,
     state: ClientStateStore | None = None,
 ) -> FitRes | EvaluateRes:
@@ -99,8 +214,11 @@ def run_instruction(
         task: the user's task for this client's data.
         instruction: :class:`FitIns` (train one round) or :class:`EvaluateIns`.
         client_id: this client's id (keys its random streams together with the seed and round).
-        model: a model of the task's architecture to reuse (its state is overwritten); built if None.
-        parallel: train fit instructions under this parallel plan (evaluation stays in-process).
+        model: a model of the task's architecture to reuse (its state is overwritten).
+        models: where to take the model from and keep it for the next instruction (:class:`ModelCache`); used
+            when ``model`` is None. Without either, a model is built for this instruction.
+        parallel: train fit instructions under this parallel plan (evaluation stays in-process); the task must
+            then fit the engine's contract (:class:`~fedcore.task.EngineTask`).
         state: the clients' persistent state (:class:`client.state.ClientStateStore`), which mods use; None when
             this client keeps none.
 
@@ -110,28 +228,37 @@ def run_instruction(
 
     Raises:
         PayloadError: the global parameters do not fit the task's model.
+        ConfigError: a parallel plan was given for a task that does not fit the engine's contract.
         ClientTaskError: the task raised, returned an example count that is not an integer >= 0, a loss that is not
             a number, or metrics that are not a dict.
         EngineError: a parallel worker failed (names the rank and the cause).
         ConfigError: a declared client mod is unknown or refuses its parameters.
     """
+    if parallel is not None and (parallel.plan.is_single_process or not isinstance(instruction, FitIns)):
+        parallel = None  # a plan of all ones trains in-process; evaluation always does
     if isinstance(instruction, FitIns) and instruction.mods:
-        if model is None:
-            with torch.random.fork_rng(devices=[]):
-                model = task.build_model()
-        local = parallel is None or parallel.plan.is_single_process
+        if model is None and parallel is None:  # the mods see the model that trains (hooks, names)
+            if models is not None:
+                model = models.load(task, instruction.parameters, round=instruction.round, client_id=client_id)
+            else:
+                model = _build(task)
         context = ModContext(
-            client_id=client_id,
-            model=model if local else None,
-            state=state.entry(client_id) if state is not None else None,
+            client_id=client_id, model=model, state=state.entry(client_id) if state is not None else None
         )
         built = model
-        return run_chain(
-            instruction,
-            context,
-            lambda ins: cast(FitRes, _run_instruction(task, ins, client_id, model=built, parallel=parallel)),
-        )
-    return _run_instruction(task, instruction, client_id, model=model, parallel=parallel)
+        try:
+            return run_chain(
+                instruction,
+                context,
+                lambda ins: cast(
+                    FitRes, _run_instruction(task, ins, client_id, model=built, models=models, parallel=parallel)
+                ),
+            )
+        except BaseException:
+            if models is not None:
+                models.discard()  # a mod may have left the model half changed
+            raise
+    return _run_instruction(task, instruction, client_id, model=model, models=models, parallel=parallel)
 
 
 def _run_instruction(
@@ -140,51 +267,52 @@ def _run_instruction(
     client_id: str,
     *,
     model: torch.nn.Module | None = None,
+    models: ModelCache | None = None,
     parallel: ParallelTraining | None = None,
 ) -> FitRes | EvaluateRes:
-    if model is None:
-        with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten; keep global RNG untouched
-            model = task.build_model()
-    load_parameters(model, instruction.parameters, round=instruction.round, client_id=client_id)
+    if parallel is not None:
+        check_engine_task(task, round=instruction.round, client_id=client_id)
     try:
+        if model is not None:
+            load_parameters(model, instruction.parameters, round=instruction.round, client_id=client_id)
+        elif models is not None:
+            model = models.load(task, instruction.parameters, round=instruction.round, client_id=client_id)
+        else:
+            model = _build(task)
+            load_parameters(model, instruction.parameters, round=instruction.round, client_id=client_id)
         if isinstance(instruction, FitIns):
-            if parallel is not None and not parallel.plan.is_single_process:
-                return _fit_parallel(parallel, instruction, client_id)
+            if parallel is not None:
+                return _fit_parallel(task, parallel, instruction, client_id)
             return _fit(task, model, instruction, client_id)
         return _evaluate(task, model, instruction, client_id)
-    except FedcoreError:
-        raise
-    except Exception as exc:
-        raise ClientTaskError(
-            f"the task raised {type(exc).__name__}: {exc}",
-            round=instruction.round,
-            client_id=client_id,
-            stage=instruction.stage.value,
-        ) from exc
+    except BaseException as exc:
+        if models is not None:
+            models.discard()  # the task may have left the model half changed
+        if isinstance(exc, FedcoreError) or not isinstance(exc, Exception):
+            raise
+        raise _task_error(exc, instruction, client_id) from exc
+
+
+def _task_error(exc: Exception, instruction: Instruction, client_id: str) -> ClientTaskError:
+    return ClientTaskError(
+        f"the task raised {type(exc).__name__}: {exc}",
+        round=instruction.round,
+        client_id=client_id,
+        stage=instruction.stage.value,
+    )
 
 
 def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> FitRes:
-    seed = derive_seed(ins.seed, ins.round, client_id)
-    generator = torch.Generator().manual_seed(seed)
-    global_parameters = {n: p.detach().clone() for n, p in model.named_parameters()}
     started = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(seed, "torch"))
-        result: TrainResult = task.train(
-            model,
-            ins.config,
-            TrainContext(
-                round=ins.round, client_id=client_id, generator=generator, global_parameters=global_parameters
-            ),
-        )
+    result = train_task(task, model, ins.config, ins.parameters, seed=ins.seed, round=ins.round, client_id=client_id)
     num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.FIT)
     fit_metrics = _metrics(result.metrics, round=ins.round, client_id=client_id, stage=Stage.FIT)
     updated = from_state_dict(model.state_dict())
-    spec = {n: a.dtype for n, a in ins.parameters.items()}
     for name, array in updated.items():
-        if array.dtype != spec[name]:
+        expected = ins.parameters[name].dtype
+        if array.dtype != expected:
             raise PayloadError(
-                f"the task changed the dtype of {name!r} from {spec[name]} to {array.dtype}",
+                f"the task changed the dtype of {name!r} from {expected} to {array.dtype}",
                 round=ins.round,
                 client_id=client_id,
             )
@@ -198,7 +326,7 @@ def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> Fit
     )
 
 
-def _fit_parallel(parallel: ParallelTraining, ins: FitIns, client_id: str) -> FitRes:
+def _fit_parallel(task: Task, parallel: ParallelTraining, ins: FitIns, client_id: str) -> FitRes:
     from fedcore.engine import train_with_plan
 
     started = time.perf_counter()
@@ -212,6 +340,7 @@ def _fit_parallel(parallel: ParallelTraining, ins: FitIns, client_id: str) -> Fi
         round=ins.round,
         client_id=client_id,
         timeout_s=parallel.timeout_s,
+        task=task,
     )
     num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.FIT)
     metrics = _metrics(result.metrics, round=ins.round, client_id=client_id, stage=Stage.FIT)

@@ -101,7 +101,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T
             dataclass's own validation raises.
     """
     if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls!r} is not a dataclass")
+        raise ConfigError(f"{cls!r} is not a config dataclass; from_mapping builds dataclasses only")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
@@ -122,7 +122,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T
 def to_mapping(config: object) -> dict[str, Any]:
     """The nested plain-dict form of a config dataclass (for saving next to a run's results)."""
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
-        raise TypeError(f"{config!r} is not a dataclass instance")
+        raise ConfigError(f"{type(config).__name__} is not a config dataclass instance; to_mapping reads those only")
 
     def plain(value: Any) -> Any:
         if isinstance(value, Path):
@@ -139,6 +139,112 @@ def to_mapping(config: object) -> dict[str, Any]:
         elif value is not None:
             out[f.name] = plain(value)
     return out
+
+
+@dataclass(frozen=True)
+class ScalarField:
+    """One scalar field of a config dataclass, as the conversions derived from the dataclass see it.
+
+    Attributes:
+        name: the field's name.
+        kind: its value type: ``int``, ``float``, ``bool`` or ``str``.
+        optional: whether ``None`` is allowed (declared ``kind | None``).
+        default: the default value (``dataclasses.MISSING`` when the field is required).
+        help: the field's description from the class docstring's ``Attributes:`` section ("" if none).
+    """
+
+    name: str
+    kind: type
+    optional: bool
+    default: Any
+    help: str
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def scalar_fields(cls: type) -> tuple[ScalarField, ...]:
+    """The fields of the dataclass ``cls`` in declaration order, each with its scalar type, default and help.
+
+    The one place where the conversions of a flat settings class (``FitConfig`` to protobuf, to Flower's config
+    dict, to command-line flags) learn its fields, so that a new field is one edit of the dataclass.
+
+    Raises:
+        ConfigError: ``cls`` is not a dataclass, or a field is not ``int``, ``float``, ``bool``, ``str`` or one of
+            these ``| None`` (such a field cannot travel as one scalar: declare it so or convert it by hand).
+    """
+    known = _SCALAR_FIELDS.get(cls)
+    if known is None:
+        known = _SCALAR_FIELDS[cls] = _derive_scalar_fields(cls)  # a class's fields do not change: read them once
+    return known
+
+
+_SCALAR_FIELDS: dict[type, tuple[ScalarField, ...]] = {}
+
+
+def _derive_scalar_fields(cls: type) -> tuple[ScalarField, ...]:
+    if not dataclasses.is_dataclass(cls):
+        raise ConfigError(f"{cls!r} is not a dataclass, so its fields cannot be derived")
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        annotation = hints[f.name]
+        args = typing.get_args(annotation)
+        optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
+        kinds = [a for a in args if a is not type(None)] if optional else [annotation]
+        if len(kinds) != 1 or kinds[0] not in _SCALARS:
+            raise ConfigError(
+                f"{cls.__name__}.{f.name} is declared {annotation}; a derived field must be int, float, bool, str "
+                "or one of these | None"
+            )
+        default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        out.append(ScalarField(f.name, kinds[0], optional, default, docs.get(f.name, "")))
+    return tuple(out)
+
+
+_DOC_ENTRY = re.compile(r"^(\s*)([A-Za-z_][A-Za-z0-9_]*(?:\s*,\s*[A-Za-z_][A-Za-z0-9_]*)*):\s*(.*)$")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's description from the Google-style ``Attributes:`` section of ``cls``'s docstring.
+
+    An entry is ``name: text`` (continuation lines indented deeper); ``a, b: text`` describes both ``a`` and
+    ``b``. Base classes' entries are included (a subclass's own entry wins). Returns ``{name: text}`` with the text
+    on one line; a field without an entry is absent.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        lines = (klass.__doc__ or "").splitlines()
+        try:
+            start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
+        except StopIteration:
+            continue
+        names: list[str] = []
+        indent: int | None = None
+        for line in lines[start + 1 :]:
+            if not line.strip():
+                continue
+            match = _DOC_ENTRY.match(line)
+            depth = len(line) - len(line.lstrip())
+            if indent is None:
+                indent = depth
+            if depth < indent:
+                break
+            if depth == indent and match:
+                names = [n.strip() for n in match.group(2).split(",")]
+                for name in names:
+                    docs[name] = match.group(3).strip()
+            elif depth > indent:
+                for name in names:
+                    docs[name] = f"{docs[name]} {line.strip()}".strip()
+            else:
+                break
+    return docs
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -193,6 +299,22 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             node = child
         node[parts[-1]] = _parse_scalar(raw.strip())
     return result
+
+
+def merge_mappings(base: Mapping[str, Any], updates: Mapping[str, Any]) -> dict[str, Any]:
+    """A new nested dict: ``base`` with ``updates`` laid over it, table by table (neither is mutated).
+
+    A table in ``updates`` merges into the table of the same key in ``base``; any other value replaces it.
+    """
+    out: dict[str, Any] = {k: (merge_mappings(v, {}) if isinstance(v, Mapping) else v) for k, v in base.items()}
+    for key, value in updates.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_mappings(out[key], value)
+        elif isinstance(value, Mapping):
+            out[key] = merge_mappings(value, {})
+        else:
+            out[key] = value
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

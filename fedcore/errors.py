@@ -17,7 +17,13 @@ context (round, client id, stage) where it has it, plus a sentence on what to do
     ├── StateError                                 the server's state directory cannot be used as it is (damaged
     │                                              database or checkpoints, records that disagree); says what to do
     ├── TransportError                             a client pool / transport could not deliver a message
+    ├── ProtocolError                              a secure-aggregation message is invalid (tampered, replayed,
+    │                                              from outside the neighbourhood, out of order)
     └── EngineError                                a parallel training worker failed (names the rank and cause)
+
+A builtin exception (``ValueError``, ``RuntimeError``, ...) raised where a user can meet it is a bug:
+``tests/fedcore/test_error_tree.py`` reads the source and refuses one, except the few it lists with the reason
+(unreachable code, a protocol such as ``dict.__missing__``, control flow caught right where it is raised).
 """
 
 from __future__ import annotations
@@ -108,6 +114,12 @@ class DatasetNotFoundError(FedcoreError, FileNotFoundError):
 
 class TransportError(FedcoreError):
     """A client pool / transport failed to deliver an instruction or a reply."""
+
+
+class ProtocolError(FedcoreError):
+    """A secure-aggregation protocol message is invalid: a ciphertext that fails authentication, a message of
+    another round, from a client outside the neighbourhood, of the wrong size, or out of order. The receiving
+    side refuses it and keeps nothing of it."""
 
 
 class EngineError(FedcoreError):

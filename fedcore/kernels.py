@@ -1,13 +1,13 @@
-"""Fused element-wise kernels for the streaming aggregator, compiled with numba.
+"""Fused element-wise kernels for the aggregators, compiled with numba.
 
 Each kernel does in one pass over a block what numpy would do in two or three (cast, scale, add; or an
 all-finite test), so the fold moves each byte of the update once. They release the GIL (``nogil=True``) and
-are driven by :mod:`fedcore.aggregation`'s own thread pool, one block per call: numba's threading layer is not
+are driven by :mod:`fedcore.aggregation.blocks`' own thread pool, one block per call: numba's threading layer is not
 used, so results never depend on thread timing and no OpenMP threads spin while another process holds a core.
 No fastmath: ``total[i] + w * float64(u[i])`` is rounded exactly as numpy's cast-multiply-add rounds it.
 
-Compiled on first use in each process (about a second for both, numba's import included), not cached on disk: several
-processes (a server and its tests, workers) starting at once would otherwise race on the cache files. For
+Compiled on first use in each process (about a second for the fold's two, numba's import included), not cached on
+disk: several processes (a server and its tests, workers) starting at once would otherwise race on the cache files. For
 dtypes other than float32/float64 the aggregator keeps its numpy path.
 """
 
@@ -37,11 +37,97 @@ def all_finite(block: np.ndarray) -> bool:  # pragma: no cover - compiled
     return True
 
 
+@njit(nogil=True)
+def squared_distance(update: np.ndarray, reference: np.ndarray) -> float:  # pragma: no cover - compiled
+    """``sum((float64(update[i]) - float64(reference[i]))**2)`` over two equal-length float32/float64 blocks."""
+    total = 0.0
+    for i in range(update.size):
+        d = np.float64(update[i]) - np.float64(reference[i])
+        total += d * d
+    return total
+
+
+@njit(nogil=True)
+def _select(a: np.ndarray, lo: int, hi: int, kth: int) -> None:  # pragma: no cover - compiled
+    """Reorder ``a[lo:hi]`` so that ``a[kth]`` holds the value of that rank, no larger value before it and no
+    smaller one after it (Hoare's quickselect, median-of-three pivot; no randomness)."""
+    hi -= 1
+    while hi > lo:
+        mid = (lo + hi) // 2
+        if a[mid] < a[lo]:
+            a[mid], a[lo] = a[lo], a[mid]
+        if a[hi] < a[lo]:
+            a[hi], a[lo] = a[lo], a[hi]
+        if a[hi] < a[mid]:
+            a[hi], a[mid] = a[mid], a[hi]
+        pivot = a[mid]
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while a[j] > pivot:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if kth <= j:
+            hi = j
+        elif kth >= i:
+            lo = i
+        else:
+            return
+
+
+_TILE = 32
+"""Columns transposed at a time by :func:`trimmed_mean_columns` (a tile of 32 x clients float64 stays in L1/L2)."""
+
+
+@njit(nogil=True)
+def trimmed_mean_columns(values: np.ndarray, trim: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out[j]`` = mean of column ``j`` of the float64 ``values`` (clients x elements) without its ``trim``
+    smallest and ``trim`` largest entries; ``trim = (n - 1) // 2`` gives the median (the mean of the two middle
+    values for an even ``n``). Needs ``n - 2 * trim >= 1``.
+
+    Columns are transposed a tile at a time (rows read contiguously), then each column is reordered by two
+    quickselects and its middle summed in float64, in the order the selection leaves it: that order depends on
+    the order of the rows, in the last bits of the sum only.
+    """
+    n, m = values.shape
+    tile = np.empty((_TILE, n))
+    keep = n - 2 * trim
+    for j0 in range(0, m, _TILE):
+        width = min(_TILE, m - j0)
+        for i in range(n):
+            for c in range(width):
+                tile[c, i] = values[i, j0 + c]
+        for c in range(width):
+            column = tile[c]
+            if trim > 0:
+                _select(column, 0, n, trim)
+                if keep == 2:  # an even median: the other middle value is the smallest above it
+                    smallest = trim + 1
+                    for i in range(trim + 2, n):
+                        if column[i] < column[smallest]:
+                            smallest = i
+                    column[trim + 1], column[smallest] = column[smallest], column[trim + 1]
+                elif keep > 2:
+                    _select(column, trim, n, n - trim - 1)
+            total = 0.0
+            for i in range(trim, n - trim):
+                total += column[i]
+            out[j0 + c] = total / keep
+
+
 def warm_up() -> None:
-    """Compile both kernels for float32 and float64 updates now (a server calls this before it listens, so the
+    """Compile the kernels for float32 and float64 updates now (a server calls this before it listens, so the
     first round's fold does not hold the GIL for a compile while heartbeats wait)."""
     total = np.zeros(1)
     for dtype in FUSED_DTYPES:
-        block = np.ones(1, dtype=dtype)
-        fold_block(total, block, 1.0)
-        all_finite(block)
+        for writeable in (True, False):  # updates mapped from spill files are read-only: their own signature
+            block = np.ones(1, dtype=dtype)
+            block.flags.writeable = writeable
+            fold_block(total, block, 1.0)
+            all_finite(block)
+            squared_distance(block, block)
+    trimmed_mean_columns(np.zeros((3, 2)), 1, np.zeros(2))

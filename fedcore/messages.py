@@ -4,15 +4,19 @@ One module for every message; the wire conversion (protobuf, safetensors) lives 
 transport. The in-memory transport passes these objects as they are.
 
 An *instruction* (server -> client) is :class:`FitIns` or :class:`EvaluateIns`; a *reply* (client -> server) is
-:class:`FitRes`, :class:`EvaluateRes`, or :class:`Failure` when the client could not produce a result.
+:class:`FitRes`, :class:`EvaluateRes`, or :class:`Failure` when the client could not produce a result. A round
+protocol (several exchanges in one round, :mod:`server.stages`) adds :class:`StageIns` and :class:`StageRes`:
+generic messages carrying the stage's name, a few small typed fields and optional named tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from fedcore.errors import PayloadError
+from fedcore.payload import pack_groups
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays
 
@@ -56,6 +60,8 @@ class Stage(StrEnum):
 
     FIT = "fit"
     EVALUATE = "evaluate"
+    PROTOCOL = "protocol"
+    """An exchange of a round protocol (:class:`StageIns` / :class:`StageRes`; their ``name`` says which)."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -156,8 +162,144 @@ class Failure:
     reason: str
 
 
+StageValue = bytes | int | str
+"""The value of one field of a stage message: bytes (keys, ciphertexts, digests), an int of 64 bits, or text."""
+
+MAX_STAGE_NAME = 64
+"""The longest protocol or stage name, in characters (printable, not empty)."""
+MAX_STAGE_FIELDS = 4096
+"""The most fields one stage message carries."""
+MAX_STAGE_FIELD_NAME = 256
+"""The longest field name, in characters (printable, not empty)."""
+MAX_STAGE_FIELD_BYTES = 512 << 10
+"""The most bytes a stage message's fields hold in all (names and values, text counted as UTF-8): they travel in
+one protobuf header, which must stay far below the gRPC message cap; bulk data travels as ``tensors``."""
+
+_INT64 = 1 << 63
+
+
+def check_stage_message(protocol: object, name: object, fields: object, *, round: int | None = None) -> None:
+    """Check the names and fields of a stage message against the bounds above.
+
+    Raises:
+        PayloadError: a name that is empty, too long or not printable; fields that are not a mapping of names to
+            :data:`StageValue`, too many, an int beyond 64 bits, or more than :data:`MAX_STAGE_FIELD_BYTES` in all.
+    """
+
+    def fail(message: str) -> PayloadError:
+        return PayloadError(message, round=round, stage=Stage.PROTOCOL.value)
+
+    for what, text in (("protocol", protocol), ("stage", name)):
+        if not isinstance(text, str) or not 0 < len(text) <= MAX_STAGE_NAME or not text.isprintable():
+            raise fail(
+                f"the {what} name {bounded_repr(text, 80)} is not a printable text of 1 to {MAX_STAGE_NAME} characters"
+            )
+    if not isinstance(fields, Mapping):
+        raise fail(f"stage fields must be a mapping of name -> bytes, int or str, not {type(fields).__name__}")
+    if len(fields) > MAX_STAGE_FIELDS:
+        raise fail(f"a stage message carries {len(fields)} fields; at most {MAX_STAGE_FIELDS} are taken")
+    total = 0
+    for key, value in fields.items():
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_STAGE_FIELD_NAME or not key.isprintable():
+            raise fail(
+                f"the field name {bounded_repr(key, 80)} is not a printable text of 1 to {MAX_STAGE_FIELD_NAME} "
+                "characters"
+            )
+        if isinstance(value, bool) or not isinstance(value, bytes | int | str):
+            raise fail(f"field {key!r} holds a {type(value).__name__}; a field holds bytes, an int or a str")
+        if isinstance(value, int):
+            if not -_INT64 <= value < _INT64:
+                raise fail(f"field {key!r} holds an int of {value.bit_length()} bits; at most 64 travel")
+            size = 8
+        else:
+            size = len(value) if isinstance(value, bytes) else len(value.encode("utf-8", "surrogatepass"))
+        total += len(key) + size
+        if total > MAX_STAGE_FIELD_BYTES:
+            raise fail(
+                f"the stage fields hold more than {MAX_STAGE_FIELD_BYTES} bytes; send bulk data as tensors instead"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _StageMessage:
+    """What both directions of a stage exchange carry (see :class:`StageIns`)."""
+
+    round: int
+    attempt: int
+    protocol: str
+    name: str
+    fields: Mapping[str, StageValue] = field(default_factory=dict)
+    tensors: NamedArrays = field(default_factory=dict)
+    stage: Stage = Stage.PROTOCOL
+
+    def __post_init__(self) -> None:
+        check_stage_message(self.protocol, self.name, self.fields, round=self.round)
+        if isinstance(self.attempt, bool) or not isinstance(self.attempt, int) or self.attempt < 1:
+            raise PayloadError(f"the attempt must be an int >= 1, got {bounded_repr(self.attempt)}", round=self.round)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StageIns(_StageMessage):
+    """One exchange of a round protocol, server -> client (e.g. SecAgg+'s "share_keys").
+
+    The client hands it to its state machine for ``protocol`` in this round (:mod:`client.stages`).
+
+    Attributes:
+        round: the federated round, 1-based.
+        attempt: the round's attempt (1-based; a round that missed its quorum is tried again, and each attempt
+            runs the protocol afresh).
+        protocol: the round protocol's name (which client-side state machine answers it).
+        name: the stage's name within the protocol.
+        fields: small typed values (see :data:`StageValue` and the bounds above).
+        tensors: named arrays sent with it (empty: none), at any size the payload limits allow.
+
+    Raises:
+        PayloadError: names, attempt or fields out of bounds (:func:`check_stage_message`).
+    """
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StageRes(_StageMessage):
+    """A client's answer to a :class:`StageIns`.
+
+    Attributes:
+        client_id: who answered (on the server, from the session, never from the message).
+        round, attempt, protocol, name: those of the instruction it answers.
+        fields: small typed values (see :data:`StageValue`).
+        tensors: named arrays sent with it (empty: none).
+
+    Raises:
+        PayloadError: names, attempt or fields out of bounds (:func:`check_stage_message`).
+    """
+
+    client_id: str
+
+
 Instruction = FitIns | EvaluateIns
-Reply = FitRes | EvaluateRes | Failure
+"""What a client's task runs (:func:`client.runner.run_instruction`)."""
+ServerMessage = FitIns | EvaluateIns | StageIns
+"""Anything a pool delivers to a client: a task's instruction or a round protocol's stage."""
+Reply = FitRes | EvaluateRes | StageRes | Failure
+
+
+def payload_of(message: ServerMessage | Reply) -> NamedArrays:
+    """The tensors that travel as a message's payload: the model of a fit or evaluate instruction, the update of
+    a fit result, a stage message's tensors; none for an evaluation result or a failure."""
+    if isinstance(message, FitIns | EvaluateIns | FitRes):
+        return message.parameters
+    if isinstance(message, StageIns | StageRes):
+        return message.tensors
+    return {}
+
+
+def with_payload(reply: Reply, arrays: NamedArrays) -> Reply:
+    """``reply`` carrying ``arrays`` as its payload (a fit result's update, a stage reply's tensors), e.g. once
+    they are mapped from the file they were received into; other replies are returned as they are."""
+    if isinstance(reply, FitRes):
+        return replace(reply, parameters=arrays)
+    if isinstance(reply, StageRes):
+        return replace(reply, tensors=arrays)
+    return reply
 
 
 def bound_text(text: str, limit: int = 1000) -> str:
@@ -165,3 +307,15 @@ def bound_text(text: str, limit: int = 1000) -> str:
     longer text is cut and says how long it was), with control characters shown as ``?``."""
     cut = text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
     return "".join(c if c.isprintable() else "?" for c in cut)
+
+
+def payload_arrays(message: ServerMessage | Reply) -> tuple[NamedArrays, dict[str, str]]:
+    """The arrays and header metadata of the payload that carries ``message``: its tensors
+    (:func:`fedcore.messages.payload_of`: a model, an update, a stage message's tensors) and, for a fit message, its
+    tensor groups (:func:`fedcore.payload.pack_groups`; without groups, the tensors alone and no metadata).
+
+    Raises:
+        PayloadError: a group name that cannot travel, an empty group, or a model tensor named like a group's.
+    """
+    groups = message.groups if isinstance(message, FitIns | FitRes) else {}
+    return pack_groups(payload_of(message), groups)

@@ -24,17 +24,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from fedcore.aggregation import Aggregator, MeanAggregator
+from fedcore.aggregation import (
+    Aggregator,
+    KrumAggregator,
+    MeanAggregator,
+    MedianAggregator,
+    NormBoundAggregator,
+    TrimmedMeanAggregator,
+)
 from fedcore.errors import ConfigError, PayloadError, UpdateRejected
 from fedcore.messages import ModSpec
 from fedcore.mods import check_mods
 from fedcore.payload import check_group_name
 from fedcore.seeding import numpy_rng
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
+from fedcore.stages import RoundProtocol
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays
 
 STRATEGY_NAMES = ("fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam", "fedyogi", "scaffold")
+AGGREGATOR_NAMES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound")
+_DEFAULT_TRIM_BETA = 0.1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +150,8 @@ class Strategy:
             FedAvg and its relatives.
         mods: the client mods every fit instruction declares, in order, outermost first (:mod:`fedcore.mods`);
             checked against the registry here, when the strategy is configured.
+        protocol: a multi-stage round protocol whose exchanges run around each round's fit exchange
+            (:class:`~fedcore.stages.RoundProtocol`, e.g. secure aggregation); None: a round is one fit exchange.
 
     Raises:
         ConfigError: bad weighting or batch size, a group name that cannot travel, or a mod that cannot run.
@@ -154,6 +166,7 @@ class Strategy:
     evaluate_batch_size: int = 256
     groups: Mapping[str, GroupRule] = field(default_factory=dict)
     mods: tuple[ModSpec, ...] = ()
+    protocol: RoundProtocol | None = None
 
     def __post_init__(self) -> None:
         if self.weighting not in ("examples", "uniform"):
@@ -195,6 +208,18 @@ class StrategyConfig:
         server_momentum: FedAvgM momentum (beta), in [0, 1).
         beta1, beta2: FedAdam/FedYogi moment decay rates, in [0, 1).
         tau: adaptivity (epsilon) of the adaptive optimizers, > 0.
+        aggregator: how each round's updates become one, before the server optimizer steps: ``mean`` (the
+            streaming weighted mean, FedAvg), or a robust rule of :mod:`fedcore.aggregation.robust`: ``median``
+            and ``trimmed_mean`` (coordinate-wise, Yin et al. 2018), ``krum`` and ``multi_krum`` (Blanchard et
+            al. 2017), ``norm_bound`` (Sun et al. 2019).
+        byzantine: ``f``, the Byzantine clients per round the robust rule must tolerate (median, trimmed_mean,
+            krum, multi_krum); a round with too few clients for it is refused before it starts.
+        trim_beta: the fraction trimmed at each end by ``trimmed_mean``, in [0, 0.5).
+        multi_krum_m: how many of the best-scored updates ``multi_krum`` averages (unset: n - f).
+        norm_bound: the L2 bound on each update's difference from the global model (``norm_bound``; required).
+
+        A rule's parameters are ignored by the other aggregators, so that one recipe can be run with another
+        aggregator (``--aggregator mean``) to compare.
     """
 
     name: str = "fedavg"
@@ -204,6 +229,11 @@ class StrategyConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3
+    aggregator: str = "mean"
+    byzantine: int = 0
+    trim_beta: float = _DEFAULT_TRIM_BETA
+    multi_krum_m: int | None = None
+    norm_bound: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGY_NAMES:
@@ -214,6 +244,36 @@ class StrategyConfig:
             raise ConfigError("fedavgm needs server_momentum > 0 (e.g. 0.9); with 0 it is plain fedavg")
         if self.server_momentum != 0 and self.name != "fedavgm":
             raise ConfigError(f"server_momentum applies to fedavgm only, not {self.name!r}")
+        if self.aggregator not in AGGREGATOR_NAMES:
+            raise ConfigError(f"unknown aggregator {self.aggregator!r}; choose one of {', '.join(AGGREGATOR_NAMES)}")
+        if isinstance(self.byzantine, bool) or not isinstance(self.byzantine, int) or self.byzantine < 0:
+            raise ConfigError(
+                f"byzantine (the Byzantine clients to tolerate) must be an integer >= 0, got {self.byzantine!r}"
+            )
+        if self.aggregator == "norm_bound" and self.norm_bound is None:
+            raise ConfigError("aggregator norm_bound needs strategy.norm_bound (the L2 bound on each update's change)")
+        build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
+
+
+def build_aggregator(config: StrategyConfig) -> Aggregator:
+    """The :class:`~fedcore.aggregation.Aggregator` that ``config.aggregator`` and its parameters name.
+
+    Raises:
+        ConfigError: a parameter out of range (e.g. ``trim_beta >= 0.5``, ``norm_bound <= 0``).
+    """
+    if config.aggregator == "median":
+        return MedianAggregator(byzantine=config.byzantine)
+    if config.aggregator == "trimmed_mean":
+        return TrimmedMeanAggregator(beta=config.trim_beta, byzantine=config.byzantine)
+    if config.aggregator == "krum":
+        return KrumAggregator(byzantine=config.byzantine, select=1)
+    if config.aggregator == "multi_krum":
+        return KrumAggregator(byzantine=config.byzantine, select=config.multi_krum_m)
+    if config.aggregator == "norm_bound":
+        if config.norm_bound is None:
+            raise ConfigError("aggregator norm_bound needs strategy.norm_bound (the L2 bound on each update's change)")
+        return NormBoundAggregator(bound=config.norm_bound)
+    return MeanAggregator()
 
 
 def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingConfig) -> Strategy:
@@ -221,13 +281,20 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
 
     FedProx is FedAvg's server with the proximal coefficient ``fit.mu`` on the clients; with ``mu = 0`` it is
     exactly FedAvg (Li et al. 2020, section 3). SCAFFOLD is :func:`fedcore.algorithms.scaffold.scaffold` with
-    ``server_lr`` as its global step size eta_g.
+    ``server_lr`` as its global step size eta_g. The aggregator (:func:`build_aggregator`) combines with any of
+    them: e.g. FedAvgM over the coordinate-wise median steps the global model by the median update.
     """
     optimizer: ServerOptimizer
     if config.name == "scaffold":
         from fedcore.algorithms.scaffold import scaffold
 
-        return scaffold(fit=fit, sampling=sampling, server_lr=config.server_lr, weighting=config.weighting)
+        return scaffold(
+            fit=fit,
+            sampling=sampling,
+            server_lr=config.server_lr,
+            weighting=config.weighting,
+            aggregator=build_aggregator(config),
+        )
     if config.name in ("fedavg", "fedprox", "fedavgm"):
         optimizer = ServerSGD(lr=config.server_lr, momentum=config.server_momentum)
     else:
@@ -240,5 +307,10 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
             tau=config.tau,
         )
     return Strategy(
-        name=config.name, fit=fit, sampling=sampling, weighting=config.weighting, server_optimizer=optimizer
+        name=config.name,
+        fit=fit,
+        sampling=sampling,
+        weighting=config.weighting,
+        server_optimizer=optimizer,
+        aggregator=build_aggregator(config),
     )

@@ -1,8 +1,10 @@
 """A ready-made :class:`~fedcore.task.Task` for supervised learning on in-memory tensors.
 
 Most users need no Task class of their own: give :class:`SupervisedTask` a model constructor and the client's
-``(x, y)`` tensors. It trains with :func:`fedcore.training.train_supervised` (FedProx-aware) and exposes its
-data and loss to the parallel engine (:mod:`fedcore.engine`) through ``training_data()`` and ``loss_fn``.
+``(x, y)`` tensors. It trains with :func:`fedcore.training.train_supervised` (FedProx-aware) and declares its
+model, data and loss to the parallel engine (:mod:`fedcore.engine`) through ``model_fn``, ``training_data()``
+and ``loss_fn``: it is an :class:`~fedcore.task.EngineTask`, so every parallel plan trains it. A subclass that
+overrides ``train`` has its own loop, which runs on one device and is refused under a parallel plan.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fedcore.errors import ClientTaskError
 from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult
 from fedcore.training import LossFn, evaluate_supervised, train_supervised
 
@@ -41,10 +44,12 @@ class SupervisedTask:
         """The local training tensors ``(x, y)``.
 
         Raises:
-            ValueError: this task holds no training data (a server-side task).
+            ClientTaskError: this task holds no training data (a server-side task).
         """
         if self.train_data is None:
-            raise ValueError("this task has no training data (was it made for the server role?)")
+            raise ClientTaskError(
+                "this task has no training data (was it made for the server role?); give it train_data to train"
+            )
         return self.train_data
 
     def train(self, model: nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
@@ -64,6 +69,6 @@ class SupervisedTask:
         """Loss and accuracy on ``test_data`` (or ``train_data`` when there is no test split)."""
         data = self.test_data if self.test_data is not None else self.train_data
         if data is None:
-            raise ValueError("this task has neither test nor training data to evaluate on")
+            raise ClientTaskError("this task has neither test nor training data to evaluate on; give it test_data")
         x, y = data
         return evaluate_supervised(model, x, y, batch_size=batch_size, loss_fn=self.loss_fn)

@@ -22,10 +22,11 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, runtime_checkable
 
 import torch
 
+from fedcore.config import scalar_fields
 from fedcore.errors import ConfigError
 from fedcore.seeding import derive_seed
 from fedcore.tensors import NamedArrays, from_state_dict, to_state_dict
@@ -55,10 +56,10 @@ class FitConfig:
     max_steps: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("lr", "momentum", "weight_decay", "mu"):
-            value = getattr(self, name)
-            if not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number, got {value}")
+        for f in scalar_fields(type(self)):  # every float setting, declared once (the dataclass's fields)
+            value = getattr(self, f.name)
+            if f.kind is float and value is not None and not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be a finite number, got {value}")
         if self.local_epochs < 1:
             raise ConfigError(f"local_epochs must be >= 1, got {self.local_epochs}")
         if self.batch_size < 1:
@@ -162,6 +163,79 @@ class Task(Protocol):
     def evaluate(self, model: torch.nn.Module, batch_size: int) -> EvalResult:
         """Evaluate ``model`` on the local held-out data (or the server's test set)."""
         ...
+
+
+LossFn = Callable[..., torch.Tensor]
+"""``loss_fn(output, target, reduction="mean" | "sum") -> scalar tensor``, like ``nn.functional.cross_entropy``."""
+
+
+@runtime_checkable
+class EngineTask(Task, Protocol):
+    """A task the training engine (:mod:`fedcore.engine`) may train itself: it declares its model, data and loss.
+
+    Under a parallel plan the engine does not call :meth:`Task.train`: it builds the model with
+    :meth:`~Task.build_model` in every worker and runs its own loop, which equals
+    :func:`fedcore.training.train_supervised` over ``training_data()`` with ``loss_fn`` (mini-batch SGD with
+    momentum, weight decay and FedProx's ``mu``). A task declares that this is its training by providing both
+    members below in the class that defines its ``train`` (:class:`fedcore.supervised.SupervisedTask` does).
+    A task without them, or a subclass that overrides ``train`` below the class that declared them, has its own
+    loop: it runs as-is on one device and is refused under a parallel plan (:func:`check_engine_task`).
+    """
+
+    @property
+    def loss_fn(self) -> LossFn:
+        """``loss_fn(output, target, reduction=...)``: the per-batch loss (mean over the batch by default)."""
+        ...
+
+    def training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local training tensors ``(x, y)``: inputs ``(N, ...)`` and targets ``(N,)``, on the CPU."""
+        ...
+
+
+def engine_task_problem(task: object) -> str | None:
+    """Why the engine cannot train ``task`` (see :class:`EngineTask`), or None when it can.
+
+    The answer says what to add or change. It depends only on the task's class, except for ``loss_fn``, which
+    may be set per instance.
+    """
+    name = type(task).__name__
+    missing = []
+    if not callable(getattr(task, "training_data", None)):
+        missing.append("a training_data() method returning the local (x, y) tensors")
+    if not callable(getattr(task, "loss_fn", None)):
+        missing.append("a loss_fn(output, target, reduction=...) attribute")
+    if missing:
+        return (
+            f"{name} has its own training loop: it lacks {' and '.join(missing)}, which the engine trains "
+            "(fedcore.supervised.SupervisedTask provides both)"
+        )
+    declaring = next(c for c in type(task).__mro__ if "training_data" in vars(c))
+    trainer = next((c for c in type(task).__mro__ if "train" in vars(c)), None)
+    if trainer is not None and trainer is not declaring and issubclass(trainer, declaring):
+        return (
+            f"{name} overrides train() of {declaring.__name__}: that is its own training loop, which the engine "
+            f"would replace by its standard loop over training_data() and loss_fn; drop the override, or put the "
+            "change in the model or the loss"
+        )
+    return None
+
+
+def check_engine_task(task: object, *, round: int | None = None, client_id: str | None = None) -> EngineTask:
+    """Return ``task`` as an :class:`EngineTask`, or refuse it.
+
+    Raises:
+        ConfigError: the task does not fit the engine's contract (:func:`engine_task_problem` says why); the
+            message says what to add, or to train without a parallel plan, where ``train`` runs as-is.
+    """
+    problem = engine_task_problem(task)
+    if problem is not None:
+        raise ConfigError(
+            f"a parallel plan cannot train this task: {problem}. Or run it without a parallel plan (--parallel): "
+            "its own train() then runs as-is on one device",
+            round=round,
+            client_id=client_id,
+        )
+    return cast(EngineTask, task)
 
 
 TaskFactory = Callable[[TaskContext], Task]

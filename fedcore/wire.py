@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import BinaryIO
 
 import grpc
-import numpy as np
 
+from fedcore.config import scalar_fields
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.messages import (
     EvaluateIns,
@@ -28,15 +28,18 @@ from fedcore.messages import (
     Failure,
     FitIns,
     FitRes,
-    Instruction,
     ModParam,
     ModSpec,
     Reply,
+    ServerMessage,
     Stage,
+    StageIns,
+    StageRes,
+    StageValue,
     bound_text,
 )
 from fedcore.mods import check_mods
-from fedcore.payload import DATA_TAG, DEFAULT_CHUNK_BYTES, DataChunk, SpillFile, pack_groups, unpack_groups
+from fedcore.payload import DATA_TAG, DEFAULT_CHUNK_BYTES, DataChunk, SpillFile, unpack_groups
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.task import FitConfig
@@ -44,7 +47,7 @@ from fedcore.tensors import (
     NamedArrays,
 )
 
-_STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE}
+_STAGE_TO_PB = {Stage.FIT: pb.STAGE_FIT, Stage.EVALUATE: pb.STAGE_EVALUATE, Stage.PROTOCOL: pb.STAGE_PROTOCOL}
 _STAGE_FROM_PB = {v: k for k, v in _STAGE_TO_PB.items()}
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -355,30 +358,79 @@ def chunk_body(chunk: memoryview | pb.TaskChunk | pb.ResultChunk) -> tuple[str |
 # typed messages <-> protobuf
 
 
+_INT32_MAX = (1 << 31) - 1
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
 def fit_config_to_pb(config: FitConfig) -> pb.FitConfig:
-    """FitConfig -> protobuf (``max_steps=None`` travels as 0)."""
-    return pb.FitConfig(
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-        mu=config.mu,
-        max_steps=config.max_steps or 0,
-    )
+    """FitConfig (or a subclass) -> protobuf, derived from the dataclass's fields.
+
+    Every field goes into ``values`` by name (an unset optional field is left out). The frozen typed fields 1-7
+    of the message are filled too, by name, for daemons older than ``values`` (``None`` travels there as 0, and a
+    value beyond their int32 range leaves them 0, which such a daemon refuses).
+
+    Raises:
+        ConfigError: an int field beyond the 64-bit range.
+    """
+    message = pb.FitConfig()
+    legacy = message.DESCRIPTOR.fields_by_name
+    for f in scalar_fields(type(config)):
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        if f.kind is int and not _INT64[0] <= value <= _INT64[1]:
+            raise ConfigError(f"FitConfig.{f.name}={value} does not fit in 64 bits; give a smaller value")
+        if f.kind is float:
+            value = float(value)  # an int given for a float field travels as the float it stands for
+        slot = message.values[f.name]
+        setattr(slot, _VALUE_SLOTS[f.kind], value)
+        if f.name in legacy and f.name != "values" and not (f.kind is int and abs(value) > _INT32_MAX):
+            setattr(message, f.name, value)
+    return message
 
 
-def fit_config_from_pb(message: pb.FitConfig) -> FitConfig:
-    """Protobuf -> FitConfig (validated by its constructor: ConfigError on bad values)."""
-    return FitConfig(
-        local_epochs=message.local_epochs,
-        batch_size=message.batch_size,
-        lr=message.lr,
-        momentum=message.momentum,
-        weight_decay=message.weight_decay,
-        mu=message.mu,
-        max_steps=message.max_steps or None,
-    )
+#: the ``ConfigValue`` oneof member each scalar kind travels in.
+_VALUE_SLOTS: dict[type, str] = {int: "int_value", float: "float_value", bool: "bool_value", str: "string_value"}
+
+
+def fit_config_from_pb(message: pb.FitConfig, cls: type[FitConfig] = FitConfig) -> FitConfig:
+    """Protobuf -> FitConfig (or the subclass ``cls``), derived from the dataclass's fields and validated by its
+    constructor.
+
+    Reads ``values``; a message without it (from a server older than the map) is read from the typed fields that
+    carry the same names (0 in an optional int field meaning unset), the other fields keeping their defaults.
+
+    Raises:
+        ConfigError: a key this client's FitConfig does not have (the server runs a newer fedcore: upgrade this
+            client), a value of the wrong type, or a value the FitConfig refuses.
+    """
+    fields = {f.name: f for f in scalar_fields(cls)}
+    kwargs: dict[str, object] = {}
+    if not message.values:
+        for name in message.DESCRIPTOR.fields_by_name:
+            if name in fields:
+                value = getattr(message, name)
+                kwargs[name] = None if fields[name].optional and value == 0 else value
+        return cls(**kwargs)  # type: ignore[arg-type]
+    unknown = sorted(set(message.values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"the server sent FitConfig setting(s) {', '.join(repr(bound_text(k, 40)) for k in unknown[:5])} that this "
+            "client does not know: the server runs a newer fedcore; upgrade fedcore on this client"
+        )
+    for name, slot in message.values.items():
+        f = fields[name]
+        kind = slot.WhichOneof("kind")
+        value = getattr(slot, kind) if kind is not None else None
+        if kind == "int_value" and f.kind is float:
+            value = float(value)  # type: ignore[arg-type]
+        elif kind != _VALUE_SLOTS[f.kind]:
+            raise ConfigError(
+                f"the server sent FitConfig.{name} as {kind or 'nothing'}, expected {f.kind.__name__}; the server "
+                "and this client run incompatible fedcore versions"
+            )
+        kwargs[name] = value
+    return cls(**kwargs)  # type: ignore[arg-type]
 
 
 def mod_to_pb(spec: ModSpec) -> pb.ModSpec:
@@ -414,40 +466,63 @@ def mod_from_pb(message: pb.ModSpec) -> ModSpec:
     return ModSpec(message.name, params)
 
 
-def payload_arrays(message: Instruction | FitRes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The arrays and header metadata of the payload that carries ``message``'s model and its tensor groups
-    (:func:`fedcore.payload.pack_groups`; without groups, the model alone and no metadata).
+def stage_message_to_pb(message: StageIns | StageRes) -> pb.StageMessage:
+    """The protocol, stage name and fields of a stage message (its tensors travel as the payload)."""
+    out = pb.StageMessage(protocol=message.protocol, name=message.name, attempt=message.attempt)
+    for key, value in message.fields.items():
+        if isinstance(value, bytes):
+            out.fields[key].bytes_value = value
+        elif isinstance(value, int):
+            out.fields[key].int_value = value
+        else:
+            out.fields[key].str_value = value
+    return out
 
-    Raises:
-        PayloadError: a group name that cannot travel, an empty group, or a model tensor named like a group's.
-    """
-    groups = message.groups if isinstance(message, FitIns | FitRes) else {}
-    return pack_groups(message.parameters, groups)
+
+def stage_fields_from_pb(message: pb.StageMessage) -> dict[str, StageValue]:
+    """The fields of a received stage message (checked against their bounds when the message is built)."""
+    fields: dict[str, StageValue] = {}
+    for key, value in message.fields.items():
+        kind = value.WhichOneof("value")
+        fields[key] = (
+            value.int_value if kind == "int_value" else value.str_value if kind == "str_value" else value.bytes_value
+        )
+    return fields
 
 
-def task_header(instruction: Instruction, *, task_id: str, payload_bytes: int) -> pb.TaskHeader:
-    """The header announcing ``instruction``; its parameters (and tensor groups, see :func:`payload_arrays`) follow
-    as a chunked payload of ``payload_bytes``."""
+def task_header(
+    instruction: ServerMessage, *, task_id: str, payload_bytes: int, deadline_s: float = 0.0
+) -> pb.TaskHeader:
+    """The header announcing ``instruction``; its tensors (the global model, a stage's tensors) follow as a
+    chunked payload of ``payload_bytes``, with a fit instruction's tensor groups (see :func:`payload_arrays`).
+    ``deadline_s``: seconds left until the exchange's deadline (0: none)."""
     header = pb.TaskHeader(
-        task_id=task_id, round=instruction.round, stage=_STAGE_TO_PB[instruction.stage], payload_bytes=payload_bytes
+        task_id=task_id,
+        round=instruction.round,
+        stage=_STAGE_TO_PB[instruction.stage],
+        payload_bytes=payload_bytes,
+        deadline_s=deadline_s,
     )
     if isinstance(instruction, FitIns):
         header.seed = instruction.seed
         header.fit.CopyFrom(fit_config_to_pb(instruction.config))
         header.mods.extend(mod_to_pb(spec) for spec in instruction.mods)
-    else:
+    elif isinstance(instruction, EvaluateIns):
         header.evaluate_batch_size = instruction.batch_size
+    else:
+        header.protocol_stage.CopyFrom(stage_message_to_pb(instruction))
     return header
 
 
 def instruction_from_header(
     header: pb.TaskHeader, parameters: NamedArrays, metadata: Mapping[str, str] | None = None
-) -> Instruction:
+) -> ServerMessage:
     """Rebuild the instruction a client received from its header and payload (``parameters``: the payload's
-    arrays, ``metadata``: its header metadata, which lists the tensor groups split off the arrays here).
+    arrays, ``metadata``: its header metadata, which lists a fit instruction's tensor groups, split off here).
 
     Raises:
-        PayloadError: unknown stage, or tensor groups that do not unpack (see :func:`unpack_groups`).
+        PayloadError: unknown stage, tensor groups that do not unpack (see :func:`unpack_groups`), or a stage
+            message out of bounds.
         ConfigError: invalid fit settings, or client mods that are unknown or have bad parameters.
     """
     stage = _STAGE_FROM_PB.get(header.stage)
@@ -465,15 +540,30 @@ def instruction_from_header(
         )
     if stage is Stage.EVALUATE:
         return EvaluateIns(round=header.round, parameters=parameters, batch_size=header.evaluate_batch_size)
+    if stage is Stage.PROTOCOL:
+        message = header.protocol_stage
+        return StageIns(
+            round=header.round,
+            attempt=message.attempt,
+            protocol=message.protocol,
+            name=message.name,
+            fields=stage_fields_from_pb(message),
+            tensors=parameters,
+        )
     raise PayloadError(f"task {header.task_id!r} has an unknown stage {header.stage}", round=header.round)
 
 
 def result_header(reply: Reply, *, session: str, task_id: str, payload_bytes: int = 0) -> pb.ResultHeader:
-    """The header of a pushed reply (a FitRes's parameters follow as a payload of ``payload_bytes``)."""
+    """The header of a pushed reply (a FitRes's parameters, a StageRes's tensors follow as a payload of
+    ``payload_bytes``)."""
     header = pb.ResultHeader(session=session, task_id=task_id, round=reply.round, payload_bytes=payload_bytes)
     if isinstance(reply, Failure):
         header.stage = _STAGE_TO_PB[reply.stage]
         header.failure = reply.reason or "unknown failure"
+        return header
+    if isinstance(reply, StageRes):
+        header.stage = pb.STAGE_PROTOCOL
+        header.protocol_stage.CopyFrom(stage_message_to_pb(reply))
         return header
     header.num_examples = reply.num_examples
     header.metrics.update({k: float(v) for k, v in reply.metrics.items()})
@@ -495,8 +585,11 @@ def reply_from_header(
     """Rebuild a client's reply on the server. ``client_id`` comes from the session, never from the message;
     ``parameters`` and ``metadata`` are the payload's arrays and header metadata (tensor groups are split off here).
 
+    ``parameters`` is the payload that followed the header (None: none came; a stage reply then has no tensors).
+
     Raises:
-        PayloadError: unknown stage, a fit result without parameters, or tensor groups that do not unpack.
+        PayloadError: unknown stage, a fit result without parameters, tensor groups that do not unpack, or a stage
+            message out of bounds.
     """
     stage = _STAGE_FROM_PB.get(header.stage)
     if stage is None:
@@ -507,6 +600,17 @@ def reply_from_header(
             round=header.round,
             stage=stage,
             reason=f"client reported: {bound_text(header.failure)}",
+        )
+    if stage is Stage.PROTOCOL:
+        message = header.protocol_stage
+        return StageRes(
+            client_id=client_id,
+            round=header.round,
+            attempt=message.attempt,
+            protocol=message.protocol,
+            name=message.name,
+            fields=stage_fields_from_pb(message),
+            tensors=parameters if parameters is not None else {},
         )
     metrics = dict(header.metrics)
     if stage is Stage.FIT:

@@ -14,27 +14,22 @@ and a restart on the same state directory resumes at the next round.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
 import torch
 
-from fedcore.config import Address, apply_overrides, check_port, from_mapping, load_toml, parse_address, parse_host
+from fedcore.config import Address, parse_host
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.kernels import warm_up as warm_up_kernels
-from fedcore.payload import DEFAULT_CHUNK_BYTES
-from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
+from fedcore.strategy import Strategy, build_strategy
 from fedcore.task import (
-    FitConfig,
     Task,
     TaskContext,
     central_evaluation,
@@ -43,14 +38,14 @@ from fedcore.task import (
     trainable_names,
 )
 from fedcore.tensors import check_spec, state_spec
-from privacy.dp.config import PrivacyConfig, apply_dp
+from privacy.dp.config import apply_dp
 from privacy.tls import SERVER_FLAGS, load_ca_bundle, load_identity
-from server.grpc_pool import GrpcClientPool, PoolConfig
+from server.config import ServerConfig, check_server_config
+from server.grpc_pool import GrpcClientPool
 from server.limits import ServiceLimits
-from server.metrics import DEFAULT_METRICS_ADDRESS, ServerMetrics
+from server.metrics import ServerMetrics
 from server.round_loop import (
     EvaluateFn,
-    RoundConfig,
     RoundRecord,
     ServerState,
     glibc_function,
@@ -64,135 +59,6 @@ from server.state import StateStore, load_checkpoint
 log = logging.getLogger("fedcore.server")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    """Everything ``fedcore server start`` needs; a TOML file with these keys (tables ``[strategy]``,
-    ``[sampling]``, ``[train]``, ``[task_options]``), every top-level key also a ``--flag``.
-
-    Attributes:
-        address: where to listen, ``host:port`` (port 0 picks a free one; the chosen port is printed).
-        state_dir: SQLite database, checkpoints, history.csv and spill files; reusing it resumes the run.
-        task: the task factory ``module:attr`` (initial model and server-side evaluation).
-        task_options: string options for the task factory (for the demo task: dataset, partition, model ...).
-        data_dir: data directory handed to the task.
-        initial: start from this safetensors model/checkpoint instead of the task's fresh model.
-        rounds: total rounds. seed: the run's seed.
-        evaluate: evaluate the global model with the server's task after each round (needs its test data).
-        evaluate_every, round_timeout_s, wait_for_clients_s, min_fit_results, max_round_attempts: see
-            :class:`server.round_loop.RoundConfig`.
-        heartbeat_interval_s, liveness_timeout_s, max_payload_bytes, chunk_bytes: see
-            :class:`server.grpc_pool.PoolConfig`.
-        max_workers: gRPC worker threads. Each daemon's waiting long-poll holds one; a tenth (at least 40) are
-            kept for heartbeats and joins. About 1.1x the number of daemons + 40 (the default holds 1,000).
-        max_calls_per_client: see :class:`server.grpc_pool.PoolConfig`.
-        max_unauthenticated_calls, stream_idle_s, stream_total_s: see :class:`server.limits.ServiceLimits`.
-        insecure: serve plaintext (no TLS). Prints a warning; for tests and trusted networks only.
-        tls_cert, tls_key: the server's certificate chain and key (PEM), required unless ``insecure``.
-        client_ca: CA certificate (PEM) for client certificates: turns on mutual TLS, the certificate's common
-            name must equal the client id.
-        tokens_file: ``client_id token`` lines: only these clients may join, each with its token.
-        revoked: client ids refused at join.
-        metrics_port: Prometheus endpoint port (None: off).
-        metrics_address: interface the Prometheus endpoint listens on (default loopback only; "0.0.0.0" lets a
-            Prometheus server on another machine scrape it).
-        linger_s: after the last round, keep answering for this long so daemons learn the run finished.
-        strategy, sampling, train: the strategy, client selection and local training settings.
-        privacy: client-level differential privacy (``[privacy]``, :class:`privacy.dp.config.PrivacyConfig`; off
-            by default; a server needs ``privacy.population``).
-    """
-
-    address: str = "0.0.0.0:8443"
-    state_dir: Path = Path("fedcore-state")
-    task: str | None = None
-    task_options: Mapping[str, str] = field(default_factory=dict)
-    data_dir: Path | None = None
-    initial: Path | None = None
-    rounds: int = 10
-    seed: int = 0
-    evaluate: bool = True
-    evaluate_every: int = 1
-    round_timeout_s: float | None = 600.0
-    wait_for_clients_s: float = 300.0
-    min_fit_results: int = 1
-    max_round_attempts: int = 3
-    heartbeat_interval_s: float = 5.0
-    liveness_timeout_s: float = 15.0
-    max_payload_bytes: int = 8 << 30
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    max_workers: int = 1200
-    max_calls_per_client: int = 4
-    max_unauthenticated_calls: int = 32
-    stream_idle_s: float = 60.0
-    stream_total_s: float = 1800.0
-    insecure: bool = False
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    client_ca: Path | None = None
-    tokens_file: Path | None = None
-    revoked: tuple[str, ...] = ()
-    metrics_port: int | None = None
-    metrics_address: str = DEFAULT_METRICS_ADDRESS
-    linger_s: float = 5.0
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
-    train: FitConfig = field(default_factory=FitConfig)
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-
-    def __post_init__(self) -> None:
-        if self.privacy.enabled or self.privacy.dp_sgd:  # refused here, before the state directory is touched
-            apply_dp(build_strategy(self.strategy, self.train, self.sampling), self.privacy)
-        if self.task is None and self.initial is None:
-            raise ConfigError("give the server a task (--task module:attr) or an initial model (--initial FILE)")
-        if not self.insecure and (self.tls_cert is None or self.tls_key is None):
-            raise ConfigError(
-                "TLS is on by default: give --tls-cert and --tls-key (make them with `fedcore certs init`), "
-                "or pass --insecure for plaintext on a trusted network"
-            )
-        if self.client_ca is not None and self.insecure:
-            raise ConfigError("client_ca (mutual TLS) cannot be combined with --insecure")
-        if self.max_workers < 8:
-            raise ConfigError(f"max_workers must be >= 8, got {self.max_workers}")
-        parse_address(self.address, what="address (--address)", allow_port_zero=True)
-        parse_host(self.metrics_address, what="metrics_address (--metrics-address)")
-        if self.metrics_port is not None:
-            check_port(self.metrics_port, what="metrics_port (--metrics-port)", allow_zero=True)
-        if not 0 <= self.linger_s < math.inf:  # NaN slept into a ValueError after the last round, inf forever
-            raise ConfigError(f"linger_s must be a number of seconds >= 0, got {self.linger_s}")
-        # the round loop's and the pool's own checks, now: before any side effect, not after the data loaded and
-        # the server listens (nothing is created here)
-        self.round_config()
-        PoolConfig(spill_dir=self.state_dir / "spill", seed=self.seed, heartbeat_interval_s=self.heartbeat_interval_s,
-                   liveness_timeout_s=self.liveness_timeout_s, max_payload_bytes=self.max_payload_bytes,
-                   chunk_bytes=self.chunk_bytes)  # fmt: skip
-
-    @property
-    def listen_address(self) -> Address:
-        """``address`` parsed (checked when the config was built)."""
-        return parse_address(self.address, what="address (--address)", allow_port_zero=True)
-
-    def round_config(self) -> RoundConfig:
-        """The round loop's settings."""
-        return RoundConfig(
-            num_rounds=self.rounds,
-            seed=self.seed,
-            round_timeout_s=self.round_timeout_s,
-            wait_for_clients_s=self.wait_for_clients_s,
-            min_fit_results=self.min_fit_results,
-            max_round_attempts=self.max_round_attempts,
-            evaluate_every=self.evaluate_every,
-        )
-
-
-def load_server_config(path: str | os.PathLike[str] | None, overrides: list[str]) -> ServerConfig:
-    """Build the config from an optional TOML file plus ``key=value`` overrides.
-
-    Raises:
-        ConfigError: unreadable file, unknown key, wrong type or invalid value.
-    """
-    data: dict[str, Any] = load_toml(Path(path)) if path is not None else {}
-    return from_mapping(ServerConfig, apply_overrides(data, overrides))
-
-
 def server_credentials(config: ServerConfig) -> Any:
     """gRPC server credentials from the config's PEM files (None with ``insecure``), checked first.
 
@@ -202,12 +68,13 @@ def server_credentials(config: ServerConfig) -> Any:
     """
     import grpc
 
-    if config.insecure:
+    tls = config.tls
+    if tls.insecure:
         return None
-    if config.tls_cert is None or config.tls_key is None:
+    if tls.cert is None or tls.key is None:
         raise ConfigError("give --tls-cert and --tls-key, or --insecure")
-    identity = load_identity(config.tls_cert, config.tls_key, role="server", flags=SERVER_FLAGS)
-    ca = load_ca_bundle(config.client_ca, flag=SERVER_FLAGS.ca)
+    identity = load_identity(tls.cert, tls.key, role="server", flags=SERVER_FLAGS)
+    ca = load_ca_bundle(tls.client_ca, flag=SERVER_FLAGS.ca)
     return grpc.ssl_server_credentials(
         [(identity.key_pem, identity.cert_pem)], root_certificates=ca, require_client_auth=ca is not None
     )
@@ -227,71 +94,52 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
             a checkpoint or record that cannot be written (during the run).
         RoundFailed: a round missed its quorum too often, or too few clients.
     """
-    if config.insecure:
+    check_server_config(config)  # every setting, files included, before anything is created or bound
+    if config.tls.insecure:
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
     credentials = server_credentials(config)  # TLS files checked before anything is created
-    tokens = load_tokens(config.tokens_file) if config.tokens_file is not None else {}  # so is the tokens file
+    tokens = load_tokens(config.auth.tokens_file) if config.auth.tokens_file is not None else {}
     _return_large_blocks_to_the_os()
-    store = StateStore(config.state_dir)
+    metrics = _serve_metrics(config, echo)  # before the state directory: a port in use leaves nothing behind
+    try:
+        store = StateStore(config.state_dir)
+    except BaseException:
+        metrics.close()
+        raise
     try:
         strategy, server_task, initial = _open_run(config, store, echo)  # refusals come first, in a moment
     except BaseException:
         store.close()
+        metrics.close()
         raise
     warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
 
     evaluate_fn: EvaluateFn | None = None
-    if server_task is not None and config.evaluate:
+    if server_task is not None and config.round.evaluate:
         evaluate_fn = central_evaluation(server_task, strategy.evaluate_batch_size)
 
-    metrics = ServerMetrics()
-    if config.metrics_port is not None:
-        host = parse_host(config.metrics_address, what="metrics_address (--metrics-address)")  # "[::1]" -> "::1"
-        try:
-            metrics_host, metrics_port = metrics.serve(config.metrics_port, host)
-        except OSError as exc:  # an unknown host name, a port in use
-            raise ConfigError(
-                f"cannot serve metrics on {Address(host, config.metrics_port)}: {exc.strerror or exc}; give "
-                "--metrics-address an address of this machine and a free --metrics-port (0 picks one)"
-            ) from exc
-        echo(f"metrics on http://{Address(metrics_host, metrics_port)}/metrics")
     auth = AuthPolicy(
         tokens=tokens,
-        require_client_cert=config.client_ca is not None,
-        revoked=frozenset(config.revoked),
+        require_client_cert=config.tls.client_ca is not None,
+        revoked=frozenset(config.auth.revoked),
     )
     if auth.open:
         echo("WARNING: no tokens file and no client CA: any client id may join")
-    pool = GrpcClientPool(
-        PoolConfig(
-            spill_dir=store.spill,
-            seed=config.seed,
-            heartbeat_interval_s=config.heartbeat_interval_s,
-            liveness_timeout_s=config.liveness_timeout_s,
-            max_payload_bytes=config.max_payload_bytes,
-            chunk_bytes=config.chunk_bytes,
-            max_calls_per_client=config.max_calls_per_client,
-        ),
-        metrics,
-    )
-    limits = ServiceLimits(
-        max_unauthenticated_calls=config.max_unauthenticated_calls,
-        stream_idle_s=config.stream_idle_s,
-        stream_total_s=config.stream_total_s,
-    )
+    pool = GrpcClientPool(config.pool.pool_config(spill_dir=store.spill, seed=config.seed), metrics)
+    limits = config.pool.service_limits()
     service = _RecordingService(pool, auth, metrics, store, limits)
     server, port = build_server(
         service,
         str(config.listen_address),  # the parsed address, written the one way gRPC reads as we do
         credentials=credentials,
-        max_workers=config.max_workers,
-        chunk_bytes=config.chunk_bytes,
+        max_workers=config.pool.max_workers,
+        chunk_bytes=config.pool.chunk_bytes,
     )
     server.start()
     # with port 0 the OS picked the port: this line is how a caller learns it
     echo(f"fedcore server listening on {config.listen_address.with_port(port)} "
-         f"({'plaintext' if config.insecure else 'TLS'})")  # fmt: skip
+         f"({'plaintext' if config.tls.insecure else 'TLS'})")  # fmt: skip
     sys.stdout.flush()
 
     # A stop signal that arrives while a finished round is being saved waits until the checkpoint, the database
@@ -367,6 +215,27 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         metrics.close()
         store.close()
     return final
+
+
+def _serve_metrics(config: ServerConfig, echo: Callable[[str], None]) -> ServerMetrics:
+    """The server's metrics, served on ``metrics_port`` when one is set.
+
+    Raises:
+        ConfigError: the endpoint cannot listen there (an unknown host name, a port in use).
+    """
+    metrics = ServerMetrics()
+    if config.metrics_port is not None:
+        host = parse_host(config.metrics_address, what="metrics_address (--metrics-address)")  # "[::1]" -> "::1"
+        try:
+            metrics_host, metrics_port = metrics.serve(config.metrics_port, host)
+        except OSError as exc:
+            metrics.close()
+            raise ConfigError(
+                f"cannot serve metrics on {Address(host, config.metrics_port)}: {exc.strerror or exc}; give "
+                "--metrics-address an address of this machine and a free --metrics-port (0 picks one)"
+            ) from exc
+        echo(f"metrics on http://{Address(metrics_host, metrics_port)}/metrics")
+    return metrics
 
 
 def _open_run(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
-from fedcore.messages import Instruction, Reply
+from fedcore.messages import Reply, ServerMessage
 
 
 class ClientPool(Protocol):
@@ -28,8 +28,9 @@ class ClientPool(Protocol):
         """
         ...
 
-    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None) -> Iterator[Reply]:
-        """Send each client its instruction and yield replies as they arrive.
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
+        """Send each client its instruction (a fit or evaluate instruction, or a round protocol's stage) and yield
+        replies as they arrive.
 
         Yields exactly one reply per client in ``instructions``: its result, or a :class:`~fedcore.messages.Failure`
         (the client raised, disconnected, or did not answer within ``timeout_s``). Replies that arrive after the

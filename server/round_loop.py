@@ -30,10 +30,12 @@ from typing import Any, Protocol, cast, runtime_checkable
 from fedcore.aggregation import example_weight, metric_value, weighted_metrics
 from fedcore.errors import BudgetExhausted, ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage, bounded_repr
+from fedcore.stages import Phase
 from fedcore.strategy import Strategy, sample_clients
 from fedcore.task import EvalResult
 from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, spec_of
 from server.pool import ClientPool
+from server.stages import ProtocolRun, start_protocol
 
 log = logging.getLogger("fedcore.server")
 mem_log = logging.getLogger("fedcore.server.memory")
@@ -407,6 +409,7 @@ def _fit_round(
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]]] = []
+        protocol_run, instructions = _stages_before_fit(pool, strategy, config, rnd, attempt, instructions, failures)
         for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
             if isinstance(reply, Failure):
                 log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
@@ -442,6 +445,7 @@ def _fit_round(
                     + "; ".join(f"{f.client_id}: {f.reason}" for f in failures[:5]),
                     round=rnd,
                 )
+            _stages_after_fit(pool, protocol_run, config, accepted, all_failures)
             average = accumulator.result(release=True)  # the running sum becomes the average in place
             aggregation = dict(accumulator.report()) if isinstance(accumulator, Reporting) else {}
             del accumulator
@@ -493,6 +497,50 @@ def _fit_round(
         )
         return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
+def _stages_before_fit(
+    pool: ClientPool,
+    strategy: Strategy,
+    config: RoundConfig,
+    rnd: int,
+    attempt: int,
+    instructions: dict[str, Instruction],
+    failures: list[Failure],
+) -> tuple[ProtocolRun | None, dict[str, Instruction]]:
+    """Run the exchanges of the strategy's round protocol that come before the fit exchange (:mod:`server.stages`)
+    with the selected clients; returns the protocol's run and the fit instructions of the clients still in the
+    round. Dropouts go to ``failures``. A protocol that stops the round leaves no client to fit, so the attempt
+    misses its quorum and is retried. Without a protocol nothing happens: the instructions come back as they are.
+
+    Raises:
+        ConfigError: the protocol cannot run with this selection (before any client is contacted).
+    """
+    if strategy.protocol is None:
+        return None, instructions
+    run = start_protocol(strategy.protocol, round=rnd, attempt=attempt, clients=list(instructions), seed=config.seed)
+    try:
+        failures.extend(run.run_phase(pool, Phase.BEFORE_FIT, config.round_timeout_s))
+    except FedcoreError as exc:  # as the fit exchange's errors: this attempt fails, the next starts afresh
+        log.warning("round %d: the round protocol %s stopped the round: %s", rnd, run.protocol, exc.message)
+        failures.extend(run.stop(exc.message))
+    return run, {cid: ins for cid, ins in instructions.items() if cid in run.alive}
+
+
+def _stages_after_fit(
+    pool: ClientPool, run: ProtocolRun | None, config: RoundConfig, accepted: list[str], failures: list[Failure]
+) -> None:
+    """Tell the round protocol which clients' updates were folded, then run its exchanges that come after the
+    fit exchange with them (:mod:`server.stages`); dropouts go to ``failures``. No protocol: nothing happens.
+
+    Raises:
+        FedcoreError: the protocol stopped the round (RoundFailed) or failed otherwise; the attempt fails, and is
+            retried.
+    """
+    if run is None:
+        return
+    run.fit_done(accepted, failures)
+    failures.extend(run.run_phase(pool, Phase.AFTER_FIT, config.round_timeout_s))
 
 
 def _log_left_out(rnd: int, stage: str, count: int) -> None:

@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 import grpc
 
 from fedcore.errors import ConfigError, FedcoreError, PayloadError
-from fedcore.messages import Failure, Stage, bound_text
+from fedcore.messages import Failure, Reply, Stage, StageIns, bound_text
 from fedcore.payload import DataChunk, SpillFile, framed_sizes, read_safetensors_header
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
@@ -48,15 +48,19 @@ from fedcore.wire import (
     TRANSFER_OPTIONS,
     PayloadReceiver,
     parse_result_chunk,
+    reply_from_header,
     serialize_chunk,
+    task_header,
 )
-from server.grpc_pool import ClientIdInUse, GrpcClientPool, Task, TooManyCalls
+from server.grpc_pool import GrpcClientPool
 from server.limits import Guard, RepeatLog, ServiceLimits, Slots, Watchdog, bounded_peer, quick_call_reserve
 from server.metrics import ServerMetrics
+from server.sessions import ClientIdInUse, TooManyCalls
+from server.task_board import Task
 
 log = logging.getLogger("fedcore.server")
 
-_STAGES = {pb.STAGE_FIT: Stage.FIT, pb.STAGE_EVALUATE: Stage.EVALUATE}
+_STAGES = {pb.STAGE_FIT: Stage.FIT, pb.STAGE_EVALUATE: Stage.EVALUATE, pb.STAGE_PROTOCOL: Stage.PROTOCOL}
 _MAX_METRICS = 256
 _MAX_METRIC_NAME = 128
 
@@ -383,7 +387,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         task, fh = got
         sent = 0
         with fh:
-            yield pb.TaskChunk(header=task.header)
+            header = task_header(
+                task.instruction, task_id=task.task_id, payload_bytes=task.payload.size, deadline_s=task.seconds_left()
+            )
+            yield pb.TaskChunk(header=header)
             frame_bytes = task.payload.frame_bytes
             assert frame_bytes is not None, "the pool writes every task payload framed for the wire"
             # the file holds the chunks already framed: each is sent as read, without another copy
@@ -436,8 +443,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         problem = _header_problem(header, task)
         if problem:
             return self._reject(task, problem)
-        if header.failure or task.stage is not Stage.FIT:
-            return self._reply(task, self._pool.deliver(task, header, None))
+        if header.failure or not _carries_payload(header, task):
+            return self._deliver(task, header, None)
         if not self._pool.begin_receive(task):
             # one push per task at a time: a client cannot reserve spill space many times over; a daemon that
             # retries after a broken connection backs off until the server has let go of the first attempt
@@ -493,7 +500,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             raise
         if self._metrics is not None:
             self._metrics.bytes_in.inc(receiver.received)
-        return self._reply(task, self._pool.deliver(task, header, path))
+        return self._deliver(task, header, path)
+
+    def _deliver(self, task: Task, header: pb.ResultHeader, path: Path | None) -> pb.PushReply:
+        """Convert the pushed header to a typed reply (here, at the gRPC edge) and hand it to the pool with the
+        verified spill file of its payload, if any."""
+        try:
+            # the payload's tensors are attached when the round loop takes the reply (mapped from ``path``)
+            reply: Reply = reply_from_header(header, client_id=task.client_id, parameters=None if path is None else {})
+        except FedcoreError as exc:
+            if path is not None:
+                path.unlink(missing_ok=True)
+            return self._reject(task, str(exc))
+        return self._reply(task, self._pool.deliver(task, reply, path))
 
     def _reject(self, task: Task, reason: str) -> pb.PushReply:
         reason = bound_text(reason)
@@ -531,6 +550,11 @@ def _progress(chunks: Iterator[pb.ResultChunk | memoryview], guard: Guard) -> It
         yield chunk
 
 
+def _carries_payload(header: pb.ResultHeader, task: Task) -> bool:
+    """Whether a payload follows the header: a fit result's update always, a stage reply's tensors when announced."""
+    return task.stage is Stage.FIT or (task.stage is Stage.PROTOCOL and header.payload_bytes > 0)
+
+
 def _header_problem(header: pb.ResultHeader, task: Task) -> str:
     """Why a pushed result's header cannot belong to ``task`` ("" when it can)."""
     stage = _STAGES.get(header.stage)
@@ -549,6 +573,15 @@ def _header_problem(header: pb.ResultHeader, task: Task) -> str:
         )
     if header.failure:
         return ""
+    instruction = task.instruction
+    if isinstance(instruction, StageIns):
+        got = header.protocol_stage
+        if (got.protocol, got.name, got.attempt) != (instruction.protocol, instruction.name, instruction.attempt):
+            return (
+                f"the result answers stage {bound_text(got.name, 64)!r} of protocol {bound_text(got.protocol, 64)!r} "
+                f"(attempt {got.attempt}), but task {task.task_id} is stage {instruction.name!r} of "
+                f"{instruction.protocol!r} (attempt {instruction.attempt})"
+            )
     if header.num_examples < 0:
         return f"num_examples is {header.num_examples}; it must be 0 or more"
     if task.stage is Stage.FIT and header.payload_bytes == 0:

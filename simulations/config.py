@@ -1,7 +1,7 @@
 """The simulation recipe: one root config whose tables are the components' configs.
 
-A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[sampling]``, ``[train]`` and
-``[output]`` plus top-level ``seed``, ``rounds`` and ``evaluate_every``; any value can be overridden from the
+A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[sampling]``, ``[train]``, ``[attack]``
+and ``[output]`` plus top-level ``seed``, ``rounds`` and ``evaluate_every``; any value can be overridden from the
 CLI as ``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
 """
 
@@ -17,6 +17,7 @@ from fedcore.errors import ConfigError
 from fedcore.strategy import SamplingConfig, StrategyConfig
 from fedcore.task import FitConfig
 from privacy.dp.config import PrivacyConfig
+from simulations.attacks import AttackConfig
 
 DATASET_NAMES = ("fashion-mnist", "mnist-5k", "digits", "synthetic")
 PARTITION_NAMES = ("iid", "dirichlet", "dirichlet-client", "shards", "quantity", "natural")
@@ -159,6 +160,7 @@ class SimulationConfig:
         rounds: number of federated rounds.
         evaluate_every: evaluate the global model on the test set every this many rounds (and after the last).
         data, model, task, strategy, sampling, train, output: the component configs.
+        attack: Byzantine clients (:class:`simulations.attacks.AttackConfig`; default none).
         privacy: differential privacy (``[privacy]``, :class:`privacy.dp.config.PrivacyConfig`; off by default).
     """
 
@@ -172,6 +174,7 @@ class SimulationConfig:
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(fraction_fit=0.1, min_fit_clients=2))
     train: FitConfig = field(default_factory=lambda: FitConfig(local_epochs=1, batch_size=32, lr=0.05))
     output: OutputConfig = field(default_factory=OutputConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:

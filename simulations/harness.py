@@ -11,6 +11,7 @@ JSON. For the same recipe and seed every file but the plot is byte for byte the 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -43,6 +44,7 @@ from fedcore.task import (
 from privacy.dp.config import apply_dp
 from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from server.state import history_columns, write_history
+from simulations.attacks import AttackedPool, attacked_tasks, choose_attackers, num_classes
 from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.inmemory import InMemoryPool
 from simulations.tasks import demo_task
@@ -170,7 +172,19 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     strategy = apply_dp(
         build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
     )
-    pool = InMemoryPool(ids, make_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR))
+    attackers = choose_attackers(ids, config.attack, seed=config.seed)
+    client_task: Callable[[str], Task] = make_task
+    if attackers:
+        kind, count = config.attack.kind, len(attackers)
+        log.warning("attack %s by %d of %d clients: %s", kind, count, len(ids), sorted(attackers))
+        classes = num_classes(server_task) if config.attack.kind == "label_flip" else 0
+        client_task = attacked_tasks(make_task, attackers, config.attack, classes)
+    pool = AttackedPool(
+        InMemoryPool(ids, client_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR)),
+        attackers,
+        config.attack,
+        seed=config.seed,
+    )
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []
@@ -209,9 +223,13 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         min_fit_results=1,
         evaluate_every=config.evaluate_every,
     )
+    # The modules, the dataset and the tasks built so far live for the whole run: freezing them out of the
+    # collector keeps the round loop's collection after each round from walking them (about 1 s a round).
+    gc.freeze()
     try:
         final, _ = run_rounds(pool, strategy, initial, round_config, evaluate_fn=evaluate_fn, on_round_end=on_round_end)
     finally:
+        gc.unfreeze()
         progress.close()
     model_path = out_dir / "model.safetensors"
     save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)

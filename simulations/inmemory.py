@@ -1,21 +1,30 @@
 """The in-memory client pool: virtual clients in this process, run one after another.
 
 Deterministic by construction: clients run in the order of the instructions (the sorted selection), each with
-randomness keyed by (seed, round, client), so the same seed gives the same history to the last bit. Each
-instruction builds its model afresh from the client's task (cheap next to training, and correct even when a
-client's task builds another architecture, which the runner then rejects), so memory stays at one model plus
-the data whatever the number of clients.
+randomness keyed by (seed, round, client), so the same seed gives the same history to the last bit. The clients
+share one model object (:class:`client.runner.ModelCache`): it is built once, every instruction overwrites its
+state, and it trains exactly as a model built for the instruction would; a client whose task builds another kind
+of model gets its own (which the runner rejects when it does not fit the global model). Memory stays at one
+model plus the data whatever the number of clients.
+
+Stage instructions of a multi-stage round protocol (:class:`~fedcore.messages.StageIns`) go to the clients'
+state machines through one :class:`client.stages.ClientStages` (kept per round and client). Virtual clients
+answer one after another, but each as if alone: a client whose answer to a stage took longer than the stage's
+deadline missed it, as it would have over the network. Fit and evaluate instructions keep no deadline here, so
+that a simulation's model never depends on timing.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from client.runner import ParallelTraining, run_instruction
+from client.runner import ModelCache, ParallelTraining, run_instruction
+from client.stages import ClientStages
 from client.state import ClientStateStore
-from fedcore.errors import FedcoreError, RoundFailed
-from fedcore.messages import Failure, Instruction, Reply
+from fedcore.errors import ConfigError, FedcoreError, RoundFailed
+from fedcore.messages import Failure, Reply, ServerMessage, StageIns
 from fedcore.task import Task
 
 log = logging.getLogger("fedcore.simulation")
@@ -30,6 +39,8 @@ class InMemoryPool:
         parallel: optionally, per client, a parallel plan to train its fit instructions with (None: in-process).
         state: the virtual clients' persistent state (a directory keyed by client id, read only for the clients
             being run), or None when no client keeps state.
+        stages: the clients' dispatcher of round protocol stages (default: the protocols registered in this
+            process, :func:`client.stages.register_client_protocol`).
     """
 
     def __init__(
@@ -38,14 +49,17 @@ class InMemoryPool:
         make_task: Callable[[str], Task],
         parallel: Callable[[str], ParallelTraining | None] | None = None,
         state: ClientStateStore | None = None,
+        stages: ClientStages | None = None,
     ) -> None:
         if len(set(client_ids)) != len(client_ids):
-            raise ValueError("client ids must be unique")
+            raise ConfigError(f"client ids must be unique; {len(client_ids) - len(set(client_ids))} repeat")
         self._ids = list(client_ids)
         self._make_task = make_task
         self._tasks: dict[str, Task] = {}
         self._parallel = parallel
         self._state = state
+        self._models = ModelCache()
+        self._stages = stages if stages is not None else ClientStages()
 
     def available(self) -> list[str]:
         """All virtual clients are always available."""
@@ -66,12 +80,19 @@ class InMemoryPool:
             self._tasks[client_id] = self._make_task(client_id)
         return self._tasks[client_id]
 
-    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None = None) -> Iterator[Reply]:
-        """Run each instruction in turn and yield its reply; a client that raises yields a Failure."""
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
+        """Run each instruction in turn and yield its reply; a client that raises, or answers a stage after its
+        deadline ``timeout_s``, yields a Failure."""
         for client_id, instruction in instructions.items():
             try:
+                if isinstance(instruction, StageIns):
+                    yield self._stage(instruction, client_id, timeout_s)
+                    continue
+                self._stages.observe(instruction.round)
                 plan = self._parallel(client_id) if self._parallel is not None else None
-                yield run_instruction(self.task(client_id), instruction, client_id, parallel=plan, state=self._state)
+                yield run_instruction(
+                    self.task(client_id), instruction, client_id, models=self._models, parallel=plan, state=self._state
+                )
             except FedcoreError as exc:
                 yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
             except Exception as exc:  # a bug in user code must not kill the whole simulation
@@ -82,3 +103,16 @@ class InMemoryPool:
                     stage=instruction.stage,
                     reason=f"{type(exc).__name__}: {exc}",
                 )
+
+    def _stage(self, instruction: StageIns, client_id: str, timeout_s: float | None) -> Reply:
+        started = time.perf_counter()
+        reply = self._stages.handle(instruction, client_id)
+        took = time.perf_counter() - started
+        if timeout_s is not None and took > timeout_s:
+            return Failure(
+                client_id=client_id,
+                round=instruction.round,
+                stage=instruction.stage,
+                reason=f"no reply within the stage deadline of {timeout_s} s (it took {took:.2f} s)",
+            )
+        return reply

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedcore.errors import ConfigError
+
 
 class CNN(nn.Module):
     """FedAvg paper CNN for ``(N, C, H, W)`` float32 images (H, W divisible by 4); returns ``(N, classes)`` logits."""
@@ -70,17 +72,20 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     """Build a model by name for inputs of ``input_shape`` (without the batch dimension).
 
     Raises:
-        ValueError: unknown name, or a CNN asked for non-image inputs.
+        ConfigError: unknown name, or a CNN asked for non-image inputs.
     """
     num_inputs = 1
     for d in input_shape:
         num_inputs *= d
     if name == "cnn":
         if len(input_shape) != 3 or input_shape[1] != input_shape[2] or input_shape[1] % 4:
-            raise ValueError(f"the CNN needs square (C, H, W) images with H divisible by 4, got {input_shape}")
+            raise ConfigError(
+                f"the CNN needs square (C, H, W) images with H divisible by 4, got {input_shape}; choose model 2nn or "
+                "logreg for this dataset"
+            )
         return CNN(in_channels=input_shape[0], num_classes=num_classes, image_size=input_shape[1])
     if name == "2nn":
         return MLP2NN(num_inputs=num_inputs, num_classes=num_classes)
     if name == "logreg":
         return LogisticRegression(num_features=num_inputs, num_classes=num_classes)
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")

@@ -23,7 +23,7 @@ from fedcore.engine.batch_stats import check_buffers_agree, synchronize_batch_no
 from fedcore.engine.layers import LayerChain, model_layers
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, EngineError
 from fedcore.training import LossFn
 
 
@@ -51,7 +51,10 @@ class DataParallelExecutor:
         self._ddp: DistributedDataParallel | None = None
         if env.world_size > 1 and plan.sharded:
             if env.dp_mesh is None:
-                raise RuntimeError("FSDP2 needs the data-parallel device mesh")
+                raise EngineError(
+                    "sharded data parallelism (FSDP2) needs the data-parallel device mesh, and the runtime built none",
+                    rank=env.rank,
+                )
             try:
                 layers = model_layers(model)
             except ConfigError:

@@ -23,11 +23,10 @@ from fedcore.engine.data_parallel import DataParallelExecutor
 from fedcore.engine.pipeline import PipelineExecutor
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv
-from fedcore.errors import ConfigError
+from fedcore.errors import ClientTaskError
 from fedcore.seeding import derive_seed
-from fedcore.task import FitConfig, Task
+from fedcore.task import EngineTask, FitConfig
 from fedcore.tensors import to_state_dict
-from fedcore.training import LossFn
 
 
 class Executor(Protocol):
@@ -57,25 +56,8 @@ class RankResult:
     train_loss: float
 
 
-def training_data(task: Task) -> tuple[torch.Tensor, torch.Tensor, LossFn]:
-    """The task's ``(x, y)`` and ``loss_fn`` (cross-entropy when the task has none).
-
-    Raises:
-        ConfigError: the task has no ``training_data()`` method.
-    """
-    get = getattr(task, "training_data", None)
-    if not callable(get):
-        raise ConfigError(
-            f"{type(task).__name__} has no training_data(); the parallel engine needs the task's (x, y) tensors "
-            "and loss_fn (SupervisedTask provides both)"
-        )
-    x, y = get()
-    loss_fn = getattr(task, "loss_fn", None) or nn.functional.cross_entropy
-    return x, y, loss_fn
-
-
 def train_rank(
-    task: Task,
+    task: EngineTask,
     global_parameters: Mapping[str, np.ndarray],
     config: FitConfig,
     plan: ParallelPlan,
@@ -87,14 +69,19 @@ def train_rank(
 ) -> RankResult:
     """Train this rank's part of the model for one round under ``plan``.
 
-    Every rank of the world must call it with the same arguments (except ``env``).
+    Every rank of the world must call it with the same arguments (except ``env``). The task declares what is
+    trained (:class:`~fedcore.task.EngineTask`: model, data, loss); its ``train`` is not called.
 
     Returns:
         A :class:`RankResult`; ``state`` is set on rank 0 only.
     """
-    x, y, loss_fn = training_data(task)
+    x, y = task.training_data()
+    loss_fn = task.loss_fn
     if len(x) != len(y):
-        raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
+        raise ClientTaskError(
+            f"the task's training_data() has {len(x)} inputs but {len(y)} targets; give x and y of the same length",
+            round=round,
+        )
     model = task.build_model()
     model.load_state_dict(to_state_dict(global_parameters), strict=True)
     model.to(env.device)
@@ -119,7 +106,7 @@ def train_rank(
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]
             optimizer.zero_grad(set_to_none=True)
-            batch_loss, batch_seen = executor.forward_backward(x[idx], y[idx])
+            batch_loss, batch_seen = executor.forward_backward(x.index_select(0, idx), y.index_select(0, idx))
             executor.finish_gradients()
             for param, anchor in anchors:
                 prox = (param.detach() - anchor) * config.mu

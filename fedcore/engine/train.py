@@ -9,6 +9,7 @@ process group; any other plan starts ``data_parallel * pipeline`` workers (:mod:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,13 +19,21 @@ import torch
 from fedcore.engine.batch_stats import check_batches
 from fedcore.engine.launch import DEFAULT_TIMEOUT_S, run_workers, worker_directory
 from fedcore.engine.plan import ParallelPlan
-from fedcore.engine.runner import train_rank, training_data
+from fedcore.engine.runner import train_rank
 from fedcore.engine.runtime import single_process_env
 from fedcore.engine.worker import task_context_to_json
 from fedcore.errors import ConfigError, EngineError
-from fedcore.seeding import derive_seed
-from fedcore.task import FitConfig, TaskContext, TrainContext, TrainResult, load_task_factory
+from fedcore.task import (
+    FitConfig,
+    Task,
+    TaskContext,
+    TrainResult,
+    check_engine_task,
+    engine_task_problem,
+    load_task_factory,
+)
 from fedcore.tensors import NamedArrays, decode, encode, from_state_dict, to_state_dict
+from fedcore.training import train_task
 
 
 def train_with_plan(
@@ -38,6 +47,7 @@ def train_with_plan(
     round: int,
     client_id: str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    task: Task | None = None,
 ) -> tuple[NamedArrays, TrainResult]:
     """Train the task's model for one round under ``plan``; return the updated state and the result.
 
@@ -55,6 +65,9 @@ def train_with_plan(
         seed, round, client_id: key the shuffling generator.
         timeout_s: kill the workers and fail after this many seconds (> 0; the client daemon passes the time
             left until the round's deadline). In-process training (a plan of all ones) is not bounded.
+        task: the task ``task_factory`` makes for ``task_context``, when the caller holds it already (a daemon
+            builds it once): this process then does not build it (and load its data) again. Workers always build
+            their own.
 
     Returns:
         ``(updated, result)``: ``updated`` has exactly the names, order, shapes and dtypes of
@@ -62,7 +75,9 @@ def train_with_plan(
 
     Raises:
         ConfigError: the factory cannot be loaded, the plan does not fit the model or the machine, the
-            global parameters do not match the model, or the task exposes no training data.
+            global parameters do not match the model, or a plan other than all ones meets a task that does not
+            fit the engine's contract (:class:`~fedcore.task.EngineTask`; a plan of all ones runs such a
+            task's own ``train``, as :func:`fedcore.training.train_task` does).
         EngineError: a worker failed (the message names the rank and the cause) or ``timeout_s`` passed; no
             worker is left running and the temporary directory is removed.
         SystemExit: SIGTERM arrived while workers ran (status 143), after they were stopped and the temporary
@@ -70,7 +85,10 @@ def train_with_plan(
     """
     if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ConfigError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-    task = load_task_factory(task_factory)(task_context)
+    if task is None:
+        task = load_task_factory(task_factory)(task_context)
+    if not plan.is_single_process:
+        check_engine_task(task, round=round, client_id=client_id)  # before any worker starts
     model = task.build_model()
     plan.check_model(model)
     device = plan.check_runtime()
@@ -85,11 +103,10 @@ def train_with_plan(
             client_id=client_id,
         )
     if plan.is_single_process:
-        if not callable(getattr(task, "training_data", None)):
+        if engine_task_problem(task) is not None:  # a task with its own loop: run as-is on one device
             return _train_task_directly(task, model, global_parameters, config, seed, round, client_id)
-        training_data(task)
         result = train_rank(
-            task,
+            check_engine_task(task),
             global_parameters,
             config,
             plan,
@@ -103,21 +120,13 @@ def train_with_plan(
         updated = from_state_dict(result.state)
         num_examples, train_loss = result.num_examples, result.train_loss
     else:
-        x, _, _ = training_data(task)  # fail here, not in every worker, when the task has no data
+        x, _ = check_engine_task(task).training_data()
         check_batches(plan, model, len(x), config.batch_size)
         with worker_directory() as workdir:
             spec = {
                 "task_factory": task_factory,
                 "task_context": task_context_to_json(task_context),
-                "config": {
-                    "local_epochs": config.local_epochs,
-                    "batch_size": config.batch_size,
-                    "lr": config.lr,
-                    "momentum": config.momentum,
-                    "weight_decay": config.weight_decay,
-                    "mu": config.mu,
-                    "max_steps": config.max_steps,
-                },
+                "config": dataclasses.asdict(config),  # every FitConfig field; the worker rebuilds it
                 "plan": plan.to_mapping(),
                 "device": device.value,
                 "seed": seed,
@@ -147,7 +156,7 @@ def train_with_plan(
 
 
 def _train_task_directly(
-    task: object,
+    task: Task,
     model: torch.nn.Module,
     global_parameters: NamedArrays,
     config: FitConfig,
@@ -155,15 +164,8 @@ def _train_task_directly(
     round: int,
     client_id: str,
 ) -> tuple[NamedArrays, TrainResult]:
-    """World size 1 with a task that exposes no data: let the task train itself (any Task works here)."""
+    """World size 1 with a task that has its own loop: its ``train`` runs as the client runner runs it."""
     model.load_state_dict(to_state_dict(global_parameters), strict=True)
-    anchors = {n: p.detach().clone() for n, p in model.named_parameters()}
-    context = TrainContext(
-        round=round,
-        client_id=client_id,
-        generator=torch.Generator().manual_seed(derive_seed(seed, round, client_id)),
-        global_parameters=anchors,
-    )
-    result = task.train(model, config, context)  # type: ignore[attr-defined]
+    result = train_task(task, model, config, global_parameters, seed=seed, round=round, client_id=client_id)
     updated = from_state_dict(model.state_dict())
     return {n: updated[n].astype(a.dtype, copy=False) for n, a in global_parameters.items()}, result

@@ -19,7 +19,8 @@ from typing import Any
 
 from fedcore.engine.launch import PARENT_ENV, die_with_parent, error_path
 from fedcore.engine.plan import Device, ParallelPlan
-from fedcore.task import FitConfig, TaskContext, load_task_factory
+from fedcore.errors import EngineError
+from fedcore.task import FitConfig, TaskContext, check_engine_task, load_task_factory
 from fedcore.tensors import decode, encode, from_state_dict
 
 
@@ -78,7 +79,7 @@ def run(spec: dict[str, Any], rank: int) -> None:
 
     plan = ParallelPlan.from_mapping(spec["plan"])
     config = FitConfig(**spec["config"])
-    task = load_task_factory(spec["task_factory"])(task_context_from_json(spec["task_context"]))
+    task = check_engine_task(load_task_factory(spec["task_factory"])(task_context_from_json(spec["task_context"])))
     global_parameters = decode(Path(spec["global_path"]).read_bytes())
     env = init_distributed(plan, Device(spec["device"]), rank=rank, init_method=spec["init_method"])
     result = train_rank(
@@ -93,7 +94,7 @@ def run(spec: dict[str, Any], rank: int) -> None:
     )
     if rank == 0:
         if result.state is None:
-            raise RuntimeError("rank 0 holds no model state after training")
+            raise EngineError("rank 0 holds no model state after training", rank=0)
         Path(spec["state_path"]).write_bytes(encode(from_state_dict(result.state)))
         metrics = {"num_examples": result.num_examples, "train_loss": result.train_loss}
         Path(spec["metrics_path"]).write_text(json.dumps(metrics))

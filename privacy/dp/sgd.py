@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -48,6 +50,24 @@ MOD_NAME = "dp-sgd"
 """The client mod's registered name."""
 STATE_GROUP = "dp-sgd"
 """Client state group: the accountant's history, arrays ``noise_multiplier``, ``sample_rate``, ``steps``."""
+
+
+_Handler = Callable[[torch.optim.Optimizer], None]
+_handlers: dict[int, _Handler] = {}
+"""The active DP-SGD mods' step handlers, keyed by ``id`` of each parameter they privatize."""
+_handlers_lock = threading.Lock()
+
+
+def _dispatch(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """The one global optimizer step pre-hook, registered once at import: torch iterates its global hooks without a
+    lock, so clients training in threads of one process must not add and remove hooks while others step."""
+    with _handlers_lock:
+        found = {id(h): h for group in optimizer.param_groups for p in group["params"] if (h := _handlers.get(id(p)))}
+    for handler in found.values():
+        handler(optimizer)
+
+
+register_optimizer_step_pre_hook(_dispatch)
 
 
 def model_problems(model: torch.nn.Module) -> list[str]:
@@ -133,10 +153,8 @@ class DPSGDMod:
         optimizers: dict[int, DPOptimizer] = {}
         steps = 0
 
-        def privatize(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        def privatize(optimizer: torch.optim.Optimizer) -> None:
             nonlocal steps
-            if not any(id(p) in params for group in optimizer.param_groups for p in group["params"]):
-                return
             dp = optimizers.get(id(optimizer))
             if dp is None:
                 with warnings.catch_warnings():
@@ -156,13 +174,16 @@ class DPSGDMod:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "full backward hook will not fire" for modules without params
             hooked = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
-        handle = register_optimizer_step_pre_hook(privatize)
+        with _handlers_lock:
+            _handlers.update(dict.fromkeys(params, privatize))
         try:
             with warnings.catch_warnings():  # Opacus' hooks on a first layer whose input needs no gradient
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 reply = call_next(instruction)
         finally:
-            handle.remove()
+            with _handlers_lock:
+                for key in params:
+                    _handlers.pop(key, None)
             hooked._close()  # removes the hooks and the per-example gradients; the model is the task's again
         if steps == 0:
             raise fail("the task took no torch.optim optimizer step on the model's parameters")

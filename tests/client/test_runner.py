@@ -147,3 +147,40 @@ def test_an_evaluation_loss_that_is_a_number_is_passed_on_and_one_that_is_not_fa
     assert run_instruction(Reports(5, {}, loss=10**400), ins, "a").loss == float("inf")  # type: ignore[union-attr]
     with pytest.raises(ClientTaskError, match=r"loss='low' \(str\); the loss must be a number"):
         run_instruction(Reports(5, {}, loss="low"), ins, "a")
+
+
+class ReadsGlobalsAfterTraining:
+    """Trains (moves every parameter by 1), then reads the round's global parameters and writes into them."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def build_model(self) -> torch.nn.Module:
+        return engine_tasks.mlp()
+
+    def train(self, model, config, context):  # type: ignore[no-untyped-def]
+        from fedcore.task import TrainResult
+
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        assert len(context.global_parameters) == len(list(model.parameters()))
+        for name, tensor in context.global_parameters.items():
+            self.seen[name] = tensor.clone()
+            tensor.fill_(7.0)  # must not reach the global model the other clients get
+        return TrainResult(num_examples=3)
+
+    def evaluate(self, model, batch_size):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+def test_global_parameters_are_the_received_ones_whenever_read_and_writing_them_changes_nothing() -> None:
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    before = {n: a.copy() for n, a in initial.items()}
+    task = ReadsGlobalsAfterTraining()
+    reply = run_instruction(task, FitIns(round=1, parameters=initial, config=CONFIG, seed=1), "a")
+    assert set(task.seen) == {n for n, _ in engine_tasks.mlp().named_parameters()}
+    for name, tensor in task.seen.items():
+        assert torch.equal(tensor, torch.from_numpy(before[name])), name  # read after training: still the global
+        assert np.array_equal(initial[name], before[name]), name
+        assert np.array_equal(reply.parameters[name], before[name] + np.float32(1.0)), name  # type: ignore[union-attr]

@@ -175,3 +175,21 @@ def test_a_daemon_whose_task_cannot_be_built_leaves_at_once_and_exits_with_code_
         assert h.pool.available() == []  # left at once; 30 s before the liveness timeout would have dropped it
     finally:
         h.close()
+
+
+def test_a_daemon_with_a_parallel_plan_refuses_a_task_with_its_own_loop_at_start(tmp_path: Path) -> None:
+    # the engine would train its own loop instead of the task's train(): refused with what to add, before any round
+    from fedcore.engine.plan import ParallelPlan
+    from fedcore.errors import ConfigError
+    from tests.engine import engine_tasks
+
+    h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=30.0)
+    config = DaemonConfig(server=f"127.0.0.1:{h.port}", client_id="own", task="tests.engine.engine_tasks:own_loop_task",
+                          insecure=True, parallel=ParallelPlan(data_parallel=2))  # fmt: skip
+    try:
+        with pytest.raises(ConfigError, match="a parallel plan cannot train this task") as info:
+            ClientDaemon(config, factory=engine_tasks.own_loop_task).run()
+        assert "lacks a training_data() method" in str(info.value) and "client 'own'" in str(info.value)
+        assert h.pool.available() == []  # left at once
+    finally:
+        h.close()

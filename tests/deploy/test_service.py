@@ -18,9 +18,10 @@ import grpc
 import numpy as np
 import pytest
 
-from fedcore.cli import build_parser
+from fedcore.cli import build_parser, client_options
 from fedcore.errors import RoundFailed
 from fedcore.messages import Failure, FitIns, FitRes
+from fedcore.options import given_values
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig
@@ -28,7 +29,7 @@ from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays, decode, encode
 from fedcore.wire import iter_bytes_chunks, session_metadata
 from privacy.tls import init_certs
-from server.app import ServerConfig
+from server.config import RoundSettings, ServerConfig, TlsSettings
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.limits import ServiceLimits
 from server.metrics import ServerMetrics
@@ -421,11 +422,14 @@ def test_issued_tokens_are_hex_so_the_client_flag_always_parses(tmp_path: Path) 
     assert len(tokens) == 8 and len(set(tokens.values())) == 8
     assert all(re.fullmatch(r"[0-9a-f]{64}", token) for token in tokens.values()), tokens
     parser = build_parser()
+
+    def token_given(*argv: str) -> object:
+        args = parser.parse_args(["client", "start", "--server", "h:1", "--client-id", "a", *argv])
+        return given_values(args, client_options())["token"]
+
     for token in tokens.values():
-        args = parser.parse_args(["client", "start", "--server", "h:1", "--client-id", "a", "--token", token])
-        assert args.token == token
-    args = parser.parse_args(["client", "start", "--server", "h:1", "--client-id", "a", "--token=-own-token"])
-    assert args.token == "-own-token"
+        assert token_given("--token", token) == token
+    assert token_given("--token=-own-token") == "-own-token"
 
 
 def test_mutual_tls_checks_the_certificate_name(tmp_path: Path) -> None:
@@ -485,13 +489,12 @@ def test_state_checkpoints_are_atomic_and_resume(tmp_path: Path) -> None:
 def _demo_server_config(state_dir: Path, *, wait_for_clients_s: float) -> ServerConfig:
     """A plaintext server on an ephemeral port running the demo task on ``digits`` for 3 rounds."""
     return ServerConfig(
-        insecure=True,
+        tls=TlsSettings(insecure=True),
         address="127.0.0.1:0",
         state_dir=state_dir,
         task="simulations.tasks:demo_task",
         task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
-        rounds=3,
-        wait_for_clients_s=wait_for_clients_s,
+        round=RoundSettings(rounds=3, wait_for_clients_s=wait_for_clients_s),
     )
 
 

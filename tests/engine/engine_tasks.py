@@ -13,7 +13,7 @@ from fedcore.engine import ParallelPlan, train_with_plan
 from fedcore.engine.launch import DEFAULT_TIMEOUT_S
 from fedcore.seeding import derive_seed
 from fedcore.supervised import SupervisedTask
-from fedcore.task import FitConfig, TaskContext, TrainResult
+from fedcore.task import EvalResult, FitConfig, TaskContext, TrainResult
 from fedcore.tensors import NamedArrays, from_state_dict, to_state_dict
 from fedcore.training import train_supervised
 
@@ -221,3 +221,38 @@ def running_sum_task(ctx: TaskContext) -> SupervisedTask:
 def running_sum_model() -> nn.Sequential:
     """``Linear(FEATURES, CLASSES)`` then :class:`RunningSum`."""
     return nn.Sequential(nn.Linear(FEATURES, CLASSES), RunningSum(CLASSES))
+
+
+class OwnLoopTask:
+    """A task with its own loop and no engine contract: each round moves every parameter halfway to 1."""
+
+    def build_model(self) -> nn.Module:
+        return mlp()
+
+    def train(self, model: nn.Module, config: FitConfig, context: object) -> TrainResult:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(0.5).add_(0.5)
+        return TrainResult(num_examples=7, metrics={"train_loss": 0.25})
+
+    def evaluate(self, model: nn.Module, batch_size: int) -> EvalResult:
+        return EvalResult(loss=0.0, num_examples=0)
+
+
+def own_loop_task(ctx: TaskContext) -> OwnLoopTask:
+    """See :class:`OwnLoopTask`."""
+    return OwnLoopTask()
+
+
+class HeadOnlyTask(SupervisedTask):
+    """A SupervisedTask whose train() is its own: only the last layer is trained."""
+
+    def train(self, model: nn.Module, config: FitConfig, context: object) -> TrainResult:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("4."))
+        return super().train(model, config, context)  # type: ignore[arg-type]
+
+
+def head_only_task(ctx: TaskContext) -> HeadOnlyTask:
+    """See :class:`HeadOnlyTask`."""
+    return HeadOnlyTask(model_fn=mlp, train_data=_data(ctx))

@@ -198,7 +198,7 @@ def test_the_server_hands_out_the_time_left_until_the_round_deadline(tmp_path: P
         assert not isinstance(pulled, bool)
         task, payload = pulled
         payload.close()
-        assert 25.0 < task.header.deadline_s <= 29.0  # 30 s less the second before the pull
+        assert 25.0 < task.seconds_left() <= 29.0  # 30 s less the second before the pull
         pool.finish()
         runner.join(40)
     finally:

@@ -15,7 +15,7 @@ from client.daemon import DaemonConfig
 from fedcore.cli import main
 from fedcore.config import Address, check_port, parse_address, parse_host
 from fedcore.errors import ConfigError
-from server.app import ServerConfig, load_server_config
+from server.config import RoundSettings, ServerConfig, TlsSettings, load_server_config
 
 GOOD = {
     "127.0.0.1:8443": Address("127.0.0.1", 8443),
@@ -93,7 +93,7 @@ def test_hosts_without_a_port() -> None:
 
 
 def _server(**kw: object) -> ServerConfig:
-    return ServerConfig(task="simulations.tasks:demo_task", insecure=True, **kw)  # type: ignore[arg-type]
+    return ServerConfig(task="simulations.tasks:demo_task", tls=TlsSettings(insecure=True), **kw)  # type: ignore[arg-type]
 
 
 def test_every_server_and_client_address_is_checked_when_the_config_is_built() -> None:
@@ -145,14 +145,12 @@ def test_the_server_listens_on_the_address_as_parsed(address: str, tmp_path: Pat
 
     lines: list[str] = []
     config = ServerConfig(
-        insecure=True,
+        tls=TlsSettings(insecure=True),
         address=address,
         state_dir=tmp_path / "state",
         task="simulations.tasks:demo_task",
         task_options={"dataset": "digits", "num_clients": "2", "model": "logreg"},
-        rounds=1,
-        evaluate=False,
-        wait_for_clients_s=1.0,
+        round=RoundSettings(rounds=1, evaluate=False, wait_for_clients_s=1.0),
     )
     with pytest.raises(RoundFailed, match="0 client"):
         run_server(config, echo=lines.append)
@@ -170,8 +168,8 @@ def test_the_metrics_endpoint_listens_on_the_host_as_parsed_and_names_one_it_can
 
     def config(host: str, state: str) -> ServerConfig:
         return _server(address="127.0.0.1:0", state_dir=tmp_path / state, metrics_address=host, metrics_port=0,
-                       task_options={"dataset": "digits", "num_clients": "2", "model": "logreg"}, rounds=1,
-                       evaluate=False, wait_for_clients_s=1.0)  # fmt: skip
+                       task_options={"dataset": "digits", "num_clients": "2", "model": "logreg"},
+                       round=RoundSettings(rounds=1, evaluate=False, wait_for_clients_s=1.0))  # fmt: skip
 
     lines: list[str] = []
     with pytest.raises(RoundFailed, match="0 client"):
@@ -182,6 +180,7 @@ def test_the_metrics_endpoint_listens_on_the_host_as_parsed_and_names_one_it_can
         pass  # closed when the server stopped
     with pytest.raises(ConfigError, match=r"cannot serve metrics on no-such-host\.invalid:0: .*--metrics-address"):
         run_server(config("no-such-host.invalid", "b"), echo=lambda _: None)
+    assert not (tmp_path / "b").exists()  # refused before the state directory was made
 
 
 def test_the_client_connects_to_the_address_as_parsed() -> None:

@@ -9,8 +9,7 @@ import pytest
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.server.strategy.aggregate import aggregate, aggregate_inplace
 
-from fedcore import aggregation
-from fedcore.aggregation import MetricAverages, WeightedMean, mean, weighted_average, weighted_metrics
+from fedcore.aggregation import MetricAverages, WeightedMean, mean, streaming, weighted_average, weighted_metrics
 from fedcore.errors import AggregationError, ConfigError, NonFiniteError, PayloadError, UpdateRejected
 from fedcore.tensors import encode, spec_of
 
@@ -209,7 +208,7 @@ def test_mean_and_helpers() -> None:
 
 def _multi_block_clients(rng: np.random.Generator, n: int) -> list[tuple[dict[str, np.ndarray], float]]:
     # tensors of several blocks (and an odd tail), a tiny one and an integer one, to cross block boundaries
-    size = 3 * aggregation._BLOCK + 17
+    size = 3 * streaming._BLOCK + 17
     return [
         (
             {

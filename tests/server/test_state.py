@@ -300,10 +300,11 @@ def test_learning_rate_may_change_and_an_untrained_directory_takes_any_strategy(
 
 def _refused_before_listening(state_dir: Path, error: type[Exception], match: str, **settings: Any) -> None:
     """Start the demo server on ``state_dir``; it must raise ``error`` before it listens."""
-    from server.app import ServerConfig, run_server
+    from server.app import run_server
+    from server.config import ServerConfig, TlsSettings
 
     config = ServerConfig(
-        insecure=True,
+        tls=TlsSettings(insecure=True),
         address="127.0.0.1:0",
         state_dir=state_dir,
         task="simulations.tasks:demo_task",

@@ -12,12 +12,12 @@ import pytest
 
 from fedcore.aggregation import Aggregator, MeanAggregator
 from fedcore.errors import ConfigError, PayloadError
-from fedcore.messages import FitIns, FitRes, Instruction, ModSpec, Reply
+from fedcore.messages import FitIns, FitRes, Instruction, ModSpec, Reply, payload_arrays
 from fedcore.payload import GROUPS_KEY, pack_groups, unpack_groups
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays, decode, encode, read_metadata
-from fedcore.wire import instruction_from_header, payload_arrays, reply_from_header, result_header, task_header
+from fedcore.wire import instruction_from_header, reply_from_header, result_header, task_header
 from server.round_loop import RoundConfig, initial_state, run_rounds
 
 MODEL: NamedArrays = {"w": np.arange(4, dtype=np.float32), "n": np.array(7, np.int64)}

@@ -12,9 +12,11 @@ class Stage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STAGE_UNSPECIFIED: _ClassVar[Stage]
     STAGE_FIT: _ClassVar[Stage]
     STAGE_EVALUATE: _ClassVar[Stage]
+    STAGE_PROTOCOL: _ClassVar[Stage]
 STAGE_UNSPECIFIED: Stage
 STAGE_FIT: Stage
 STAGE_EVALUATE: Stage
+STAGE_PROTOCOL: Stage
 
 class JoinRequest(_message.Message):
     __slots__ = ("client_id", "token")
@@ -60,8 +62,44 @@ class PullTaskRequest(_message.Message):
     wait_s: float
     def __init__(self, session: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
+class StageValue(_message.Message):
+    __slots__ = ("bytes_value", "int_value", "str_value")
+    BYTES_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    bytes_value: bytes
+    int_value: int
+    str_value: str
+    def __init__(self, bytes_value: _Optional[bytes] = ..., int_value: _Optional[int] = ..., str_value: _Optional[str] = ...) -> None: ...
+
+class StageMessage(_message.Message):
+    __slots__ = ("protocol", "name", "fields", "attempt")
+    class FieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: StageValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StageValue, _Mapping]] = ...) -> None: ...
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    protocol: str
+    name: str
+    fields: _containers.MessageMap[str, StageValue]
+    attempt: int
+    def __init__(self, protocol: _Optional[str] = ..., name: _Optional[str] = ..., fields: _Optional[_Mapping[str, StageValue]] = ..., attempt: _Optional[int] = ...) -> None: ...
+
 class FitConfig(_message.Message):
-    __slots__ = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay", "mu", "max_steps")
+    __slots__ = ("local_epochs", "batch_size", "lr", "momentum", "weight_decay", "mu", "max_steps", "values")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ConfigValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ConfigValue, _Mapping]] = ...) -> None: ...
     LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +107,7 @@ class FitConfig(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     MU_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     local_epochs: int
     batch_size: int
     lr: float
@@ -76,10 +115,23 @@ class FitConfig(_message.Message):
     weight_decay: float
     mu: float
     max_steps: int
-    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., mu: _Optional[float] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    values: _containers.MessageMap[str, ConfigValue]
+    def __init__(self, local_epochs: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., mu: _Optional[float] = ..., max_steps: _Optional[int] = ..., values: _Optional[_Mapping[str, ConfigValue]] = ...) -> None: ...
+
+class ConfigValue(_message.Message):
+    __slots__ = ("int_value", "float_value", "bool_value", "string_value")
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    int_value: int
+    float_value: float
+    bool_value: bool
+    string_value: str
+    def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
-    __slots__ = ("task_id", "round", "stage", "seed", "fit", "evaluate_batch_size", "payload_bytes", "deadline_s", "mods")
+    __slots__ = ("task_id", "round", "stage", "seed", "fit", "evaluate_batch_size", "payload_bytes", "deadline_s", "mods", "protocol_stage")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +141,7 @@ class TaskHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     MODS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_STAGE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     round: int
     stage: Stage
@@ -98,7 +151,8 @@ class TaskHeader(_message.Message):
     payload_bytes: int
     deadline_s: float
     mods: _containers.RepeatedCompositeFieldContainer[ModSpec]
-    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[_Union[Stage, str]] = ..., seed: _Optional[int] = ..., fit: _Optional[_Union[FitConfig, _Mapping]] = ..., evaluate_batch_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., deadline_s: _Optional[float] = ..., mods: _Optional[_Iterable[_Union[ModSpec, _Mapping]]] = ...) -> None: ...
+    protocol_stage: StageMessage
+    def __init__(self, task_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[_Union[Stage, str]] = ..., seed: _Optional[int] = ..., fit: _Optional[_Union[FitConfig, _Mapping]] = ..., evaluate_batch_size: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., deadline_s: _Optional[float] = ..., mods: _Optional[_Iterable[_Union[ModSpec, _Mapping]]] = ..., protocol_stage: _Optional[_Union[StageMessage, _Mapping]] = ...) -> None: ...
 
 class ModSpec(_message.Message):
     __slots__ = ("name", "params")
@@ -152,7 +206,7 @@ class TaskChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[TaskHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., idle: _Optional[_Union[Idle, _Mapping]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("session", "task_id", "round", "stage", "num_examples", "metrics", "loss", "failure", "payload_bytes")
+    __slots__ = ("session", "task_id", "round", "stage", "num_examples", "metrics", "loss", "failure", "payload_bytes", "protocol_stage")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +223,7 @@ class ResultHeader(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_STAGE_FIELD_NUMBER: _ClassVar[int]
     session: str
     task_id: str
     round: int
@@ -178,7 +233,8 @@ class ResultHeader(_message.Message):
     loss: float
     failure: str
     payload_bytes: int
-    def __init__(self, session: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[_Union[Stage, str]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., loss: _Optional[float] = ..., failure: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    protocol_stage: StageMessage
+    def __init__(self, session: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., stage: _Optional[_Union[Stage, str]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., loss: _Optional[float] = ..., failure: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., protocol_stage: _Optional[_Union[StageMessage, _Mapping]] = ...) -> None: ...
 
 class ResultChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")

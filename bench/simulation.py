@@ -1,0 +1,183 @@
+"""Benchmark: seconds per round of ``fedcore simulate``'s in-process path beside a plain PyTorch loop.
+
+    python bench/simulation.py                  # issue 12's workload, 5 rounds
+    python bench/simulation.py --rounds 3 --model cnn
+
+The workload of issue 12 ("Simulation at scale"): Fashion-MNIST, 1000 IID clients of 60 samples, 100 clients per
+round, the FedAvg paper's 2NN, E=1, B=10, SGD lr 0.05, FedAvg. Both sides run in this process on one thread
+(``torch.set_num_threads(1)``) over the same clients:
+
+- fedcore: :func:`simulations.harness.run_simulation` (the in-memory pool, the client runner, the round loop with
+  its streaming aggregation), without server evaluation, plots or the progress bar; a round's seconds are the
+  round loop's own (``RoundRecord.seconds``: the round's tasks built on first use, training, aggregation, step).
+- plain: the machine's practical floor, a loop a researcher would write: one model, and per sampled client
+  ``load_state_dict``, SGD over the client's shuffled mini-batches, and the example-weighted sum in float64.
+  It samples the same clients and shuffles with the same generators as fedcore (``sample_clients``,
+  ``derive_seed(seed, round, client)``), so both train on the same batches in the same float order, and the
+  bench prints the largest difference between the two final models (0.0 when they agree bit for bit).
+
+Both gather a batch with ``index_select`` (``x[idx]``, advanced indexing, costs more than the training step on
+these small batches). The aggregation kernels are compiled before anything is timed. The table gives each side's
+median wall seconds per round over all rounds of all repeats (``--repeat``, the two sides alternating), its
+process CPU seconds per round (the whole run's CPU time over its rounds, median of the repeats; steadier than
+wall time on a shared machine), and the ratios fedcore / plain; issue 12's target for the in-process backend is
+at most 1.3. On a shared machine run it with ``nice``; the header prints the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fedcore.config import from_mapping  # noqa: E402
+from fedcore.seeding import derive_seed  # noqa: E402
+from fedcore.strategy import sample_clients  # noqa: E402
+from fedcore.task import initial_parameters  # noqa: E402
+from simulations.config import DataConfig, SimulationConfig  # noqa: E402
+from simulations.harness import client_ids, run_simulation  # noqa: E402
+from simulations.models import build_model  # noqa: E402
+from simulations.tasks import prepare_data  # noqa: E402
+
+
+def recipe(args: argparse.Namespace, out_dir: Path) -> SimulationConfig:
+    """The workload as a simulation recipe."""
+    return from_mapping(
+        SimulationConfig,
+        {
+            "seed": args.seed,
+            "rounds": args.rounds,
+            "evaluate_every": args.rounds,
+            "data": {"dataset": "fashion-mnist", "num_clients": args.clients, "partition": "iid"},
+            "model": {"name": args.model},
+            "task": {"server_evaluation": False},
+            "strategy": {"name": "fedavg"},
+            "sampling": {"fraction_fit": args.per_round / args.clients, "min_fit_clients": 1},
+            "train": {"local_epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr},
+            "output": {"dir": str(out_dir), "progress": False, "plot": False},
+        },
+    )
+
+
+def run_fedcore(config: SimulationConfig) -> tuple[list[float], dict[str, np.ndarray]]:
+    """Seconds of each round and the final model of ``run_simulation``."""
+    result = run_simulation(config, echo=lambda _line: None)
+    seconds = [float(s) for r, s in zip(result.history["round"], result.history["seconds"], strict=True) if r > 0]
+    return seconds, {n: np.asarray(a) for n, a in result.final.parameters.items()}
+
+
+def run_plain(config: SimulationConfig) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The same rounds as a plain PyTorch loop; seconds of each round and the final model."""
+    data_config = DataConfig(
+        dataset=config.data.dataset, num_clients=config.data.num_clients, partition=config.data.partition
+    )
+    data = prepare_data(data_config, config.seed)
+    shards = [(data.x_train[torch.from_numpy(p)], data.y_train[torch.from_numpy(p)]) for p in data.partitions]
+
+    def model_fn() -> torch.nn.Module:
+        return build_model(config.model.name, data.input_shape, data.num_classes)
+
+    global_state = {n: torch.from_numpy(a) for n, a in initial_parameters(model_fn, config.seed).items()}
+    model = model_fn()
+    ids = client_ids(config.data.num_clients)
+    num = config.sampling.num_fit(len(ids))
+    fit = config.train
+    seconds = []
+    for rnd in range(1, config.rounds + 1):
+        started = time.perf_counter()
+        sums = {n: torch.zeros(t.shape, dtype=torch.float64) for n, t in global_state.items()}
+        total = 0.0
+        for cid in sample_clients(ids, num, seed=config.seed, round=rnd, stage="fit"):
+            x, y = shards[ids.index(cid)]
+            model.load_state_dict(global_state)
+            generator = torch.Generator().manual_seed(derive_seed(config.seed, rnd, cid))
+            optimizer = torch.optim.SGD(model.parameters(), lr=fit.lr)
+            model.train()
+            for _ in range(fit.local_epochs):
+                order = torch.randperm(len(x), generator=generator)
+                for start in range(0, len(x), fit.batch_size):
+                    idx = order[start : start + fit.batch_size]
+                    optimizer.zero_grad(set_to_none=True)
+                    xb, yb = x.index_select(0, idx), y.index_select(0, idx)
+                    torch.nn.functional.cross_entropy(model(xb), yb).backward()
+                    optimizer.step()
+            weight = float(len(x))
+            for name, value in model.state_dict().items():
+                sums[name].add_(value.double() * weight)
+            total += weight
+        global_state = {n: (s / total).to(global_state[n].dtype) for n, s in sums.items()}
+        seconds.append(time.perf_counter() - started)
+    return seconds, {n: t.numpy() for n, t in global_state.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=1000, help="virtual clients (IID shards)")
+    parser.add_argument("--per-round", type=int, default=100, help="clients sampled per round")
+    parser.add_argument("--model", default="2nn", choices=("2nn", "cnn", "logreg"))
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1, help="run both sides this many times, alternating")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warm_up()
+    prepare_data(DataConfig(dataset="fashion-mnist", num_clients=args.clients, partition="iid"), args.seed)
+    runs: dict[str, list[tuple[list[float], float]]] = {"plain PyTorch loop": [], "fedcore in-process": []}
+    models: dict[str, dict[str, np.ndarray]] = {}
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = recipe(args, Path(tmp))
+        for _ in range(args.repeat):
+            for name, run in (("plain PyTorch loop", run_plain), ("fedcore in-process", run_fedcore)):
+                cpu = time.process_time()
+                seconds, models[name] = run(config)
+                runs[name].append((seconds, (time.process_time() - cpu) / args.rounds))
+    load_after = os.getloadavg()
+    plain_model, fedcore_model = models["plain PyTorch loop"], models["fedcore in-process"]
+    diff = max(float(np.max(np.abs(plain_model[n].astype(np.float64) - fedcore_model[n]))) for n in plain_model)
+    print(
+        f"workload: {args.clients} clients, {args.per_round} per round, {args.model}, E={args.epochs}, "
+        f"B={args.batch_size}, lr={args.lr}, FedAvg, {args.rounds} rounds x {args.repeat}, 1 thread"
+    )
+    print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    print(f"{'system':<22}{'s/round':>9}{'CPU s/round':>13}  wall seconds of each round")
+    medians = {}
+    for name, results in runs.items():
+        rounds = [s for seconds, _ in results for s in seconds]
+        medians[name] = (statistics.median(rounds), statistics.median(cpu for _, cpu in results))
+        print(
+            f"{name:<22}{medians[name][0]:>9.3f}{medians[name][1]:>13.3f}  "
+            + " | ".join(" ".join(f"{s:.3f}" for s in seconds) for seconds, _ in results)
+        )
+    (plain, plain_cpu), (fedcore, fedcore_cpu) = medians["plain PyTorch loop"], medians["fedcore in-process"]
+    print(f"ratio fedcore / plain: {fedcore / plain:.2f} wall, {fedcore_cpu / plain_cpu:.2f} CPU (target <= 1.3)")
+    print(f"largest difference between the final models: {diff:.3g}")
+    return 0
+
+
+def warm_up() -> None:
+    """Compile the aggregation kernels (numba, once per process) before anything is timed."""
+    from fedcore.aggregation import WeightedMean
+    from fedcore.tensors import spec_of
+
+    update = {"w": np.zeros(8, np.float32)}
+    mean = WeightedMean(spec_of(update), threads=1)
+    mean.add(update, 1.0)
+    mean.result()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

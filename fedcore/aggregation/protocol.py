@@ -1,0 +1,91 @@
+"""The Aggregator seam: how a round's updates become one (DESIGN.md, "Round protocol seams").
+
+The strategy carries an :class:`Aggregator`; for each round the round loop checks that the rule fits the number
+of selected clients (:meth:`Aggregator.check`, before any client is contacted), starts an :class:`Accumulator`
+and adds every update to it as it arrives, then takes the result once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from fedcore.tensors import NamedArrays, TensorSpec
+
+
+@runtime_checkable
+class Accumulator(Protocol):
+    """One round's aggregation in progress: updates are added as they arrive, the result is taken once.
+
+    :class:`~fedcore.aggregation.WeightedMean` is the default one. An implementation validates an update completely
+    before it keeps anything of it, so a rejected update (the exceptions below) leaves the round's aggregate untouched.
+    """
+
+    @property
+    def count(self) -> int:
+        """Number of updates accepted so far."""
+        ...
+
+    def add(
+        self, update: Mapping[str, np.ndarray], weight: float, *, client_id: str | None = None, round: int | None = None
+    ) -> None:
+        """Validate and take in one client's update (``name -> array`` matching the round's spec) with its
+        aggregation weight (finite, >= 0).
+
+        Raises:
+            UpdateRejected, PayloadError, NonFiniteError: the update or its weight cannot be used.
+        """
+        ...
+
+    def result(self, *, release: bool = False) -> NamedArrays:
+        """The aggregate, with the spec's names, shapes and dtypes. ``release=True`` may reuse the accumulator's
+        memory for the result, after which the accumulator is spent.
+
+        Raises:
+            AggregationError: nothing usable was added (no updates, weights summing to 0, too few for the rule).
+        """
+        ...
+
+
+@runtime_checkable
+class Aggregator(Protocol):
+    """How a round's updates become one: the strategy carries it and the round loop folds every update through
+    the :class:`Accumulator` it starts for the round (DESIGN.md, "Round protocol seams").
+
+    Implementations: :class:`~fedcore.aggregation.MeanAggregator` (the default streaming weighted mean) and the
+    robust rules of :mod:`fedcore.aggregation.robust`; :func:`~fedcore.aggregation.make_aggregator` builds one by
+    name.
+    """
+
+    @property
+    def name(self) -> str:
+        """A label for reports and configuration (e.g. ``"mean"``)."""
+        ...
+
+    def start(
+        self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
+    ) -> Accumulator:
+        """A fresh accumulator for one round over tensors of ``spec``.
+
+        Args:
+            spec: names, shapes and dtypes every update must match (the global model's).
+            round: the round, for error messages.
+            reference: the global model the round's clients started from (``name -> array`` of ``spec``), for
+                rules that look at each update's difference from it (norm bounding); others ignore it. The
+                accumulator only reads it and keeps it until its result is taken.
+
+        Raises:
+            ConfigError: the spec cannot be aggregated by this rule, or the rule needs a reference and got none.
+        """
+        ...
+
+    def check(self, num_clients: int) -> None:
+        """Refuse, before any client is contacted, a round of ``num_clients`` selected clients that this rule
+        cannot aggregate (e.g. Krum with too few clients for the Byzantine clients it must tolerate).
+
+        Raises:
+            ConfigError: what does not fit and what to change.
+        """
+        ...

@@ -1,0 +1,158 @@
+"""One model object reused across instructions and clients trains exactly as a model built for each instruction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from client.runner import ModelCache, run_instruction
+from fedcore.errors import ClientTaskError, PayloadError
+from fedcore.messages import EvaluateIns, FitIns, FitRes
+from fedcore.strategy import SamplingConfig, Strategy
+from fedcore.supervised import SupervisedTask
+from fedcore.task import FitConfig, TrainContext, TrainResult, initial_parameters
+from server.round_loop import RoundConfig, run_rounds
+from simulations.inmemory import InMemoryPool
+
+FEATURES, CLASSES = 6, 3
+#: momentum (optimizer state), weight decay, FedProx (global parameters), two epochs of uneven batches
+CONFIG = FitConfig(local_epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3, mu=0.1)
+BUILDS: list[int] = []
+
+
+class Net(nn.Module):
+    """BatchNorm (running statistics), dropout (global torch RNG) and a buffer left out of the state dict that
+    training changes (a fresh model starts it at 0, so a reused one must too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(FEATURES, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(16, CLASSES)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x))))) * (1 + 0.01 * self.calls)
+
+
+def build_net() -> nn.Module:
+    BUILDS.append(1)
+    return Net()
+
+
+class HeadOnlyForA(SupervisedTask):
+    """Client "a" trains only the last layer (and leaves the others frozen); every other client trains all."""
+
+    def train(self, model: nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        if context.client_id == "a":
+            for name, param in model.named_parameters():
+                param.requires_grad_(name.startswith("fc2."))
+        return super().train(model, config, context)
+
+
+def data(cid: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed({"a": 1, "b": 2, "c": 3}[cid])
+    n = {"a": 30, "b": 21, "c": 18}[cid]
+    return torch.randn(n, FEATURES, generator=gen), torch.randint(0, CLASSES, (n,), generator=gen)
+
+
+def task(cid: str) -> SupervisedTask:
+    return HeadOnlyForA(model_fn=build_net, train_data=data(cid))
+
+
+INITIAL = initial_parameters(Net, seed=0)
+
+
+def fit(cid: str, models: ModelCache | None, rnd: int = 1) -> FitRes:
+    reply = run_instruction(
+        task(cid), FitIns(round=rnd, parameters=INITIAL, config=CONFIG, seed=11), cid, models=models
+    )
+    assert isinstance(reply, FitRes)
+    return reply
+
+
+def assert_same(a: FitRes, b: FitRes) -> None:
+    assert list(a.parameters) == list(b.parameters)
+    for name in a.parameters:
+        assert np.array_equal(a.parameters[name], b.parameters[name]), name
+    assert a.num_examples == b.num_examples and a.metrics["train_loss"] == b.metrics["train_loss"]
+
+
+@pytest.mark.parametrize("order", [("a", "b", "c"), ("c", "b", "a"), ("b", "a", "c")])
+def test_clients_on_one_shared_model_in_any_order_get_the_updates_of_fresh_models(order: tuple[str, ...]) -> None:
+    fresh = {cid: fit(cid, None) for cid in "abc"}
+    assert not np.array_equal(fresh["a"].parameters["fc1.weight"], fresh["b"].parameters["fc1.weight"])
+    assert np.array_equal(fresh["a"].parameters["fc1.weight"], INITIAL["fc1.weight"])  # a froze fc1
+    assert not np.array_equal(fresh["a"].parameters["bn.running_mean"], INITIAL["bn.running_mean"])
+    models = ModelCache()
+    BUILDS.clear()
+    shared = {}
+    for cid in order:
+        shared[cid] = fit(cid, models)
+        # an evaluation in between leaves the model in eval mode; the next fit must not inherit it
+        run_instruction(task(cid), EvaluateIns(round=1, parameters=shared[cid].parameters), cid, models=models)
+    assert len(BUILDS) == 1  # one model for every instruction
+    for cid in order:
+        assert_same(shared[cid], fresh[cid])
+
+
+def test_a_reused_model_gives_the_same_rounds_as_fresh_ones() -> None:
+    models = ModelCache()
+    first = fit("b", models)
+    again = fit("b", models)
+    later = fit("b", models, rnd=2)
+    assert_same(first, again)
+    assert_same(later, fit("b", None, rnd=2))
+    assert not np.array_equal(first.parameters["fc1.weight"], later.parameters["fc1.weight"])
+
+
+class Breaks(SupervisedTask):
+    """Turns the model to float64 and fails."""
+
+    def train(self, model: nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        model.double()
+        raise RuntimeError("out of memory")
+
+
+def test_a_model_left_changed_by_a_failed_instruction_is_not_reused() -> None:
+    models = ModelCache()
+    BUILDS.clear()
+    ins = FitIns(round=1, parameters=INITIAL, config=CONFIG, seed=11)
+    with pytest.raises(ClientTaskError, match="out of memory"):
+        run_instruction(Breaks(model_fn=build_net, train_data=data("a")), ins, "a", models=models)
+    assert_same(fit("a", models), fit("a", None))
+    assert len(BUILDS) == 3  # the broken model was dropped; the fresh reference built its own
+
+
+def test_parameters_that_do_not_fit_the_shared_model_are_refused() -> None:
+    models = ModelCache()
+    fit("a", models)
+    wrong = dict(INITIAL, **{"fc2.bias": np.zeros(CLASSES + 1, np.float32)})
+    with pytest.raises(PayloadError, match=r"fc2\.bias"):
+        run_instruction(task("a"), FitIns(round=2, parameters=wrong, config=CONFIG, seed=11), "a", models=models)
+
+
+def test_a_simulation_builds_the_model_once_and_matches_fresh_models() -> None:
+    strategy = Strategy(fit=CONFIG, sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=3))
+    BUILDS.clear()
+    final, _ = run_rounds(InMemoryPool(["a", "b", "c"], task), strategy, INITIAL, RoundConfig(num_rounds=2, seed=11))
+    assert len(BUILDS) == 1
+    state = INITIAL  # the same two rounds by hand, each client on a model of its own
+    for rnd in (1, 2):
+        replies = [
+            run_instruction(task(cid), FitIns(round=rnd, parameters=state, config=CONFIG, seed=11), cid)
+            for cid in "abc"
+        ]
+        fits = [r for r in replies if isinstance(r, FitRes)]
+        total = sum(r.num_examples for r in fits)
+        averages = {n: sum(r.parameters[n].astype(np.float64) * r.num_examples for r in fits) / total for n in INITIAL}
+        state = {
+            n: (np.rint(v) if INITIAL[n].dtype.kind == "i" else v).astype(INITIAL[n].dtype) for n, v in averages.items()
+        }
+    for name, value in final.parameters.items():
+        np.testing.assert_allclose(value, state[name], rtol=1e-6, atol=1e-7)
