@@ -139,7 +139,7 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
     if n < 1:
         raise ConfigError(
             "differential privacy needs the number of clients rounds sample from, for the sampling rate: "
-            "set privacy.population"
+            "set privacy.population (--population N)"
         )
     if strategy.groups:
         raise ConfigError(
