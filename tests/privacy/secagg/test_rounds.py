@@ -4,6 +4,7 @@ protocol cannot honour are refused before any client is contacted."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -11,8 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from fedcore.cli import server_options, simulate_options
+from fedcore.config import from_mapping
 from fedcore.errors import ConfigError
 from fedcore.messages import Failure, FitIns, FitRes, Reply, ServerMessage, StageIns
+from fedcore.options import add_options, given_values
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, initial_parameters, trainable_names
@@ -151,3 +155,17 @@ def test_a_client_with_more_examples_than_max_weight_is_dropped_and_recovered() 
     assert sorted(record.accepted) == ["a", "b", "c"]  # d has 20 examples > 16
     assert [f.client_id for f in record.failures] == ["d"]
     assert "max_weight" in record.failures[0].reason
+
+
+def test_secure_aggregation_is_one_flag_of_simulate_and_server_start_with_its_parameters() -> None:
+    for options in (simulate_options(), server_options()):
+        by_flag = {o.flag: o for o in options}
+        assert by_flag["--secure-aggregation"].key == "strategy.secure_aggregation"
+        parser = argparse.ArgumentParser()
+        add_options(parser, options)
+        values = given_values(parser.parse_args(["--secure-aggregation", "--field-bits", "40"]), options)
+        assert values == {"strategy": {"secure_aggregation": True, "secagg": {"field_bits": 40}}}
+    config = from_mapping(StrategyConfig, {"secure_aggregation": True, "secagg": {"field_bits": 40, "clip": 0.5}})
+    assert config.secagg == SecAggConfig(field_bits=40, clip=0.5)
+    with pytest.raises(ConfigError, match="field_bits"):
+        from_mapping(StrategyConfig, {"secure_aggregation": True, "secagg": {"field_bits": 70}})
