@@ -14,7 +14,7 @@ from torch import nn
 
 from fedcore.cli import server_options, simulate_options
 from fedcore.config import from_mapping
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, RoundFailed
 from fedcore.messages import Failure, FitIns, FitRes, Reply, ServerMessage, StageIns
 from fedcore.options import add_options, given_values
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
@@ -56,9 +56,9 @@ def secure() -> Strategy:
 class Recording:
     """A pool that records what the clients send and can make one client drop out at one stage."""
 
-    def __init__(self, pool: InMemoryPool, drop: tuple[str, str] | None = None) -> None:
+    def __init__(self, pool: InMemoryPool, drop: set[tuple[str, str]] | None = None) -> None:
         self.pool = pool
-        self.drop = drop
+        self.drop = drop or set()
         self.fit_replies: list[FitRes] = []
         self.stages: list[str] = []
 
@@ -73,7 +73,7 @@ class Recording:
         stage = first.name if isinstance(first, StageIns) else "fit" if isinstance(first, FitIns) else "evaluate"
         self.stages.append(stage)
         for reply in self.pool.run(instructions, timeout_s=timeout_s):
-            if self.drop == (reply.client_id, stage):
+            if (reply.client_id, stage) in self.drop:
                 yield Failure(client_id=reply.client_id, round=first.round, stage=first.stage, reason="injected")
                 continue
             if isinstance(reply, FitRes):
@@ -85,7 +85,7 @@ def start_state(strategy: Strategy) -> ServerState:
     return initial_state(initial_parameters(model_fn, SEED), strategy, trainable=trainable_names(model_fn))
 
 
-def one_round(strategy: Strategy, state: ServerState, ids: list[str], drop: tuple[str, str] | None = None):
+def one_round(strategy: Strategy, state: ServerState, ids: list[str], drop: set[tuple[str, str]] | None = None):
     pool = Recording(InMemoryPool(ids, make_task), drop=drop)
     final, records = run_rounds(pool, strategy, state, RoundConfig(num_rounds=state.round + 1, seed=SEED))
     return final, records[-1], pool
@@ -124,11 +124,22 @@ def test_three_secure_rounds_equal_fedavg_within_the_quantization_bound() -> Non
 def test_a_dropout_at_any_stage_is_recovered(stage: str, survivors: list[str]) -> None:
     bound = SECAGG.resolve(len(IDS)).error_bound
     state = start_state(secure())
-    secured, record, _ = one_round(secure(), state, IDS, drop=("c", stage))
+    secured, record, _ = one_round(secure(), state, IDS, drop={("c", stage)})
     assert sorted(record.accepted) == [cid for cid in survivors]
     assert any(f.client_id == "c" for f in record.failures)
     reference, _, _ = one_round(plain(), state, survivors)
     assert max_error(secured, reference) <= bound + 1e-6
+
+
+def test_too_many_dropouts_abort_the_attempt_and_nothing_is_unmasked() -> None:
+    # 2 of 4 clients drop after sharing their keys: a survivor keeps fewer than t = 2 of its k = 3 neighbours, so
+    # the server may not ask for the shares that would unmask the dropouts; both attempts fail, the model stays
+    strategy = secure()
+    state = start_state(strategy)
+    pool = Recording(InMemoryPool(IDS, make_task), drop={("c", "fit"), ("d", "fit")})
+    with pytest.raises(RoundFailed, match="after 2 attempt.*nothing is revealed.*fewer than the threshold 2"):
+        run_rounds(pool, strategy, state, RoundConfig(num_rounds=1, seed=SEED, max_round_attempts=2))
+    assert pool.stages.count("fit") == 2 and "unmask" not in pool.stages
 
 
 def test_settings_the_protocol_cannot_honour_are_refused_before_any_client_is_contacted() -> None:
