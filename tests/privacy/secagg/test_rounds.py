@@ -137,7 +137,7 @@ def test_too_many_dropouts_abort_the_attempt_and_nothing_is_unmasked() -> None:
     strategy = secure()
     state = start_state(strategy)
     pool = Recording(InMemoryPool(IDS, make_task), drop={("c", "fit"), ("d", "fit")})
-    with pytest.raises(RoundFailed, match="after 2 attempt.*nothing is revealed.*fewer than the threshold 2"):
+    with pytest.raises(RoundFailed, match=r"after 2 attempt.*nothing is revealed.*fewer than the threshold 2"):
         run_rounds(pool, strategy, state, RoundConfig(num_rounds=1, seed=SEED, max_round_attempts=2))
     assert pool.stages.count("fit") == 2 and "unmask" not in pool.stages
 
