@@ -5,6 +5,7 @@ protocol cannot honour are refused before any client is contacted."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -180,3 +181,17 @@ def test_secure_aggregation_is_one_flag_of_simulate_and_server_start_with_its_pa
     assert config.secagg == SecAggConfig(field_bits=40, clip=0.5)
     with pytest.raises(ConfigError, match="field_bits"):
         from_mapping(StrategyConfig, {"secure_aggregation": True, "secagg": {"field_bits": 70}})
+
+
+def test_uniform_weighting_folds_weight_one() -> None:
+    config = StrategyConfig(weighting="uniform")
+    uniform = build_strategy(config, FIT, SAMPLING)
+    secured = build_strategy(dataclasses.replace(config, secure_aggregation=True, secagg=SECAGG), FIT, SAMPLING)
+    assert secured.mods[0].params == {"weighting": "uniform"}
+    state = start_state(secured)
+    reference, _, _ = one_round(uniform, state, IDS)
+    result, _, _ = one_round(secured, state, IDS)
+    weighted, _, _ = one_round(plain(), state, IDS)
+    bound = SECAGG.resolve(len(IDS)).error_bound
+    assert max_error(result, reference) <= bound + 1e-6
+    assert max_error(result, weighted) > 10 * bound  # the weighting changes the model by more than the bound
