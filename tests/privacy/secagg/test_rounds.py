@@ -20,7 +20,7 @@ from fedcore.messages import Failure, FitIns, FitRes, Reply, ServerMessage, Stag
 from fedcore.options import add_options, given_values
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
-from fedcore.task import FitConfig, initial_parameters, trainable_names
+from fedcore.task import FitConfig, TaskContext, initial_parameters, trainable_names
 from privacy.secagg.codec import MASKED
 from privacy.secagg.config import SecAggConfig
 from privacy.secagg.rounds import secure_aggregation
@@ -195,3 +195,8 @@ def test_uniform_weighting_folds_weight_one() -> None:
     bound = SECAGG.resolve(len(IDS)).error_bound
     assert max_error(result, reference) <= bound + 1e-6
     assert max_error(result, weighted) > 10 * bound  # the weighting changes the model by more than the bound
+
+
+def task_factory(context: TaskContext) -> SupervisedTask:
+    """The task of a daemon started with ``--task tests.privacy.secagg.test_rounds:task_factory``."""
+    return make_task(context.client_id)
