@@ -569,6 +569,7 @@ class ClientDaemon:
                     models=self._models,
                     parallel=parallel,
                     state=self._state,
+                    stages=self._stages,
                 )
         except FedcoreError as exc:
             log.warning("round %d %s failed: %s", instruction.round, _what(instruction), exc)

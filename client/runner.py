@@ -43,7 +43,7 @@ from fedcore.messages import (
     Stage,
     bounded_repr,
 )
-from fedcore.mods import ModContext
+from fedcore.mods import ModContext, StageMachines
 from fedcore.task import EvalResult, Task, TaskContext, check_engine_task
 from fedcore.tensors import NamedArrays, TensorSpec, check_spec, from_state_dict, state_spec, to_state_dict
 from fedcore.training import train_task
@@ -204,6 +204,7 @@ def run_instruction(
     models: ModelCache | None = None,
     parallel: ParallelTraining | None = None,
     state: ClientStateStore | None = None,
+    stages: StageMachines | None = None,
 ) -> FitRes | EvaluateRes:
     """Execute one instruction with ``task`` on this client.
 
@@ -221,6 +222,8 @@ def run_instruction(
             then fit the engine's contract (:class:`~fedcore.task.EngineTask`).
         state: the clients' persistent state (:class:`client.state.ClientStateStore`), which mods use; None when
             this client keeps none.
+        stages: the client's round protocol state machines (:class:`client.stages.ClientStages`), which mods
+            acting for a protocol use (SecAgg+'s masking); None when it answers none.
 
     Returns:
         :class:`FitRes` with the trained parameters in the global model's names and dtypes, or
@@ -243,7 +246,10 @@ def run_instruction(
             else:
                 model = _build(task)
         context = ModContext(
-            client_id=client_id, model=model, state=state.entry(client_id) if state is not None else None
+            client_id=client_id,
+            model=model,
+            state=state.entry(client_id) if state is not None else None,
+            stages=stages,
         )
         built = model
         try:

@@ -15,12 +15,16 @@ client's stage (it is dropped from the round), never the client.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Iterable, Mapping
 
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError
 from fedcore.messages import StageIns, StageRes, bound_text
 from fedcore.stages import ClientProtocol, ClientStageMachine
+
+_BUILTIN: dict[str, str] = {"secagg+": "privacy.secagg.rounds:CLIENT_PROTOCOL"}
+"""Built-in client protocols, imported on their first stage message: ``name -> "module:attribute"``."""
 
 _REGISTERED: dict[str, ClientProtocol] = {}
 _REGISTERED_LOCK = threading.Lock()
@@ -121,8 +125,16 @@ class ClientStages:
     def _known(self) -> Mapping[str, ClientProtocol]:
         return self._protocols if self._protocols is not None else registered_client_protocols()
 
+    def _lookup(self, name: str) -> ClientProtocol | None:
+        protocol = self._known().get(name)
+        if protocol is None and self._protocols is None and name in _BUILTIN:
+            module, _, attr = _BUILTIN[name].partition(":")
+            register_client_protocol(getattr(importlib.import_module(module), attr))
+            protocol = self._known().get(name)
+        return protocol
+
     def _machine(self, instruction: StageIns, client_id: str) -> ClientStageMachine:
-        protocol = self._known().get(instruction.protocol)
+        protocol = self._lookup(instruction.protocol)
         if protocol is None:
             raise ClientTaskError(
                 f"this client has no client side of the round protocol {instruction.protocol!r}; start it with the "

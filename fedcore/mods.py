@@ -30,6 +30,7 @@ import torch
 
 from fedcore.errors import ClientTaskError, ConfigError
 from fedcore.messages import FitIns, FitRes, ModSpec, bound_text, bounded_repr
+from fedcore.stages import ClientStageMachine
 from fedcore.tensors import NamedArrays
 
 MAX_MODS = 16
@@ -54,6 +55,14 @@ class StateEntry(Protocol):
         ...
 
 
+class StageMachines(Protocol):
+    """Where a mod finds the client's round protocol state (:class:`client.stages.ClientStages` implements it)."""
+
+    def machine(self, round: int, client_id: str, protocol: str) -> ClientStageMachine | None:
+        """The live state machine of ``client_id`` for ``protocol`` in ``round``, or None."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ModContext:
     """What a mod may use besides the instruction.
@@ -64,11 +73,14 @@ class ModContext:
             None when training runs elsewhere (a parallel plan's worker processes).
         state: the client's persistent state, or None when the client keeps none (a daemon without a state
             directory).
+        stages: the client's round protocol state machines (a mod that acts for a protocol, e.g. SecAgg+'s
+            masking, finds the round's machine there), or None when the client answers no protocol.
     """
 
     client_id: str
     model: torch.nn.Module | None
     state: StateEntry | None
+    stages: StageMachines | None = None
 
 
 def in_process(
@@ -114,6 +126,7 @@ _BUILTIN: dict[str, str] = {
     "scaffold": "fedcore.algorithms.scaffold:ScaffoldMod",
     "dp-clip": "privacy.dp.distributed:ClipAndNoiseMod",
     "dp-sgd": "privacy.dp.sgd:DPSGDMod",
+    "secagg": "privacy.secagg.rounds:SecAggMod",
 }
 """Built-in mods, imported on first use: ``name -> "module:class"``."""
 

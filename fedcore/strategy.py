@@ -41,6 +41,7 @@ from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
 from fedcore.stages import RoundProtocol
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays
+from privacy.secagg.config import SecAggConfig
 
 STRATEGY_NAMES = ("fedavg", "fedavgm", "fedprox", "fedadagrad", "fedadam", "fedyogi", "scaffold")
 AGGREGATOR_NAMES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "norm_bound")
@@ -217,6 +218,12 @@ class StrategyConfig:
         trim_beta: the fraction trimmed at each end by ``trimmed_mean``, in [0, 0.5).
         multi_krum_m: how many of the best-scored updates ``multi_krum`` averages (unset: n - f).
         norm_bound: the L2 bound on each update's difference from the global model (``norm_bound``; required).
+        secure_aggregation: aggregate the updates with SecAgg+ (Bell et al. 2020): the server learns only the
+            weighted sum of the clients' quantized updates (:mod:`privacy.secagg.rounds`). Needs the ``mean``
+            aggregator and a strategy without tensor groups (not scaffold).
+        secagg: the SecAgg+ parameters (neighbours k, threshold t, field bits, clipping range of each update
+            coordinate, maximum example weight, quantization levels); checked against each round's selection
+            before any client is contacted.
 
         A rule's parameters are ignored by the other aggregators, so that one recipe can be run with another
         aggregator (``--aggregator mean``) to compare.
@@ -234,6 +241,8 @@ class StrategyConfig:
     trim_beta: float = _DEFAULT_TRIM_BETA
     multi_krum_m: int | None = None
     norm_bound: float | None = None
+    secure_aggregation: bool = False
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGY_NAMES:
@@ -253,6 +262,13 @@ class StrategyConfig:
         if self.aggregator == "norm_bound" and self.norm_bound is None:
             raise ConfigError("aggregator norm_bound needs strategy.norm_bound (the L2 bound on each update's change)")
         build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
+        if not isinstance(self.secagg, SecAggConfig):
+            raise ConfigError(f"strategy.secagg must be a SecAggConfig table, got {type(self.secagg).__name__}")
+        if self.secure_aggregation and (self.name == "scaffold" or self.aggregator != "mean"):
+            raise ConfigError(
+                "secure_aggregation sums the updates without seeing them: it needs aggregator = 'mean' and a "
+                f"strategy without extra tensor groups (not scaffold); got {self.name!r} with {self.aggregator!r}"
+            )
 
 
 def build_aggregator(config: StrategyConfig) -> Aggregator:
@@ -280,7 +296,8 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
     """Compose the :class:`Strategy` a recipe describes.
 
     FedProx is FedAvg's server with the proximal coefficient ``fit.mu`` on the clients; with ``mu = 0`` it is
-    exactly FedAvg (Li et al. 2020, section 3). SCAFFOLD is :func:`fedcore.algorithms.scaffold.scaffold` with
+    exactly FedAvg (Li et al. 2020, section 3). ``secure_aggregation`` wraps the result with
+    :func:`privacy.secagg.rounds.secure_aggregation`. SCAFFOLD is :func:`fedcore.algorithms.scaffold.scaffold` with
     ``server_lr`` as its global step size eta_g. The aggregator (:func:`build_aggregator`) combines with any of
     them: e.g. FedAvgM over the coordinate-wise median steps the global model by the median update.
     """
@@ -306,7 +323,7 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
             beta2=config.beta2,
             tau=config.tau,
         )
-    return Strategy(
+    strategy = Strategy(
         name=config.name,
         fit=fit,
         sampling=sampling,
@@ -314,3 +331,8 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
         server_optimizer=optimizer,
         aggregator=build_aggregator(config),
     )
+    if config.secure_aggregation:
+        from privacy.secagg.rounds import secure_aggregation
+
+        return secure_aggregation(strategy, config.secagg)
+    return strategy

@@ -91,7 +91,13 @@ class InMemoryPool:
                 self._stages.observe(instruction.round)
                 plan = self._parallel(client_id) if self._parallel is not None else None
                 yield run_instruction(
-                    self.task(client_id), instruction, client_id, models=self._models, parallel=plan, state=self._state
+                    self.task(client_id),
+                    instruction,
+                    client_id,
+                    models=self._models,
+                    parallel=plan,
+                    state=self._state,
+                    stages=self._stages,
                 )
             except FedcoreError as exc:
                 yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))

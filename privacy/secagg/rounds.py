@@ -1,0 +1,445 @@
+"""SecAgg+ in federated rounds: its state machines behind fedcore's round protocol, aggregator and mod seams.
+
+:func:`secure_aggregation` turns a strategy into its securely aggregated form; the round loop knows nothing of it.
+A round runs (Bell et al. 2020 on Bonawitz et al. 2017's four stages):
+
+1. before fit, ``advertise_keys``: the server sends the round's parameters, participants, graph seed and the
+   model's spec; each client answers with two X25519 public keys;
+2. before fit, ``share_keys``: each client gets its neighbours' keys and answers with their encrypted shares;
+3. before fit, ``collect_masked_input``: each client gets the ciphertexts addressed to it and acknowledges them;
+4. the fit exchange: the ``secagg`` client mod (:class:`SecAggMod`) masks the trained update ``y - x`` with the
+   round's client machine (reached through :meth:`client.stages.ClientStages.machine`), so the fit result holds
+   only the masked upload (:data:`~privacy.secagg.codec.MASKED`, ``D + 1`` elements of the field's dtype: uint32
+   for b = 32); the strategy's aggregator (:class:`SecAggAggregator`) hands each upload to the server machine,
+   which keeps the running modular sum and never an individual upload;
+5. after fit, ``unmask``: the survivors reveal the shares that remove the masks (of dropouts too); the
+   aggregator's result is then the global model plus the dequantized weighted mean of the updates.
+
+A client that drops out at any stage is recovered as the server machine allows (up to ``k - t`` of any client's
+neighbours after key sharing); too many dropouts stop the round attempt, which is retried with a fresh selection.
+The stochastic rounding is keyed by the run's seed (with round and client id), so a run is reproducible and the
+simulation and gRPC paths give the same model bit for bit; the masks, keys and Shamir coefficients come from the
+OS CSPRNG and cancel exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from fedcore.aggregation import MeanAggregator
+from fedcore.errors import (
+    AggregationError,
+    ClientTaskError,
+    ConfigError,
+    ProtocolError,
+    RoundFailed,
+    UpdateRejected,
+)
+from fedcore.messages import FitIns, FitRes, ModSpec, StageIns, StageRes, bound_text
+from fedcore.mods import CallNext, ModContext
+from fedcore.stages import Exchange, Phase
+from fedcore.strategy import Strategy
+from fedcore.tensors import NamedArrays, TensorSpec
+from privacy.secagg import codec
+from privacy.secagg.client import SecAggClient
+from privacy.secagg.config import SecAggConfig
+from privacy.secagg.messages import (
+    AdvertiseKeysIns,
+    MaskedInputIns,
+    MaskedInputRes,
+    ServerMessage,
+    ShareKeysIns,
+    Stage,
+)
+from privacy.secagg.quantize import check_quantizable
+from privacy.secagg.server import SecAggServer
+
+MOD = "secagg"
+"""The client mod's name (:class:`SecAggMod`)."""
+
+
+def _seed_bytes(seed: int, *keys: int | str) -> bytes:
+    return hashlib.sha256("/".join(["secagg", str(int(seed)), *(str(k) for k in keys)]).encode()).digest()
+
+
+# -- server ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class SecAggAccumulator:
+    """One round's secure sum: masked uploads go to the round's :class:`~privacy.secagg.server.SecAggServer`.
+
+    Attributes:
+        spec: the model's tensors (all floating).
+        round: the round.
+        reference: the global model the clients started from; the result is it plus the mean update.
+        server: the round's server machine, set when the protocol starts the round.
+    """
+
+    spec: tuple[TensorSpec, ...]
+    round: int
+    reference: Mapping[str, np.ndarray]
+    server: SecAggServer | None = None
+    _count: int = 0
+
+    @property
+    def count(self) -> int:
+        """Masked uploads taken so far."""
+        return self._count
+
+    def add(
+        self, update: Mapping[str, np.ndarray], weight: float, *, client_id: str | None = None, round: int | None = None
+    ) -> None:
+        """Hand one masked upload (``{MASKED: vector}``) to the server machine. ``weight`` is not used: the client
+        folded its integer weight into the upload, and the total weight comes out of the unmasked sum.
+
+        Raises:
+            UpdateRejected: anything else than one masked upload of the round's length and dtype, a second one
+                from the client, or one from a client that is not in the round's masked-input stage.
+        """
+        if self.server is None or client_id is None:
+            raise UpdateRejected("secure aggregation: a masked upload arrived outside a secure round", round=self.round)
+        if set(update) != {codec.MASKED}:
+            raise UpdateRejected(
+                f"secure aggregation: the fit result must hold only the masked upload {codec.MASKED!r}; was the "
+                "client started without the secagg mod?",
+                round=self.round,
+                client_id=client_id,
+            )
+        reply = MaskedInputRes(round=self.round, client_id=client_id, masked=np.asarray(update[codec.MASKED]))
+        self.server.receive(reply)
+        self._count += 1
+
+    def result(self, *, release: bool = False) -> NamedArrays:
+        """``reference + Σ w_k·Δ_k / Σ w_k`` over the survivors, computed in float64, in the spec's dtypes.
+
+        Raises:
+            RoundFailed: the unmask stage has not completed.
+            AggregationError: the survivors' weights sum to 0.
+        """
+        if self.server is None:
+            raise AggregationError("secure aggregation: the round protocol never started", round=self.round)
+        outcome = self.server.result
+        if outcome.total_weight <= 0:
+            raise AggregationError("secure aggregation: the survivors' weights sum to 0", round=self.round)
+        total = outcome.total_weight
+        return {
+            s.name: (
+                np.asarray(self.reference[s.name], dtype=np.float64) + outcome.weighted_sum[s.name] / total
+            ).astype(s.dtype)
+            for s in self.spec
+        }
+
+
+@dataclass(eq=False)
+class _Link:
+    """The round's accumulator, started by the aggregator and joined by the protocol."""
+
+    accumulator: SecAggAccumulator | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class SecAggAggregator:
+    """The aggregator of a securely aggregated strategy (made by :class:`SecureAggregation`, not by hand)."""
+
+    config: SecAggConfig
+    link: _Link
+
+    @property
+    def name(self) -> str:
+        """``"secagg"``."""
+        return MOD
+
+    def check(self, num_clients: int) -> None:
+        """Refuse a round of ``num_clients`` that SecAgg+ cannot run (graph, threshold, bit budget).
+
+        Raises:
+            ConfigError: what :meth:`SecAggConfig.resolve` refuses.
+        """
+        self.config.check(num_clients)
+
+    def start(
+        self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
+    ) -> SecAggAccumulator:
+        """The round's accumulator; the protocol joins it when it starts the round.
+
+        Raises:
+            ConfigError: a non-floating tensor in ``spec``, or no ``reference``.
+        """
+        check_quantizable(spec)
+        if reference is None:
+            raise ConfigError("secure aggregation needs the global model as the reference of the clients' updates")
+        accumulator = SecAggAccumulator(spec=tuple(spec), round=round, reference=reference)
+        self.link.accumulator = accumulator
+        return accumulator
+
+
+@dataclass(eq=False)
+class SecAggStages:
+    """The server side of one round attempt, as fedcore's :class:`~fedcore.stages.ServerStages`."""
+
+    server: SecAggServer
+    rounding_seed: bytes
+    deadline_s: float | None
+    _outbox: Mapping[str, ServerMessage] = field(default_factory=dict)
+    _sent: set[str] = field(default_factory=set)
+
+    def next_exchange(self, phase: Phase) -> Exchange | None:
+        """advertise, share, deliver the shares (before fit); unmask (after fit); see the module docstring."""
+        stage = self.server.stage
+        if phase is Phase.BEFORE_FIT:
+            if not self._sent:
+                self._outbox, name = self.server.start(), Stage.ADVERTISE_KEYS.value
+            elif stage is Stage.SHARE_KEYS and stage.value not in self._sent:
+                name = stage.value
+            elif stage is Stage.COLLECT_MASKED_INPUT and codec.DELIVER_SHARES not in self._sent:
+                name = codec.DELIVER_SHARES
+            else:
+                return None
+        elif stage is Stage.UNMASK and stage.value not in self._sent:
+            name = stage.value
+        else:
+            return None
+        self._sent.add(name)
+        encoded: dict[int, StageIns] = {}  # stage 1 sends one message to everyone: encode it once
+        instructions = {}
+        for cid, message in self._outbox.items():
+            if id(message) not in encoded:
+                encoded[id(message)] = codec.server_stage(
+                    message, attempt=self.server.attempt, rounding_seed=self.rounding_seed
+                )
+            instructions[cid] = encoded[id(message)]
+        return Exchange(name=name, instructions=instructions, deadline_s=self.deadline_s)
+
+    def receive(self, stage: str, replies: Mapping[str, StageRes], dropped: Mapping[str, str]) -> Mapping[str, str]:
+        """Hand the replies to the server machine (those it refuses are returned), then close the stage (the
+        acknowledgements of the shares' delivery close nothing: the masked inputs come with the fit exchange).
+
+        Raises:
+            RoundFailed: too few clients or neighbours remain.
+        """
+        refused: dict[str, str] = {}
+        for cid, reply in replies.items():
+            try:
+                message = codec.read_client_stage(reply)
+                if message is not None:
+                    self.server.receive(message)
+            except (ProtocolError, UpdateRejected) as exc:
+                refused[cid] = bound_text(exc.message, 300)
+        if stage != codec.DELIVER_SHARES:
+            self._outbox = self.server.advance()
+        return refused
+
+    def fit_done(self, accepted: Sequence[str], dropped: Mapping[str, str]) -> None:
+        """Close the masked-input stage: whoever's upload the aggregator took survived.
+
+        Raises:
+            RoundFailed: too few survivors, or a client left with fewer than ``t`` surviving neighbours.
+        """
+        self._outbox = self.server.advance()
+
+
+@dataclass(eq=False)
+class SecureAggregation:
+    """SecAgg+ as a :class:`~fedcore.stages.RoundProtocol`, with its paired :attr:`aggregator`.
+
+    Attributes:
+        config: the SecAgg+ parameters, resolved for each round's selection.
+        deadline_s: seconds each stage waits for its replies; None: the round's deadline.
+    """
+
+    config: SecAggConfig
+    deadline_s: float | None = None
+    link: _Link = field(default_factory=_Link)
+    name: str = codec.PROTOCOL
+
+    @property
+    def aggregator(self) -> SecAggAggregator:
+        """The aggregator whose accumulator this protocol's rounds feed."""
+        return SecAggAggregator(self.config, self.link)
+
+    def check(self, num_clients: int) -> None:
+        """As :meth:`SecAggAggregator.check`."""
+        self.config.check(num_clients)
+
+    def start(self, *, round: int, attempt: int, clients: Sequence[str], seed: int) -> SecAggStages:
+        """The server machine of ``round``'s ``attempt``, joined to the accumulator the aggregator started for it;
+        the graph seed and the rounding seed are derived from the run's ``seed``.
+
+        Raises:
+            RoundFailed: the round's accumulator was not started by this protocol's aggregator.
+            ConfigError: what :class:`~privacy.secagg.server.SecAggServer` refuses (client ids, parameters).
+        """
+        accumulator = self.link.accumulator
+        if accumulator is None or accumulator.round != round or accumulator.server is not None:
+            raise RoundFailed(
+                "secure aggregation: the strategy's aggregator is not this protocol's, or was not started for the "
+                "round; build the strategy with privacy.secagg.rounds.secure_aggregation",
+                round=round,
+            )
+        accumulator.server = SecAggServer(
+            self.config,
+            round=round,
+            attempt=attempt,
+            clients=clients,
+            spec=accumulator.spec,
+            graph_seed=_seed_bytes(seed, "graph", round, attempt),
+        )
+        return SecAggStages(
+            server=accumulator.server, rounding_seed=_seed_bytes(seed, "rounding"), deadline_s=self.deadline_s
+        )
+
+
+def secure_aggregation(strategy: Strategy, config: SecAggConfig, *, deadline_s: float | None = None) -> Strategy:
+    """``strategy`` with its updates securely aggregated: the SecAgg+ protocol, its aggregator, and the ``secagg``
+    client mod (outermost, so it masks what the other mods return).
+
+    Raises:
+        ConfigError: the strategy carries tensor groups (they would travel in plain), another round protocol, or
+            an aggregator other than the mean (robust rules need the individual updates the server must not see).
+    """
+    if strategy.groups:
+        raise ConfigError(
+            f"secure aggregation cannot protect the tensor groups of strategy {strategy.name!r} "
+            f"({', '.join(strategy.groups)}); use it with fedavg, fedprox or the adaptive optimizers"
+        )
+    if strategy.protocol is not None:
+        raise ConfigError(f"strategy {strategy.name!r} already runs the round protocol {strategy.protocol.name!r}")
+    if not isinstance(strategy.aggregator, MeanAggregator):
+        raise ConfigError(
+            f"secure aggregation sums the updates; the {strategy.aggregator.name!r} aggregator needs each update "
+            "in plain. Use aggregator = 'mean'"
+        )
+    protocol = SecureAggregation(config, deadline_s=deadline_s)
+    return replace(
+        strategy,
+        aggregator=protocol.aggregator,
+        protocol=protocol,
+        mods=(ModSpec(MOD, {"weighting": strategy.weighting}), *strategy.mods),
+    )
+
+
+# -- client ---------------------------------------------------------------------------------------------------------
+
+
+class SecAggClientMachine:
+    """One client's SecAgg+ round as fedcore's :class:`~fedcore.stages.ClientStageMachine`; the ``secagg`` mod
+    masks the trained update with it (:meth:`mask`)."""
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+        self._client: SecAggClient | None = None
+        self.spec: tuple[TensorSpec, ...] = ()
+        self.ready = False
+
+    def handle(self, instruction: StageIns) -> StageRes:
+        """Answer one stage (see the module docstring).
+
+        Raises:
+            ProtocolError: a malformed message, or one the SecAgg+ client refuses.
+        """
+        message, rounding_seed = codec.read_server_stage(instruction)
+        if isinstance(message, AdvertiseKeysIns):
+            if self._client is not None:
+                raise ProtocolError("secure aggregation: the round's keys were advertised already")
+            try:
+                self._client = SecAggClient(self.client_id, rounding_seed=rounding_seed)
+            except ConfigError as exc:
+                raise ProtocolError(exc.message) from None
+            reply = self._client.advertise_keys(message)
+            self.spec = message.spec
+            return codec.client_stage(reply, instruction, self.client_id)
+        client = self._started()
+        if isinstance(message, MaskedInputIns):
+            client.receive_shares(message)
+            self.ready = True
+            return codec.client_stage(None, instruction, self.client_id)
+        if isinstance(message, ShareKeysIns):
+            return codec.client_stage(client.share_keys(message), instruction, self.client_id)
+        return codec.client_stage(client.unmask(message), instruction, self.client_id)
+
+    def mask(self, update: Mapping[str, np.ndarray], weight: int) -> np.ndarray:
+        """The masked upload of ``update`` (the round's spec) with integer ``weight`` folded in.
+
+        Raises:
+            ProtocolError: the shares have not arrived, or the update was masked already.
+            PayloadError, NonFiniteError, ConfigError: the update or weight cannot be quantized.
+        """
+        return self._started().mask(update, weight).masked
+
+    def _started(self) -> SecAggClient:
+        if self._client is None:
+            raise ProtocolError("secure aggregation: a stage arrived before the round's keys were advertised")
+        return self._client
+
+
+@dataclass(frozen=True)
+class SecAggClientProtocol:
+    """The client side of :class:`SecureAggregation` (registered by :mod:`client.stages` for its name)."""
+
+    name: str = codec.PROTOCOL
+
+    def start(self, *, round: int, attempt: int, client_id: str) -> SecAggClientMachine:
+        """A fresh machine for ``client_id`` in ``round``'s ``attempt``."""
+        return SecAggClientMachine(client_id)
+
+
+CLIENT_PROTOCOL = SecAggClientProtocol()
+
+
+@dataclass(frozen=True)
+class SecAggMod:
+    """The ``secagg`` client mod: trains, then replaces the fit result's parameters with the masked upload of the
+    update ``y - x`` (trained minus global model) with the client's weight folded in, so the plain update never
+    leaves the client.
+
+    Args:
+        weighting: ``"examples"`` (the weight is the example count, at most the config's ``max_weight``) or
+            ``"uniform"`` (weight 1), as the strategy's.
+
+    Raises (from the call):
+        ClientTaskError: this client holds no SecAgg+ state for the round (the key stages did not reach it).
+        ProtocolError, ConfigError, PayloadError: the update cannot be masked (e.g. more examples than
+            ``max_weight``).
+    """
+
+    weighting: str = "examples"
+
+    def __post_init__(self) -> None:
+        if self.weighting not in ("examples", "uniform"):
+            raise ConfigError(f"weighting must be 'examples' or 'uniform', got {bound_text(str(self.weighting), 40)!r}")
+
+    def __call__(self, instruction: FitIns, context: ModContext, call_next: CallNext) -> FitRes:
+        """Train with ``call_next``, then mask; see the class docstring."""
+        stages = context.stages
+        machine = stages.machine(instruction.round, context.client_id, codec.PROTOCOL) if stages is not None else None
+        if not isinstance(machine, SecAggClientMachine) or not machine.ready:
+            raise ClientTaskError(
+                "secure aggregation: this client holds no keys and shares for the round (its key stages did not "
+                "reach it); it cannot send its update",
+                round=instruction.round,
+                client_id=context.client_id,
+                stage="fit",
+            )
+        reply = call_next(instruction)
+        weight = reply.num_examples if self.weighting == "examples" else 1
+        try:
+            update = {
+                s.name: (
+                    np.asarray(reply.parameters[s.name], dtype=np.float64)
+                    - np.asarray(instruction.parameters[s.name], dtype=np.float64)
+                ).astype(s.dtype)
+                for s in machine.spec
+            }
+            masked = machine.mask(update, weight)
+        except KeyError as exc:
+            raise ClientTaskError(
+                f"secure aggregation: the trained model lacks tensor {bound_text(str(exc), 80)}",
+                round=instruction.round,
+                client_id=context.client_id,
+            ) from None
+        return replace(reply, parameters={codec.MASKED: masked})
