@@ -122,7 +122,8 @@ def _tasks(
             time.sleep(0.2)
             continue
         if not isinstance(got, bool) and got[0].stage == pb.STAGE_FIT:
-            yield got
+            header, arrays, _ = got  # the payload's header metadata (tensor groups) is not needed here
+            yield header, arrays
 
 
 def _header(session: str, task: pb.TaskHeader, size: int) -> pb.ResultChunk:
