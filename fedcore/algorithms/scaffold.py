@@ -43,7 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fedcore.aggregation import Aggregator, MeanAggregator
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.messages import FitIns, FitRes, ModSpec, bounded_repr
-from fedcore.mods import CallNext, ModContext, StateEntry
+from fedcore.mods import CallNext, ModContext, StateEntry, in_process
 from fedcore.server_opt import ServerSGD
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.task import FitConfig
@@ -106,14 +106,7 @@ class ScaffoldMod:
     def __call__(self, instruction: FitIns, context: ModContext, call_next: CallNext) -> FitRes:
         """Run ``call_next`` with the gradient correction in place; see the class docstring."""
 
-        def fail(message: str) -> ClientTaskError:
-            return ClientTaskError(f"SCAFFOLD: {message}", round=instruction.round, client_id=context.client_id)
-
-        model, state = context.model, context.state
-        if model is None:
-            raise fail("local training runs in other processes (a parallel plan); SCAFFOLD needs it in this one")
-        if state is None:
-            raise fail("this client keeps no state for its control variate; give the daemon a state directory")
+        model, state = in_process(instruction, context, mod="SCAFFOLD", state_for="its control variate")
         c = instruction.groups.get(CONTROL)
         if c is None:
             raise PayloadError(
@@ -157,7 +150,11 @@ class ScaffoldMod:
         finally:
             handle.remove()
         if steps == 0:
-            raise fail("the task took no torch.optim optimizer step on the model's parameters (K = 0)")
+            raise ClientTaskError(
+                "SCAFFOLD: the task took no torch.optim optimizer step on the model's parameters (K = 0)",
+                round=instruction.round,
+                client_id=context.client_id,
+            )
         scale = 1.0 / (steps * instruction.config.lr)
         new_c_i: NamedArrays = {}
         delta: NamedArrays = {}

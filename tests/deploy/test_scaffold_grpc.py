@@ -4,16 +4,15 @@ directory continues from its stored control variate."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from client.daemon import ClientDaemon, DaemonConfig
 from fedcore.algorithms.scaffold import CONTROL, scaffold
-from fedcore.task import Task, TaskContext, initial_parameters, trainable_names
+from fedcore.task import initial_parameters, trainable_names
 from server.round_loop import RoundConfig, ServerState, initial_state, run_rounds
+from tests.deploy.daemon_threads import daemon_threads
 from tests.deploy.test_service import Harness
 from tests.server.test_scaffold import ETA_G, FIT, IDS, SAMPLING, SEED, make_task, model_fn, run
 
@@ -21,31 +20,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _grpc_rounds(tmp: Path, h: Harness, start: ServerState, rounds: int) -> ServerState:
-    daemons = []
-    threads = []
-    for cid in IDS:
-        config = DaemonConfig(server=f"127.0.0.1:{h.port}", client_id=cid, task="unused:factory", insecure=True,
-                              poll_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.2, exit_when_finished=False,
-                              state_dir=tmp / f"state-{cid}")  # fmt: skip
-
-        def factory(context: TaskContext, cid: str = cid) -> Task:
-            return make_task(cid)
-
-        daemon = ClientDaemon(config, factory=factory)
-        daemons.append(daemon)
-        threads.append(threading.Thread(target=daemon.run, daemon=True))
-    try:
-        for thread in threads:
-            thread.start()
-        h.pool.wait_for(len(IDS), timeout_s=30)
+    with daemon_threads(h, IDS, make_task, state_root=tmp):
         strategy = scaffold(fit=FIT, sampling=SAMPLING, server_lr=ETA_G)
         final, _ = run_rounds(h.pool, strategy, start, RoundConfig(num_rounds=rounds, seed=SEED, round_timeout_s=60))
         return final
-    finally:
-        for daemon in daemons:
-            daemon.stop()
-        for thread in threads:
-            thread.join(10)
 
 
 def test_scaffold_over_grpc_equals_the_simulation_and_daemons_keep_their_control_variates(tmp_path: Path) -> None:
