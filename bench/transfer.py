@@ -185,7 +185,7 @@ def fedcore_client(port: int, certs: Path, chunk_bytes: int, results: Queue[tupl
         )
     down_s = time.perf_counter() - first_message[0]
     assert isinstance(got, tuple)
-    header, parameters = got
+    header, parameters, _ = got  # the payload metadata (tensor groups) is not needed here
 
     # up: the model sent back as the update, as the daemon sends one: views of the arrays cut into framed chunks
     # (one copy each), the SHA-256 on a helper thread, then the trailer
