@@ -82,12 +82,12 @@ def _worker(method: str, clients: int, params: int, block: int | None) -> dict[s
         return {"seconds": best, "bytes": 8 * n * 4, "peak_kb": 0, "peak_reset": True}
 
     if method.startswith("ours"):
-        import fedcore.aggregation
+        import fedcore.aggregation.streaming
         from fedcore.aggregation import WeightedMean
         from fedcore.tensors import encode, spec_of
 
         if block is not None:
-            fedcore.aggregation._BLOCK = block  # tuning runs only
+            fedcore.aggregation.streaming._BLOCK = block  # tuning runs only (read when a WeightedMean is built)
         threads = 1 if method.endswith("1thread") else None
         updates: list = []
         for _ in range(clients):
