@@ -187,25 +187,29 @@ def _bad_tokens(target: str, stop: threading.Event) -> None:
     stop.wait()
 
 
-ATTACKS: dict[str, tuple[Attack, str]] = {
-    # attack -> (hostile client, the reason the server logs once)
-    "silent-streams": (_silent_streams, "refused a call (no session)"),
-    "pull-flood": (_pull_flood, "refused a call (calls per client)"),
-    "slow-push": (_slow_push, "cut off an update upload"),
-    "huge-header": (_huge_header, "rejected the update of client hostile: "),
-    "bad-tokens": (_bad_tokens, "refused a call (wrong token)"),
+ATTACKS: dict[str, tuple[Attack, str, bool]] = {
+    # attack -> (hostile client, the reason the server logs once, whether the hostile client joins the run)
+    "silent-streams": (_silent_streams, "refused a call (no session)", False),
+    "pull-flood": (_pull_flood, "refused a call (calls per client)", True),
+    "slow-push": (_slow_push, "cut off an update upload", True),
+    "huge-header": (_huge_header, "rejected the update of client hostile: ", True),
+    "bad-tokens": (_bad_tokens, "refused a call (wrong token)", False),
 }
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_a_hostile_client_cannot_stop_the_run(tmp_path: Path, attack: str) -> None:
-    hostile, reason = ATTACKS[attack]
+    hostile, reason, joins = ATTACKS[attack]
     tokens = tmp_path / "tokens.txt"
     tokens.write_text("".join(f"{cid} {token}\n" for cid, token in TOKENS.items()))
     state = tmp_path / "state"
     flags = ["--rounds", str(ROUNDS), "--tokens-file", str(tokens), "--max-workers", "24", "--stream-idle-s", "2",
              "--round-timeout-s", "8", "--min-fit-results", "2", "--no-evaluate",
              "--liveness-timeout-s", "10"]  # fmt: skip
+    # a hostile client that joins is one of three: rounds start once all three are connected and select them all,
+    # so a round never begins with the hostile client and one honest daemon alone (every attempt would miss the
+    # quorum of two before the other daemon joined)
+    flags += ["--min-fit-clients", "3" if joins else "2"]
     server = Proc("server", server_args(0, state, OPTIONS, *flags), tmp_path)  # the OS picks the port
     honest: list[Proc] = []
     stop = threading.Event()
