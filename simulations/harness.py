@@ -42,6 +42,7 @@ from fedcore.task import (
     trainable_names,
 )
 from privacy.dp.config import apply_dp
+from server.pool import ClientPool
 from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from server.state import history_columns, write_history
 from simulations.attacks import AttackedPool, attacked_tasks, choose_attackers, num_classes
@@ -179,12 +180,14 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         log.warning("attack %s by %d of %d clients: %s", kind, count, len(ids), sorted(attackers))
         classes = num_classes(server_task) if config.attack.kind == "label_flip" else 0
         client_task = attacked_tasks(make_task, attackers, config.attack, classes)
-    pool = AttackedPool(
-        InMemoryPool(ids, client_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR)),
-        attackers,
-        config.attack,
-        seed=config.seed,
-    )
+    clients = InMemoryPool(ids, client_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR))
+    backend: ClientPool = clients
+    if config.simulation.backend == "batched":
+        from simulations.batched import BatchedPool, check_batchable
+
+        check_batchable(clients.task(ids[0]), strategy)  # refused before the first round, not in one
+        backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients)
+    pool = AttackedPool(backend, attackers, config.attack, seed=config.seed)
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []
