@@ -7,6 +7,12 @@ the clients' models are stacked along a leading client dimension and trained tog
 (Horace He et al., functorch; the same transform as per-sample gradients, applied per client), so a Linear layer
 becomes one batched matmul over all clients, and the optimizer update is one tensor operation over all of them.
 
+A model made only of Flatten, Linear and ReLU modules run in order (the 2NN, logistic regression), trained with
+cross-entropy and plain SGD (no momentum, weight decay or mu), takes a fused path instead: the forward and backward
+written as batched matmuls, each stacked weight updated in place by one ``baddbmm_``, which halves a round on the
+CPU (no stacked gradient is written and read again); the path is taken only when running those modules in order
+reproduces the model's own output.
+
 What it computes is what :func:`fedcore.training.train_supervised` computes for each client alone, step for step:
 
 - the same shuffling: each client's ``torch.randperm`` per epoch from its generator seeded with
@@ -237,7 +243,10 @@ class _LinearChain:
             return None
         if any(isinstance(m, nn.Flatten) and (m.start_dim, m.end_dim) != (1, -1) for _, m in leaves):
             return None
-        if any(not p.requires_grad for p in model.parameters()):
+        canonical = dict(model.named_parameters())  # tied or frozen weights: the general path
+        if len(canonical) != len(dict(model.named_parameters(remove_duplicate=False))):
+            return None
+        if any(not p.requires_grad for p in canonical.values()):
             return None
         layers = [m for _, m in leaves if not isinstance(m, nn.Flatten)]
         names = [
