@@ -217,6 +217,22 @@ class ClientStats:
     round: int
 
 
+def check_private_selection(policy: str, *, client_dp: bool, trace: bool = False) -> None:
+    """Refuse client-level DP with a selection that is not uniform over all clients: the accountant's privacy
+    amplification by sampling assumes each client is selected with the same probability m / N each round, which a
+    loss-, speed- or stratum-driven policy, or an availability trace, breaks (the epsilon reported would be wrong).
+
+    Raises:
+        ConfigError: ``client_dp`` with a policy other than uniform, or with an availability trace.
+    """
+    if client_dp and (policy != "uniform" or trace):
+        raise ConfigError(
+            "client-level differential privacy accounts for uniform sampling of the clients (rate m / N); "
+            + (f"selection {policy!r} chooses by other rules" if policy != "uniform" else "an availability trace")
+            + " would make its epsilon wrong: use selection = 'uniform' (and no trace) with [privacy], or turn DP off"
+        )
+
+
 # ------------------------------------------------------------------------------------------------ pure policies
 def largest_remainder(sizes: Mapping[str, int], num: int) -> dict[str, int]:
     """Split ``num`` selections over strata in proportion to their sizes (Hamilton's largest-remainder method).

@@ -234,7 +234,7 @@ class StrategyConfig:
     norm_bound: float | None = None
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
-    selection: str = "uniform"
+    selection: Literal["uniform", "stratified", "power-of-choice", "oort"] = "uniform"
     selector: SelectionConfig = field(default_factory=SelectionConfig)
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ import ctypes.util
 import functools
 import gc
 import logging
+import math
 import numbers
 import time
 from collections.abc import Callable, Mapping
@@ -538,8 +539,9 @@ def _mapping(metrics: object) -> Mapping[str, object]:
 def _simulated_duration(rows: list[tuple[int, Mapping[str, object]]]) -> float | None:
     """A synchronous round's simulated duration: the slowest accepted client's ``simulated_seconds`` (a simulation's
     device model reports it with each update); None when no client reported one (a real deployment)."""
-    times = [float(t) for _, metrics in rows if isinstance(t := _mapping(metrics).get("simulated_seconds"), float)]
-    return max(times) if times else None
+    times = [metric_value(_mapping(metrics).get("simulated_seconds")) for _, metrics in rows]
+    known = [t for t in times if t is not None and 0 <= t < math.inf]
+    return max(known) if known else None
 
 
 def _stages_before_fit(
