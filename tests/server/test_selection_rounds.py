@@ -143,3 +143,44 @@ def test_simulated_durations_are_the_devices_model() -> None:
     assert len(slow) == 10 and slow == slow_clients(list(reversed(ids)), 0.2, seed=1)
     assert slow != slow_clients(ids, 0.2, seed=2)
     assert np.isclose(len(slow_clients(ids, 0.5, seed=1)), 25)
+
+
+def test_run_server_resumes_with_the_selection_learned_before_the_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fedcore server start`` on a state directory replays the stored feedback of the rounds up to its checkpoint
+    into the strategy's selector before the first round; rounds after the checkpoint (superseded) do not count."""
+    import dataclasses
+    from typing import Any
+
+    import server.app
+    from fedcore.selection import ClientObservation, ClientStats
+    from fedcore.strategy import StrategyConfig
+    from fedcore.task import TaskContext, load_task_factory
+    from server.round_loop import ServerState
+    from tests.deploy.test_service import _demo_server_config
+
+    options = {"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"}
+    task = load_task_factory("simulations.tasks:demo_task")(TaskContext(role="server", options=options))
+    store = StateStore(tmp_path / "state")
+    store.check_strategy(StrategyConfig())
+    store.save_checkpoint(ServerState(round=1, parameters=initial_parameters(task.build_model, 0), optimizer_state={}))
+    for rnd, loss in ((1, 0.7), (2, 0.1)):  # round 2 is recorded but has no checkpoint: it runs again
+        seen = (ClientObservation(client_id="daemon-a", num_examples=30, loss=loss, seconds=2.5),)
+        store.record_round(RoundRecord(round=rnd, observations=seen))
+    store.close()
+    strategies: list[Any] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        strategies.append(args[1])
+        raise RoundFailed("stop here: the test only looks at the strategy handed to the round loop")
+
+    monkeypatch.setattr(server.app, "run_rounds", spy)
+    monkeypatch.setattr(server.app, "warm_up_kernels", lambda: None)  # compiling the kernels is not looked at here
+    config = _demo_server_config(tmp_path / "state", wait_for_clients_s=1.0)
+    config = dataclasses.replace(config, strategy=dataclasses.replace(config.strategy, selection="power-of-choice"))
+    with pytest.raises(RoundFailed, match="stop here"):
+        server.app.run_server(config, echo=lambda _: None)
+    selection = strategies[0].selection
+    assert selection.policy == "power-of-choice"
+    assert selection.stats() == {"daemon-a": ClientStats(num_examples=30, loss=0.7, seconds=2.5, round=1)}
