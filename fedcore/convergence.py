@@ -163,7 +163,7 @@ class Convergence:
         if isinstance(seconds, int | float) and math.isfinite(seconds):
             self.seconds += float(seconds)
         accuracy = row_accuracy(row)
-        recorded = next((r for r in STOP_RULES if row.get(STOP_COLUMN_PREFIX + r)), None)
+        recorded = next((r for r in STOP_RULES if row.get(STOP_COLUMN_PREFIX + r) == 1), None)  # not NaN, not empty
         if accuracy is not None:
             target = self.rules.target_accuracy
             if target is not None and self.reached is None and accuracy >= target:

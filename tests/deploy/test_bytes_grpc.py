@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedcore.aggregation.weights import QualityWeights, WeightRule
 from fedcore.messages import FitIns
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.supervised import SupervisedTask
@@ -26,9 +27,8 @@ from tests.deploy.test_service import Harness
 pytestmark = pytest.mark.timeout(120)
 
 IDS = ["a", "b"]
-STRATEGY = Strategy(
-    fit=FitConfig(local_epochs=1, batch_size=16, lr=0.1), sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2)
-)
+FIT = FitConfig(local_epochs=1, batch_size=16, lr=0.1)
+SAMPLING = SamplingConfig(fraction_fit=1.0, min_fit_clients=2)
 
 
 def model_fn() -> torch.nn.Module:
@@ -42,15 +42,18 @@ def make_task(cid: str) -> Task:
     return SupervisedTask(model_fn=model_fn, train_data=(x, y))
 
 
-def test_grpc_round_counts_the_bytes_received_and_sent(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weighting", ["examples", "metric"])
+def test_grpc_round_counts_the_bytes_received_and_sent(tmp_path: Path, weighting: WeightRule) -> None:
+    """Also: quality weighting by the clients' reported loss gives the simulation's model over gRPC, to the bit."""
+    strategy = Strategy(fit=FIT, sampling=SAMPLING, weighting=weighting, quality=QualityWeights(temperature=0.1))
     initial = initial_parameters(model_fn, seed=1)
     config = RoundConfig(num_rounds=1, seed=3, round_timeout_s=60)
-    simulated, sim_records = run_rounds(InMemoryPool(IDS, make_task), STRATEGY, initial, config)
+    simulated, sim_records = run_rounds(InMemoryPool(IDS, make_task), strategy, initial, config)
     h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=5.0)
     try:
         with daemon_threads(h, IDS, make_task):
-            final, records = run_rounds(h.pool, STRATEGY, initial, config)
-        model_payload = h.pool.payload_bytes(FitIns(round=1, parameters=initial, config=STRATEGY.fit, seed=3))
+            final, records = run_rounds(h.pool, strategy, initial, config)
+        model_payload = h.pool.payload_bytes(FitIns(round=1, parameters=initial, config=FIT, seed=3))
     finally:
         h.pool.finish()
         h.close()

@@ -74,6 +74,8 @@ def test_a_recorded_stop_is_final_whatever_the_rules_are_now() -> None:
     assert recorded[2]["stopped_plateau"] == 1
     tracker = Convergence.replay(StopRules(), recorded)  # no rule set any more: the stop still stands
     assert tracker.stop == Stop("plateau", 2, "recorded in the history")
+    # an empty cell read back from a CSV (NaN) is no stop
+    assert Convergence.replay(StopRules(), [{"round": 1, "stopped_plateau": float("nan")}]).stop is None
 
 
 def test_no_target_no_report_and_bad_rules_are_refused() -> None:

@@ -4,18 +4,26 @@ accuracy, a plateau), with a resumed run that does not go past a stop it made.""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 
 from fedcore.convergence import Stop, StopRules
 from fedcore.messages import FitIns, FitRes, packed_nbytes
-from fedcore.task import EvalResult, initial_parameters
+from fedcore.strategy import StrategyConfig
+from fedcore.task import EvalResult, TaskContext, initial_parameters, load_task_factory
 from fedcore.tensors import NamedArrays
-from server.round_loop import RoundConfig, RoundRecord, run_rounds
+from server.app import run_server
+from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
+from server.state import StateStore
+from tests.deploy.test_service import _demo_server_config
 from tests.server.test_round_loop import all_clients, make_pool, model_fn, shards  # noqa: F401 - fixture
 
 Shards = list[tuple[torch.Tensor, torch.Tensor]]
+DEMO_OPTIONS = {"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"}
 
 
 def scripted(accuracies: dict[int, float]) -> object:
@@ -137,3 +145,21 @@ def test_round_zero_record_has_no_traffic(shards: Shards) -> None:  # noqa: F811
     )
     zero: RoundRecord = records[0]
     assert (zero.bytes_up, zero.bytes_down, zero.update_norm, zero.stop) == (0, 0, None, None)
+
+
+def test_a_server_resumed_after_a_stop_runs_no_further_round(tmp_path: Path) -> None:
+    """``fedcore server start`` on a state directory whose history records a stop: no round, no client awaited
+    (a round would fail: none connects), and it says why."""
+    store = StateStore(tmp_path / "state")
+    task = load_task_factory("simulations.tasks:demo_task")(TaskContext(role="server", options=DEMO_OPTIONS))
+    store.check_strategy(StrategyConfig())
+    store.save_checkpoint(ServerState(round=1, parameters=initial_parameters(task.build_model, 0), optimizer_state={}))
+    store.record_round(RoundRecord(round=1, eval_metrics={"accuracy": 0.5}, stop=Stop("plateau", 1, "2 rounds")))
+    store.close()
+    lines: list[str] = []
+    config = _demo_server_config(tmp_path / "state", wait_for_clients_s=0.5)
+    final = run_server(replace(config, linger_s=0.0), echo=lines.append)
+    assert final is not None and final.round == 1
+    assert "stopped early after round 1 (plateau: recorded in the history)" in lines
+    history = pd.read_csv(tmp_path / "state" / "history.csv")
+    assert list(history["round"]) == [1] and list(history["stopped_plateau"]) == [1]
