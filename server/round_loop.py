@@ -285,7 +285,6 @@ def run_rounds(
             which the stop rules' state is rebuilt (:meth:`fedcore.convergence.Convergence.replay`): the plateau's
             patience counts on across a restart, and a run whose history records a stop runs no further round
             (a stop is final; a new run from its checkpoint needs a new state directory).
-
         validate_fn: the server's evaluation of one update on its held-out validation data, called with the update
             and the round, for ``strategy.weighting == "server"`` (:mod:`fedcore.aggregation.weights`); required
             by that rule, unused by the others.

@@ -108,3 +108,12 @@ def test_bad_settings_are_refused() -> None:
         StrategyConfig(weighting="metric", secure_aggregation=True)
     with pytest.raises(ConfigError, match="temperature"):
         StrategyConfig(weighting="metric", weight_temperature=-1.0)
+
+
+def test_dp_fedavg_refuses_a_quality_weighting_instead_of_replacing_it() -> None:
+    from privacy.dp.config import PrivacyConfig, apply_dp
+
+    private = PrivacyConfig(dp="central", population=10)
+    assert apply_dp(Strategy(), private).weighting == "uniform"  # examples: replaced, as documented
+    with pytest.raises(ConfigError, match="weighting 'metric' cannot be combined"):
+        apply_dp(Strategy(weighting="metric"), private)
