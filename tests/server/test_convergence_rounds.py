@@ -13,8 +13,8 @@ import torch
 
 from fedcore.convergence import Stop, StopRules
 from fedcore.messages import FitIns, FitRes, packed_nbytes
-from fedcore.strategy import StrategyConfig
-from fedcore.task import EvalResult, TaskContext, initial_parameters, load_task_factory
+from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig
+from fedcore.task import EvalResult, FitConfig, TaskContext, initial_parameters, load_task_factory
 from fedcore.tensors import NamedArrays
 from server.app import run_server
 from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
@@ -24,6 +24,12 @@ from tests.server.test_round_loop import all_clients, make_pool, model_fn, shard
 
 Shards = list[tuple[torch.Tensor, torch.Tensor]]
 DEMO_OPTIONS = {"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"}
+
+
+def two_clients() -> Strategy:
+    """FedAvg over two clients, both every round (the stop rules' tests need rounds, not many clients)."""
+    return Strategy(fit=FitConfig(local_epochs=1, batch_size=32, lr=0.1),
+                    sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2))  # fmt: skip
 
 
 def scripted(accuracies: dict[int, float]) -> object:
@@ -92,7 +98,7 @@ def test_target_accuracy_stops_the_run_and_records_which_rule_and_round(shards: 
     config = RoundConfig(num_rounds=6, seed=3, stop=StopRules(target_accuracy=0.7))
     evaluate = scripted({0: 0.1, 1: 0.5, 2: 0.75, 3: 0.8})
     state, records = run_rounds(
-        make_pool(shards), all_clients(), initial_parameters(model_fn, 1), config, evaluate_fn=evaluate
+        make_pool(shards[:2]), two_clients(), initial_parameters(model_fn, 1), config, evaluate_fn=evaluate
     )
     assert state.round == 2 and [r.round for r in records] == [0, 1, 2]
     assert records[-1].stop == Stop("target_accuracy", 2, "accuracy 0.7500 reached the target 0.7")
@@ -103,13 +109,13 @@ def test_target_accuracy_stops_the_run_and_records_which_rule_and_round(shards: 
 def test_plateau_stops_after_patience_evaluated_rounds_and_counts_on_after_a_resume(shards: Shards) -> None:  # noqa: F811
     accuracies = {0: 0.1, 1: 0.5, 2: 0.6, 3: 0.6, 4: 0.55, 5: 0.9, 6: 0.9}
     config = RoundConfig(num_rounds=6, seed=3, stop=StopRules(patience=2))
-    strategy = all_clients()
+    strategy = two_clients()
     initial = initial_parameters(model_fn, 1)
-    full_state, full = run_rounds(make_pool(shards), strategy, initial, config, evaluate_fn=scripted(accuracies))
+    full_state, full = run_rounds(make_pool(shards[:2]), strategy, initial, config, evaluate_fn=scripted(accuracies))
     assert full_state.round == 4 and full[-1].stop is not None and full[-1].stop.rule == "plateau"
     # the same run stopped after round 3 and resumed with its history: the count goes on, the stop is at round 4
     first_state, first = run_rounds(
-        make_pool(shards),
+        make_pool(shards[:2]),
         strategy,
         initial,
         RoundConfig(num_rounds=3, seed=3, stop=config.stop),
@@ -117,7 +123,7 @@ def test_plateau_stops_after_patience_evaluated_rounds_and_counts_on_after_a_res
     )
     assert first_state.round == 3 and first[-1].stop is None
     resumed_state, resumed = run_rounds(
-        make_pool(shards),
+        make_pool(shards[:2]),
         strategy,
         first_state,
         config,
@@ -130,15 +136,15 @@ def test_plateau_stops_after_patience_evaluated_rounds_and_counts_on_after_a_res
     # and resumed once more after its stop: no round is run, the state comes back as it is
     history = [r.as_row() for r in [*first, *resumed]]
     again_state, again = run_rounds(
-        make_pool(shards), strategy, resumed_state, config, evaluate_fn=scripted(accuracies), history=history
+        make_pool(shards[:2]), strategy, resumed_state, config, evaluate_fn=scripted(accuracies), history=history
     )
     assert again == [] and again_state is resumed_state
 
 
 def test_round_zero_record_has_no_traffic(shards: Shards) -> None:  # noqa: F811
     _, records = run_rounds(
-        make_pool(shards),
-        all_clients(),
+        make_pool(shards[:2]),
+        two_clients(),
         initial_parameters(model_fn, 1),
         RoundConfig(num_rounds=1),
         evaluate_fn=scripted({0: 0.1, 1: 0.2}),
