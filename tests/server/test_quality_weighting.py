@@ -20,6 +20,7 @@ from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult, centr
 from fedcore.tensors import NamedArrays
 from server.round_loop import RoundConfig, run_rounds
 from simulations.datasets import load_digits_dataset
+from simulations.inmemory import InMemoryPool
 from tests.server.test_round_loop import make_pool, model_fn, shards  # noqa: F401 - fixture
 
 Shards = list[tuple[torch.Tensor, torch.Tensor]]
@@ -110,3 +111,40 @@ def test_a_client_reporting_no_metric_is_rejected_or_takes_the_fallback(shards: 
     expected = weighted_mean(replies, weights)
     for name, value in state.parameters.items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_clients_report_their_validation_loss_and_the_round_weighs_by_it(shards: Shards) -> None:  # noqa: F811
+    data = load_digits_dataset(seed=0)
+    held_out = (torch.from_numpy(data.x_test), torch.from_numpy(data.y_test))
+    ids = [f"c{i}" for i in range(len(shards))]
+
+    def make(cid: str) -> SupervisedTask:
+        return SupervisedTask(model_fn=model_fn, train_data=shards[int(cid[1:])], test_data=held_out)
+
+    fit = FitConfig(local_epochs=1, batch_size=16, lr=0.1, report_validation=True)
+    initial = initial_parameters(model_fn, seed=1)
+    quality = QualityWeights(metric="val_loss", temperature=0.2)
+    strategy = Strategy(fit=fit, sampling=SAMPLING, weighting="metric", quality=quality)
+    state, records = run_rounds(InMemoryPool(ids, make), strategy, initial, RoundConfig(num_rounds=1, seed=3))
+    assert {"train_val_loss", "train_val_accuracy"} <= set(records[-1].as_row())
+    replies = []
+    for cid in ids:
+        reply = run_instruction(make(cid), FitIns(round=1, parameters=initial, config=fit, seed=3), cid)
+        assert isinstance(reply, FitRes)
+        own = make(cid).evaluate(_loaded(reply.parameters), 16)  # the client's model on its held-out data
+        assert reply.metrics["val_loss"] == own.loss and reply.metrics["val_accuracy"] == own.metrics["accuracy"]
+        replies.append(reply)
+    # training is the same with or without the report: the updates equal those of the plain configuration
+    plain = local_replies(shards, initial)
+    for a, b in zip(replies, plain, strict=True):
+        for name in a.parameters:
+            np.testing.assert_array_equal(a.parameters[name], b.parameters[name])
+    expected = weighted_mean(replies, [math.exp(-r.metrics["val_loss"] / 0.2) for r in replies])
+    for name, value in state.parameters.items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def _loaded(parameters: NamedArrays) -> torch.nn.Module:
+    model = model_fn()
+    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in parameters.items()})
+    return model
