@@ -15,10 +15,13 @@ from fedcore.cli import server_options, simulate_options
 from fedcore.errors import ConfigError
 from fedcore.seeding import numpy_rng
 from fedcore.strategy import StrategyConfig
+from fedcore.supervised import SupervisedTask
+from fedcore.task import initial_parameters
 from server.config import ServerConfig, TlsSettings
 from simulations.attacks import noisy_labels
 from simulations.config import load_recipe
-from simulations.harness import plot_history, run_simulation
+from simulations.harness import VALIDATION_EXAMPLES, plot_history, run_simulation, validation_evaluation
+from simulations.models import MLP2NN
 
 SMALL = [
     "data.dataset=digits",
@@ -87,3 +90,19 @@ def test_the_options_are_flags_of_both_commands_and_server_weighting_needs_a_tas
         )
     with pytest.raises(ConfigError, match="target_accuracy"):
         load_recipe(None, ["target_accuracy=1.5"])
+
+
+def test_the_simulations_validation_data_is_a_seeded_subset_of_the_test_split() -> None:
+    def model_fn() -> torch.nn.Module:
+        return MLP2NN(num_inputs=4, num_classes=3, hidden=8)
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1500, 4, generator=generator), torch.randint(0, 3, (1500,), generator=generator)
+    task = SupervisedTask(model_fn=model_fn, train_data=None, test_data=(x, y))
+    parameters = initial_parameters(model_fn, 0)
+    first = validation_evaluation(task, 256, seed=1)(parameters, 1)
+    assert first.num_examples == VALIDATION_EXAMPLES == 1000
+    assert validation_evaluation(task, 256, seed=1)(parameters, 1) == first  # the same examples for the same seed
+    assert validation_evaluation(task, 256, seed=2)(parameters, 1).loss != first.loss  # others for another seed
+    small = SupervisedTask(model_fn=model_fn, train_data=None, test_data=(x[:300], y[:300]))
+    assert validation_evaluation(small, 256, seed=1)(parameters, 1).num_examples == 300  # the whole split
