@@ -349,6 +349,14 @@ def validation_metrics(result: EvalResult) -> dict[str, object]:
 def _fit_parallel(task: Task, parallel: ParallelTraining, ins: FitIns, client_id: str) -> FitRes:
     from fedcore.engine import train_with_plan
 
+    if ins.config.report_validation:
+        raise ClientTaskError(
+            "train.report_validation evaluates the trained model in this process, which a parallel training plan "
+            "does not keep; run this client without --parallel or turn report_validation off",
+            round=ins.round,
+            client_id=client_id,
+            stage=Stage.FIT.value,
+        )
     started = time.perf_counter()
     updated, result = train_with_plan(
         parallel.task_factory,

@@ -10,17 +10,27 @@ import numpy as np
 import pytest
 import torch
 
-from client.runner import run_instruction
+from client.runner import ParallelTraining, run_instruction
 from fedcore.aggregation.weights import QualityWeights
-from fedcore.errors import ConfigError
+from fedcore.engine.plan import ParallelPlan
+from fedcore.errors import ClientTaskError, ConfigError
 from fedcore.messages import FitIns, FitRes
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.supervised import SupervisedTask
-from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult, central_evaluation, initial_parameters
+from fedcore.task import (
+    EvalResult,
+    FitConfig,
+    TaskContext,
+    TrainContext,
+    TrainResult,
+    central_evaluation,
+    initial_parameters,
+)
 from fedcore.tensors import NamedArrays
 from server.round_loop import RoundConfig, run_rounds
 from simulations.datasets import load_digits_dataset
 from simulations.inmemory import InMemoryPool
+from tests.engine import engine_tasks
 from tests.server.test_round_loop import make_pool, model_fn, shards  # noqa: F401 - fixture
 
 Shards = list[tuple[torch.Tensor, torch.Tensor]]
@@ -148,3 +158,12 @@ def _loaded(parameters: NamedArrays) -> torch.nn.Module:
     model = model_fn()
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in parameters.items()})
     return model
+
+
+def test_report_validation_is_refused_under_a_parallel_plan() -> None:
+    task = engine_tasks.mlp_task(TaskContext(client_id="a", seed=5, options={"n": "40"}))
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    plan = ParallelTraining(task_factory="x:y", task_context=TaskContext(), plan=ParallelPlan(data_parallel=2))
+    ins = FitIns(round=1, parameters=initial, config=FitConfig(report_validation=True), seed=0)
+    with pytest.raises(ClientTaskError, match=r"report_validation.*parallel training plan"):
+        run_instruction(task, ins, "a", parallel=plan)
