@@ -113,8 +113,8 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
 
     Raises:
         ConfigError: no population, a strategy with tensor groups (e.g. SCAFFOLD: its control variates would
-            leave the clients unprotected) or a non-mean aggregator (robust rules and DP noise do not compose
-            here), or settings the mechanism refuses.
+            leave the clients unprotected), a non-mean aggregator (robust rules and DP noise do not compose
+            here) or a quality weighting (metric, server), or settings the mechanism refuses.
     """
     if config.dp_sgd:
         if strategy.groups:
@@ -145,6 +145,11 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
         raise ConfigError(
             f"strategy {strategy.name!r} exchanges tensor groups ({', '.join(sorted(strategy.groups))}) that DP-FedAvg "
             "does not privatize; use a FedAvg-family strategy with privacy.dp"
+        )
+    if strategy.weighting not in ("examples", "uniform"):  # a quality weight would bound no client's influence
+        raise ConfigError(
+            f"privacy.dp weighs every update 1 (DP-FedAvg's sensitivity bound); weighting {strategy.weighting!r} "
+            "cannot be combined with it: use weighting = 'uniform'"
         )
     if strategy.aggregator.name != "mean":
         raise ConfigError(
