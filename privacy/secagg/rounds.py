@@ -249,7 +249,8 @@ class SecureAggregation:
 
     Attributes:
         config: the SecAgg+ parameters, resolved for each round's selection.
-        deadline_s: seconds each stage waits for its replies; None: the round's deadline.
+        deadline_s: seconds each stage waits for its replies; None: ``config.stage_deadline_s``, and when that is
+            unset too, the round's deadline.
     """
 
     config: SecAggConfig
@@ -289,14 +290,14 @@ class SecureAggregation:
             spec=accumulator.spec,
             graph_seed=_seed_bytes(seed, "graph", round, attempt),
         )
-        return SecAggStages(
-            server=accumulator.server, rounding_seed=_seed_bytes(seed, "rounding"), deadline_s=self.deadline_s
-        )
+        deadline = self.deadline_s if self.deadline_s is not None else self.config.stage_deadline_s
+        return SecAggStages(server=accumulator.server, rounding_seed=_seed_bytes(seed, "rounding"), deadline_s=deadline)
 
 
 def secure_aggregation(strategy: Strategy, config: SecAggConfig, *, deadline_s: float | None = None) -> Strategy:
     """``strategy`` with its updates securely aggregated: the SecAgg+ protocol, its aggregator, and the ``secagg``
-    client mod (outermost, so it masks what the other mods return).
+    client mod (outermost, so it masks what the other mods return). ``deadline_s`` overrides
+    ``config.stage_deadline_s`` (seconds each protocol stage waits for its replies).
 
     Raises:
         ConfigError: the strategy carries tensor groups (they would travel in plain), another round protocol, or
