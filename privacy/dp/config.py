@@ -28,7 +28,8 @@ class PrivacyConfig:
 
     Attributes:
         dp: ``"off"``, ``"central"`` (the trusted server clips every update and adds the noise) or
-            ``"distributed"`` (each client clips and adds its noise share; for use with secure aggregation).
+            ``"distributed"`` (each client clips and adds its noise share; with secure aggregation on, the share is
+            discrete Gaussian noise added inside the field, :mod:`privacy.dp.secure`).
         clipping_norm: C, the L2 bound of each client's update (the initial C with adaptive clipping), > 0.
         noise_multiplier: z, the noise standard deviation on the sum over C, > 0.
         adaptive_clipping: track a quantile of the update norms (Andrew et al. 2021; central mode only).

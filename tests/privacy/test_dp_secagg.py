@@ -4,6 +4,7 @@ the field, only the masked noisy sum unmasked, accounting of the combined noise,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import numpy as np
@@ -193,7 +194,7 @@ def test_fewer_survivors_than_n_min_are_never_unmasked_and_a_tolerated_dropout_i
         run_rounds(pool, strategy, state, RoundConfig(num_rounds=1, seed=SEED, max_round_attempts=1))
     assert "unmask" not in pool.stages
     # tolerating a quarter: n_min = 3, each share raised to z C' / sqrt(3); the 3 survivors carry exactly z C'
-    tolerant = secure_dp(PrivacyConfig(**{**PRIVACY.__dict__, "tolerated_dropout": 0.25}))
+    tolerant = secure_dp(dataclasses.replace(PRIVACY, tolerated_dropout=0.25))
     assert tolerant.mods[0].params["noise_multiplier"] == pytest.approx(1 / math.sqrt(3))
     pool = Recording(InMemoryPool(IDS, make_task), drop={("c", "fit")})
     _, records = run_rounds(pool, tolerant, state, RoundConfig(num_rounds=1, seed=SEED))
