@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -243,3 +244,29 @@ def test_dp_distributed_with_secure_aggregation_is_two_flags_of_simulate() -> No
         population=4,
     )
     assert isinstance(strategy.aggregator, SecureDPAggregator) and strategy.protocol is not None
+
+
+@pytest.mark.timeout(120)
+def test_the_same_option_runs_over_grpc_with_client_daemons(tmp_path: Path) -> None:
+    """Daemons (threads, in-process gRPC) get the secagg mod with the DP parameters in the fit instruction, add
+    their noise shares in the field and mask; the server releases the noisy average with its epsilon."""
+    from tests.deploy.daemon_threads import daemon_threads
+    from tests.deploy.test_service import Harness
+
+    strategy = secure_dp()
+    state = initial_state(initial_parameters(model_fn, SEED), strategy, trainable=trainable_names(model_fn))
+    h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=5.0)
+    try:
+        with daemon_threads(h, IDS, make_task):
+            final, records = run_rounds(
+                h.pool, strategy, state, RoundConfig(num_rounds=1, seed=SEED, round_timeout_s=60)
+            )
+    finally:
+        h.pool.finish()
+        h.close()
+    assert sorted(records[-1].accepted) == IDS
+    assert records[-1].aggregation["dp_noise_std"] == pytest.approx(0.1250000297, rel=1e-9)
+    assert records[-1].aggregation["epsilon"] == epsilon(noise_multiplier=1.0, sampling_rate=1.0, rounds=1, delta=1e-5)
+    start = initial_parameters(model_fn, SEED)
+    moved = np.concatenate([(final.parameters[n].astype(np.float64) - start[n]).ravel() for n in start])
+    assert moved.std() == pytest.approx(0.125, rel=0.08)
