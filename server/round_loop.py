@@ -113,6 +113,8 @@ class ServerState:
             not of the round), and the round loop keeps the initial state's value for the whole run.
         groups: the server-side state of each tensor group the strategy declares (``group -> name -> array``,
             e.g. SCAFFOLD's server control variate), sent with every fit instruction and stored in checkpoints.
+        aggregator_state: what a :class:`Stateful` aggregator carries from round to round (e.g. adaptive
+            clipping's norm), stored in checkpoints and handed back to the aggregator when a run resumes.
     """
 
     round: int
@@ -120,6 +122,7 @@ class ServerState:
     optimizer_state: NamedArrays
     trainable: frozenset[str] | None = None
     groups: Mapping[str, NamedArrays] = field(default_factory=dict)
+    aggregator_state: NamedArrays = field(default_factory=dict)
 
 
 def initial_state(
@@ -259,6 +262,21 @@ class Budgeted(Protocol):
         ...
 
 
+@runtime_checkable
+class Stateful(Protocol):
+    """An aggregator with state that outlives a round (e.g. adaptive clipping's norm): the round loop puts
+    :meth:`state_dict` into each round's :class:`ServerState` (so checkpoints hold it) and hands a resumed
+    state's back through :meth:`load_state` before the first round it runs."""
+
+    def state_dict(self, round: int) -> NamedArrays:
+        """The state after round ``round`` was aggregated (``name -> array``)."""
+        ...
+
+    def load_state(self, round: int, state: NamedArrays) -> None:
+        """Continue after round ``round`` from ``state`` (empty: a checkpoint without it, start afresh)."""
+        ...
+
+
 RoundCallback = Callable[[RoundRecord, ServerState], "ServerState | None"]
 """Called after each round with its record and the new state; may return an equal state to continue from instead
 (e.g. the same arrays mapped read-only from the checkpoint just written), or None to keep the state as is."""
@@ -320,6 +338,8 @@ def run_rounds(
     state = initial if isinstance(initial, ServerState) else initial_state(initial, strategy)
     trainable = state.trainable  # a property of the model: the same for the whole run
     _check_groups(strategy, state)
+    if isinstance(strategy.aggregator, Stateful):
+        strategy.aggregator.load_state(state.round, state.aggregator_state)
 
     def round_end(record: RoundRecord, state: ServerState) -> ServerState:
         returned = on_round_end(record, state) if on_round_end is not None else None
@@ -593,6 +613,7 @@ def _fit_round(
             optimizer_state=optimizer_state,
             trainable=state.trainable,
             groups=groups,
+            aggregator_state=strategy.aggregator.state_dict(rnd) if isinstance(strategy.aggregator, Stateful) else {},
         )
         return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
