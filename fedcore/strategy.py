@@ -20,8 +20,8 @@ settings", "with what weight" and "how to step the global model".
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from fedcore.aggregation import (
@@ -32,11 +32,20 @@ from fedcore.aggregation import (
     NormBoundAggregator,
     TrimmedMeanAggregator,
 )
-from fedcore.errors import ConfigError, PayloadError, UpdateRejected
-from fedcore.messages import ModSpec
+from fedcore.aggregation.weights import (
+    WEIGHT_RULES,
+    QualityWeights,
+    Transform,
+    UpdateEvaluation,
+    WeightRule,
+    update_weight,
+)
+from fedcore.errors import ConfigError, PayloadError
+from fedcore.messages import FitRes, ModSpec
 from fedcore.mods import check_mods
 from fedcore.payload import check_group_name
-from fedcore.seeding import numpy_rng
+from fedcore.selection import SELECTION_NAMES, SelectionConfig, Selector
+from fedcore.selection import sample_clients as sample_clients  # re-exported: its home before selection policies
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
 from fedcore.stages import RoundProtocol
 from fedcore.task import FitConfig
@@ -86,23 +95,6 @@ class SamplingConfig:
         return max(self.min_evaluate_clients, math.floor(self.fraction_evaluate * num_available + 1e-9))
 
 
-def sample_clients(available: Sequence[str], num: int, *, seed: int, round: int, stage: str = "fit") -> list[str]:
-    """Select ``num`` distinct clients uniformly at random, keyed by (seed, round, stage).
-
-    The choice depends only on the set of available ids (they are sorted first), so the same seed picks the
-    same clients in simulation and deployment.
-
-    Raises:
-        ConfigError: ``num`` is negative or more than the clients available.
-    """
-    pool = sorted(available)
-    if not 0 <= num <= len(pool):
-        raise ConfigError(f"cannot select {num} clients from {len(pool)} available")
-    rng = numpy_rng(seed, "sample", stage, round)
-    chosen = rng.choice(len(pool), size=num, replace=False)
-    return [pool[i] for i in sorted(int(c) for c in chosen)]
-
-
 class GroupRule(Protocol):
     """The rule of one tensor group besides the model (DESIGN.md, "Tensor groups"): its server-side state, how the
     replies' tensors of the group are combined, and how the combination updates the state.
@@ -141,8 +133,12 @@ class Strategy:
         name: a label for reports (e.g. ``"fedavgm"``).
         fit: the local training settings sent to clients each round (FedProx: ``fit.mu > 0``).
         sampling: whom to select each round.
-        weighting: ``"examples"`` weights each update by its client's example count (FedAvg), ``"uniform"``
-            gives every accepted update weight 1.
+        weighting: how much each update counts (:mod:`fedcore.aggregation.weights`): ``"examples"`` by its
+            client's example count (FedAvg), ``"uniform"`` 1 each, ``"metric"`` by a metric the client reports,
+            ``"server"`` by the server's own evaluation of the update on its validation data (the round loop's
+            ``validate_fn``).
+        quality: the metric, transform (``exp(-v/T)`` or ``v``), temperature and fallback of the ``metric`` and
+            ``server`` rules (:class:`~fedcore.aggregation.weights.QualityWeights`).
         server_optimizer: how the average moves the global model (:class:`ServerSGD`, :class:`ServerAdaptive`).
         aggregator: how the round's updates become one (:class:`~fedcore.aggregation.Aggregator`; default the
             streaming weighted mean, :class:`~fedcore.aggregation.MeanAggregator`).
@@ -153,6 +149,8 @@ class Strategy:
             checked against the registry here, when the strategy is configured.
         protocol: a multi-stage round protocol whose exchanges run around each round's fit exchange
             (:class:`~fedcore.stages.RoundProtocol`, e.g. secure aggregation); None: a round is one fit exchange.
+        selection: which of the available clients take part (:class:`~fedcore.selection.Selector`: the policy and
+            what it learned from finished rounds); default uniform sampling.
 
     Raises:
         ConfigError: bad weighting or batch size, a group name that cannot travel, or a mod that cannot run.
@@ -161,17 +159,19 @@ class Strategy:
     name: str = "fedavg"
     fit: FitConfig = field(default_factory=FitConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    weighting: Literal["examples", "uniform"] = "examples"
+    weighting: WeightRule = "examples"
+    quality: QualityWeights = field(default_factory=QualityWeights)
     server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
     aggregator: Aggregator = field(default_factory=MeanAggregator)
     evaluate_batch_size: int = 256
     groups: Mapping[str, GroupRule] = field(default_factory=dict)
     mods: tuple[ModSpec, ...] = ()
     protocol: RoundProtocol | None = None
+    selection: Selector = field(default_factory=Selector)
 
     def __post_init__(self) -> None:
-        if self.weighting not in ("examples", "uniform"):
-            raise ConfigError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
+        if self.weighting not in WEIGHT_RULES:
+            raise ConfigError(f"weighting must be one of {', '.join(WEIGHT_RULES)}, got {self.weighting!r}")
         if self.evaluate_batch_size < 1:
             raise ConfigError(f"evaluate_batch_size must be >= 1, got {self.evaluate_batch_size}")
         for name in self.groups:
@@ -181,20 +181,18 @@ class Strategy:
                 raise ConfigError(exc.message) from None
         check_mods(tuple(self.mods))
 
-    def weight(self, num_examples: int) -> float:
-        """The aggregation weight of an update from a client with ``num_examples`` training examples.
+    def weight(self, reply: FitRes, *, evaluate: UpdateEvaluation | None = None) -> float:
+        """The aggregation weight of ``reply``, an update whose example count is already checked (an int >= 0),
+        from its example count and the metrics it reports, by the strategy's :attr:`weighting`
+        (:func:`fedcore.aggregation.weights.update_weight`; ``evaluate`` runs the server's evaluation of this
+        update, for rule ``server``). The weight depends on this reply alone, never on the order of arrival.
 
         Raises:
-            UpdateRejected: the count is beyond the float range (the update cannot be weighted).
+            UpdateRejected: the count is beyond the float range, or the quality value is unusable and there is no
+                fallback.
+            ConfigError: rule ``server`` without ``evaluate``.
         """
-        if self.weighting == "uniform":
-            return 1.0
-        try:
-            return float(num_examples)
-        except OverflowError:
-            raise UpdateRejected(
-                f"the example count (an integer of {int(num_examples).bit_length()} bits) is beyond the float range"
-            ) from None
+        return update_weight(self.weighting, self.quality, reply.num_examples, reply.metrics, evaluate)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +201,17 @@ class StrategyConfig:
 
     Attributes:
         name: one of fedavg, fedavgm, fedprox, fedadagrad, fedadam, fedyogi, scaffold.
-        weighting: ``"examples"`` (FedAvg) or ``"uniform"`` (SCAFFOLD's paper averages the models uniformly).
+        weighting: ``"examples"`` (FedAvg), ``"uniform"`` (SCAFFOLD's paper averages the models uniformly),
+            ``"metric"`` (a metric each client reports, see weight_metric) or ``"server"`` (the server's evaluation
+            of each update on its validation data); see :mod:`fedcore.aggregation.weights`.
+        weight_metric: the quality value of the metric and server weightings: a metric the clients report
+            (``train_loss``) or, for server, ``loss`` or a metric of the server's evaluation (``accuracy``).
+        weight_transform: ``softmax`` (weight ``exp(-value / temperature)``, for losses) or ``proportional``
+            (weight = value, for accuracies).
+        weight_temperature: the softmax temperature, > 0 (small: the best updates dominate).
+        weight_fallback: the value assumed for an update whose value is missing or not finite (e.g. a loss of 10);
+            unset: such an update is rejected.
+        weight_times_examples: multiply the quality weight by the client's example count.
         server_lr: server learning rate (eta; SCAFFOLD's eta_g). 1.0 for FedAvg/FedProx/SCAFFOLD; Reddi et al.
             tune it in [1e-3, 1] for the adaptive ones.
         server_momentum: FedAvgM momentum (beta), in [0, 1).
@@ -224,13 +232,22 @@ class StrategyConfig:
         secagg: the SecAgg+ parameters (neighbours k, threshold t, field bits, clipping range of each update
             coordinate, maximum example weight, quantization levels); checked against each round's selection
             before any client is contacted.
+        selection: how the clients of a round are chosen (:mod:`fedcore.selection`): ``uniform`` (FedAvg),
+            ``stratified`` (by a client attribute), ``power-of-choice`` (Cho et al. 2020, highest last loss of d
+            candidates), ``oort`` (Lai et al. 2021, utility and speed).
+        selector: the selection policies' parameters (:class:`~fedcore.selection.SelectionConfig`).
 
         A rule's parameters are ignored by the other aggregators, so that one recipe can be run with another
         aggregator (``--aggregator mean``) to compare.
     """
 
     name: str = "fedavg"
-    weighting: Literal["examples", "uniform"] = "examples"
+    weighting: WeightRule = "examples"
+    weight_metric: str = "train_loss"
+    weight_transform: Transform = "softmax"
+    weight_temperature: float = 1.0
+    weight_fallback: float | None = None
+    weight_times_examples: bool = False
     server_lr: float = 1.0
     server_momentum: float = 0.0
     beta1: float = 0.9
@@ -243,10 +260,17 @@ class StrategyConfig:
     norm_bound: float | None = None
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    selection: Literal["uniform", "stratified", "power-of-choice", "oort"] = "uniform"
+    selector: SelectionConfig = field(default_factory=SelectionConfig)
 
     def __post_init__(self) -> None:
+        if self.selection not in SELECTION_NAMES:
+            raise ConfigError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTION_NAMES)}")
         if self.name not in STRATEGY_NAMES:
             raise ConfigError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+        if self.weighting not in WEIGHT_RULES:
+            raise ConfigError(f"weighting must be one of {', '.join(WEIGHT_RULES)}, got {self.weighting!r}")
+        self.quality_weights()  # their own checks, now
         if not self.server_lr > 0:
             raise ConfigError(f"server_lr must be > 0, got {self.server_lr}")
         if self.name == "fedavgm" and self.server_momentum == 0:
@@ -264,11 +288,30 @@ class StrategyConfig:
         build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
         if not isinstance(self.secagg, SecAggConfig):
             raise ConfigError(f"strategy.secagg must be a SecAggConfig table, got {type(self.secagg).__name__}")
+        if self.secure_aggregation and self.weighting not in ("examples", "uniform"):
+            raise ConfigError(
+                f"secure_aggregation sums the updates without seeing them or their weights' inputs: it needs "
+                f"weighting = 'examples' or 'uniform', got {self.weighting!r}"
+            )
         if self.secure_aggregation and (self.name == "scaffold" or self.aggregator != "mean"):
             raise ConfigError(
                 "secure_aggregation sums the updates without seeing them: it needs aggregator = 'mean' and a "
                 f"strategy without extra tensor groups (not scaffold); got {self.name!r} with {self.aggregator!r}"
             )
+
+    def quality_weights(self) -> QualityWeights:
+        """The transform of the metric and server weightings (:class:`~fedcore.aggregation.weights.QualityWeights`).
+
+        Raises:
+            ConfigError: a value out of range.
+        """
+        return QualityWeights(
+            metric=self.weight_metric,
+            transform=self.weight_transform,
+            temperature=self.weight_temperature,
+            fallback=self.weight_fallback,
+            times_examples=self.weight_times_examples,
+        )
 
 
 def build_aggregator(config: StrategyConfig) -> Aggregator:
@@ -305,13 +348,17 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
     if config.name == "scaffold":
         from fedcore.algorithms.scaffold import scaffold
 
-        return scaffold(
-            fit=fit,
-            sampling=sampling,
-            server_lr=config.server_lr,
-            weighting=config.weighting,
-            aggregator=build_aggregator(config),
+        composed = replace(
+            scaffold(
+                fit=fit,
+                sampling=sampling,
+                server_lr=config.server_lr,
+                weighting=config.weighting,
+                aggregator=build_aggregator(config),
+            ),
+            quality=config.quality_weights(),
         )
+        return replace(composed, selection=Selector(config.selection, config.selector))
     if config.name in ("fedavg", "fedprox", "fedavgm"):
         optimizer = ServerSGD(lr=config.server_lr, momentum=config.server_momentum)
     else:
@@ -328,8 +375,10 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
         fit=fit,
         sampling=sampling,
         weighting=config.weighting,
+        quality=config.quality_weights(),
         server_optimizer=optimizer,
         aggregator=build_aggregator(config),
+        selection=Selector(config.selection, config.selector),
     )
     if config.secure_aggregation:
         from privacy.secagg.rounds import secure_aggregation

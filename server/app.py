@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import FrameType
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fedcore.config import Address, parse_host
+from fedcore.convergence import Convergence
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.kernels import warm_up as warm_up_kernels
 from fedcore.strategy import Strategy, build_strategy
@@ -112,12 +113,17 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         store.close()
         metrics.close()
         raise
+    # the selection's learned state (losses, durations) is rebuilt from the stored rounds, not checkpointed
+    strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= initial.round)
     warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
 
     evaluate_fn: EvaluateFn | None = None
     if server_task is not None and config.round.evaluate:
         evaluate_fn = central_evaluation(server_task, strategy.evaluate_batch_size)
+    validate_fn: EvaluateFn | None = None  # weighting "server": each update on the task's held-out data
+    if server_task is not None and strategy.weighting == "server":
+        validate_fn = central_evaluation(server_task, strategy.evaluate_batch_size)
 
     auth = AuthPolicy(
         tokens=tokens,
@@ -128,7 +134,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         echo("WARNING: no tokens file and no client CA: any client id may join")
     pool = GrpcClientPool(config.pool.pool_config(spill_dir=store.spill, seed=config.seed), metrics)
     limits = config.pool.service_limits()
-    service = _RecordingService(pool, auth, metrics, store, limits)
+    service = _RecordingService(pool, auth, metrics, store, limits, on_join=strategy.selection.declare)
     server, port = build_server(
         service,
         str(config.listen_address),  # the parsed address, written the one way gRPC reads as we do
@@ -192,17 +198,22 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
 
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     final: ServerState | None = None
+    round_config = config.round_config()
     try:
         final, _ = run_rounds(
             pool,
             strategy,
             initial,
-            config.round_config(),
+            round_config,
             evaluate_fn=evaluate_fn,
             on_round_end=on_round_end,
             keep_records=False,
+            history=store.history() if initial.round > 0 else (),  # a resumed run's stop rules count on
+            validate_fn=validate_fn,
         )
         echo(f"finished {final.round} rounds; checkpoints and history in {config.state_dir}")
+        if line := Convergence.replay(round_config.stop, store.history()).summary(final.round):
+            echo(line)
         pool.finish()
         time.sleep(config.linger_s)
     except (_Stop, KeyboardInterrupt):
@@ -316,9 +327,15 @@ class _RecordingService(CoordinatorService):
     """The service, also noting joins in the state database."""
 
     def __init__(
-        self, pool: GrpcClientPool, auth: AuthPolicy, metrics: ServerMetrics, store: StateStore, limits: ServiceLimits
+        self,
+        pool: GrpcClientPool,
+        auth: AuthPolicy,
+        metrics: ServerMetrics,
+        store: StateStore,
+        limits: ServiceLimits,
+        on_join: Callable[[str, Mapping[str, str]], None],
     ) -> None:
-        super().__init__(pool, auth, metrics, limits)
+        super().__init__(pool, auth, metrics, limits, on_join=on_join)
         self._store = store
 
     def Join(self, request: Any, context: Any) -> Any:  # noqa: N802 - name fixed by the gRPC service

@@ -8,7 +8,8 @@ Layout of a state directory::
     checkpoints/round-000003.safetensors
                                     global model ("param/<name>"), server optimizer state ("opt/<name>"), the
                                     server state of each tensor group ("group/<group>/<name>", e.g. SCAFFOLD's
-                                    control variate), the round, and the file's own SHA-256 (header metadata
+                                    control variate), the aggregator's state ("aggregator/<name>", e.g. adaptive
+                                    clipping's norm), the round, and the file's own SHA-256 (header metadata
                                     "fedcore.sha256")
     history.csv                     one row per round (the current rows of the rounds table), see write_history
     spill/                          payload files in flight (emptied at start)
@@ -62,6 +63,7 @@ from fedcore.payload import (
     read_safetensors_header,
     save_payload,
 )
+from fedcore.selection import ClientObservation
 from fedcore.strategy import StrategyConfig
 from fedcore.tensors import NamedArrays
 from server.round_loop import RoundRecord, ServerState
@@ -71,6 +73,7 @@ log = logging.getLogger("fedcore.server")
 _PARAM = "param/"
 _OPT = "opt/"
 _GROUP = "group/"
+_AGGREGATOR = "aggregator/"
 _KEEP_CHECKPOINTS = 2
 _FORMAT = "2"
 _MAX_TEXT = 2000  # characters of client-derived text (ids, failure reasons) stored per row
@@ -92,6 +95,10 @@ CREATE TABLE IF NOT EXISTS round_metrics (
 CREATE TABLE IF NOT EXISTS checkpoints (round INTEGER PRIMARY KEY, sha256 TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS failures (
     round INTEGER NOT NULL, client_id TEXT NOT NULL, stage TEXT NOT NULL, reason TEXT NOT NULL,
+    superseded INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS selection (
+    round INTEGER NOT NULL, client_id TEXT NOT NULL, num_examples INTEGER NOT NULL, loss REAL, seconds REAL,
     superseded INTEGER NOT NULL DEFAULT 0
 );
 """
@@ -359,7 +366,31 @@ class StateStore:
                 "INSERT INTO failures (round, client_id, stage, reason) VALUES (?, ?, ?, ?)",
                 [(f.round, f.client_id[:_MAX_TEXT], f.stage.value, f.reason[:_MAX_TEXT]) for f in record.failures],
             )
+            self._db.execute("DELETE FROM selection WHERE round = ? AND superseded = 0", (record.round,))
+            self._db.executemany(
+                "INSERT INTO selection (round, client_id, num_examples, loss, seconds) VALUES (?, ?, ?, ?, ?)",
+                [
+                    (record.round, o.client_id[:_MAX_TEXT], o.num_examples, o.loss, o.seconds)
+                    for o in record.observations
+                ],
+            )
         self.export_csv()
+
+    def selection_history(self) -> list[tuple[int, list[ClientObservation]]]:
+        """The client selection's feedback of every current round, ascending: ``(round, observations)`` as the
+        round loop gave them to :meth:`fedcore.selection.Selector.observe`, to rebuild it on restart
+        (:meth:`fedcore.selection.Selector.restore`). Client ids are the ones accepted into the round (their
+        length is bounded at join)."""
+        rounds: dict[int, list[ClientObservation]] = {}
+        with self._lock, self._sqlite("reading the selection history"):
+            for rnd, cid, examples, loss, seconds in self._db.execute(
+                "SELECT round, client_id, num_examples, loss, seconds FROM selection WHERE superseded = 0 "
+                "ORDER BY round, rowid"
+            ):
+                rounds.setdefault(int(rnd), []).append(
+                    ClientObservation(client_id=str(cid), num_examples=int(examples), loss=loss, seconds=seconds)
+                )
+        return sorted(rounds.items())
 
     def recorded_rounds(self) -> list[int]:
         """The rounds with a current (not superseded) record, ascending."""
@@ -401,7 +432,7 @@ class StateStore:
                 )
             ]
             (mark,) = self._db.execute("SELECT COALESCE(MAX(superseded), 0) + 1 FROM rounds").fetchone()
-            for table in ("rounds", "round_metrics", "failures"):
+            for table in ("rounds", "round_metrics", "failures", "selection"):
                 self._db.execute(
                     f"UPDATE {table} SET superseded = ? WHERE superseded = 0 AND round > ?",
                     (mark, rnd),
@@ -635,6 +666,7 @@ def _write_state(path: Path, state: ServerState, *, self_digest: bool) -> Payloa
     arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
     for group, tensors in state.groups.items():
         arrays.update({f"{_GROUP}{group}/{n}": a for n, a in tensors.items()})
+    arrays.update({_AGGREGATOR + n: a for n, a in state.aggregator_state.items()})
     return save_payload(path, arrays, {"round": str(state.round)}, self_digest=self_digest)
 
 
@@ -668,6 +700,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verif
     params: NamedArrays = {}
     opt: NamedArrays = {}
     groups: dict[str, NamedArrays] = {}
+    aggregator: NamedArrays = {}
     for name, array in views.items():
         value = array if mapped else np.array(array)
         if name.startswith(_PARAM):
@@ -677,10 +710,12 @@ def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verif
         elif name.startswith(_GROUP) and "/" in name[len(_GROUP) :]:
             group, _, tensor = name[len(_GROUP) :].partition("/")
             groups.setdefault(group, {})[tensor] = value
+        elif name.startswith(_AGGREGATOR):
+            aggregator[name[len(_AGGREGATOR) :]] = value
         else:
             params[name] = value
     try:
         rnd = int(metadata.get("round", "0"))
     except ValueError as exc:
         raise PayloadError(f"checkpoint {str(path)!r} has a non-numeric round {metadata.get('round')!r}") from exc
-    return ServerState(round=rnd, parameters=params, optimizer_state=opt, groups=groups)
+    return ServerState(round=rnd, parameters=params, optimizer_state=opt, groups=groups, aggregator_state=aggregator)

@@ -38,7 +38,8 @@ differs from the in-process backend's in the last digits. What it cannot reprodu
 :class:`~fedcore.supervised.SupervisedTask` with its own ``train`` (any other task trains with code this backend
 cannot see), a model with buffers (BatchNorm's running statistics change during training) or randomness
 (dropout: one-by-one draws it from each client's generator), client mods or tensor groups (SCAFFOLD, client-side
-DP, compression run per client). Evaluation and round protocol stages run in-process, one client after another.
+DP, compression run per client), ``train.report_validation`` (an evaluation of each trained model). Evaluation
+and round protocol stages run in-process, one client after another.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError
-from fedcore.messages import Failure, FitIns, FitRes, Reply, ServerMessage, Stage
+from fedcore.messages import Failure, FitIns, FitRes, Reply, ServerMessage, Stage, packed_nbytes
 from fedcore.seeding import derive_seed
 from fedcore.strategy import Strategy
 from fedcore.supervised import SupervisedTask
@@ -147,6 +148,11 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> None:
         ConfigError: what is missing, and that ``backend = "inprocess"`` runs it.
     """
     if strategy is not None:
+        if strategy.fit.report_validation:
+            raise ConfigError(
+                "batched clients do not evaluate each trained model on the client's held-out data; turn "
+                "train.report_validation off" + _ADVICE
+            )
         if strategy.mods:
             names = ", ".join(mod.name for mod in strategy.mods)
             raise ConfigError(
@@ -560,10 +566,10 @@ class BatchedPool:
         replies: dict[str, Reply] = {}
         groups: dict[Key, list[tuple[str, FitIns, SupervisedTask]]] = {}
         for cid, ins in items:
-            if ins.mods or ins.groups:
+            if ins.mods or ins.groups or ins.config.report_validation:
                 raise ConfigError(
-                    f"round {ins.round}: client {cid!r} was sent client mods or tensor groups, which batched clients "
-                    "do not run" + _ADVICE
+                    f"round {ins.round}: client {cid!r} was sent client mods, tensor groups or report_validation, "
+                    "which batched clients do not run" + _ADVICE
                 )
             task = self._pool.task(cid)
             if not isinstance(task, SupervisedTask):
@@ -617,13 +623,14 @@ class BatchedPool:
         replies: dict[str, Reply] = {}
         for (cid, member_ins, _), update in zip(members, updates, strict=True):
             arrays: NamedArrays = {name: t.numpy() for name, t in update.parameters.items()}
-            replies[cid] = FitRes(
+            reply = FitRes(
                 client_id=cid,
                 round=member_ins.round,
                 parameters=arrays,
                 num_examples=update.num_examples,
                 metrics={**update.metrics, "fit_seconds": seconds},
             )
+            replies[cid] = replace(reply, payload_bytes=packed_nbytes(reply))  # as the in-process pool measures it
         return replies
 
 

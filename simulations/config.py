@@ -1,8 +1,9 @@
 """The simulation recipe: one root config whose tables are the components' configs.
 
-A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[sampling]``, ``[train]``, ``[attack]``
-and ``[output]`` plus top-level ``seed``, ``rounds`` and ``evaluate_every``; any value can be overridden from the
-CLI as ``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
+A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[sampling]``, ``[train]``, ``[attack]``,
+``[devices]`` and ``[output]`` plus top-level ``seed``, ``rounds``, ``evaluate_every`` and the stop rules
+(``target_accuracy``, ``patience``, ``min_delta``); any value can be overridden from the CLI as
+``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedcore.config import apply_overrides, from_mapping, load_toml
+from fedcore.convergence import StopRules
 from fedcore.errors import ConfigError
+from fedcore.selection import check_private_selection
 from fedcore.strategy import SamplingConfig, StrategyConfig
 from fedcore.task import FitConfig
 from privacy.dp.config import PrivacyConfig
 from simulations.attacks import AttackConfig
+from simulations.devices import DevicesConfig
 
 DATASET_NAMES = ("fashion-mnist", "mnist-5k", "digits", "synthetic")
 PARTITION_NAMES = ("iid", "dirichlet", "dirichlet-client", "shards", "quantity", "natural")
@@ -187,15 +191,25 @@ class SimulationConfig:
         seed: the run's seed (partition, initial model, client selection, every client's randomness).
         rounds: number of federated rounds.
         evaluate_every: evaluate the global model on the test set every this many rounds (and after the last).
+        target_accuracy: stop after the first evaluated round whose test accuracy reaches this value, in (0, 1];
+            the run reports the rounds and seconds it took (unset: no target).
+        patience: stop after this many evaluated rounds in a row without a gain of more than min_delta in test
+            accuracy (unset: no plateau rule).
+        min_delta: the smallest gain in accuracy that counts as one for patience.
         data, model, task, strategy, sampling, train, output: the component configs.
         attack: Byzantine clients (:class:`simulations.attacks.AttackConfig`; default none).
         privacy: differential privacy (``[privacy]``, :class:`privacy.dp.config.PrivacyConfig`; off by default).
+        devices: simulated device speeds and availability (``[devices]``,
+            :class:`simulations.devices.DevicesConfig`): slow clients, a trace of when clients are online.
         simulation: how the virtual clients run (``[simulation]``, :class:`BackendConfig`; in-process by default).
     """
 
     seed: int = 0
     rounds: int = 30
     evaluate_every: int = 5
+    target_accuracy: float | None = None
+    patience: int | None = None
+    min_delta: float = 0.0
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -205,6 +219,7 @@ class SimulationConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
     simulation: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
@@ -214,11 +229,23 @@ class SimulationConfig:
             raise ConfigError(f"train.local_epochs must be <= 10000, got {self.train.local_epochs}")
         if self.evaluate_every < 1:
             raise ConfigError(f"evaluate_every must be >= 1, got {self.evaluate_every}")
+        check_private_selection(
+            self.strategy.selection, client_dp=self.privacy.enabled, trace=self.devices.availability != "always"
+        )
+        self.stop_rules()  # their own checks, now
         if self.sampling.min_fit_clients > self.data.num_clients:
             raise ConfigError(
                 f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="
                 f"{self.data.num_clients}"
             )
+
+    def stop_rules(self) -> StopRules:
+        """When the run stops before its last round (:class:`fedcore.convergence.StopRules`).
+
+        Raises:
+            ConfigError: a value out of range.
+        """
+        return StopRules(target_accuracy=self.target_accuracy, patience=self.patience, min_delta=self.min_delta)
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> SimulationConfig:

@@ -168,6 +168,7 @@ def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
     for got, want in ((batched[0], inprocess[0]), (batched[2], inprocess[2])):
         assert isinstance(got, FitRes) and isinstance(want, FitRes)
         assert got.num_examples == want.num_examples
+        assert got.payload_bytes == want.payload_bytes  # the bytes_up column counts the same
         for name, value in want.parameters.items():
             np.testing.assert_allclose(got.parameters[name], value, rtol=1e-5, atol=1e-5)
 
@@ -208,6 +209,9 @@ def test_batched_backend_refuses_a_strategy_with_client_mods(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="inprocess"):
         run_simulation(load_recipe(None, overrides), echo=lambda _: None)
     assert not (tmp_path / "history.csv").exists()  # refused before the first round
+    overrides = [*SMALL, f"output.dir={str(tmp_path)!r}", "simulation.backend=batched", "train.report_validation=true"]
+    with pytest.raises(ConfigError, match="report_validation"):
+        run_simulation(load_recipe(None, overrides), echo=lambda _: None)
 
 
 def test_backend_is_a_recipe_key_and_a_flag() -> None:
