@@ -144,8 +144,10 @@ def quantize_int8(values: np.ndarray, block: int, rng: np.random.Generator) -> t
 
 def dequantize_int8(levels: np.ndarray, scales: np.ndarray, block: int, start: int, stop: int) -> np.ndarray:
     """Elements ``[start, stop)`` of a quantized tensor as float64: ``level * scale of its block``."""
-    index = np.arange(start, stop, dtype=np.int64) // block
-    return levels[start:stop].astype(np.float64) * scales[index].astype(np.float64)
+    first = start // block
+    per_element = np.repeat(scales[first : -(-stop // block)].astype(np.float64), block)
+    offset = start - first * block
+    return levels[start:stop] * per_element[offset : offset + stop - start]
 
 
 def topk_count(n: int, fraction: float) -> int:

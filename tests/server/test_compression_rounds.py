@@ -21,6 +21,7 @@ from fedcore.mods import CallNext, ModContext, register
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import EvalResult, FitConfig, Task, TrainContext, TrainResult, initial_parameters
+from privacy.dp.config import PrivacyConfig, apply_dp
 from server.round_loop import RoundConfig, ServerState, run_rounds
 from simulations.inmemory import InMemoryPool
 
@@ -148,6 +149,9 @@ def test_the_recipe_option_declares_the_mod_outermost_and_refuses_what_cannot_wo
             StrategyConfig(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="streaming mean"):
         replace(strategy, aggregator=build_strategy(StrategyConfig(aggregator="median"), FIT, ALL).aggregator)
+    int8 = build_strategy(StrategyConfig(compression="int8"), FIT, ALL)
+    with pytest.raises(ConfigError, match="'dp-fedavg' aggregator needs each update whole"):
+        apply_dp(int8, PrivacyConfig(dp="central"), population=10)  # DP-FedAvg clips whole updates
     for options in (simulate_options(), server_options()):  # `fedcore simulate` and `fedcore server start`
         keys = {o.flag: o.key for o in options}
         assert keys["--compression"] == "strategy.compression" and keys["--topk-fraction"] == "strategy.topk_fraction"
