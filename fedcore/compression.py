@@ -380,7 +380,7 @@ class CompressionMod:
         group_name = {"int8": SCALE_GROUP, "topk": INDEX_GROUP}.get(self.method)
         side_group: Mapping[str, np.ndarray] = {}
         if group_name is not None:
-            side_group = groups.pop(group_name, None) or {}
+            side_group = groups.pop(group_name, {})
             if not isinstance(side_group, Mapping) or set(side_group) != set(floating):
                 got = sorted(side_group) if isinstance(side_group, Mapping) else []
                 raise fail(
@@ -404,7 +404,7 @@ class CompressionMod:
         """Check one encoded tensor (and its side tensor) against the model's tensor ``x``; return the side tensor."""
         shown, n = bounded_repr(name), int(x.size)
 
-        def expect(what: str, got: np.ndarray, dtype: np.dtype | str, shape: tuple[int, ...]) -> None:
+        def expect(what: str, got: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> None:
             if got.dtype != np.dtype(dtype) or tuple(got.shape) != shape:
                 raise fail(
                     f"{what} of tensor {shown} is {got.dtype.name} of shape {tuple(got.shape)}, expected "

@@ -27,7 +27,7 @@ from fedcore.compression import (
     topk_count,
 )
 from fedcore.errors import ClientTaskError, ConfigError, NonFiniteError, PayloadError
-from fedcore.messages import FitIns, FitRes, ModSpec
+from fedcore.messages import FitIns, FitRes, ModParam, ModSpec
 from fedcore.mods import ModContext, build_mod, decode_reply, server_inverses
 from fedcore.seeding import numpy_rng
 from fedcore.task import FitConfig
@@ -60,9 +60,7 @@ def test_int8_levels_and_scales_by_hand() -> None:
 def test_int8_is_unbiased_with_bounded_variance() -> None:
     # QSGD's property: E[s q] = v and Var <= s^2 / 4 per element; 4000 draws of one block
     values = np.array([0.3, -0.7, 1.0, 0.01, -0.123, 0.5, 0.0, 0.999], dtype=np.float32)
-    draws = np.stack(
-        [dequantize_int8(*quantize_int8(values, 8, numpy_rng(1, k)), 8, 0, 8) for k in range(4000)]  # type: ignore[misc]
-    )
+    draws = np.stack([dequantize_int8(*quantize_int8(values, 8, numpy_rng(1, k)), 8, 0, 8) for k in range(4000)])
     scale = 1.0 / 127
     np.testing.assert_allclose(draws.mean(axis=0), values, atol=4 * (scale / 2) / math.sqrt(4000))
     assert (draws.var(axis=0) <= scale**2 / 4 + 1e-12).all()
@@ -175,12 +173,13 @@ def test_topk_needs_client_state() -> None:
 
 def test_the_mod_is_registered_and_checks_its_parameters() -> None:
     assert isinstance(build_mod(ModSpec("compress", {"method": "int8", "block": 256})), CompressionMod)
-    for params, words in (
+    cases: list[tuple[dict[str, ModParam], str]] = [
         ({"method": "zip"}, "unknown compression"),
         ({"method": "int8", "block": 3}, "block"),
         ({"method": "topk", "fraction": 0.0}, "fraction"),
         ({"method": "topk", "fraction": 1.5}, "fraction"),
-    ):
+    ]
+    for params, words in cases:
         with pytest.raises(ConfigError, match=words):
             build_mod(ModSpec("compress", params))
     (inverse,) = server_inverses((ModSpec("compress", {"method": "float16"}),))
@@ -210,7 +209,7 @@ def test_bad_encoded_input_is_rejected_with_its_reason(tmp_path: Path) -> None:
     q = encode(int8, trained())
     t = encode(topk, trained(), state=ClientStateStore(tmp_path))
     index = t.groups[INDEX_GROUP]["w"]
-    cases: list[tuple[CompressionMod, FitRes, type[Exception], str]] = [
+    bad: list[tuple[CompressionMod, FitRes, type[PayloadError], str]] = [
         (int8, _tampered(q, None, "w", q.parameters["w"].astype(np.int16)), PayloadError, "int16 of shape"),
         (int8, _tampered(q, None, "w", q.parameters["w"][:20]), PayloadError, "expected int8 of shape"),
         (int8, _tampered(q, SCALE_GROUP, "w", np.array([1, np.inf, 1], np.float32)), NonFiniteError, "finite"),
@@ -226,7 +225,7 @@ def test_bad_encoded_input_is_rejected_with_its_reason(tmp_path: Path) -> None:
         (topk, _tampered(t, None, "w", np.ones(13, np.float32)), PayloadError, "shape \\(12,\\)"),
         (topk, _tampered(t, None, "steps", np.array(9.0)), PayloadError, "float64"),
     ]
-    for mod, reply, error, words in cases:
+    for mod, reply, error, words in bad:
         with pytest.raises(error, match=words) as caught:
             mod.decode(reply, reference=GLOBAL, round=4)
         assert caught.value.round == 4 and caught.value.client_id == "c1" and caught.value.stage == "decode"

@@ -146,7 +146,7 @@ def test_the_recipe_option_declares_the_mod_outermost_and_refuses_what_cannot_wo
         ({"compression": "int8", "quantization_block": 8}, "block"),
     ):
         with pytest.raises(ConfigError, match=words):
-            StrategyConfig(**kwargs)  # type: ignore[arg-type]
+            StrategyConfig(**kwargs)
     with pytest.raises(ConfigError, match="streaming mean"):
         replace(strategy, aggregator=build_strategy(StrategyConfig(aggregator="median"), FIT, ALL).aggregator)
     int8 = build_strategy(StrategyConfig(compression="int8"), FIT, ALL)
