@@ -75,6 +75,7 @@ class Shape:
     heads: int
     seq_len: int
     batch: int
+    tied: bool = True
 
 
 STANDARD = Shape(vocab=50304, d_model=768, layers=12, heads=12, seq_len=1024, batch=16)
@@ -86,9 +87,16 @@ class BenchError(Exception):
 
 
 def build_model(shape: Shape) -> nn.Sequential:
-    """The bench model (tied embeddings, as GPT-2), initialized under ``torch.manual_seed(0)``."""
+    """The bench model (tied embeddings as in GPT-2, unless a pipeline splits them), seeded with 0."""
     torch.manual_seed(0)
-    return gpt(vocab=shape.vocab, d_model=shape.d_model, layers=shape.layers, heads=shape.heads, seq_len=shape.seq_len)
+    return gpt(
+        vocab=shape.vocab,
+        d_model=shape.d_model,
+        layers=shape.layers,
+        heads=shape.heads,
+        seq_len=shape.seq_len,
+        tie_embeddings=shape.tied,
+    )
 
 
 def tokens(shape: Shape, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +205,7 @@ class Figures:
         ratio = f"{self.tokens_per_s / reference.tokens_per_s:5.2f}x" if reference else "   - "
         return (
             f"{self.label:>16} {self.ranks:>5} {self.ms_per_step:9.2f} {self.tokens_per_s:13,.0f} "
-            f"{self.tflops:9.2f} {mfu:>8} {mem:>10} {ratio:>7}"
+            f"{self.tflops:9.3g} {mfu:>8} {mem:>10} {ratio:>7}"
         )
 
 
@@ -378,7 +386,8 @@ def main() -> int:
         if not cpu and plan.total_ranks > devices:
             print(f"{name_:>16}: skipped: needs {plan.total_ranks} GPUs, {devices} visible")
             continue
-        seconds, timed, peak_gib = run_plan_in_workers(name_, plan, shape, Device(device.type), warmup, steps)
+        plan_shape = Shape(**{**shape.__dict__, "tied": not plan.pp_enabled})  # stages cannot share a weight
+        seconds, timed, peak_gib = run_plan_in_workers(name_, plan, plan_shape, Device(device.type), warmup, steps)
         rows.append(figures(f"engine {name_}", seconds, timed, shape, flops, peak, plan.total_ranks, peak_gib))
     print(
         f"{'case':>16} {'ranks':>5} {'ms/step':>9} {'tokens/s':>13} {'TFLOP/s':>9} {'MFU':>8} "

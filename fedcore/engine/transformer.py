@@ -157,11 +157,12 @@ def lm_loss(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean")
     """Next-token cross-entropy with a sample's loss the mean over its positions (the engine's contract).
 
     Args:
-        output: logits ``(B, T, vocab)``, any float dtype (computed in float32).
+        output: logits ``(B, T, vocab)`` (under bf16 autocast, ``cross_entropy`` runs in float32 by autocast's
+            rules, without an extra copy of the logits).
         target: token ids ``(B, T)`` int64.
         reduction: ``"mean"`` (over samples, equal to the mean over all tokens) or ``"sum"`` (over samples).
     """
-    tokens = F.cross_entropy(output.flatten(0, 1).float(), target.flatten(), reduction="sum")
+    tokens = F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="sum")
     if reduction == "sum":
         return tokens / target.shape[1]
     return tokens / target.numel()

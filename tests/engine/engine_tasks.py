@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -284,11 +285,14 @@ def _tokens(ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
 def gpt_task(ctx: TaskContext) -> SupervisedTask:
     """Next-token prediction on random tokens keyed by (seed, client_id) with :func:`tiny_gpt`; option ``tied``
     ("0" for :func:`tiny_gpt_untied`)."""
+    return SupervisedTask(model_fn=_gpt_fn(ctx), train_data=_tokens(ctx), loss_fn=lm_loss)
+
+
+def _gpt_fn(ctx: TaskContext) -> Callable[[], nn.Module]:
+    """:func:`tiny_gpt` (option ``tied``: "0" for :func:`tiny_gpt_untied`), probed when option ``probe`` is set."""
     model_fn = tiny_gpt if ctx.options.get("tied", "1") == "1" else tiny_gpt_untied
     probe = ctx.options.get("probe")
-    if probe is not None:
-        return SupervisedTask(model_fn=lambda: _probed(model_fn(), probe), train_data=_tokens(ctx), loss_fn=lm_loss)
-    return SupervisedTask(model_fn=model_fn, train_data=_tokens(ctx), loss_fn=lm_loss)
+    return model_fn if probe is None else lambda: _probed(model_fn(), probe)
 
 
 def _probed(model: nn.Sequential, path: str) -> nn.Sequential:
@@ -318,4 +322,4 @@ class HeadsOnlyPlanTask(SupervisedTask):
 
 def heads_only_task(ctx: TaskContext) -> HeadsOnlyPlanTask:
     """:func:`gpt_task` with the task's own plan (:class:`HeadsOnlyPlanTask`)."""
-    return HeadsOnlyPlanTask(model_fn=tiny_gpt, train_data=_tokens(ctx), loss_fn=lm_loss)
+    return HeadsOnlyPlanTask(model_fn=_gpt_fn(ctx), train_data=_tokens(ctx), loss_fn=lm_loss)

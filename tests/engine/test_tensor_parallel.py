@@ -123,17 +123,12 @@ def _check(plan: ParallelPlan, factory: str = "gpt_task", ctx: TaskContext = CTX
 
 
 @pytest.mark.slow
-def test_tensor_parallel_two_ranks(tmp_path: Path) -> None:
+def test_tensor_parallel_two_ranks_with_the_task_plan(tmp_path: Path) -> None:
     probe = tmp_path / "probe.txt"
     ctx = TaskContext(client_id="c1", seed=3, options={**CTX.options, "probe": str(probe)})
-    _check(ParallelPlan(tensor_parallel=2, device="cpu"), ctx=ctx)  # type: ignore[arg-type]
+    _check(ParallelPlan(tensor_parallel=2, device="cpu"), factory="heads_only_task", ctx=ctx)  # type: ignore[arg-type]
     # the reference ("-") computed all 16 query features, each rank 8 of them (2 of the 4 heads)
     assert set(probe.read_text().split("\n")[:-1]) == {"- 16", "0 8", "1 8"}
-
-
-@pytest.mark.slow
-def test_task_declared_plan_two_ranks() -> None:
-    _check(ParallelPlan(tensor_parallel=2, device="cpu"), factory="heads_only_task")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
