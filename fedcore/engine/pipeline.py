@@ -81,12 +81,22 @@ class _Stage(PipelineStage):
             return super()._backward_metadata_inference(*args, **kwargs)
 
 
+def other_ranks_state_names(model: nn.Module, plan: ParallelPlan, pp_index: int) -> set[str]:
+    """``state_dict`` names of the stages that pipeline rank ``pp_index`` does not hold."""
+    stages = split_stages(
+        model, num_stages=plan.num_stages, split_points=plan.split_points, stage_modules=plan.stage_modules
+    )
+    mine = set(stages_of_rank(pp_index, plan.pipeline, plan.stages_per_rank))
+    return {name for s, stage in enumerate(stages) if s not in mine for name in stage_state_names(model, stage)}
+
+
 class PipelineExecutor:
     """Runs the pipeline stages of one rank.
 
     Args:
-        model: the full model on ``env.device`` holding the global parameters (every rank builds it; each
-            trains only its stages' parameters).
+        model: the model holding the global parameters on ``env.device``, at least in this rank's stages (the
+            others may be on the meta device: :mod:`fedcore.engine.materialize`); each rank trains only its
+            stages' parameters.
         plan: the parallel plan (``pipeline >= 2``).
         env: this rank's place in the world (``pp_group`` and ``dp_group`` set).
         loss_fn: ``loss_fn(output, target, reduction="sum")``.
@@ -250,7 +260,7 @@ class PipelineExecutor:
         ):
             for name in state:
                 if owner.get(name) == source:
-                    buffer = torch.empty_like(state[name]).contiguous()
+                    buffer = torch.empty_like(state[name], device=self.env.device).contiguous()
                     dist.recv(buffer, src=source)
                     received[name] = buffer
         for name, tensor in state.items():

@@ -26,7 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fedcore.engine.data_parallel import DataParallelExecutor
-from fedcore.engine.pipeline import PipelineExecutor
+from fedcore.engine.materialize import build_on_meta, can_build_on_meta, materialize
+from fedcore.engine.pipeline import PipelineExecutor, other_ranks_state_names
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv
 from fedcore.engine.tensor_parallel import resolve_plan
@@ -94,9 +95,7 @@ def train_rank(
             f"the task's training_data() has {len(x)} inputs but {len(y)} targets; give x and y of the same length",
             round=round,
         )
-    model = task.build_model()
-    model.load_state_dict(to_state_dict(global_parameters), strict=True)
-    model.to(env.device)
+    model = _build_model(task, global_parameters, plan, env)
     tp_plan = resolve_plan(task, model, plan.tensor_parallel) if plan.tp_enabled else None
     executor: Executor
     if plan.pp_enabled:
@@ -141,6 +140,21 @@ def train_rank(
             break
     state = executor.full_state()
     return RankResult(state=state, num_examples=n, train_loss=train_loss)
+
+
+def _build_model(
+    task: EngineTask, global_parameters: Mapping[str, np.ndarray], plan: ParallelPlan, env: RankEnv
+) -> nn.Module:
+    """The model on ``env.device`` holding the global parameters; a pipeline rank builds it on the meta device and
+    gives storage only to the tensors that are not another rank's (:mod:`fedcore.engine.materialize`)."""
+    if plan.pp_enabled:
+        model = build_on_meta(task.build_model)
+        if can_build_on_meta(model):
+            materialize(model, global_parameters, env.device, skip=other_ranks_state_names(model, plan, env.pp_index))
+            return model
+    model = task.build_model()
+    model.load_state_dict(to_state_dict(global_parameters), strict=True)
+    return model.to(env.device)
 
 
 DEVICE_DATA_BYTES = 1 << 30
