@@ -42,7 +42,7 @@ from fedcore.aggregation.weights import (
 )
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.messages import FitRes, ModSpec
-from fedcore.mods import check_mods
+from fedcore.mods import ServerInverse, check_mods
 from fedcore.payload import check_group_name
 from fedcore.selection import SELECTION_NAMES, SelectionConfig, Selector
 from fedcore.selection import sample_clients as sample_clients  # re-exported: its home before selection policies
@@ -179,7 +179,13 @@ class Strategy:
                 check_group_name(name)
             except PayloadError as exc:
                 raise ConfigError(exc.message) from None
-        check_mods(tuple(self.mods))
+        mods = check_mods(tuple(self.mods))
+        if any(isinstance(mod, ServerInverse) for mod in mods) and not isinstance(self.aggregator, MeanAggregator):
+            raise ConfigError(
+                f"compressed updates are decoded block by block into the streaming mean; the "
+                f"{self.aggregator.name!r} aggregator needs each update whole (robust rules, DP, secure "
+                "aggregation). Use aggregator = 'mean' or compression = 'none'"
+            )
 
     def weight(self, reply: FitRes, *, evaluate: UpdateEvaluation | None = None) -> float:
         """The aggregation weight of ``reply``, an update whose example count is already checked (an int >= 0),
@@ -232,6 +238,12 @@ class StrategyConfig:
         secagg: the SecAgg+ parameters (neighbours k, threshold t, field bits, clipping range of each update
             coordinate, maximum example weight, quantization levels); checked against each round's selection
             before any client is contacted.
+        compression: how clients compress their update before sending it (:mod:`fedcore.compression`): ``none``,
+            ``float16`` or ``bfloat16`` (casts), ``int8`` (QSGD stochastic quantization, Alistarh et al. 2017),
+            ``topk`` (top-k sparsification with error feedback, Stich et al. 2018). Needs the ``mean`` aggregator
+            and no secure aggregation.
+        topk_fraction: the fraction of each tensor's entries a ``topk`` client sends, in (0, 1].
+        quantization_block: elements per scale of ``int8`` quantization, 16..1048576.
         selection: how the clients of a round are chosen (:mod:`fedcore.selection`): ``uniform`` (FedAvg),
             ``stratified`` (by a client attribute), ``power-of-choice`` (Cho et al. 2020, highest last loss of d
             candidates), ``oort`` (Lai et al. 2021, utility and speed).
@@ -260,6 +272,9 @@ class StrategyConfig:
     norm_bound: float | None = None
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    compression: Literal["none", "float16", "bfloat16", "int8", "topk"] = "none"
+    topk_fraction: float = 0.01
+    quantization_block: int = 512
     selection: Literal["uniform", "stratified", "power-of-choice", "oort"] = "uniform"
     selector: SelectionConfig = field(default_factory=SelectionConfig)
 
@@ -298,6 +313,14 @@ class StrategyConfig:
                 "secure_aggregation sums the updates without seeing them: it needs aggregator = 'mean' and a "
                 f"strategy without extra tensor groups (not scaffold); got {self.name!r} with {self.aggregator!r}"
             )
+        compression_mod(self)  # its parameters' ranges
+        if self.compression != "none" and (self.secure_aggregation or self.aggregator != "mean"):
+            raise ConfigError(
+                f"compression {self.compression!r} sends an encoded update that the server decodes block by block "
+                "into the streaming mean: it needs aggregator = 'mean' and no secure_aggregation (SecAgg+ masks "
+                f"the full update, robust rules read whole updates); got aggregator {self.aggregator!r}"
+                + (" with secure_aggregation" if self.secure_aggregation else "")
+            )
 
     def quality_weights(self) -> QualityWeights:
         """The transform of the metric and server weightings (:class:`~fedcore.aggregation.weights.QualityWeights`).
@@ -312,6 +335,22 @@ class StrategyConfig:
             fallback=self.weight_fallback,
             times_examples=self.weight_times_examples,
         )
+
+
+def compression_mod(config: StrategyConfig) -> ModSpec | None:
+    """The ``compress`` client mod that ``config.compression`` declares (None for ``"none"``).
+
+    Raises:
+        ConfigError: an unknown method, or a fraction or block out of range.
+    """
+    if config.compression == "none":
+        return None
+    spec = ModSpec(
+        "compress",
+        {"method": config.compression, "fraction": config.topk_fraction, "block": config.quantization_block},
+    )
+    check_mods((spec,))
+    return spec
 
 
 def build_aggregator(config: StrategyConfig) -> Aggregator:
@@ -343,7 +382,15 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
     :func:`privacy.secagg.rounds.secure_aggregation`. SCAFFOLD is :func:`fedcore.algorithms.scaffold.scaffold` with
     ``server_lr`` as its global step size eta_g. The aggregator (:func:`build_aggregator`) combines with any of
     them: e.g. FedAvgM over the coordinate-wise median steps the global model by the median update.
+    ``compression`` declares the ``compress`` client mod (:func:`compression_mod`) outermost, so that it compresses
+    what every other mod returned (SCAFFOLD's model; its ``control`` group travels uncompressed).
     """
+    strategy = _build_strategy(config, fit, sampling)
+    compress = compression_mod(config)
+    return strategy if compress is None else replace(strategy, mods=(compress, *strategy.mods))
+
+
+def _build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingConfig) -> Strategy:
     optimizer: ServerOptimizer
     if config.name == "scaffold":
         from fedcore.algorithms.scaffold import scaffold

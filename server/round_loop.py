@@ -42,6 +42,7 @@ from fedcore.messages import (
     bounded_repr,
     packed_nbytes,
 )
+from fedcore.mods import decode_reply, server_inverses
 from fedcore.selection import ClientObservation, observation
 from fedcore.stages import Phase
 from fedcore.strategy import Strategy
@@ -512,6 +513,7 @@ def _fit_round(
         group_sums = {
             name: rule.aggregator.start(group_specs[name], round=rnd) for name, rule in strategy.groups.items()
         }
+        inverses = server_inverses(strategy.mods)  # e.g. decompression: undone below, before the aggregator
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]]] = []
@@ -530,6 +532,8 @@ def _fit_round(
             client_id, num_examples, fit_metrics = reply.client_id, reply.num_examples, reply.metrics
             bytes_up += reply.payload_bytes if reply.payload_bytes is not None else packed_nbytes(reply)
             try:
+                # the one place a reply is decoded to the model's spec: lazily, block by block as it is folded
+                reply = decode_reply(inverses, reply, reference=state.parameters, round=rnd)
                 if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples < 0:
                     raise UpdateRejected(f"the example count {bounded_repr(num_examples)} is not an integer >= 0")
                 _check_reply_groups(reply, group_specs, rnd)  # all of them before anything is folded
