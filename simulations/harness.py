@@ -210,12 +210,14 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         log.warning("attack %s by %d of %d clients: %s", kind, count, len(ids), sorted(attackers))
         classes = num_classes(server_task) if config.attack.kind in LABEL_ATTACKS else 0
         client_task = attacked_tasks(make_task, attackers, config.attack, classes, seed=config.seed)
-    pool: ClientPool = AttackedPool(
-        InMemoryPool(ids, client_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR)),
-        attackers,
-        config.attack,
-        seed=config.seed,
-    )
+    clients = InMemoryPool(ids, client_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR))
+    backend: ClientPool = clients
+    if config.simulation.backend == "batched":
+        from simulations.batched import BatchedPool, check_batchable
+
+        check_batchable(clients.task(ids[0]), strategy)  # refused before the first round, not in one
+        backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients)
+    pool: ClientPool = AttackedPool(backend, attackers, config.attack, seed=config.seed)
     if config.devices.timed or config.strategy.selection == "oort":  # oort reads durations: simulated, reproducible
         pool = SimulatedDevices(pool, slow_clients(ids, config.devices.slow_fraction, seed=config.seed), config.devices)
     selection = simulation_selector(
