@@ -56,7 +56,7 @@ def main() -> int:
             split_points=(f"blocks.{half}",),
             microbatches=4,
             schedule="1f1b",  # type: ignore[arg-type]
-            precision=args.precision,  # type: ignore[arg-type]
+            precision=args.precision,
             device="cuda",  # type: ignore[arg-type]
         ),
     }
