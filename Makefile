@@ -55,8 +55,9 @@ lint: $(VENV)/.installed-test
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
+# --durations=30: CI's log lists the slowest tests, so the next one that outgrows the time budget shows.
 pytest: $(VENV)/.installed-test data
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # Everything CI runs: lint, types, the whole test suite (slow end-to-end tests included).
 test: lint typecheck pytest

@@ -57,7 +57,7 @@ from fedcore.tensors import from_state_dict
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
 """Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s per GPU)."""
 
-MULTI_RANK_PLANS = {
+MULTI_RANK_PLANS: dict[str, dict[str, object]] = {
     "dp2": {"data_parallel": 2},
     "tp2": {"tensor_parallel": 2},
     "pp2": {"pipeline": 2, "split_points": ["blocks.{half}"], "microbatches": 4, "schedule": "1f1b"},
@@ -354,15 +354,16 @@ def main() -> int:
     single_env = single_process_env(Device(device.type))
     for compiled in (False, True) if not args.no_compile else (False,):
         suffix = "+compile" if compiled else ""
-        cases.append((f"plain{suffix}", lambda c, k=compiled: plain_loop(shape, device, bf16, k, c, warmup + steps), 1))
         plan = ParallelPlan(precision=precision, compile=compiled, device=device.type)  # type: ignore[arg-type]
-        cases.append(
-            (
-                f"engine{suffix}",
-                lambda c, p=plan: _checked_loss(engine_run(shape, p, lambda: single_env, c, warmup + steps)),
-                1,
-            )
-        )
+
+        def plain(clock: StepClock, compiled: bool = compiled) -> None:
+            plain_loop(shape, device, bf16, compiled, clock, warmup + steps)
+
+        def engine(clock: StepClock, plan: ParallelPlan = plan) -> None:
+            _checked_loss(engine_run(shape, plan, lambda: single_env, clock, warmup + steps))
+
+        cases.append((f"plain{suffix}", plain, 1))
+        cases.append((f"engine{suffix}", engine, 1))
     rows: list[Figures] = []
     reference: dict[bool, Figures] = {}
     for label, run, ranks in cases:

@@ -25,13 +25,13 @@ from fedcore.engine.schedules import bubble_fraction
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: object, x: torch.Tensor, seconds: float) -> torch.Tensor:
         time.sleep(seconds)
         ctx.seconds = seconds  # type: ignore[attr-defined]
         return x * 1.0
 
     @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         time.sleep(2 * ctx.seconds)  # type: ignore[attr-defined]
         return grad, None
 
@@ -45,7 +45,7 @@ class UniformStage(nn.Module):
         self.seconds = seconds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x * self.scale, self.seconds)  # type: ignore[no-any-return]
+        return _Sleep.apply(x * self.scale, self.seconds)
 
 
 def _worker(rank: int, p: int, rendezvous: str, micro: list[int], seconds: float, schedule: str, steps: int) -> None:

@@ -47,6 +47,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE_KINDS = ("none", "stall", "pullflood", "badjoin")
@@ -77,7 +78,12 @@ def serve(port_file: Path, log_file: Path, clients: int, stop_after_s: float) ->
     server.start()
     port_file.write_text(f"{port} {workers}")
     closed = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+
+    def wait_for_stdin_to_close() -> None:
+        sys.stdin.read()
+        closed.set()
+
+    threading.Thread(target=wait_for_stdin_to_close, daemon=True).start()
     closed.wait(stop_after_s)
     dropped = metrics.dropped._value.get()
     print(json.dumps({"dropped": dropped}), flush=True)
@@ -116,7 +122,8 @@ async def honest_client(index: int, port: int, stats: Stats, start_in: float, un
             stats.never_joined += 1
             return
         stats.connects.append(time.monotonic() - started)
-        stub = coordinator_stub(channel)  # type: ignore[arg-type]
+        # over an aio channel the stub's calls are awaitable and its streams async (the stub is typed sync)
+        stub: Any = coordinator_stub(channel)
         client_id, token = f"c{index:04d}", f"token-{index}"
 
         async def join() -> tuple[str, float] | None:
@@ -221,8 +228,9 @@ def hostile(kind: str, port: int, seconds: float) -> None:
         yield from ()
 
     if kind == "stall":
+        push: grpc.StreamUnaryMultiCallable = stub.PushResult  # (typed as a plain call in the generated stub)
         for _ in range(HOSTILE_STREAMS):
-            calls.append(stub.PushResult.future(silent_stream(), timeout=seconds + 5))
+            calls.append(push.future(silent_stream(), timeout=seconds + 5))
     elif kind == "pullflood":
         session = ""
         while not session and not stop.is_set():

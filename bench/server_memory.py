@@ -127,7 +127,7 @@ def _run_clients(server: str, ids: list[str], options: Mapping[str, str], slots:
                 gate.release()
             return got
 
-        def _push(self, stub: object, task_id: str, reply: Reply) -> None:  # type: ignore[override]
+        def _push(self, stub: object, task_id: str, reply: Reply) -> None:
             try:
                 super()._push(stub, task_id, reply)  # type: ignore[arg-type]
             finally:

@@ -32,8 +32,23 @@ the parameters, unless the plan sets ``find_unused_parameters``. Workers are bou
 with their caller.
 """
 
+from typing import TYPE_CHECKING
+
 from fedcore.engine.plan import Device, ParallelPlan, Precision
 from fedcore.engine.schedules import Schedule, bubble_fraction
-from fedcore.engine.train import train_with_plan
+
+if TYPE_CHECKING:
+    from fedcore.engine.train import train_with_plan
+
+
+def __getattr__(name: str) -> object:
+    # train_with_plan on first use: it imports torch.distributed's tensor and pipelining modules (seconds of CPU),
+    # which a daemon or server that only reads a plan (fedcore.engine.plan) does not need
+    if name == "train_with_plan":
+        from fedcore.engine.train import train_with_plan
+
+        return train_with_plan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Device", "ParallelPlan", "Precision", "Schedule", "bubble_fraction", "train_with_plan"]

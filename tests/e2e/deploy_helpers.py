@@ -44,13 +44,14 @@ class Proc:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_for_line(self, needle: str, timeout_s: float) -> float:
-        """Wait until ``needle`` is in the log; returns the monotonic time it was seen."""
+    def wait_for_line(self, needle: str, timeout_s: float, *, since: int = 0) -> float:
+        """Wait until ``needle`` is in the log after its first ``since`` characters; returns the monotonic time
+        it was seen."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if needle in self.text():
+            if needle in self.text()[since:]:
                 return time.monotonic()
-            if self.popen.poll() is not None and needle not in self.text():
+            if self.popen.poll() is not None and needle not in self.text()[since:]:
                 raise AssertionError(
                     f"{self.name} exited with {self.popen.returncode} before {needle!r}:\n{self.text()}"
                 )

@@ -1,4 +1,5 @@
-"""A demo task whose training also sleeps (option ``sleep_s``), so a test can act while a round is in flight."""
+"""A demo task whose training also sleeps (option ``sleep_s``; from round ``sleep_from_round`` on, default 1), so a
+test can act while a round is in flight."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ from simulations.tasks import demo_task
 
 
 class _Slow:
-    def __init__(self, inner: Task, sleep_s: float) -> None:
+    def __init__(self, inner: Task, sleep_s: float, from_round: int) -> None:
         self._inner = inner
         self._sleep_s = sleep_s
+        self._from_round = from_round
 
     def build_model(self) -> torch.nn.Module:
         return self._inner.build_model()
 
     def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
-        time.sleep(self._sleep_s)
+        if context.round >= self._from_round:
+            time.sleep(self._sleep_s)
         return self._inner.train(model, config, context)
 
     def evaluate(self, model: torch.nn.Module, batch_size: int):  # type: ignore[no-untyped-def]
@@ -30,4 +33,5 @@ class _Slow:
 def slow_demo_task(context: TaskContext) -> Task:
     options = dict(context.options)
     sleep_s = float(options.pop("sleep_s", "0"))
-    return _Slow(demo_task(dataclasses.replace(context, options=options)), sleep_s)
+    from_round = int(options.pop("sleep_from_round", "1"))
+    return _Slow(demo_task(dataclasses.replace(context, options=options)), sleep_s, from_round)

@@ -29,12 +29,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from fedcore.payload import save_payload
 from fedcore.tensors import encode
 from server.state import StateStore, load_checkpoint
-from tests.e2e.deploy_helpers import ROOT, Proc, client_args, server_args
+from tests.e2e.deploy_helpers import ROOT, Proc, client_args, server_args, task_option_flags
 
 pytestmark = pytest.mark.slow
 
 OPTIONS = {"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "logreg"}
-SLOW = ["--task", "tests.e2e.slow_task:slow_demo_task", "--task-option"]
+SLOW = ["--task", "tests.e2e.slow_task:slow_demo_task"]
 
 
 def _certs_init(out: Path, *clients: str) -> None:
@@ -171,13 +171,16 @@ def test_restarted_client_rejoins_at_once_then_sigterm_stops_the_server_cleanly(
         server.close()
         raise
 
-    def client(cid: str, index: int, name: str, sleep_s: int = 1) -> Proc:
+    def client(cid: str, index: int, name: str, sleep_s: int = 1, sleep_from_round: int = 1) -> Proc:
         # a reconnect ceiling of 30 s: a rejoin that needed any backoff would show as a retry in the log
-        extra = [*SLOW, f"sleep_s={sleep_s}", "--backoff-max-s", "30"]
+        options = {"sleep_s": str(sleep_s), "sleep_from_round": str(sleep_from_round)}
+        extra = [*SLOW, *task_option_flags(options), "--backoff-max-s", "30"]
         return Proc(name, _tls_client(port, cid, index, certs, tokens[cid], *extra), tmp_path)
 
-    # the victim trains slowly, so it is surely killed before it pushes its round-2 update
-    steady, victim = client("client-000", 0, "client-000"), client("client-001", 1, "client-001", sleep_s=8)
+    # the victim trains slowly in round 2 (not before: round 1 need not wait), so it is surely killed before it
+    # pushes its round-2 update
+    steady = client("client-000", 0, "client-000")
+    victim = client("client-001", 1, "client-001", sleep_s=8, sleep_from_round=2)
     restarted: Proc | None = None
     try:
         victim.wait_for_line("round 2 fit started", 90)
