@@ -2,6 +2,7 @@
 
     python bench/simulation.py                  # issue 12's workload, 5 rounds
     python bench/simulation.py --rounds 3 --model cnn
+    python bench/simulation.py --scale 100000   # and a run of 100,000 synthetic clients (s/round, peak RSS)
 
 The workload of issue 12 ("Simulation at scale"): Fashion-MNIST, 1000 IID clients of 60 samples, 100 clients per
 round, the FedAvg paper's 2NN, E=1, B=10, SGD lr 0.05, FedAvg. Both sides run in this process on one thread
@@ -22,19 +23,32 @@ median wall seconds per round over all rounds of all repeats (``--repeat``, the 
 process CPU seconds per round (the whole run's CPU time over its rounds, median of the repeats; steadier than
 wall time on a shared machine), and the ratios fedcore / plain; issue 12's target for the in-process backend is
 at most 1.3. On a shared machine run it with ``nice``; the header prints the load average before and after.
+
+The process pool (``simulation.backend = "process"``, :mod:`simulations.procpool`) runs the same recipe with
+``--workers`` worker processes of one torch thread each (default: the cores this process may use), so its ratio
+to the one-thread plain loop is bounded by the number of cores; its final model equals the in-process one bit
+for bit. Its per-round seconds include the workers loading the dataset in their first round (the median leaves
+that round out).
+
+``--scale N`` adds a run of N virtual clients of FedProx Synthetic(1, 1) (devices generated when sampled),
+logistic regression, 10 clients a round, E=1, B=10, 3 rounds, through the ``fedcore`` command in a child
+process: its median seconds per round and the child's peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +58,10 @@ from fedcore.config import from_mapping  # noqa: E402
 from fedcore.seeding import derive_seed  # noqa: E402
 from fedcore.strategy import sample_clients  # noqa: E402
 from fedcore.task import initial_parameters  # noqa: E402
-from simulations.config import DataConfig, SimulationConfig  # noqa: E402
+from simulations.config import BackendConfig, DataConfig, SimulationConfig  # noqa: E402
 from simulations.harness import client_ids, run_simulation  # noqa: E402
 from simulations.models import build_model  # noqa: E402
+from simulations.procpool import default_workers  # noqa: E402
 from simulations.tasks import prepare_data  # noqa: E402
 
 
@@ -82,7 +97,7 @@ def run_plain(config: SimulationConfig) -> tuple[list[float], dict[str, np.ndarr
         dataset=config.data.dataset, num_clients=config.data.num_clients, partition=config.data.partition
     )
     data = prepare_data(data_config, config.seed)
-    shards = [(data.x_train[torch.from_numpy(p)], data.y_train[torch.from_numpy(p)]) for p in data.partitions]
+    shards = [data.shard(i) for i in range(data.num_clients)]
 
     def model_fn() -> torch.nn.Module:
         return build_model(config.model.name, data.input_shape, data.num_classes)
@@ -131,19 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=1, help="run both sides this many times, alternating")
+    parser.add_argument("--workers", type=int, default=None, help="process pool workers (default: one per core)")
+    parser.add_argument("--scale", type=int, default=0, help="also run this many synthetic clients (0: no)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warm_up()
     prepare_data(DataConfig(dataset="fashion-mnist", num_clients=args.clients, partition="iid"), args.seed)
-    runs: dict[str, list[tuple[list[float], float]]] = {"plain PyTorch loop": [], "fedcore in-process": []}
+    pool = f"fedcore process pool x{args.workers or default_workers()}"
+    runs: dict[str, list[tuple[list[float], float]]] = {"plain PyTorch loop": [], "fedcore in-process": [], pool: []}
     models: dict[str, dict[str, np.ndarray]] = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         config = recipe(args, Path(tmp))
+        process = dataclasses.replace(config, simulation=BackendConfig(backend="process", workers=args.workers))
+        sides = (("plain PyTorch loop", run_plain, config), ("fedcore in-process", run_fedcore, config))
         for _ in range(args.repeat):
-            for name, run in (("plain PyTorch loop", run_plain), ("fedcore in-process", run_fedcore)):
-                cpu = time.process_time()
-                seconds, models[name] = run(config)
+            for name, run, side_config in (*sides, (pool, run_fedcore, process)):
+                cpu = time.process_time()  # of this process alone: the pool's workers are not counted
+                seconds, models[name] = run(side_config)
                 runs[name].append((seconds, (time.process_time() - cpu) / args.rounds))
     load_after = os.getloadavg()
     plain_model, fedcore_model = models["plain PyTorch loop"], models["fedcore in-process"]
@@ -164,8 +184,33 @@ def main(argv: list[str] | None = None) -> int:
         )
     (plain, plain_cpu), (fedcore, fedcore_cpu) = medians["plain PyTorch loop"], medians["fedcore in-process"]
     print(f"ratio fedcore / plain: {fedcore / plain:.2f} wall, {fedcore_cpu / plain_cpu:.2f} CPU (target <= 1.3)")
+    print(f"ratio process pool / plain: {medians[pool][0] / plain:.2f} wall (CPU column: the parent process only)")
     print(f"largest difference between the final models: {diff:.3g}")
+    same = all(np.array_equal(models[pool][n], fedcore_model[n]) for n in fedcore_model)
+    print(f"process pool model {'equals' if same else 'DIFFERS from'} the in-process model bit for bit")
+    if args.scale:
+        seconds, peak = run_scale(args.scale, args.seed)
+        print(f"{args.scale} synthetic clients, 10 a round, logreg: {seconds:.3f} s/round, peak RSS {peak:.0f} MiB")
     return 0
+
+
+def run_scale(clients: int, seed: int) -> tuple[float, float]:
+    """Median seconds per round and peak RSS (MiB) of ``fedcore simulate`` over ``clients`` synthetic devices."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            str(Path(sys.executable).parent / "fedcore"),
+            "simulate",
+            *("--dataset", "synthetic", "--partition", "natural", "--clients", str(clients), "--model", "logreg"),
+            *("--strategy", "fedavg", "--clients-per-round", "10", "--fraction-fit", str(1e-9), "--epochs", "1"),
+            *("--batch-size", "10", "--lr", "0.01", "--rounds", "3", "--seed", str(seed), "--no-progress"),
+            *("--set", "data.normalize=false", "--set", "output.plot=false", "--out", tmp),
+        ]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        _, status, usage = os.wait4(process.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"the {clients}-client run failed: {' '.join(command)}")
+        history = pd.read_csv(Path(tmp) / "history.csv")
+    return float(history.loc[history["round"] > 0, "seconds"].median()), usage.ru_maxrss / 1024
 
 
 def warm_up() -> None:

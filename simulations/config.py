@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.errors import ConfigError
@@ -152,6 +152,27 @@ class OutputConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """How the virtual clients are run (``[simulation]``).
+
+    Attributes:
+        backend: inprocess (one client after another in this process, the default; the same model as a
+            deployment bit for bit) or process (worker processes fed from one queue, :mod:`simulations.procpool`;
+            the same history as inprocess bit for bit when each trains on as many torch threads, 1 per worker).
+        workers: process: the number of worker processes (default: the cores this process may use).
+    """
+
+    backend: Literal["inprocess", "process"] = "inprocess"
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("inprocess", "process"):
+            raise ConfigError(f"unknown simulation backend {self.backend!r}; choose inprocess or process")
+        if self.workers is not None and not 1 <= self.workers <= 4096:
+            raise ConfigError(f"workers must be in 1..4096 (or unset: one per core), got {self.workers}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SimulationConfig:
     """A whole simulation recipe.
 
@@ -162,6 +183,7 @@ class SimulationConfig:
         data, model, task, strategy, sampling, train, output: the component configs.
         attack: Byzantine clients (:class:`simulations.attacks.AttackConfig`; default none).
         privacy: differential privacy (``[privacy]``, :class:`privacy.dp.config.PrivacyConfig`; off by default).
+        simulation: how the virtual clients run (``[simulation]``, :class:`BackendConfig`; in-process by default).
     """
 
     seed: int = 0
@@ -176,6 +198,7 @@ class SimulationConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    simulation: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
         if not 1 <= self.rounds <= 1_000_000:

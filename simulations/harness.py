@@ -47,6 +47,7 @@ from server.state import history_columns, write_history
 from simulations.attacks import AttackedPool, attacked_tasks, choose_attackers, num_classes
 from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.inmemory import InMemoryPool
+from simulations.procpool import ClientTasks, ProcessPool
 from simulations.tasks import demo_task
 
 log = logging.getLogger("fedcore.simulation")
@@ -56,6 +57,9 @@ OUTPUT_FILES = ("config.json", "history.csv", "history.png", "model.safetensors"
 CLIENT_STATE_DIR = "client-state"
 """The virtual clients' persistent state under output.dir (one file per client that keeps state, e.g. SCAFFOLD's
 control variate); emptied when a simulation starts."""
+MAX_TASKS = 1024
+"""The most virtual clients' tasks (data shards) kept built at once, in this process or in each worker; a client
+used less recently is built again when it is sampled, so memory does not grow with the number of clients."""
 
 
 @dataclass(frozen=True)
@@ -174,17 +178,29 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     )
     attackers = choose_attackers(ids, config.attack, seed=config.seed)
     client_task: Callable[[str], Task] = make_task
+    classes = 0
     if attackers:
         kind, count = config.attack.kind, len(attackers)
         log.warning("attack %s by %d of %d clients: %s", kind, count, len(ids), sorted(attackers))
         classes = num_classes(server_task) if config.attack.kind == "label_flip" else 0
         client_task = attacked_tasks(make_task, attackers, config.attack, classes)
-    pool = AttackedPool(
-        InMemoryPool(ids, client_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR)),
-        attackers,
-        config.attack,
-        seed=config.seed,
-    )
+    state = ClientStateStore(out_dir / CLIENT_STATE_DIR)
+    clients: InMemoryPool | ProcessPool
+    if config.simulation.backend == "process":
+        factory_name = DEMO_TASK if demo else config.task.factory
+        tasks = ClientTasks(
+            factory=factory_name,
+            options=options,
+            num_partitions=len(ids),
+            seed=config.seed,
+            data_dir=None if data_dir is None else str(data_dir),
+            label_flip_classes=classes,
+            max_tasks=MAX_TASKS,
+        )
+        clients = ProcessPool(ids, tasks, workers=config.simulation.workers, state_dir=state.root, attackers=attackers)
+    else:
+        clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS)
+    pool = AttackedPool(clients, attackers, config.attack, seed=config.seed)
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []
@@ -231,6 +247,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     finally:
         gc.unfreeze()
         progress.close()
+        if isinstance(clients, ProcessPool):
+            clients.close()
     model_path = out_dir / "model.safetensors"
     save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
     history = pd.DataFrame(rows, columns=history_columns(rows))
