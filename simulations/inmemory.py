@@ -31,6 +31,20 @@ from fedcore.task import Task
 log = logging.getLogger("fedcore.simulation")
 
 
+def all_virtual_clients(client_ids: Sequence[str], num_clients: int) -> list[str]:
+    """A simulation's ``wait_for``: every virtual client is always available.
+
+    Raises:
+        RoundFailed: there are fewer than ``num_clients`` clients.
+    """
+    if num_clients > len(client_ids):
+        raise RoundFailed(
+            f"the simulation has {len(client_ids)} clients but {num_clients} are needed per round; "
+            "lower sampling.min_fit_clients or raise data.num_clients"
+        )
+    return list(client_ids)
+
+
 class InMemoryPool:
     """A :class:`server.pool.ClientPool` whose clients are :class:`~fedcore.task.Task` objects in this process.
 
@@ -75,12 +89,7 @@ class InMemoryPool:
 
     def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
         """Return all clients, or raise :class:`RoundFailed` if there are fewer than ``num_clients``."""
-        if num_clients > len(self._ids):
-            raise RoundFailed(
-                f"the simulation has {len(self._ids)} clients but {num_clients} are needed per round; "
-                "lower sampling.min_fit_clients or raise data.num_clients"
-            )
-        return self.available()
+        return all_virtual_clients(self._ids, num_clients)
 
     def task(self, client_id: str) -> Task:
         """The task of ``client_id`` (built on first use, and again after ``max_tasks`` others were used)."""

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedcore.errors import ConfigError, FedcoreError, RoundFailed, TransportError
+from fedcore.errors import ConfigError, FedcoreError, TransportError
 from fedcore.messages import (
     Failure,
     FitRes,
@@ -69,6 +69,7 @@ from fedcore.messages import (
 )
 from fedcore.payload import open_safetensors, save_payload
 from fedcore.tensors import NamedArrays
+from simulations.inmemory import all_virtual_clients
 
 log = logging.getLogger("fedcore.simulation")
 
@@ -288,13 +289,8 @@ class ProcessPool:
         return list(self._ids)
 
     def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
-        """Return all clients, or raise :class:`RoundFailed` if there are fewer than ``num_clients``."""
-        if num_clients > len(self._ids):
-            raise RoundFailed(
-                f"the simulation has {len(self._ids)} clients but {num_clients} are needed per round; "
-                "lower sampling.min_fit_clients or raise data.num_clients"
-            )
-        return self.available()
+        """Return all clients, or raise :class:`~fedcore.errors.RoundFailed` if there are fewer than ``num_clients``."""
+        return all_virtual_clients(self._ids, num_clients)
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
         """Hand the instructions to the workers and yield each reply as it comes (one per client, in the order the
@@ -653,7 +649,11 @@ def _alive(pid: int) -> bool:
 
 
 def _worker_main(commands: int, results: int) -> int:
-    """Serve tasks from ``commands`` until it reaches end of file; answer on ``results``."""
+    """Serve tasks from ``commands`` until it reaches end of file; answer on ``results``.
+
+    Ctrl-C in a terminal reaches the whole process group: the worker ignores it, and the pool, which gets it too,
+    ends the workers by closing their command pipes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     first = _read_message(commands)
     if first is None:
         return 0
