@@ -88,7 +88,8 @@ def _peak_run(tmp_path: Path, clients: int) -> tuple[dict[str, object], float]:
         """
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return result, result["peak_kib"] / 1024
