@@ -49,6 +49,7 @@ from fedcore.messages import (
 from fedcore.payload import DEFAULT_CHUNK_BYTES, DataChunk, iter_data_chunks, payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
+from fedcore.selection import check_attributes
 from fedcore.task import Task, TaskContext, TaskFactory, check_engine_task, load_task_factory
 from fedcore.tensors import NamedArrays, decode, read_metadata
 from fedcore.wire import (
@@ -121,6 +122,9 @@ class DaemonConfig:
         state_dir: where this client keeps its persistent state between rounds and restarts (client mods such as
             SCAFFOLD's control variate; :class:`client.state.ClientStateStore`, one file per client id), written
             only when a mod keeps state.
+        attributes: what this client declares about itself at join (``--attribute region=eu``), read by the
+            server's stratified client selection (``selector.stratify_by``); at most 16, each key and value
+            1..64 printable characters.
     """
 
     server: str
@@ -146,10 +150,12 @@ class DaemonConfig:
     threads: int | None = None
     parallel: ParallelPlan | None = None
     state_dir: Path = Path("fedcore-client-state")
+    attributes: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.client_id:
             raise ConfigError("client_id must not be empty")
+        check_attributes(self.attributes)
         parse_address(self.server, what="server (--server)")
         if self.server_name is not None:
             parse_host(self.server_name, what="server_name (--server-name)")
@@ -392,7 +398,7 @@ class ClientDaemon:
         """
         previous, self._session = self._session, ""
         cfg = self.config
-        request = pb.JoinRequest(client_id=cfg.client_id, token=self._token)
+        request = pb.JoinRequest(client_id=cfg.client_id, token=self._token, attributes=dict(cfg.attributes))
         refused = False
         while True:
             try:

@@ -176,7 +176,7 @@ def _cmd_server_start(args: argparse.Namespace) -> int:
 
 #: ``client start`` flags whose name is not their key's last part; every other field of
 #: :class:`client.daemon.DaemonConfig` is a flag of its own name (:mod:`fedcore.options`).
-CLIENT_FLAGS = {"exit_when_finished": "stay", "task_options": "task-option"}
+CLIENT_FLAGS = {"exit_when_finished": "stay", "task_options": "task-option", "attributes": "attribute"}
 
 
 def client_options() -> tuple[Option, ...]:

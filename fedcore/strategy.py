@@ -20,8 +20,8 @@ settings", "with what weight" and "how to step the global model".
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from fedcore.aggregation import (
@@ -36,7 +36,8 @@ from fedcore.errors import ConfigError, PayloadError, UpdateRejected
 from fedcore.messages import ModSpec
 from fedcore.mods import check_mods
 from fedcore.payload import check_group_name
-from fedcore.seeding import numpy_rng
+from fedcore.selection import SELECTION_NAMES, SelectionConfig, Selector
+from fedcore.selection import sample_clients as sample_clients  # re-exported: its home before selection policies
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
 from fedcore.stages import RoundProtocol
 from fedcore.task import FitConfig
@@ -84,23 +85,6 @@ class SamplingConfig:
         if self.fraction_evaluate == 0:
             return 0
         return max(self.min_evaluate_clients, math.floor(self.fraction_evaluate * num_available + 1e-9))
-
-
-def sample_clients(available: Sequence[str], num: int, *, seed: int, round: int, stage: str = "fit") -> list[str]:
-    """Select ``num`` distinct clients uniformly at random, keyed by (seed, round, stage).
-
-    The choice depends only on the set of available ids (they are sorted first), so the same seed picks the
-    same clients in simulation and deployment.
-
-    Raises:
-        ConfigError: ``num`` is negative or more than the clients available.
-    """
-    pool = sorted(available)
-    if not 0 <= num <= len(pool):
-        raise ConfigError(f"cannot select {num} clients from {len(pool)} available")
-    rng = numpy_rng(seed, "sample", stage, round)
-    chosen = rng.choice(len(pool), size=num, replace=False)
-    return [pool[i] for i in sorted(int(c) for c in chosen)]
 
 
 class GroupRule(Protocol):
@@ -153,6 +137,8 @@ class Strategy:
             checked against the registry here, when the strategy is configured.
         protocol: a multi-stage round protocol whose exchanges run around each round's fit exchange
             (:class:`~fedcore.stages.RoundProtocol`, e.g. secure aggregation); None: a round is one fit exchange.
+        selection: which of the available clients take part (:class:`~fedcore.selection.Selector`: the policy and
+            what it learned from finished rounds); default uniform sampling.
 
     Raises:
         ConfigError: bad weighting or batch size, a group name that cannot travel, or a mod that cannot run.
@@ -168,6 +154,7 @@ class Strategy:
     groups: Mapping[str, GroupRule] = field(default_factory=dict)
     mods: tuple[ModSpec, ...] = ()
     protocol: RoundProtocol | None = None
+    selection: Selector = field(default_factory=Selector)
 
     def __post_init__(self) -> None:
         if self.weighting not in ("examples", "uniform"):
@@ -224,6 +211,10 @@ class StrategyConfig:
         secagg: the SecAgg+ parameters (neighbours k, threshold t, field bits, clipping range of each update
             coordinate, maximum example weight, quantization levels); checked against each round's selection
             before any client is contacted.
+        selection: how the clients of a round are chosen (:mod:`fedcore.selection`): ``uniform`` (FedAvg),
+            ``stratified`` (by a client attribute), ``power-of-choice`` (Cho et al. 2020, highest last loss of d
+            candidates), ``oort`` (Lai et al. 2021, utility and speed).
+        selector: the selection policies' parameters (:class:`~fedcore.selection.SelectionConfig`).
 
         A rule's parameters are ignored by the other aggregators, so that one recipe can be run with another
         aggregator (``--aggregator mean``) to compare.
@@ -243,8 +234,12 @@ class StrategyConfig:
     norm_bound: float | None = None
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    selection: Literal["uniform", "stratified", "power-of-choice", "oort"] = "uniform"
+    selector: SelectionConfig = field(default_factory=SelectionConfig)
 
     def __post_init__(self) -> None:
+        if self.selection not in SELECTION_NAMES:
+            raise ConfigError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTION_NAMES)}")
         if self.name not in STRATEGY_NAMES:
             raise ConfigError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
         if not self.server_lr > 0:
@@ -305,13 +300,14 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
     if config.name == "scaffold":
         from fedcore.algorithms.scaffold import scaffold
 
-        return scaffold(
+        composed = scaffold(
             fit=fit,
             sampling=sampling,
             server_lr=config.server_lr,
             weighting=config.weighting,
             aggregator=build_aggregator(config),
         )
+        return replace(composed, selection=Selector(config.selection, config.selector))
     if config.name in ("fedavg", "fedprox", "fedavgm"):
         optimizer = ServerSGD(lr=config.server_lr, momentum=config.server_momentum)
     else:
@@ -330,6 +326,7 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
         weighting=config.weighting,
         server_optimizer=optimizer,
         aggregator=build_aggregator(config),
+        selection=Selector(config.selection, config.selector),
     )
     if config.secure_aggregation:
         from privacy.secagg.rounds import secure_aggregation

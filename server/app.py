@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import FrameType
 from typing import Any
@@ -112,6 +112,8 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         store.close()
         metrics.close()
         raise
+    # the selection's learned state (losses, durations) is rebuilt from the stored rounds, not checkpointed
+    strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= initial.round)
     warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
 
@@ -128,7 +130,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         echo("WARNING: no tokens file and no client CA: any client id may join")
     pool = GrpcClientPool(config.pool.pool_config(spill_dir=store.spill, seed=config.seed), metrics)
     limits = config.pool.service_limits()
-    service = _RecordingService(pool, auth, metrics, store, limits)
+    service = _RecordingService(pool, auth, metrics, store, limits, on_join=strategy.selection.declare)
     server, port = build_server(
         service,
         str(config.listen_address),  # the parsed address, written the one way gRPC reads as we do
@@ -316,9 +318,15 @@ class _RecordingService(CoordinatorService):
     """The service, also noting joins in the state database."""
 
     def __init__(
-        self, pool: GrpcClientPool, auth: AuthPolicy, metrics: ServerMetrics, store: StateStore, limits: ServiceLimits
+        self,
+        pool: GrpcClientPool,
+        auth: AuthPolicy,
+        metrics: ServerMetrics,
+        store: StateStore,
+        limits: ServiceLimits,
+        on_join: Callable[[str, Mapping[str, str]], None],
     ) -> None:
-        super().__init__(pool, auth, metrics, limits)
+        super().__init__(pool, auth, metrics, limits, on_join=on_join)
         self._store = store
 
     def Join(self, request: Any, context: Any) -> Any:  # noqa: N802 - name fixed by the gRPC service

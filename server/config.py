@@ -32,6 +32,7 @@ from fedcore.config import (
 )
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.payload import DEFAULT_CHUNK_BYTES
+from fedcore.selection import check_private_selection
 from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
 from fedcore.task import FitConfig
 from privacy.dp.config import PrivacyConfig, apply_dp
@@ -236,6 +237,7 @@ class ServerConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
+        check_private_selection(self.strategy.selection, client_dp=self.privacy.enabled)
         if self.privacy.enabled or self.privacy.dp_sgd:  # refused here, before the state directory is touched
             apply_dp(build_strategy(self.strategy, self.train, self.sampling), self.privacy)
         if self.task is None and self.initial is None:

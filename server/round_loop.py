@@ -21,6 +21,7 @@ import ctypes.util
 import functools
 import gc
 import logging
+import math
 import numbers
 import time
 from collections.abc import Callable, Mapping
@@ -30,8 +31,9 @@ from typing import Any, Protocol, cast, runtime_checkable
 from fedcore.aggregation import example_weight, metric_value, weighted_metrics
 from fedcore.errors import BudgetExhausted, ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage, bounded_repr
+from fedcore.selection import ClientObservation, observation
 from fedcore.stages import Phase
-from fedcore.strategy import Strategy, sample_clients
+from fedcore.strategy import Strategy
 from fedcore.task import EvalResult
 from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, spec_of
 from server.pool import ClientPool
@@ -150,6 +152,11 @@ class RoundRecord:
             or from a client that reported 0 examples), plus the server's own evaluation values that were not
             numbers or came from 0 examples. A metric value never fails a round; this count says how many did not
             count.
+        observations: what each accepted update told the client selection (loss, examples, duration), as fed to
+            :meth:`fedcore.selection.Selector.observe`; the server stores them so that a restart rebuilds the
+            selector's state.
+        simulated_seconds: a simulation's simulated duration of the round (synchronous: its slowest accepted
+            client's simulated device time), the history column ``simulated_seconds``; None outside simulation.
     """
 
     round: int
@@ -165,6 +172,8 @@ class RoundRecord:
     attempts: int = 1
     metrics_left_out: int = 0
     aggregation: Mapping[str, float] = field(default_factory=dict)
+    observations: tuple[ClientObservation, ...] = ()
+    simulated_seconds: float | None = None
 
     def as_row(self) -> dict[str, float | int | None]:
         """A flat row for the history table (CSV): the counts, ``train_loss``, every other training metric as
@@ -186,6 +195,8 @@ class RoundRecord:
             if key != "accuracy":
                 row[f"test_{key}"] = value
         row.update(self.aggregation)
+        if self.simulated_seconds is not None:
+            row["simulated_seconds"] = self.simulated_seconds
         if self.federated_eval_loss is not None:
             row["federated_loss"] = self.federated_eval_loss
             for key, value in self.federated_eval_metrics.items():
@@ -384,11 +395,11 @@ def _fit_round(
     all_failures: list[Failure] = []
     for attempt in range(1, config.max_round_attempts + 1):
         needed = max(strategy.sampling.min_fit_clients, config.min_fit_results)
-        available = pool.wait_for(needed, config.wait_for_clients_s)
+        available = _candidates(strategy, pool.wait_for(needed, config.wait_for_clients_s), needed, rnd)
         num = min(strategy.sampling.num_fit(len(available)), len(available))
         strategy.aggregator.check(num)
         stage = "fit" if attempt == 1 else f"fit-attempt-{attempt}"
-        selected = sample_clients(available, num, seed=config.seed, round=rnd, stage=stage)
+        selected = strategy.selection.select(available, num, seed=config.seed, round=rnd, stage=stage)
         instructions: dict[str, Instruction] = {
             cid: FitIns(
                 round=rnd,
@@ -409,6 +420,7 @@ def _fit_round(
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]]] = []
+        observations: list[ClientObservation] = []
         protocol_run, instructions = _stages_before_fit(pool, strategy, config, rnd, attempt, instructions, failures)
         for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
             if isinstance(reply, Failure):
@@ -435,6 +447,7 @@ def _fit_round(
                 _trim_heap()  # transfer buffers freed while it arrived: back to the OS now, not at round end
             accepted.append(client_id)
             metric_rows.append((num_examples, fit_metrics))
+            observations.append(observation(client_id, num_examples, _mapping(fit_metrics)))
         _trace(rnd, f"folded {len(accepted)} update(s)")
         all_failures.extend(failures)
         try:
@@ -476,6 +489,7 @@ def _fit_round(
                 ) from exc
             log.warning("round %d attempt %d failed (%s); retrying with a fresh selection", rnd, attempt, exc)
             continue
+        strategy.selection.observe(rnd, observations)  # the one feedback of a finished round to the selector
         train_metrics = weighted_metrics(metric_rows)
         _log_left_out(rnd, "fit", train_metrics.left_out)
         record = RoundRecord(
@@ -487,6 +501,8 @@ def _fit_round(
             attempts=attempt,
             metrics_left_out=train_metrics.left_out,
             aggregation=aggregation,
+            observations=tuple(observations),
+            simulated_seconds=_simulated_duration(metric_rows),
         )
         new_state = ServerState(
             round=rnd,
@@ -497,6 +513,35 @@ def _fit_round(
         )
         return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
+def _candidates(strategy: Strategy, available: list[str], needed: int, rnd: int) -> list[str]:
+    """The connected clients that may be selected in round ``rnd`` (:meth:`fedcore.selection.Selector.candidates`:
+    a simulation's availability trace leaves out the clients offline then).
+
+    Raises:
+        RoundFailed: fewer than ``needed`` are candidates (the trace has too few clients online in this round).
+    """
+    candidates = strategy.selection.candidates(available, round=rnd)
+    if len(candidates) < needed:
+        raise RoundFailed(
+            f"only {len(candidates)} of {len(available)} clients are online in this round by the availability "
+            f"trace, and a round needs {needed}; raise the trace's online share or lower the clients per round",
+            round=rnd,
+        )
+    return candidates
+
+
+def _mapping(metrics: object) -> Mapping[str, object]:
+    return metrics if isinstance(metrics, Mapping) else {}
+
+
+def _simulated_duration(rows: list[tuple[int, Mapping[str, object]]]) -> float | None:
+    """A synchronous round's simulated duration: the slowest accepted client's ``simulated_seconds`` (a simulation's
+    device model reports it with each update); None when no client reported one (a real deployment)."""
+    times = [metric_value(_mapping(metrics).get("simulated_seconds")) for _, metrics in rows]
+    known = [t for t in times if t is not None and 0 <= t < math.inf]
+    return max(known) if known else None
 
 
 def _stages_before_fit(
@@ -604,10 +649,10 @@ def _evaluate_round(
         changes["eval_loss"] = central.eval_loss
         changes["eval_metrics"] = central.eval_metrics
         left_out += central.metrics_left_out
-    available = pool.available()
+    available = strategy.selection.candidates(pool.available(), round=state.round)
     num = min(strategy.sampling.num_evaluate(len(available)), len(available))
     if num > 0:
-        selected = sample_clients(available, num, seed=config.seed, round=state.round, stage="evaluate")
+        selected = strategy.selection.select(available, num, seed=config.seed, round=state.round, stage="evaluate")
         instructions: dict[str, Instruction] = {
             cid: EvaluateIns(round=state.round, parameters=state.parameters, batch_size=strategy.evaluate_batch_size)
             for cid in selected

@@ -41,6 +41,7 @@ from fedcore.messages import Failure, Reply, Stage, StageIns, bound_text
 from fedcore.payload import DataChunk, SpillFile, framed_sizes, read_safetensors_header
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
+from fedcore.selection import check_attributes
 from fedcore.wire import (
     CLIENT_ID_KEY,
     SESSION_KEY,
@@ -154,6 +155,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         auth: who may join.
         metrics: optional Prometheus metrics.
         limits: what one call may hold.
+        on_join: called with each client's id and the attributes it declared once its join is accepted (the
+            strategy's client selection, :meth:`fedcore.selection.Selector.declare`).
     """
 
     def __init__(
@@ -162,7 +165,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         auth: AuthPolicy,
         metrics: ServerMetrics | None = None,
         limits: ServiceLimits | None = None,
+        on_join: Callable[[str, Mapping[str, str]], None] | None = None,
     ) -> None:
+        self._on_join = on_join
         self._pool = pool
         self._auth = auth
         self._metrics = metrics
@@ -344,9 +349,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     f"the client certificate is issued to {bound_text(str(name), 64)!r}, not to {client_id!r}",
                 )
         try:
+            attributes = check_attributes(request.attributes)
+        except ConfigError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        try:
             session = self._pool.join(client_id, previous_session=_metadata(context, SESSION_KEY))
         except ClientIdInUse as exc:
             self._refuse(context, "client id in use", grpc.StatusCode.ALREADY_EXISTS, exc.message)
+        if self._on_join is not None:
+            self._on_join(client_id, attributes)
         config = self._pool.config
         return pb.JoinReply(
             session=session,

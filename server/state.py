@@ -62,6 +62,7 @@ from fedcore.payload import (
     read_safetensors_header,
     save_payload,
 )
+from fedcore.selection import ClientObservation
 from fedcore.strategy import StrategyConfig
 from fedcore.tensors import NamedArrays
 from server.round_loop import RoundRecord, ServerState
@@ -92,6 +93,10 @@ CREATE TABLE IF NOT EXISTS round_metrics (
 CREATE TABLE IF NOT EXISTS checkpoints (round INTEGER PRIMARY KEY, sha256 TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS failures (
     round INTEGER NOT NULL, client_id TEXT NOT NULL, stage TEXT NOT NULL, reason TEXT NOT NULL,
+    superseded INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS selection (
+    round INTEGER NOT NULL, client_id TEXT NOT NULL, num_examples INTEGER NOT NULL, loss REAL, seconds REAL,
     superseded INTEGER NOT NULL DEFAULT 0
 );
 """
@@ -359,7 +364,31 @@ class StateStore:
                 "INSERT INTO failures (round, client_id, stage, reason) VALUES (?, ?, ?, ?)",
                 [(f.round, f.client_id[:_MAX_TEXT], f.stage.value, f.reason[:_MAX_TEXT]) for f in record.failures],
             )
+            self._db.execute("DELETE FROM selection WHERE round = ? AND superseded = 0", (record.round,))
+            self._db.executemany(
+                "INSERT INTO selection (round, client_id, num_examples, loss, seconds) VALUES (?, ?, ?, ?, ?)",
+                [
+                    (record.round, o.client_id[:_MAX_TEXT], o.num_examples, o.loss, o.seconds)
+                    for o in record.observations
+                ],
+            )
         self.export_csv()
+
+    def selection_history(self) -> list[tuple[int, list[ClientObservation]]]:
+        """The client selection's feedback of every current round, ascending: ``(round, observations)`` as the
+        round loop gave them to :meth:`fedcore.selection.Selector.observe`, to rebuild it on restart
+        (:meth:`fedcore.selection.Selector.restore`). Client ids are the ones accepted into the round (their
+        length is bounded at join)."""
+        rounds: dict[int, list[ClientObservation]] = {}
+        with self._lock, self._sqlite("reading the selection history"):
+            for rnd, cid, examples, loss, seconds in self._db.execute(
+                "SELECT round, client_id, num_examples, loss, seconds FROM selection WHERE superseded = 0 "
+                "ORDER BY round, rowid"
+            ):
+                rounds.setdefault(int(rnd), []).append(
+                    ClientObservation(client_id=str(cid), num_examples=int(examples), loss=loss, seconds=seconds)
+                )
+        return sorted(rounds.items())
 
     def recorded_rounds(self) -> list[int]:
         """The rounds with a current (not superseded) record, ascending."""
@@ -401,7 +430,7 @@ class StateStore:
                 )
             ]
             (mark,) = self._db.execute("SELECT COALESCE(MAX(superseded), 0) + 1 FROM rounds").fetchone()
-            for table in ("rounds", "round_metrics", "failures"):
+            for table in ("rounds", "round_metrics", "failures", "selection"):
                 self._db.execute(
                     f"UPDATE {table} SET superseded = ? WHERE superseded = 0 AND round > ?",
                     (mark, rnd),

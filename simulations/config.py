@@ -1,8 +1,8 @@
 """The simulation recipe: one root config whose tables are the components' configs.
 
-A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[sampling]``, ``[train]``, ``[attack]``
-and ``[output]`` plus top-level ``seed``, ``rounds`` and ``evaluate_every``; any value can be overridden from the
-CLI as ``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
+A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[sampling]``, ``[train]``, ``[attack]``,
+``[devices]`` and ``[output]`` plus top-level ``seed``, ``rounds`` and ``evaluate_every``; any value can be
+overridden from the CLI as ``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from typing import Any, Literal
 
 from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.errors import ConfigError
+from fedcore.selection import check_private_selection
 from fedcore.strategy import SamplingConfig, StrategyConfig
 from fedcore.task import FitConfig
 from privacy.dp.config import PrivacyConfig
 from simulations.attacks import AttackConfig
+from simulations.devices import DevicesConfig
 
 DATASET_NAMES = ("fashion-mnist", "mnist-5k", "digits", "synthetic")
 PARTITION_NAMES = ("iid", "dirichlet", "dirichlet-client", "shards", "quantity", "natural")
@@ -183,6 +185,8 @@ class SimulationConfig:
         data, model, task, strategy, sampling, train, output: the component configs.
         attack: Byzantine clients (:class:`simulations.attacks.AttackConfig`; default none).
         privacy: differential privacy (``[privacy]``, :class:`privacy.dp.config.PrivacyConfig`; off by default).
+        devices: simulated device speeds and availability (``[devices]``,
+            :class:`simulations.devices.DevicesConfig`): slow clients, a trace of when clients are online.
         simulation: how the virtual clients run (``[simulation]``, :class:`BackendConfig`; in-process by default).
     """
 
@@ -198,6 +202,7 @@ class SimulationConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
     simulation: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
@@ -207,6 +212,9 @@ class SimulationConfig:
             raise ConfigError(f"train.local_epochs must be <= 10000, got {self.train.local_epochs}")
         if self.evaluate_every < 1:
             raise ConfigError(f"evaluate_every must be >= 1, got {self.evaluate_every}")
+        check_private_selection(
+            self.strategy.selection, client_dp=self.privacy.enabled, trace=self.devices.availability != "always"
+        )
         if self.sampling.min_fit_clients > self.data.num_clients:
             raise ConfigError(
                 f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="

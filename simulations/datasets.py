@@ -37,6 +37,7 @@ __all__ = [
     "normalization_stats",
     "synthetic_device",
     "synthetic_fedprox",
+    "synthetic_train_size",
 ]
 
 FloatArray = npt.NDArray[np.float32]
@@ -299,6 +300,17 @@ def _check_synthetic(alpha: float, beta: float, num_devices: int, num_features: 
             raise ConfigError(f"{name} must be >= 1, got {count}")
 
 
+def _draw_size(rng: np.random.Generator) -> int:
+    """A device's sample count ``n_k = int(lognormal(4, 2)) + 50``: the first draw of its generator."""
+    return int(rng.lognormal(4.0, 2.0)) + 50
+
+
+def synthetic_train_size(device: int, *, seed: int = 0) -> int:
+    """The number of training examples of :func:`synthetic_device`'s device ``device`` (``int(0.9 * n_k)``),
+    without generating its data (alpha and beta do not change it)."""
+    return int(0.9 * _draw_size(numpy_rng(seed, "synthetic-fedprox", device)))
+
+
 def synthetic_device(
     alpha: float, beta: float, device: int, *, num_features: int = 60, num_classes: int = 10, seed: int = 0
 ) -> DeviceData:
@@ -326,7 +338,7 @@ def synthetic_device(
     if device < 0:
         raise ConfigError(f"the device index must be >= 0, got {device}")
     rng = numpy_rng(seed, "synthetic-fedprox", device)
-    size = int(rng.lognormal(4.0, 2.0)) + 50
+    size = _draw_size(rng)
     model_mean = rng.normal(0.0, alpha)  # u_k
     feature_shift = rng.normal(0.0, beta)  # B_k
     feature_std = np.power(np.arange(1, num_features + 1, dtype=np.float64), -1.2) ** 0.5

@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,12 @@ from fedcore.task import (
     trainable_names,
 )
 from privacy.dp.config import apply_dp
+from server.pool import ClientPool
 from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from server.state import history_columns, write_history
 from simulations.attacks import AttackedPool, attacked_tasks, choose_attackers, num_classes
 from simulations.config import DEMO_TASK, SimulationConfig
+from simulations.devices import SimulatedDevices, simulation_selector, slow_clients
 from simulations.inmemory import InMemoryPool
 from simulations.procpool import ClientTasks, ProcessPool
 from simulations.tasks import demo_task
@@ -104,6 +106,23 @@ def recipe_record(config: SimulationConfig) -> dict[str, Any]:
         data = record["data"]  # (to_mapping leaves out unset values, which TOML cannot hold)
         record["data"] = {key: data[key] for key in ("num_clients", "data_dir") if key in data}
     return record
+
+
+def partition_sizes(config: SimulationConfig, ids: list[str]) -> dict[str, int]:
+    """Each virtual client's training examples, from the demo task's partition (stratified selection by size).
+
+    Raises:
+        ConfigError: a custom task (its clients' sizes are not known before they train).
+    """
+    if config.task.factory != DEMO_TASK:
+        raise ConfigError(
+            "stratified selection by 'size' needs the demo task's partition; with a custom task stratify by an "
+            "attribute of its own, or use another selection"
+        )
+    from simulations.tasks import prepare_data
+
+    sizes = prepare_data(config.data, config.seed).client_sizes()
+    return {cid: int(size) for cid, size in zip(ids, sizes, strict=True)}
 
 
 def client_ids(num_clients: int) -> list[str]:
@@ -200,7 +219,13 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         clients = ProcessPool(ids, tasks, workers=config.simulation.workers, state_dir=state.root, attackers=attackers)
     else:
         clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS)
-    pool = AttackedPool(clients, attackers, config.attack, seed=config.seed)
+    pool: ClientPool = AttackedPool(clients, attackers, config.attack, seed=config.seed)
+    if config.devices.timed or config.strategy.selection == "oort":  # oort reads durations: simulated, reproducible
+        pool = SimulatedDevices(pool, slow_clients(ids, config.devices.slow_fraction, seed=config.seed), config.devices)
+    selection = simulation_selector(
+        strategy.selection, config.devices, ids, seed=config.seed, sizes=lambda: partition_sizes(config, ids)
+    )
+    strategy = replace(strategy, selection=selection)
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []

@@ -32,7 +32,7 @@ from fedcore.errors import ConfigError
 from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext
 from simulations.config import DataConfig
-from simulations.datasets import Dataset, load_dataset, normalization_stats, synthetic_device
+from simulations.datasets import Dataset, load_dataset, normalization_stats, synthetic_device, synthetic_train_size
 from simulations.models import build_model
 from simulations.partition import partition
 
@@ -67,6 +67,10 @@ class PreparedData:
     def client_labels(self) -> Iterator[np.ndarray]:
         """Each client's training labels, in client order."""
         return (self.labels[part] for part in self.partitions)
+
+    def client_sizes(self) -> list[int]:
+        """Each client's number of training examples, in client order."""
+        return [len(part) for part in self.partitions]
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,10 @@ class SyntheticDevices:
     def client_labels(self) -> Iterator[np.ndarray]:
         """Each device's training labels, in device order (each device generated in turn, none kept)."""
         return (self.device(k)[1] for k in range(self.num_clients))
+
+    def client_sizes(self) -> list[int]:
+        """Each device's number of training examples, in device order (no data generated)."""
+        return [synthetic_train_size(k, seed=self.seed) for k in range(self.num_clients)]
 
 
 def data_config_from_options(options: Mapping[str, str]) -> tuple[DataConfig, str]:

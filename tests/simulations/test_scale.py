@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from simulations.config import DataConfig
-from simulations.datasets import synthetic_device, synthetic_fedprox
+from simulations.datasets import synthetic_device, synthetic_fedprox, synthetic_train_size
 from simulations.report import class_counts, label_counts
 from simulations.tasks import REFERENCE_DEVICES, SyntheticDevices, prepare_data
 
@@ -34,6 +34,7 @@ def test_a_device_is_the_same_whichever_devices_come_first() -> None:
     all_ten = synthetic_fedprox(1.0, 1.0, num_devices=10, seed=3)
     for a, b in zip(alone, all_ten[7], strict=True):
         np.testing.assert_array_equal(a, b)
+    assert [synthetic_train_size(k, seed=3) for k in range(10)] == [len(d[1]) for d in all_ten]
     later = synthetic_device(1.0, 1.0, 99_999, seed=3)  # the last of 100,000, without the others
     again = synthetic_device(1.0, 1.0, 99_999, seed=3)
     np.testing.assert_array_equal(later[0], again[0])

@@ -19,12 +19,21 @@ STAGE_EVALUATE: Stage
 STAGE_PROTOCOL: Stage
 
 class JoinRequest(_message.Message):
-    __slots__ = ("client_id", "token")
+    __slots__ = ("client_id", "token", "attributes")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     token: str
-    def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+    attributes: _containers.ScalarMap[str, str]
+    def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("session", "seed", "heartbeat_interval_s", "liveness_timeout_s", "max_payload_bytes", "chunk_bytes")

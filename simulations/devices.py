@@ -1,0 +1,235 @@
+"""Simulated devices: how fast each virtual client trains and when it is online.
+
+Speeds. A share ``slow_fraction`` of the clients (drawn from the seed) is ``slowdown`` times slower. A fit's
+simulated duration is ``factor * step_seconds * local_epochs * ceil(num_examples / batch_size)`` (one unit of
+``step_seconds`` per local mini-batch step on a normal device; communication is not modelled). It travels with
+the reply as the metric ``simulated_seconds`` (:class:`SimulatedDevices`), where the client selection reads it as
+the client's duration (:data:`fedcore.selection.DURATION_METRICS`) and the round loop takes a synchronous round's
+duration as its slowest accepted client's (the history column ``simulated_seconds``). Nothing sleeps: the
+durations are numbers, the same for the same seed, so time-to-accuracy can be compared between policies.
+
+Availability (:func:`availability_trace`): ``always``; ``diurnal``, each client online for a share
+``online_fraction`` of every ``period`` rounds, with a phase of its own drawn from the seed (clients spread over
+time zones); or ``csv``, a file of ``client,from_round,to_round`` rows giving the rounds (inclusive) in which a
+client is online (a client listed nowhere is always online). The trace goes to the client selection
+(:class:`fedcore.selection.Selector`), which never makes an offline client a candidate.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from fedcore.errors import ConfigError
+from fedcore.messages import FitIns, FitRes, Reply, ServerMessage
+from fedcore.seeding import numpy_rng
+from fedcore.selection import SIZE_ATTRIBUTE, Availability, Selector, size_buckets
+from server.pool import ClientPool
+
+AVAILABILITY_NAMES = ("always", "diurnal", "csv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DevicesConfig:
+    """The ``[devices]`` table of a recipe: simulated device speeds and availability.
+
+    Attributes:
+        simulate_time: give every fit a simulated duration and every round the history column
+            ``simulated_seconds`` (on by itself when ``slow_fraction > 0``).
+        slow_fraction: the share of clients that are slow, in [0, 1] (drawn from the seed).
+        slowdown: how many times slower a slow client is, >= 1.
+        step_seconds: simulated seconds of one local mini-batch step on a normal device, > 0.
+        availability: ``always``, ``diurnal`` (each client online ``online_fraction`` of every ``period`` rounds,
+            at a phase of its own) or ``csv`` (the rounds listed in ``availability_file``).
+        online_fraction: ``diurnal``: the share of each period a client is online, in (0, 1].
+        period: ``diurnal``: the length of a day in rounds, >= 1.
+        availability_file: ``csv``: a file with the header ``client,from_round,to_round`` and one row per online
+            interval (rounds inclusive); a client with no row is always online.
+    """
+
+    simulate_time: bool = False
+    slow_fraction: float = 0.0
+    slowdown: float = 1.0
+    step_seconds: float = 0.01
+    availability: Literal["always", "diurnal", "csv"] = "always"
+    online_fraction: float = 0.5
+    period: int = 24
+    availability_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.slow_fraction <= 1:
+            raise ConfigError(f"devices.slow_fraction must be in [0, 1], got {self.slow_fraction}")
+        if not 1 <= self.slowdown < math.inf:
+            raise ConfigError(f"devices.slowdown must be a number >= 1, got {self.slowdown}")
+        if not 0 < self.step_seconds < math.inf:
+            raise ConfigError(f"devices.step_seconds must be > 0 seconds, got {self.step_seconds}")
+        if self.availability not in AVAILABILITY_NAMES:
+            raise ConfigError(
+                f"unknown devices.availability {self.availability!r}; choose one of {', '.join(AVAILABILITY_NAMES)}"
+            )
+        if not 0 < self.online_fraction <= 1:
+            raise ConfigError(f"devices.online_fraction must be in (0, 1], got {self.online_fraction}")
+        if self.period < 1:
+            raise ConfigError(f"devices.period must be >= 1 round, got {self.period}")
+        if (self.availability == "csv") != (self.availability_file is not None):
+            raise ConfigError("devices.availability = 'csv' needs devices.availability_file, and only it uses one")
+
+    @property
+    def timed(self) -> bool:
+        """Whether fits get a simulated duration: with ``simulate_time``, or slow clients."""
+        return self.simulate_time or self.slow_fraction > 0
+
+
+def slow_clients(client_ids: Sequence[str], fraction: float, *, seed: int) -> frozenset[str]:
+    """The ``round(fraction * N)`` slow clients: the first of a permutation of the sorted ids keyed by the seed."""
+    ids = sorted(client_ids)
+    count = round(fraction * len(ids))
+    order = numpy_rng(seed, "devices", "slow").permutation(len(ids))
+    return frozenset(ids[int(i)] for i in order[:count])
+
+
+def fit_seconds(factor: float, step_seconds: float, local_epochs: int, batch_size: int, num_examples: int) -> float:
+    """A fit's simulated duration: ``factor * step_seconds * local_epochs * ceil(num_examples / batch_size)``."""
+    return factor * step_seconds * local_epochs * math.ceil(num_examples / batch_size)
+
+
+def diurnal_phases(client_ids: Sequence[str], *, seed: int) -> dict[str, float]:
+    """Each client's phase in [0, 1) for the diurnal trace, drawn in the order of the sorted ids."""
+    ids = sorted(client_ids)
+    phases = numpy_rng(seed, "devices", "diurnal").random(len(ids))
+    return {cid: float(p) for cid, p in zip(ids, phases, strict=True)}
+
+
+def diurnal(phases: Mapping[str, float], *, online_fraction: float, period: int) -> Availability:
+    """A diurnal trace: client c is online in round r when ``frac(r / period + phase_c) < online_fraction`` (so
+    online in ``online_fraction * period`` consecutive rounds of every ``period``, up to rounding); a client
+    without a phase is always online."""
+
+    def online(client_id: str, round: int) -> bool:
+        phase = phases.get(client_id)
+        return phase is None or (round / period + phase) % 1.0 < online_fraction
+
+    return online
+
+
+def read_trace(path: Path) -> Availability:
+    """The availability trace of a CSV file with the header ``client,from_round,to_round`` (see the module).
+
+    Raises:
+        ConfigError: the file cannot be read, lacks the header, or a row is not ``id,int,int`` with
+            1 <= from_round <= to_round (the message names the line).
+    """
+    intervals: dict[str, list[tuple[int, int]]] = {}
+    try:
+        with path.open(newline="") as fh:
+            reader = csv.reader(fh)
+            header = next(reader, None)
+            if header is None or [h.strip() for h in header] != ["client", "from_round", "to_round"]:
+                raise ConfigError(
+                    f"availability_file {str(path)!r} must start with the header client,from_round,to_round"
+                )
+            for line, row in enumerate(reader, start=2):
+                try:
+                    cid, start, end = row[0].strip(), int(row[1]), int(row[2])
+                except (IndexError, ValueError):
+                    raise ConfigError(
+                        f"availability_file {str(path)!r} line {line}: expected client,from_round,to_round"
+                    ) from None
+                if not cid or not 1 <= start <= end:
+                    raise ConfigError(
+                        f"availability_file {str(path)!r} line {line}: need a client id and 1 <= from_round <= to_round"
+                    )
+                intervals.setdefault(cid, []).append((start, end))
+    except OSError as exc:
+        raise ConfigError(f"cannot read availability_file {str(path)!r}: {exc.strerror or exc}") from None
+
+    def online(client_id: str, round: int) -> bool:
+        spans = intervals.get(client_id)
+        return spans is None or any(start <= round <= end for start, end in spans)
+
+    return online
+
+
+def availability_trace(config: DevicesConfig, client_ids: Sequence[str], *, seed: int) -> Availability | None:
+    """The trace ``config`` describes for ``client_ids`` (None: ``always``).
+
+    Raises:
+        ConfigError: an unreadable or malformed CSV trace.
+    """
+    if config.availability == "diurnal":
+        phases = diurnal_phases(client_ids, seed=seed)
+        return diurnal(phases, online_fraction=config.online_fraction, period=config.period)
+    if config.availability == "csv" and config.availability_file is not None:
+        return read_trace(config.availability_file)
+    return None
+
+
+def simulation_selector(
+    selection: Selector,
+    devices: DevicesConfig,
+    client_ids: Sequence[str],
+    *,
+    seed: int,
+    sizes: Callable[[], Mapping[str, int]],
+) -> Selector:
+    """The client selection of a simulation: ``selection``'s policy and parameters, with the availability trace of
+    ``devices`` and, for stratified selection by ``size``, each client's dataset-size bucket from ``sizes()``
+    (client id -> training examples; called only then)."""
+    attributes: dict[str, dict[str, str]] = {}
+    if selection.policy == "stratified" and selection.config.stratify_by == SIZE_ATTRIBUTE:
+        buckets = size_buckets(sizes(), selection.config.size_buckets)
+        attributes = {cid: {SIZE_ATTRIBUTE: label} for cid, label in buckets.items()}
+    return Selector(
+        selection.policy,
+        selection.config,
+        attributes=attributes,
+        availability=availability_trace(devices, client_ids, seed=seed),
+    )
+
+
+class SimulatedDevices:
+    """A :class:`~server.pool.ClientPool` whose fit replies carry their simulated duration, the metric
+    ``simulated_seconds`` (:func:`fit_seconds` with the client's speed factor and its instruction's settings).
+
+    Args:
+        pool: the pool of virtual clients.
+        slow: the slow clients.
+        config: speeds (``slowdown``, ``step_seconds``).
+    """
+
+    def __init__(self, pool: ClientPool, slow: frozenset[str], config: DevicesConfig) -> None:
+        self._pool = pool
+        self._slow = slow
+        self._config = config
+
+    def available(self) -> list[str]:
+        """The wrapped pool's available clients."""
+        return self._pool.available()
+
+    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
+        """As the wrapped pool."""
+        return self._pool.wait_for(num_clients, timeout_s)
+
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
+        """The wrapped pool's replies, each fit result with its ``simulated_seconds``."""
+        for reply in self._pool.run(instructions, timeout_s=timeout_s):
+            instruction = instructions.get(reply.client_id)
+            if isinstance(reply, FitRes) and isinstance(instruction, FitIns):
+                factor = self._config.slowdown if reply.client_id in self._slow else 1.0
+                seconds = fit_seconds(
+                    factor,
+                    self._config.step_seconds,
+                    instruction.config.local_epochs,
+                    instruction.config.batch_size,
+                    int(reply.num_examples),
+                )
+                reply = dataclasses.replace(reply, metrics={**reply.metrics, "simulated_seconds": seconds})
+            yield reply
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)  # whatever else the wrapped pool offers (e.g. its tasks)

@@ -1,0 +1,135 @@
+"""Simulated devices (simulations/devices.py): availability traces by hand, and a small simulation whose rounds take
+their slowest client's simulated time and select only online clients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedcore.errors import ConfigError
+from fedcore.selection import SelectionConfig, Selector
+from simulations.config import load_recipe
+from simulations.devices import (
+    DevicesConfig,
+    availability_trace,
+    diurnal,
+    fit_seconds,
+    read_trace,
+    simulation_selector,
+    slow_clients,
+)
+from simulations.harness import client_ids, partition_sizes, run_simulation
+
+
+def test_csv_trace_by_hand(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("client,from_round,to_round\nc0,1,2\nc0,5,5\nc1,3,4\n")
+    online = read_trace(path)
+    assert [r for r in range(1, 8) if online("c0", r)] == [1, 2, 5]
+    assert [r for r in range(1, 8) if online("c1", r)] == [3, 4]
+    assert all(online("c2", r) for r in range(1, 8))  # not listed: always online
+    config = DevicesConfig(availability="csv", availability_file=path)
+    trace = availability_trace(config, ["c0", "c1", "c2"], seed=0)
+    assert trace is not None and not trace("c0", 3)
+    for text, problem in (("client,round\nc0,1\n", "header"), ("client,from_round,to_round\nc0,3,2\n", "line 2")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=problem):
+            read_trace(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_trace(tmp_path / "missing.csv")
+
+
+def test_diurnal_trace_by_hand() -> None:
+    # period 10, 30% online: phase 0 -> rounds = 0, 1, 2 (mod 10); phase .75 -> r/10 in [.25, .55): 3, 4, 5
+    online = diurnal({"a": 0.0, "b": 0.75}, online_fraction=0.3, period=10)
+    assert [r for r in range(1, 21) if online("a", r)] == [1, 2, 10, 11, 12, 20]
+    assert [r for r in range(1, 21) if online("b", r)] == [3, 4, 5, 13, 14, 15]
+    assert online("unknown", 7)
+    # phases from the seed: every client online 3 rounds of every 10
+    ids = [f"c{i}" for i in range(20)]
+    trace = availability_trace(DevicesConfig(availability="diurnal", online_fraction=0.3, period=10), ids, seed=4)
+    assert trace is not None
+    assert all(sum(trace(cid, r) for r in range(11, 21)) == 3 for cid in ids)
+    assert availability_trace(DevicesConfig(), ids, seed=4) is None
+
+
+def test_devices_config_checks(tmp_path: Path) -> None:
+    bad_values: list[dict[str, object]] = [
+        {"slow_fraction": 1.5},
+        {"slowdown": 0.5},
+        {"step_seconds": 0.0},
+        {"availability": "sometimes"},
+        {"online_fraction": 0.0},
+        {"period": 0},
+        {"availability": "csv"},
+        {"availability_file": tmp_path / "t.csv"},
+    ]
+    for bad in bad_values:
+        with pytest.raises(ConfigError, match="devices"):
+            DevicesConfig(**bad)  # type: ignore[arg-type]
+
+
+SMALL = [
+    "data.dataset=digits",
+    "data.num_clients=6",
+    "data.partition=iid",
+    "model.name=logreg",
+    "sampling.min_fit_clients=2",
+    "sampling.fraction_fit=1.0",
+    "train.batch_size=32",
+    "rounds=3",
+    "evaluate_every=3",
+    "output.progress=false",
+    "output.plot=false",
+]
+
+
+def test_a_simulation_times_its_rounds_and_selects_only_online_clients(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"  # round 2: only client-004 and client-005 are online
+    rows = "".join(f"client-00{i},1,1\nclient-00{i},3,3\n" for i in range(4))
+    trace.write_text("client,from_round,to_round\n" + rows)
+    extra = [
+        "strategy.selection=oort",
+        "devices.slow_fraction=0.5",
+        "devices.slowdown=5.0",
+        "devices.availability=csv",
+        f"devices.availability_file={str(trace)!r}",
+    ]
+    config = load_recipe(None, [*SMALL, f"output.dir={str(tmp_path / 'run')!r}", *extra])
+    history = run_simulation(config, echo=lambda _: None).history
+    assert list(history["clients"]) == [0, 6, 2, 6]
+    ids = client_ids(6)
+    sizes = partition_sizes(config, ids)
+    slow = slow_clients(ids, 0.5, seed=0)
+    # every client trains in rounds 1 and 3: the slowest of all; round 2: the slower of client-004 and client-005
+    time = {cid: fit_seconds(5.0 if cid in slow else 1.0, 0.01, 1, 32, sizes[cid]) for cid in ids}
+    assert list(history["simulated_seconds"][1:]) == pytest.approx(
+        [max(time.values()), max(time["client-004"], time["client-005"]), max(time.values())]
+    )
+    # without devices options (and another policy) the history has no such column: pinned histories stay as they are
+    plain_config = load_recipe(None, [*SMALL, f"output.dir={str(tmp_path / 'plain')!r}", "rounds=1"])
+    plain = run_simulation(plain_config, echo=lambda _: None)
+    assert "simulated_seconds" not in plain.history.columns
+
+
+def test_stratified_by_size_in_simulation_takes_each_bucket_in_proportion() -> None:
+    ids = [f"c{i}" for i in range(8)]
+    sizes = {cid: 10 * (i + 1) for i, cid in enumerate(ids)}  # c0..c3 the small half, c4..c7 the large
+    selection = Selector("stratified", SelectionConfig(size_buckets=2))
+    selector = simulation_selector(selection, DevicesConfig(), ids, seed=0, sizes=lambda: sizes)
+    for rnd in range(1, 11):
+        picked = selector.select(ids, 4, seed=0, round=rnd)
+        assert sum(c in ("c0", "c1", "c2", "c3") for c in picked) == 2
+    # other policies do not need the sizes
+    uniform = simulation_selector(Selector(), DevicesConfig(), ids, seed=0, sizes=lambda: {})
+    assert uniform.policy == "uniform" and uniform.availability is None
+
+
+def test_client_level_dp_is_refused_with_a_selection_that_is_not_uniform() -> None:
+    with pytest.raises(ConfigError, match="selection 'oort' chooses by other rules"):
+        load_recipe(None, ["privacy.dp='central'", "strategy.selection='oort'"])
+    with pytest.raises(ConfigError, match="an availability trace"):
+        load_recipe(None, ["privacy.dp='central'", "devices.availability='diurnal'"])
+    assert load_recipe(None, ["privacy.dp='central'"]).strategy.selection == "uniform"
+    assert load_recipe(None, ["strategy.selection='oort'"]).privacy.dp == "off"
