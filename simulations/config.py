@@ -172,6 +172,8 @@ class BackendConfig:
             raise ConfigError(f"unknown simulation backend {self.backend!r}; choose inprocess or process")
         if self.workers is not None and not 1 <= self.workers <= 4096:
             raise ConfigError(f"workers must be in 1..4096 (or unset: one per core), got {self.workers}")
+        if self.workers is not None and self.backend != "process":
+            raise ConfigError("workers sets the process backend's worker count; add backend = 'process' to use it")
 
 
 @dataclass(frozen=True, kw_only=True)

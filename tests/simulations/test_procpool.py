@@ -174,3 +174,20 @@ def test_simulate_with_the_process_backend_gives_the_in_process_history_bit_for_
     pd.testing.assert_frame_equal(local.history[columns], remote.history[columns])
     assert list(local.history["failures"]) == [0, 0, 0] and local.history["clients"].iloc[-1] >= 4
     assert set(Path("/dev/shm").glob(f"{DIR_PREFIX}{os.getpid()}-*")) == before  # the run's pool cleaned up
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["simulation.backend='ray'"], "'ray' is not one of 'inprocess', 'process'"),
+        (["simulation.workers=2"], "add backend = 'process'"),
+        (["simulation.backend='process'", "simulation.workers=0"], "workers must be in 1..4096"),
+    ],
+)
+def test_backend_options_are_checked_before_the_run(overrides: list[str], message: str) -> None:
+    from fedcore.errors import ConfigError
+    from simulations.config import load_recipe
+
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(None, overrides)
+    assert load_recipe(None, ["simulation.backend='process'"]).simulation.workers is None  # one per core
