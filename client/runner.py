@@ -312,7 +312,6 @@ def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> Fit
     started = time.perf_counter()
     result = train_task(task, model, ins.config, ins.parameters, seed=ins.seed, round=ins.round, client_id=client_id)
     num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.FIT)
-    fit_metrics = _metrics(result.metrics, round=ins.round, client_id=client_id, stage=Stage.FIT)
     updated = from_state_dict(model.state_dict())
     for name, array in updated.items():
         expected = ins.parameters[name].dtype
@@ -322,6 +321,12 @@ def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> Fit
                 round=ins.round,
                 client_id=client_id,
             )
+    reported: object = result.metrics
+    if ins.config.report_validation and isinstance(reported, Mapping):
+        training = model.training
+        reported = {**reported, **validation_metrics(task.evaluate(model, ins.config.batch_size))}
+        model.train(training)  # a reused model goes to the next client as the task left it
+    fit_metrics = _metrics(reported, round=ins.round, client_id=client_id, stage=Stage.FIT)
     fit_metrics["fit_seconds"] = time.perf_counter() - started
     return FitRes(
         client_id=client_id,
@@ -332,9 +337,26 @@ def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> Fit
     )
 
 
+def validation_metrics(result: EvalResult) -> dict[str, object]:
+    """A client's evaluation of its trained model as fit metrics (``FitConfig.report_validation``): ``val_loss``
+    and ``val_<name>`` for each of its metrics; nothing from an evaluation on 0 examples."""
+    if isinstance(result.num_examples, bool) or not isinstance(result.num_examples, int) or result.num_examples <= 0:
+        return {}
+    metrics = result.metrics if isinstance(result.metrics, Mapping) else {}
+    return {"val_loss": result.loss, **{f"val_{key}": value for key, value in metrics.items()}}
+
+
 def _fit_parallel(task: Task, parallel: ParallelTraining, ins: FitIns, client_id: str) -> FitRes:
     from fedcore.engine import train_with_plan
 
+    if ins.config.report_validation:
+        raise ClientTaskError(
+            "train.report_validation evaluates the trained model in this process, which a parallel training plan "
+            "does not keep; run this client without --parallel or turn report_validation off",
+            round=ins.round,
+            client_id=client_id,
+            stage=Stage.FIT.value,
+        )
     started = time.perf_counter()
     updated, result = train_with_plan(
         parallel.task_factory,

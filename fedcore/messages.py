@@ -18,7 +18,7 @@ from enum import StrEnum
 from fedcore.errors import PayloadError
 from fedcore.payload import pack_groups
 from fedcore.task import FitConfig
-from fedcore.tensors import NamedArrays
+from fedcore.tensors import NamedArrays, num_bytes
 
 MAX_METRICS = 256
 """The most metrics one reply carries (the gRPC server refuses a result with more: they become history columns)."""
@@ -117,6 +117,10 @@ class FitRes:
         groups: algorithm state returned besides the model, ``group -> name -> array`` (SCAFFOLD: the change of
             the client's control variate under ``"control"``); each group the strategy declares must be present
             with the spec of the server's state of that group, else the update is rejected.
+        payload_bytes: the bytes of the update as it travelled, set by the pool that delivered it: the gRPC pool,
+            the size of the received payload (safetensors header and data); the in-memory pool,
+            :func:`packed_nbytes` (the tensors' ``nbytes``, no header). None: not measured (the round loop then
+            counts :func:`packed_nbytes`). Measured before any decoding, so a compressed update counts as sent.
     """
 
     client_id: str
@@ -125,6 +129,7 @@ class FitRes:
     num_examples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
     groups: Mapping[str, NamedArrays] = field(default_factory=dict)
+    payload_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,6 +305,14 @@ def with_payload(reply: Reply, arrays: NamedArrays) -> Reply:
     if isinstance(reply, StageRes):
         return replace(reply, tensors=arrays)
     return reply
+
+
+def packed_nbytes(message: ServerMessage | Reply) -> int:
+    """The bytes of a message's tensors as the in-memory pool hands them over: the ``nbytes`` of its payload
+    (:func:`payload_of`) plus those of a fit message's tensor groups; no header. An int8 or float16 tensor counts
+    its own size, so a compressed update is smaller here too."""
+    groups = message.groups if isinstance(message, FitIns | FitRes) else {}
+    return num_bytes(payload_of(message)) + sum(num_bytes(arrays) for arrays in groups.values())
 
 
 def bound_text(text: str, limit: int = 1000) -> str:

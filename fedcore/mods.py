@@ -24,8 +24,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from fedcore.errors import ClientTaskError, ConfigError
@@ -127,6 +128,7 @@ _BUILTIN: dict[str, str] = {
     "dp-clip": "privacy.dp.distributed:ClipAndNoiseMod",
     "dp-sgd": "privacy.dp.sgd:DPSGDMod",
     "secagg": "privacy.secagg.rounds:SecAggMod",
+    "compress": "fedcore.compression:CompressionMod",
 }
 """Built-in mods, imported on first use: ``name -> "module:class"``."""
 
@@ -206,3 +208,42 @@ def check_mods(specs: tuple[ModSpec, ...]) -> list[Mod]:
         twice = sorted({bounded_repr(n, 40) for n in names if names.count(n) > 1})
         raise ConfigError(f"a client mod is declared twice: {', '.join(twice)}; declare each once")
     return [build_mod(spec) for spec in specs]
+
+
+@runtime_checkable
+class ServerInverse(Protocol):
+    """A mod whose change of the reply the server undoes before aggregating it (update compression,
+    :class:`fedcore.compression.CompressionMod`): the mod's class has a ``decode`` method."""
+
+    def decode(self, reply: FitRes, *, reference: Mapping[str, np.ndarray], round: int) -> FitRes:
+        """``reply`` with its parameters back in the spec of ``reference`` (the global model the client trained
+        from), after checking everything the client sent.
+
+        Raises:
+            PayloadError, UpdateRejected: the reply is not this mod's encoding of an update of the model.
+        """
+        ...
+
+
+def server_inverses(specs: tuple[ModSpec, ...]) -> tuple[ServerInverse, ...]:
+    """The server-side inverses among the mods ``specs`` declares, outermost first (the order to apply them in: the
+    outermost mod changed the reply last).
+
+    Raises:
+        ConfigError: what :func:`check_mods` refuses.
+    """
+    return tuple(mod for mod in check_mods(specs) if isinstance(mod, ServerInverse))
+
+
+def decode_reply(
+    inverses: tuple[ServerInverse, ...], reply: FitRes, *, reference: Mapping[str, np.ndarray], round: int
+) -> FitRes:
+    """``reply`` as the round's aggregator takes it: each inverse of :func:`server_inverses` applied in turn (none:
+    the reply as it is).
+
+    Raises:
+        PayloadError, UpdateRejected: what an inverse refuses (the update is rejected; nothing of it was used).
+    """
+    for inverse in inverses:
+        reply = inverse.decode(reply, reference=reference, round=round)
+    return reply

@@ -32,9 +32,17 @@ from fedcore.aggregation import (
     NormBoundAggregator,
     TrimmedMeanAggregator,
 )
-from fedcore.errors import ConfigError, PayloadError, UpdateRejected
-from fedcore.messages import ModSpec
-from fedcore.mods import check_mods
+from fedcore.aggregation.weights import (
+    WEIGHT_RULES,
+    QualityWeights,
+    Transform,
+    UpdateEvaluation,
+    WeightRule,
+    update_weight,
+)
+from fedcore.errors import ConfigError, PayloadError
+from fedcore.messages import FitRes, ModSpec
+from fedcore.mods import ServerInverse, check_mods
 from fedcore.payload import check_group_name
 from fedcore.selection import SELECTION_NAMES, SelectionConfig, Selector
 from fedcore.selection import sample_clients as sample_clients  # re-exported: its home before selection policies
@@ -125,8 +133,12 @@ class Strategy:
         name: a label for reports (e.g. ``"fedavgm"``).
         fit: the local training settings sent to clients each round (FedProx: ``fit.mu > 0``).
         sampling: whom to select each round.
-        weighting: ``"examples"`` weights each update by its client's example count (FedAvg), ``"uniform"``
-            gives every accepted update weight 1.
+        weighting: how much each update counts (:mod:`fedcore.aggregation.weights`): ``"examples"`` by its
+            client's example count (FedAvg), ``"uniform"`` 1 each, ``"metric"`` by a metric the client reports,
+            ``"server"`` by the server's own evaluation of the update on its validation data (the round loop's
+            ``validate_fn``).
+        quality: the metric, transform (``exp(-v/T)`` or ``v``), temperature and fallback of the ``metric`` and
+            ``server`` rules (:class:`~fedcore.aggregation.weights.QualityWeights`).
         server_optimizer: how the average moves the global model (:class:`ServerSGD`, :class:`ServerAdaptive`).
         aggregator: how the round's updates become one (:class:`~fedcore.aggregation.Aggregator`; default the
             streaming weighted mean, :class:`~fedcore.aggregation.MeanAggregator`).
@@ -147,7 +159,8 @@ class Strategy:
     name: str = "fedavg"
     fit: FitConfig = field(default_factory=FitConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    weighting: Literal["examples", "uniform"] = "examples"
+    weighting: WeightRule = "examples"
+    quality: QualityWeights = field(default_factory=QualityWeights)
     server_optimizer: ServerOptimizer = field(default_factory=ServerSGD)
     aggregator: Aggregator = field(default_factory=MeanAggregator)
     evaluate_batch_size: int = 256
@@ -157,8 +170,8 @@ class Strategy:
     selection: Selector = field(default_factory=Selector)
 
     def __post_init__(self) -> None:
-        if self.weighting not in ("examples", "uniform"):
-            raise ConfigError(f"weighting must be 'examples' or 'uniform', got {self.weighting!r}")
+        if self.weighting not in WEIGHT_RULES:
+            raise ConfigError(f"weighting must be one of {', '.join(WEIGHT_RULES)}, got {self.weighting!r}")
         if self.evaluate_batch_size < 1:
             raise ConfigError(f"evaluate_batch_size must be >= 1, got {self.evaluate_batch_size}")
         for name in self.groups:
@@ -166,22 +179,26 @@ class Strategy:
                 check_group_name(name)
             except PayloadError as exc:
                 raise ConfigError(exc.message) from None
-        check_mods(tuple(self.mods))
+        mods = check_mods(tuple(self.mods))
+        if any(isinstance(mod, ServerInverse) for mod in mods) and not isinstance(self.aggregator, MeanAggregator):
+            raise ConfigError(
+                f"compressed updates are decoded block by block into the streaming mean; the "
+                f"{self.aggregator.name!r} aggregator needs each update whole (robust rules, DP, secure "
+                "aggregation). Use aggregator = 'mean' or compression = 'none'"
+            )
 
-    def weight(self, num_examples: int) -> float:
-        """The aggregation weight of an update from a client with ``num_examples`` training examples.
+    def weight(self, reply: FitRes, *, evaluate: UpdateEvaluation | None = None) -> float:
+        """The aggregation weight of ``reply``, an update whose example count is already checked (an int >= 0),
+        from its example count and the metrics it reports, by the strategy's :attr:`weighting`
+        (:func:`fedcore.aggregation.weights.update_weight`; ``evaluate`` runs the server's evaluation of this
+        update, for rule ``server``). The weight depends on this reply alone, never on the order of arrival.
 
         Raises:
-            UpdateRejected: the count is beyond the float range (the update cannot be weighted).
+            UpdateRejected: the count is beyond the float range, or the quality value is unusable and there is no
+                fallback.
+            ConfigError: rule ``server`` without ``evaluate``.
         """
-        if self.weighting == "uniform":
-            return 1.0
-        try:
-            return float(num_examples)
-        except OverflowError:
-            raise UpdateRejected(
-                f"the example count (an integer of {int(num_examples).bit_length()} bits) is beyond the float range"
-            ) from None
+        return update_weight(self.weighting, self.quality, reply.num_examples, reply.metrics, evaluate)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,7 +207,17 @@ class StrategyConfig:
 
     Attributes:
         name: one of fedavg, fedavgm, fedprox, fedadagrad, fedadam, fedyogi, scaffold.
-        weighting: ``"examples"`` (FedAvg) or ``"uniform"`` (SCAFFOLD's paper averages the models uniformly).
+        weighting: ``"examples"`` (FedAvg), ``"uniform"`` (SCAFFOLD's paper averages the models uniformly),
+            ``"metric"`` (a metric each client reports, see weight_metric) or ``"server"`` (the server's evaluation
+            of each update on its validation data); see :mod:`fedcore.aggregation.weights`.
+        weight_metric: the quality value of the metric and server weightings: a metric the clients report
+            (``train_loss``) or, for server, ``loss`` or a metric of the server's evaluation (``accuracy``).
+        weight_transform: ``softmax`` (weight ``exp(-value / temperature)``, for losses) or ``proportional``
+            (weight = value, for accuracies).
+        weight_temperature: the softmax temperature, > 0 (small: the best updates dominate).
+        weight_fallback: the value assumed for an update whose value is missing or not finite (e.g. a loss of 10);
+            unset: such an update is rejected.
+        weight_times_examples: multiply the quality weight by the client's example count.
         server_lr: server learning rate (eta; SCAFFOLD's eta_g). 1.0 for FedAvg/FedProx/SCAFFOLD; Reddi et al.
             tune it in [1e-3, 1] for the adaptive ones.
         server_momentum: FedAvgM momentum (beta), in [0, 1).
@@ -211,6 +238,12 @@ class StrategyConfig:
         secagg: the SecAgg+ parameters (neighbours k, threshold t, field bits, clipping range of each update
             coordinate, maximum example weight, quantization levels); checked against each round's selection
             before any client is contacted.
+        compression: how clients compress their update before sending it (:mod:`fedcore.compression`): ``none``,
+            ``float16`` or ``bfloat16`` (casts), ``int8`` (QSGD stochastic quantization, Alistarh et al. 2017),
+            ``topk`` (top-k sparsification with error feedback, Stich et al. 2018). Needs the ``mean`` aggregator
+            and no secure aggregation.
+        topk_fraction: the fraction of each tensor's entries a ``topk`` client sends, in (0, 1].
+        quantization_block: elements per scale of ``int8`` quantization, 16..1048576.
         selection: how the clients of a round are chosen (:mod:`fedcore.selection`): ``uniform`` (FedAvg),
             ``stratified`` (by a client attribute), ``power-of-choice`` (Cho et al. 2020, highest last loss of d
             candidates), ``oort`` (Lai et al. 2021, utility and speed).
@@ -221,7 +254,12 @@ class StrategyConfig:
     """
 
     name: str = "fedavg"
-    weighting: Literal["examples", "uniform"] = "examples"
+    weighting: WeightRule = "examples"
+    weight_metric: str = "train_loss"
+    weight_transform: Transform = "softmax"
+    weight_temperature: float = 1.0
+    weight_fallback: float | None = None
+    weight_times_examples: bool = False
     server_lr: float = 1.0
     server_momentum: float = 0.0
     beta1: float = 0.9
@@ -234,6 +272,9 @@ class StrategyConfig:
     norm_bound: float | None = None
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    compression: Literal["none", "float16", "bfloat16", "int8", "topk"] = "none"
+    topk_fraction: float = 0.01
+    quantization_block: int = 512
     selection: Literal["uniform", "stratified", "power-of-choice", "oort"] = "uniform"
     selector: SelectionConfig = field(default_factory=SelectionConfig)
 
@@ -242,6 +283,9 @@ class StrategyConfig:
             raise ConfigError(f"unknown selection {self.selection!r}; choose one of {', '.join(SELECTION_NAMES)}")
         if self.name not in STRATEGY_NAMES:
             raise ConfigError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGY_NAMES)}")
+        if self.weighting not in WEIGHT_RULES:
+            raise ConfigError(f"weighting must be one of {', '.join(WEIGHT_RULES)}, got {self.weighting!r}")
+        self.quality_weights()  # their own checks, now
         if not self.server_lr > 0:
             raise ConfigError(f"server_lr must be > 0, got {self.server_lr}")
         if self.name == "fedavgm" and self.server_momentum == 0:
@@ -259,11 +303,54 @@ class StrategyConfig:
         build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
         if not isinstance(self.secagg, SecAggConfig):
             raise ConfigError(f"strategy.secagg must be a SecAggConfig table, got {type(self.secagg).__name__}")
+        if self.secure_aggregation and self.weighting not in ("examples", "uniform"):
+            raise ConfigError(
+                f"secure_aggregation sums the updates without seeing them or their weights' inputs: it needs "
+                f"weighting = 'examples' or 'uniform', got {self.weighting!r}"
+            )
         if self.secure_aggregation and (self.name == "scaffold" or self.aggregator != "mean"):
             raise ConfigError(
                 "secure_aggregation sums the updates without seeing them: it needs aggregator = 'mean' and a "
                 f"strategy without extra tensor groups (not scaffold); got {self.name!r} with {self.aggregator!r}"
             )
+        compression_mod(self)  # its parameters' ranges
+        if self.compression != "none" and (self.secure_aggregation or self.aggregator != "mean"):
+            raise ConfigError(
+                f"compression {self.compression!r} sends an encoded update that the server decodes block by block "
+                "into the streaming mean: it needs aggregator = 'mean' and no secure_aggregation (SecAgg+ masks "
+                f"the full update, robust rules read whole updates); got aggregator {self.aggregator!r}"
+                + (" with secure_aggregation" if self.secure_aggregation else "")
+            )
+
+    def quality_weights(self) -> QualityWeights:
+        """The transform of the metric and server weightings (:class:`~fedcore.aggregation.weights.QualityWeights`).
+
+        Raises:
+            ConfigError: a value out of range.
+        """
+        return QualityWeights(
+            metric=self.weight_metric,
+            transform=self.weight_transform,
+            temperature=self.weight_temperature,
+            fallback=self.weight_fallback,
+            times_examples=self.weight_times_examples,
+        )
+
+
+def compression_mod(config: StrategyConfig) -> ModSpec | None:
+    """The ``compress`` client mod that ``config.compression`` declares (None for ``"none"``).
+
+    Raises:
+        ConfigError: an unknown method, or a fraction or block out of range.
+    """
+    if config.compression == "none":
+        return None
+    spec = ModSpec(
+        "compress",
+        {"method": config.compression, "fraction": config.topk_fraction, "block": config.quantization_block},
+    )
+    check_mods((spec,))
+    return spec
 
 
 def build_aggregator(config: StrategyConfig) -> Aggregator:
@@ -295,17 +382,28 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
     :func:`privacy.secagg.rounds.secure_aggregation`. SCAFFOLD is :func:`fedcore.algorithms.scaffold.scaffold` with
     ``server_lr`` as its global step size eta_g. The aggregator (:func:`build_aggregator`) combines with any of
     them: e.g. FedAvgM over the coordinate-wise median steps the global model by the median update.
+    ``compression`` declares the ``compress`` client mod (:func:`compression_mod`) outermost, so that it compresses
+    what every other mod returned (SCAFFOLD's model; its ``control`` group travels uncompressed).
     """
+    strategy = _build_strategy(config, fit, sampling)
+    compress = compression_mod(config)
+    return strategy if compress is None else replace(strategy, mods=(compress, *strategy.mods))
+
+
+def _build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingConfig) -> Strategy:
     optimizer: ServerOptimizer
     if config.name == "scaffold":
         from fedcore.algorithms.scaffold import scaffold
 
-        composed = scaffold(
-            fit=fit,
-            sampling=sampling,
-            server_lr=config.server_lr,
-            weighting=config.weighting,
-            aggregator=build_aggregator(config),
+        composed = replace(
+            scaffold(
+                fit=fit,
+                sampling=sampling,
+                server_lr=config.server_lr,
+                weighting=config.weighting,
+                aggregator=build_aggregator(config),
+            ),
+            quality=config.quality_weights(),
         )
         return replace(composed, selection=Selector(config.selection, config.selector))
     if config.name in ("fedavg", "fedprox", "fedavgm"):
@@ -324,6 +422,7 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
         fit=fit,
         sampling=sampling,
         weighting=config.weighting,
+        quality=config.quality_weights(),
         server_optimizer=optimizer,
         aggregator=build_aggregator(config),
         selection=Selector(config.selection, config.selector),

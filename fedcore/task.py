@@ -45,6 +45,10 @@ class FitConfig:
         mu: FedProx proximal coefficient (Li et al. 2020): adds ``mu/2 * ||w - w_global||^2`` to the local loss.
             0 gives plain FedAvg local training.
         max_steps: optional cap on local optimizer steps per round (None = no cap).
+        report_validation: after training, evaluate the trained model on the client's held-out data (the task's
+            evaluate, at batch_size) and report ``val_loss`` and ``val_<metric>`` (e.g. ``val_accuracy``) with the
+            update, for quality weighting by a client-reported metric (``weighting = "metric"``). Not under a
+            parallel training plan.
     """
 
     local_epochs: int = 1
@@ -54,6 +58,7 @@ class FitConfig:
     weight_decay: float = 0.0
     mu: float = 0.0
     max_steps: int | None = None
+    report_validation: bool = False
 
     def __post_init__(self) -> None:
         for f in scalar_fields(type(self)):  # every float setting, declared once (the dataclass's fields)

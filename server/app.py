@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fedcore.config import Address, parse_host
+from fedcore.convergence import Convergence
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.kernels import warm_up as warm_up_kernels
 from fedcore.strategy import Strategy, build_strategy
@@ -120,6 +121,9 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     evaluate_fn: EvaluateFn | None = None
     if server_task is not None and config.round.evaluate:
         evaluate_fn = central_evaluation(server_task, strategy.evaluate_batch_size)
+    validate_fn: EvaluateFn | None = None  # weighting "server": each update on the task's held-out data
+    if server_task is not None and strategy.weighting == "server":
+        validate_fn = central_evaluation(server_task, strategy.evaluate_batch_size)
 
     auth = AuthPolicy(
         tokens=tokens,
@@ -194,17 +198,22 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
 
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     final: ServerState | None = None
+    round_config = config.round_config()
     try:
         final, _ = run_rounds(
             pool,
             strategy,
             initial,
-            config.round_config(),
+            round_config,
             evaluate_fn=evaluate_fn,
             on_round_end=on_round_end,
             keep_records=False,
+            history=store.history() if initial.round > 0 else (),  # a resumed run's stop rules count on
+            validate_fn=validate_fn,
         )
         echo(f"finished {final.round} rounds; checkpoints and history in {config.state_dir}")
+        if line := Convergence.replay(round_config.stop, store.history()).summary(final.round):
+            echo(line)
         pool.finish()
         time.sleep(config.linger_s)
     except (_Stop, KeyboardInterrupt):

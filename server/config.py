@@ -30,6 +30,7 @@ from fedcore.config import (
     parse_address,
     parse_host,
 )
+from fedcore.convergence import StopRules
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.payload import DEFAULT_CHUNK_BYTES
 from fedcore.selection import check_private_selection
@@ -56,6 +57,10 @@ class RoundSettings:
         wait_for_clients_s: how long to wait for enough clients before a round, in seconds.
         min_fit_results: quorum: accepted updates a round needs.
         max_round_attempts: selections tried per round before the run fails.
+        target_accuracy: stop after the first evaluated round whose accuracy (the server's evaluation, else the
+            clients') reaches this value, in (0, 1]; the run reports the rounds and seconds it took.
+        patience: stop after this many evaluated rounds in a row without a gain of more than min_delta in accuracy.
+        min_delta: the smallest gain in accuracy that counts as one for patience.
     """
 
     rounds: int = 10
@@ -65,6 +70,9 @@ class RoundSettings:
     wait_for_clients_s: float = 300.0
     min_fit_results: int = 1
     max_round_attempts: int = 3
+    target_accuracy: float | None = None
+    patience: int | None = None
+    min_delta: float = 0.0
 
     def __post_init__(self) -> None:
         self.round_config(seed=0)  # the round loop's own checks, now
@@ -79,6 +87,7 @@ class RoundSettings:
             min_fit_results=self.min_fit_results,
             max_round_attempts=self.max_round_attempts,
             evaluate_every=self.evaluate_every,
+            stop=StopRules(target_accuracy=self.target_accuracy, patience=self.patience, min_delta=self.min_delta),
         )
 
 
@@ -242,6 +251,11 @@ class ServerConfig:
             apply_dp(build_strategy(self.strategy, self.train, self.sampling), self.privacy)
         if self.task is None and self.initial is None:
             raise ConfigError("give the server a task (--task module:attr) or an initial model (--initial FILE)")
+        if self.strategy.weighting == "server" and self.task is None:
+            raise ConfigError(
+                "weighting 'server' weighs each update by the server's evaluation of it on held-out data: give the "
+                "server a task whose evaluate has such data (--task module:attr), or choose another weighting"
+            )
         parse_address(self.address, what="address (--address)", allow_port_zero=True)
         parse_host(self.metrics_address, what="metrics_address (--metrics-address)")
         if self.metrics_port is not None:

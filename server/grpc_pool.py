@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from fedcore.errors import ConfigError
-from fedcore.messages import Reply, ServerMessage
+from fedcore.messages import Reply, ServerMessage, payload_arrays
 from fedcore.payload import DEFAULT_CHUNK_BYTES
+from fedcore.tensors import num_bytes, safetensors_header
 from server.metrics import ServerMetrics
 from server.sessions import ClientIdInUse, SessionRegistry, TooManyCalls
 from server.task_board import Delivery, Task, TaskBoard
@@ -124,6 +125,13 @@ class GrpcClientPool:
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
         """Hand each client its instruction and yield one reply or Failure per client as they arrive."""
         return self.board.run(instructions, timeout_s=timeout_s, connected=self.sessions.connected)
+
+    def payload_bytes(self, message: ServerMessage) -> int:
+        """The bytes of ``message``'s payload on the wire (:class:`server.pool.PayloadMeasure`): the safetensors
+        header and the tensors' data (a fit instruction's tensor groups included), as :meth:`run` writes it to one
+        file per exchange and streams it to each client."""
+        arrays, metadata = payload_arrays(message)
+        return len(safetensors_header(arrays, metadata)) + num_bytes(arrays)
 
     # ------------------------------------------------------------- service side
     def join(self, client_id: str, *, previous_session: str = "") -> str:

@@ -8,7 +8,7 @@ The round loop talks to clients only through a :class:`ClientPool`. Simulation u
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from fedcore.messages import Reply, ServerMessage
 
@@ -36,4 +36,15 @@ class ClientPool(Protocol):
         (the client raised, disconnected, or did not answer within ``timeout_s``). Replies that arrive after the
         deadline are dropped by the pool, never yielded later.
         """
+        ...
+
+
+@runtime_checkable
+class PayloadMeasure(Protocol):
+    """A pool that knows what a message's payload costs on its wire (the gRPC pool: the safetensors header and the
+    tensors). The round loop counts a round's bytes sent with it (``RoundRecord.bytes_down``); a pool without it
+    counts the tensors' ``nbytes`` (:func:`fedcore.messages.packed_nbytes`)."""
+
+    def payload_bytes(self, message: ServerMessage) -> int:
+        """The bytes of ``message``'s payload as this pool sends it to one client."""
         ...

@@ -24,19 +24,31 @@ import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast, runtime_checkable
 
 from fedcore.aggregation import example_weight, metric_value, weighted_metrics
+from fedcore.convergence import Convergence, Stop, StopRules, stop_columns, update_norm
 from fedcore.errors import BudgetExhausted, ConfigError, FedcoreError, RoundFailed, UpdateRejected
-from fedcore.messages import EvaluateIns, EvaluateRes, Failure, FitIns, FitRes, Instruction, Stage, bounded_repr
+from fedcore.messages import (
+    EvaluateIns,
+    EvaluateRes,
+    Failure,
+    FitIns,
+    FitRes,
+    Instruction,
+    Stage,
+    bounded_repr,
+    packed_nbytes,
+)
+from fedcore.mods import decode_reply, server_inverses
 from fedcore.selection import ClientObservation, observation
 from fedcore.stages import Phase
 from fedcore.strategy import Strategy
 from fedcore.task import EvalResult
 from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, spec_of
-from server.pool import ClientPool
+from server.pool import ClientPool, PayloadMeasure
 from server.stages import ProtocolRun, start_protocol
 
 log = logging.getLogger("fedcore.server")
@@ -59,6 +71,8 @@ class RoundConfig:
         max_round_attempts: a round that misses its quorum is retried with a fresh selection this many times in
             all, then the run stops with :class:`RoundFailed` (the global model stays the last good one).
         evaluate_every: run evaluation every this many rounds (and always after the last).
+        stop: when the run stops before ``num_rounds`` (:class:`fedcore.convergence.StopRules`: a target accuracy,
+            a plateau's patience in evaluated rounds); by default never.
     """
 
     num_rounds: int
@@ -68,6 +82,7 @@ class RoundConfig:
     min_fit_results: int = 1
     max_round_attempts: int = 3
     evaluate_every: int = 1
+    stop: StopRules = field(default_factory=StopRules)
 
     def __post_init__(self) -> None:
         if self.num_rounds < 1:
@@ -99,6 +114,8 @@ class ServerState:
             not of the round), and the round loop keeps the initial state's value for the whole run.
         groups: the server-side state of each tensor group the strategy declares (``group -> name -> array``,
             e.g. SCAFFOLD's server control variate), sent with every fit instruction and stored in checkpoints.
+        aggregator_state: what a :class:`Stateful` aggregator carries from round to round (e.g. adaptive
+            clipping's norm), stored in checkpoints and handed back to the aggregator when a run resumes.
     """
 
     round: int
@@ -106,6 +123,7 @@ class ServerState:
     optimizer_state: NamedArrays
     trainable: frozenset[str] | None = None
     groups: Mapping[str, NamedArrays] = field(default_factory=dict)
+    aggregator_state: NamedArrays = field(default_factory=dict)
 
 
 def initial_state(
@@ -157,6 +175,17 @@ class RoundRecord:
             selector's state.
         simulated_seconds: a simulation's simulated duration of the round (synchronous: its slowest accepted
             client's simulated device time), the history column ``simulated_seconds``; None outside simulation.
+        bytes_up: the bytes of the fit replies received in the round (every attempt; accepted and rejected
+            updates alike), as the pool measured them (:attr:`fedcore.messages.FitRes.payload_bytes`, before any
+            decoding).
+        bytes_down: the bytes of the fit instructions' payload (the global model and the tensor groups) times the
+            fit instructions sent (every attempt), as the pool measures them (:class:`server.pool.PayloadMeasure`;
+            else :func:`fedcore.messages.packed_nbytes`). A round protocol's stage messages and the evaluation
+            exchange are not counted.
+        update_norm: the L2 norm of the global model's change in the round, over the trainable parameters
+            (:func:`fedcore.convergence.update_norm`); None for round 0.
+        stop: the stop rule that ended the run after this round (:class:`fedcore.convergence.Stop`), else None;
+            recorded in the history as ``stopped_<rule>`` = 1.
     """
 
     round: int
@@ -174,10 +203,15 @@ class RoundRecord:
     aggregation: Mapping[str, float] = field(default_factory=dict)
     observations: tuple[ClientObservation, ...] = ()
     simulated_seconds: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    update_norm: float | None = None
+    stop: Stop | None = None
 
     def as_row(self) -> dict[str, float | int | None]:
         """A flat row for the history table (CSV): the counts, ``train_loss``, every other training metric as
-        ``train_<name>`` (except wall times, names ending in ``seconds``), the evaluations, :attr:`aggregation`."""
+        ``train_<name>`` (except wall times, names ending in ``seconds``), the evaluations, :attr:`aggregation`,
+        ``bytes_up``, ``bytes_down``, ``update_norm`` and, on the round a run stopped, ``stopped_<rule>`` = 1."""
         row: dict[str, float | int | None] = {
             "round": self.round,
             "clients": len(self.accepted),
@@ -187,6 +221,9 @@ class RoundRecord:
             "test_loss": self.eval_loss,
             "test_accuracy": self.eval_metrics.get("accuracy"),
             "seconds": round(self.seconds, 4),
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "update_norm": self.update_norm,
         }
         for key, value in self.train_metrics.items():  # wall times stay out: the history's bytes repeat per seed
             if key != "train_loss" and not key.endswith("seconds"):
@@ -201,6 +238,7 @@ class RoundRecord:
             row["federated_loss"] = self.federated_eval_loss
             for key, value in self.federated_eval_metrics.items():
                 row[f"federated_{key}"] = value
+        row.update(stop_columns(self.stop))
         return row
 
 
@@ -225,6 +263,21 @@ class Budgeted(Protocol):
         ...
 
 
+@runtime_checkable
+class Stateful(Protocol):
+    """An aggregator with state that outlives a round (e.g. adaptive clipping's norm): the round loop puts
+    :meth:`state_dict` into each round's :class:`ServerState` (so checkpoints hold it) and hands a resumed
+    state's back through :meth:`load_state` before the first round it runs."""
+
+    def state_dict(self, round: int) -> NamedArrays:
+        """The state after round ``round`` was aggregated (``name -> array``)."""
+        ...
+
+    def load_state(self, round: int, state: NamedArrays) -> None:
+        """Continue after round ``round`` from ``state`` (empty: a checkpoint without it, start afresh)."""
+        ...
+
+
 RoundCallback = Callable[[RoundRecord, ServerState], "ServerState | None"]
 """Called after each round with its record and the new state; may return an equal state to continue from instead
 (e.g. the same arrays mapped read-only from the checkpoint just written), or None to keep the state as is."""
@@ -239,6 +292,8 @@ def run_rounds(
     evaluate_fn: EvaluateFn | None = None,
     on_round_end: RoundCallback | None = None,
     keep_records: bool = True,
+    history: Sequence[Mapping[str, object]] = (),
+    validate_fn: EvaluateFn | None = None,
 ) -> tuple[ServerState, list[RoundRecord]]:
     """Run rounds ``initial.round + 1 .. config.num_rounds``.
 
@@ -256,6 +311,16 @@ def run_rounds(
             checkpoint it wrote). The loop keeps no other reference to a finished round's state.
         keep_records: collect the per-round records in the returned list; a long-running server that stores
             them elsewhere (on_round_end) passes False, so nothing per round accumulates in memory.
+        history: the history rows of the rounds already run (a resumed server's, :meth:`RoundRecord.as_row`), from
+            which the stop rules' state is rebuilt (:meth:`fedcore.convergence.Convergence.replay`): the plateau's
+            patience counts on across a restart, and a run whose history records a stop runs no further round
+            (a stop is final; a new run from its checkpoint needs a new state directory).
+        validate_fn: the server's evaluation of one update on its held-out validation data, called with the update
+            and the round, for ``strategy.weighting == "server"`` (:mod:`fedcore.aggregation.weights`); required
+            by that rule, unused by the others.
+
+    After each evaluated round the stop rules of ``config.stop`` look at its accuracy; the first that fires ends
+    the run after that round, recorded in its record (:attr:`RoundRecord.stop`).
 
     Returns:
         The final state and the per-round records (round 0 holds the initial model's evaluation on a fresh run;
@@ -263,10 +328,19 @@ def run_rounds(
 
     Raises:
         RoundFailed: a round missed its quorum ``max_round_attempts`` times, or too few clients connected.
+        ConfigError: weighting ``server`` without ``validate_fn`` (before any client is contacted).
     """
+    if strategy.weighting == "server" and validate_fn is None:
+        raise ConfigError(
+            "weighting 'server' weighs each update by the server's own evaluation of it, but the server has no "
+            "validation data: give the server a task whose evaluate has held-out data (server: --task), or choose "
+            "another weighting (examples, uniform, metric)"
+        )
     state = initial if isinstance(initial, ServerState) else initial_state(initial, strategy)
     trainable = state.trainable  # a property of the model: the same for the whole run
     _check_groups(strategy, state)
+    if isinstance(strategy.aggregator, Stateful):
+        strategy.aggregator.load_state(state.round, state.aggregator_state)
 
     def round_end(record: RoundRecord, state: ServerState) -> ServerState:
         returned = on_round_end(record, state) if on_round_end is not None else None
@@ -275,16 +349,30 @@ def run_rounds(
         return replace(returned, trainable=trainable)  # e.g. mapped back from a checkpoint, which does not hold it
 
     records: list[RoundRecord] = []
+    convergence = Convergence.replay(config.stop, history)
+    if convergence.stop is not None:
+        log.warning(
+            "the run stopped after round %d (%s: %s); no further round is run. To train on, start a new run in a new "
+            "state directory from this run's checkpoint",
+            convergence.stop.round,
+            convergence.stop.rule,
+            convergence.stop.detail,
+        )
+        return state, records
     if state.round == 0 and evaluate_fn is not None:
         started = time.perf_counter()
         record = replace(_central_evaluation(evaluate_fn, state), seconds=time.perf_counter() - started)
+        record = replace(record, stop=convergence.observe(record.as_row()))
         if keep_records:
             records.append(record)
         state = round_end(record, state)
     for rnd in range(state.round + 1, config.num_rounds + 1):
+        if convergence.stop is not None:
+            log.warning("stopping before round %d: %s (%s)", rnd, convergence.stop.rule, convergence.stop.detail)
+            break
         started = time.perf_counter()
         try:
-            state, record = _fit_round(pool, strategy, state, config, rnd)
+            state, record = _fit_round(pool, strategy, state, config, rnd, validate_fn)
         except BudgetExhausted as exc:  # raised before any client is contacted: the last round is kept
             log.warning("stopping before round %d: %s", rnd, exc)
             break
@@ -295,6 +383,8 @@ def run_rounds(
         if evaluate_now:
             record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn)
         record = replace(record, seconds=time.perf_counter() - started)
+        stop = convergence.observe(record.as_row())  # an unevaluated round's wall time counts towards the target's
+        record = replace(record, stop=stop)
         if keep_records:
             records.append(record)
         state = round_end(record, state)
@@ -390,9 +480,15 @@ def _trace(rnd: int, stage: str) -> None:
 
 
 def _fit_round(
-    pool: ClientPool, strategy: Strategy, state: ServerState, config: RoundConfig, rnd: int
+    pool: ClientPool,
+    strategy: Strategy,
+    state: ServerState,
+    config: RoundConfig,
+    rnd: int,
+    validate_fn: EvaluateFn | None = None,
 ) -> tuple[ServerState, RoundRecord]:
     all_failures: list[Failure] = []
+    bytes_up = bytes_down = 0
     for attempt in range(1, config.max_round_attempts + 1):
         needed = max(strategy.sampling.min_fit_clients, config.min_fit_results)
         available = _candidates(strategy, pool.wait_for(needed, config.wait_for_clients_s), needed, rnd)
@@ -417,11 +513,14 @@ def _fit_round(
         group_sums = {
             name: rule.aggregator.start(group_specs[name], round=rnd) for name, rule in strategy.groups.items()
         }
+        inverses = server_inverses(strategy.mods)  # e.g. decompression: undone below, before the aggregator
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]]] = []
         observations: list[ClientObservation] = []
         protocol_run, instructions = _stages_before_fit(pool, strategy, config, rnd, attempt, instructions, failures)
+        if instructions:  # every fit instruction of a round carries the same payload (model and groups)
+            bytes_down += len(instructions) * _sent_bytes(pool, next(iter(instructions.values())))
         for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
             if isinstance(reply, Failure):
                 log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
@@ -431,11 +530,15 @@ def _fit_round(
                 log.warning("round %d: discarding an unexpected reply %r", rnd, type(reply).__name__)
                 continue
             client_id, num_examples, fit_metrics = reply.client_id, reply.num_examples, reply.metrics
+            bytes_up += reply.payload_bytes if reply.payload_bytes is not None else packed_nbytes(reply)
             try:
+                # the one place a reply is decoded to the model's spec: lazily, block by block as it is folded
+                reply = decode_reply(inverses, reply, reference=state.parameters, round=rnd)
                 if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples < 0:
                     raise UpdateRejected(f"the example count {bounded_repr(num_examples)} is not an integer >= 0")
                 _check_reply_groups(reply, group_specs, rnd)  # all of them before anything is folded
-                accumulator.add(reply.parameters, strategy.weight(num_examples), client_id=client_id, round=rnd)
+                weight = strategy.weight(reply, evaluate=_evaluation_of(validate_fn, reply, rnd))
+                accumulator.add(reply.parameters, weight, client_id=client_id, round=rnd)
                 for name, rule in strategy.groups.items():  # already checked: adding them cannot fail now
                     group_sums[name].add(reply.groups[name], rule.weight(num_examples), client_id=client_id, round=rnd)
             except FedcoreError as exc:
@@ -468,6 +571,7 @@ def _fit_round(
             )
             del average
             check_finite(parameters, round=rnd)  # block by block: no model-sized temporary
+            norm = update_norm(parameters, state.parameters, state.trainable)
             groups = {
                 name: rule.update(
                     state.groups[name],
@@ -503,6 +607,9 @@ def _fit_round(
             aggregation=aggregation,
             observations=tuple(observations),
             simulated_seconds=_simulated_duration(metric_rows),
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+            update_norm=norm,
         )
         new_state = ServerState(
             round=rnd,
@@ -510,6 +617,7 @@ def _fit_round(
             optimizer_state=optimizer_state,
             trainable=state.trainable,
             groups=groups,
+            aggregator_state=strategy.aggregator.state_dict(rnd) if isinstance(strategy.aggregator, Stateful) else {},
         )
         return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
@@ -542,6 +650,19 @@ def _simulated_duration(rows: list[tuple[int, Mapping[str, object]]]) -> float |
     times = [metric_value(_mapping(metrics).get("simulated_seconds")) for _, metrics in rows]
     known = [t for t in times if t is not None and 0 <= t < math.inf]
     return max(known) if known else None
+
+
+def _evaluation_of(validate_fn: EvaluateFn | None, reply: FitRes, rnd: int) -> Callable[[], EvalResult] | None:
+    """The server's evaluation of ``reply``'s update, to be run when the weighting asks for it."""
+    if validate_fn is None:
+        return None
+    return functools.partial(validate_fn, reply.parameters, rnd)
+
+
+def _sent_bytes(pool: ClientPool, instruction: Instruction) -> int:
+    """The bytes of ``instruction``'s payload as ``pool`` sends it (:class:`server.pool.PayloadMeasure`), else its
+    tensors' bytes (:func:`fedcore.messages.packed_nbytes`)."""
+    return pool.payload_bytes(instruction) if isinstance(pool, PayloadMeasure) else packed_nbytes(instruction)
 
 
 def _stages_before_fit(

@@ -8,7 +8,8 @@ Layout of a state directory::
     checkpoints/round-000003.safetensors
                                     global model ("param/<name>"), server optimizer state ("opt/<name>"), the
                                     server state of each tensor group ("group/<group>/<name>", e.g. SCAFFOLD's
-                                    control variate), the round, and the file's own SHA-256 (header metadata
+                                    control variate), the aggregator's state ("aggregator/<name>", e.g. adaptive
+                                    clipping's norm), the round, and the file's own SHA-256 (header metadata
                                     "fedcore.sha256")
     history.csv                     one row per round (the current rows of the rounds table), see write_history
     spill/                          payload files in flight (emptied at start)
@@ -72,6 +73,7 @@ log = logging.getLogger("fedcore.server")
 _PARAM = "param/"
 _OPT = "opt/"
 _GROUP = "group/"
+_AGGREGATOR = "aggregator/"
 _KEEP_CHECKPOINTS = 2
 _FORMAT = "2"
 _MAX_TEXT = 2000  # characters of client-derived text (ids, failure reasons) stored per row
@@ -664,6 +666,7 @@ def _write_state(path: Path, state: ServerState, *, self_digest: bool) -> Payloa
     arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
     for group, tensors in state.groups.items():
         arrays.update({f"{_GROUP}{group}/{n}": a for n, a in tensors.items()})
+    arrays.update({_AGGREGATOR + n: a for n, a in state.aggregator_state.items()})
     return save_payload(path, arrays, {"round": str(state.round)}, self_digest=self_digest)
 
 
@@ -697,6 +700,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verif
     params: NamedArrays = {}
     opt: NamedArrays = {}
     groups: dict[str, NamedArrays] = {}
+    aggregator: NamedArrays = {}
     for name, array in views.items():
         value = array if mapped else np.array(array)
         if name.startswith(_PARAM):
@@ -706,10 +710,12 @@ def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verif
         elif name.startswith(_GROUP) and "/" in name[len(_GROUP) :]:
             group, _, tensor = name[len(_GROUP) :].partition("/")
             groups.setdefault(group, {})[tensor] = value
+        elif name.startswith(_AGGREGATOR):
+            aggregator[name[len(_AGGREGATOR) :]] = value
         else:
             params[name] = value
     try:
         rnd = int(metadata.get("round", "0"))
     except ValueError as exc:
         raise PayloadError(f"checkpoint {str(path)!r} has a non-numeric round {metadata.get('round')!r}") from exc
-    return ServerState(round=rnd, parameters=params, optimizer_state=opt, groups=groups)
+    return ServerState(round=rnd, parameters=params, optimizer_state=opt, groups=groups, aggregator_state=aggregator)

@@ -314,15 +314,17 @@ def _failure(client_id: str, instruction: ServerMessage, reason: str) -> Failure
 
 
 def _materialize(delivery: Delivery) -> Reply:
-    """The delivered reply with its payload mapped from its spill file (a Failure when the file cannot be read)."""
+    """The delivered reply with its payload mapped from its spill file (a Failure when the file cannot be read); a
+    fit result's ``payload_bytes`` is the size of that file: the payload as received."""
     task, path = delivery.task, delivery.payload
     if path is None:
         return delivery.reply
     try:
+        received = path.stat().st_size  # the verified payload as it came over the wire
         arrays, metadata = open_safetensors(path, round=task.round, client_id=task.client_id)
         if isinstance(delivery.reply, FitRes):  # the update and its tensor groups, split by the header's list
             model, groups = unpack_groups(arrays, metadata, round=task.round, client_id=task.client_id)
-            return replace(delivery.reply, parameters=model, groups=groups)
+            return replace(delivery.reply, parameters=model, groups=groups, payload_bytes=received)
         return with_payload(delivery.reply, arrays)
     except FedcoreError as exc:
         reason = bound_text(str(exc))

@@ -13,6 +13,9 @@ sign_flip      sends ``g - s·Δ`` (s = ``scale``, default 1): the negated updat
 scale          sends ``g + s·Δ`` (default s = 10): a boosted update (Bhagoji et al. 2019)
 gaussian       sends ``g + N(0, σ²)`` per element (σ = ``noise_std``): a random update (Blanchard et al. 2017)
 label_flip     trains on labels ``y -> C - 1 - y`` of its own data (Fang et al. 2020; Tolpegin et al. 2020)
+label_noise    trains on noisy labels: each of its training labels is replaced, with probability ``noise_rate``, by
+               a class drawn uniformly from all C (symmetric label noise, Natarajan et al. 2013); drawn once per
+               client from (seed, client). Not an attack so much as a low-quality client (quality weighting's case)
 =============  ===================================================================================================
 
 Only floating tensors are changed; integer buffers (BatchNorm's counters) pass through.
@@ -40,7 +43,9 @@ from server.pool import ClientPool
 
 log = logging.getLogger("fedcore.simulation")
 
-ATTACK_NAMES = ("none", "sign_flip", "scale", "gaussian", "label_flip")
+ATTACK_NAMES = ("none", "sign_flip", "scale", "gaussian", "label_flip", "label_noise")
+LABEL_ATTACKS = ("label_flip", "label_noise")
+"""The attacks that alter an attacker's training labels (they need the number of classes)."""
 _DEFAULT_SCALE = {"sign_flip": 1.0, "scale": 10.0}
 
 
@@ -49,11 +54,12 @@ class AttackConfig:
     """The ``[attack]`` table of a recipe: which attack, by what fraction of the clients.
 
     Attributes:
-        kind: none, sign_flip, scale, gaussian or label_flip (see the module docstring).
+        kind: none, sign_flip, scale, gaussian, label_flip or label_noise (see the module docstring).
         fraction: the fraction of the virtual clients that attack, in [0, 1); ``round(fraction * clients)`` of
             them, drawn from the run's seed.
         scale: ``s`` of sign_flip (default 1) and scale (default 10); finite, > 0.
         noise_std: ``σ`` of gaussian, finite, > 0.
+        noise_rate: the probability that label_noise replaces a training label by a random class, in (0, 1].
 
         An attack's parameters are ignored by the other kinds, so that one recipe can be rerun without its attack
         (``--set attack.kind="none" --set attack.fraction=0``).
@@ -63,6 +69,7 @@ class AttackConfig:
     fraction: float = 0.0
     scale: float | None = None
     noise_std: float = 1.0
+    noise_rate: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in ATTACK_NAMES:
@@ -75,6 +82,8 @@ class AttackConfig:
             raise ConfigError(f"attack.scale must be a finite number > 0, got {self.scale}")
         if not 0 < self.noise_std < math.inf:
             raise ConfigError(f"attack.noise_std must be a finite number > 0, got {self.noise_std}")
+        if not 0 < self.noise_rate <= 1:
+            raise ConfigError(f"attack.noise_rate must be in (0, 1], got {self.noise_rate}")
 
     @property
     def factor(self) -> float:
@@ -176,16 +185,25 @@ def num_classes(task: Task) -> int:
     return int(data[1].max()) + 1
 
 
+def noisy_labels(y: torch.Tensor, classes: int, rate: float, rng: np.random.Generator) -> torch.Tensor:
+    """``y`` with each label replaced, with probability ``rate``, by a class drawn uniformly from ``0..classes-1``
+    (which may be the label itself): symmetric label noise. ``y``: int64 labels, shape ``(N,)``; a new tensor."""
+    replace = rng.random(len(y)) < rate
+    random = rng.integers(0, classes, size=len(y))
+    return torch.from_numpy(np.where(replace, random, y.numpy()).astype(np.int64))
+
+
 def attacked_tasks(
-    make_task: Callable[[str], Task], attackers: frozenset[str], config: AttackConfig, classes: int
+    make_task: Callable[[str], Task], attackers: frozenset[str], config: AttackConfig, classes: int, *, seed: int = 0
 ) -> Callable[[str], Task]:
-    """``make_task``, with every attacker's task training on flipped labels ``y -> classes - 1 - y`` when the attack
-    is label_flip (else ``make_task`` itself).
+    """``make_task``, with every attacker's task training on altered labels: flipped ``y -> classes - 1 - y``
+    (label_flip), or noisy (label_noise, :func:`noisy_labels` drawn from (seed, "label_noise", client)); for other
+    attacks ``make_task`` itself.
 
     Raises:
         ConfigError: (from the returned function) an attacker's task is not a SupervisedTask with training data.
     """
-    if config.kind != "label_flip" or not attackers:
+    if config.kind not in LABEL_ATTACKS or not attackers:
         return make_task
 
     def make(client_id: str) -> Task:
@@ -197,6 +215,9 @@ def attacked_tasks(
                 f"label flipping needs a SupervisedTask with training data; client {client_id!r} has none"
             )
         x, y = task.train_data
+        if config.kind == "label_noise":
+            rng = numpy_rng(seed, "label_noise", client_id)
+            return dataclasses.replace(task, train_data=(x, noisy_labels(y, classes, config.noise_rate, rng)))
         return dataclasses.replace(task, train_data=(x, torch.as_tensor(classes - 1) - y))
 
     return make

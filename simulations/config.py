@@ -1,8 +1,9 @@
 """The simulation recipe: one root config whose tables are the components' configs.
 
 A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[sampling]``, ``[train]``, ``[attack]``,
-``[devices]`` and ``[output]`` plus top-level ``seed``, ``rounds`` and ``evaluate_every``; any value can be
-overridden from the CLI as ``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
+``[devices]`` and ``[output]`` plus top-level ``seed``, ``rounds``, ``evaluate_every`` and the stop rules
+(``target_accuracy``, ``patience``, ``min_delta``); any value can be overridden from the CLI as
+``--set train.lr=0.1``. See ``simulations/recipes/*.toml``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedcore.config import apply_overrides, from_mapping, load_toml
+from fedcore.convergence import StopRules
 from fedcore.errors import ConfigError
 from fedcore.selection import check_private_selection
 from fedcore.strategy import SamplingConfig, StrategyConfig
@@ -153,23 +155,36 @@ class OutputConfig:
             raise ConfigError("output.dir is empty; give a directory for the run's results (e.g. runs/my-run)")
 
 
+BackendName = Literal["inprocess", "batched", "process"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class BackendConfig:
     """How the virtual clients are run (``[simulation]``).
 
     Attributes:
         backend: inprocess (one client after another in this process, the default; the same model as a
-            deployment bit for bit) or process (worker processes fed from one queue, :mod:`simulations.procpool`;
-            the same history as inprocess bit for bit when each trains on as many torch threads, 1 per worker).
+            deployment bit for bit), batched (the round's sampled clients trained together as one batched
+            computation with torch.func, :mod:`simulations.batched`: plain or FedProx SGD of a SupervisedTask whose
+            model has no buffers and no randomness; the same history as inprocess up to float rounding, within
+            1e-5; other recipes are refused before the first round) or process (worker processes fed from one
+            queue, :mod:`simulations.procpool`; the same history as inprocess bit for bit when each trains on as
+            many torch threads, 1 per worker).
+        batch_clients: batched: at most this many clients are trained together (memory grows with it: the
+            stacked parameters, gradients and momentum of that many models); 0 chooses: on the CPU as many as keep
+            the largest stacked parameter within 16 MiB (the 2NN: 26), on a GPU all of a round's clients.
         workers: process: the number of worker processes (default: the cores this process may use).
     """
 
-    backend: Literal["inprocess", "process"] = "inprocess"
+    backend: BackendName = "inprocess"
+    batch_clients: int = 0
     workers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in ("inprocess", "process"):
-            raise ConfigError(f"unknown simulation backend {self.backend!r}; choose inprocess or process")
+        if self.backend not in ("inprocess", "batched", "process"):
+            raise ConfigError(f"unknown simulation backend {self.backend!r}; choose inprocess, batched or process")
+        if self.batch_clients < 0:
+            raise ConfigError(f"batch_clients must be >= 0 (0: all of a round's clients), got {self.batch_clients}")
         if self.workers is not None and not 1 <= self.workers <= 4096:
             raise ConfigError(f"workers must be in 1..4096 (or unset: one per core), got {self.workers}")
         if self.workers is not None and self.backend != "process":
@@ -184,6 +199,11 @@ class SimulationConfig:
         seed: the run's seed (partition, initial model, client selection, every client's randomness).
         rounds: number of federated rounds.
         evaluate_every: evaluate the global model on the test set every this many rounds (and after the last).
+        target_accuracy: stop after the first evaluated round whose test accuracy reaches this value, in (0, 1];
+            the run reports the rounds and seconds it took (unset: no target).
+        patience: stop after this many evaluated rounds in a row without a gain of more than min_delta in test
+            accuracy (unset: no plateau rule).
+        min_delta: the smallest gain in accuracy that counts as one for patience.
         data, model, task, strategy, sampling, train, output: the component configs.
         attack: Byzantine clients (:class:`simulations.attacks.AttackConfig`; default none).
         privacy: differential privacy (``[privacy]``, :class:`privacy.dp.config.PrivacyConfig`; off by default).
@@ -195,6 +215,9 @@ class SimulationConfig:
     seed: int = 0
     rounds: int = 30
     evaluate_every: int = 5
+    target_accuracy: float | None = None
+    patience: int | None = None
+    min_delta: float = 0.0
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -217,11 +240,20 @@ class SimulationConfig:
         check_private_selection(
             self.strategy.selection, client_dp=self.privacy.enabled, trace=self.devices.availability != "always"
         )
+        self.stop_rules()  # their own checks, now
         if self.sampling.min_fit_clients > self.data.num_clients:
             raise ConfigError(
                 f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="
                 f"{self.data.num_clients}"
             )
+
+    def stop_rules(self) -> StopRules:
+        """When the run stops before its last round (:class:`fedcore.convergence.StopRules`).
+
+        Raises:
+            ConfigError: a value out of range.
+        """
+        return StopRules(target_accuracy=self.target_accuracy, patience=self.patience, min_delta=self.min_delta)
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> SimulationConfig:

@@ -11,6 +11,7 @@ JSON. For the same recipe and seed every file but the plot is byte for byte the 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -24,14 +25,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
+import torch
 from tqdm import tqdm
 
 from client.state import ClientStateStore
 from fedcore.config import to_mapping
+from fedcore.convergence import Convergence, Stop
 from fedcore.errors import ConfigError
 from fedcore.payload import save_payload
+from fedcore.seeding import numpy_rng
 from fedcore.strategy import build_strategy
+from fedcore.supervised import SupervisedTask
 from fedcore.task import (
     Task,
     TaskContext,
@@ -43,9 +49,9 @@ from fedcore.task import (
 )
 from privacy.dp.config import apply_dp
 from server.pool import ClientPool
-from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
+from server.round_loop import EvaluateFn, RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from server.state import history_columns, write_history
-from simulations.attacks import AttackedPool, attacked_tasks, choose_attackers, num_classes
+from simulations.attacks import LABEL_ATTACKS, AttackedPool, attacked_tasks, choose_attackers, num_classes
 from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.devices import SimulatedDevices, simulation_selector, slow_clients
 from simulations.inmemory import InMemoryPool
@@ -75,6 +81,10 @@ class SimulationResult:
         wall_seconds: wall time of the whole run, data loading included.
         csv_path, plot_path, model_path: where the history, the plot and the final model were written.
         diverged: the global model's test loss became NaN or infinite (the learning rate is too high).
+        reached: ``(round, seconds)`` at which the test accuracy first reached the recipe's ``target_accuracy``
+            (seconds: the run's wall time up to that round, the sum of the history's ``seconds``); None when not
+            reached or no target was set.
+        stop: the stop rule that ended the run early (:class:`fedcore.convergence.Stop`), else None.
     """
 
     history: pd.DataFrame
@@ -84,6 +94,8 @@ class SimulationResult:
     plot_path: Path | None
     model_path: Path
     diverged: bool = False
+    reached: tuple[int, float] | None = None
+    stop: Stop | None = None
 
 
 def task_options(config: SimulationConfig) -> dict[str, str]:
@@ -201,25 +213,31 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     if attackers:
         kind, count = config.attack.kind, len(attackers)
         log.warning("attack %s by %d of %d clients: %s", kind, count, len(ids), sorted(attackers))
-        classes = num_classes(server_task) if config.attack.kind == "label_flip" else 0
-        client_task = attacked_tasks(make_task, attackers, config.attack, classes)
+        classes = num_classes(server_task) if config.attack.kind in LABEL_ATTACKS else 0
+        client_task = attacked_tasks(make_task, attackers, config.attack, classes, seed=config.seed)
     state = ClientStateStore(out_dir / CLIENT_STATE_DIR)
-    clients: InMemoryPool | ProcessPool
+    clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS)
+    backend: ClientPool = clients
+    if config.simulation.backend == "batched":
+        from simulations.batched import BatchedPool, check_batchable
+
+        check_batchable(clients.task(ids[0]), strategy)  # refused before the first round, not in one
+        backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients)
+    process: ProcessPool | None = None
     if config.simulation.backend == "process":
-        factory_name = DEMO_TASK if demo else config.task.factory
         tasks = ClientTasks(
-            factory=factory_name,
+            factory=DEMO_TASK if demo else config.task.factory,
             options=options,
             num_partitions=len(ids),
             seed=config.seed,
             data_dir=None if data_dir is None else str(data_dir),
-            label_flip_classes=classes,
+            attack=to_mapping(config.attack),
+            label_attack_classes=classes,
             max_tasks=MAX_TASKS,
         )
-        clients = ProcessPool(ids, tasks, workers=config.simulation.workers, state_dir=state.root, attackers=attackers)
-    else:
-        clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS)
-    pool: ClientPool = AttackedPool(clients, attackers, config.attack, seed=config.seed)
+        workers = config.simulation.workers
+        backend = process = ProcessPool(ids, tasks, workers=workers, state_dir=state.root, attackers=attackers)
+    pool: ClientPool = AttackedPool(backend, attackers, config.attack, seed=config.seed)
     if config.devices.timed or config.strategy.selection == "oort":  # oort reads durations: simulated, reproducible
         pool = SimulatedDevices(pool, slow_clients(ids, config.devices.slow_fraction, seed=config.seed), config.devices)
     selection = simulation_selector(
@@ -258,22 +276,36 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     evaluate_fn = (
         central_evaluation(server_task, strategy.evaluate_batch_size) if config.task.server_evaluation else None
     )
+    validate_fn = (
+        validation_evaluation(server_task, strategy.evaluate_batch_size, seed=config.seed)
+        if strategy.weighting == "server"
+        else None
+    )
     round_config = RoundConfig(
         num_rounds=config.rounds,
         seed=config.seed,
         min_fit_results=1,
         evaluate_every=config.evaluate_every,
+        stop=config.stop_rules(),
     )
     # The modules, the dataset and the tasks built so far live for the whole run: freezing them out of the
     # collector keeps the round loop's collection after each round from walking them (about 1 s a round).
     gc.freeze()
     try:
-        final, _ = run_rounds(pool, strategy, initial, round_config, evaluate_fn=evaluate_fn, on_round_end=on_round_end)
+        final, _ = run_rounds(
+            pool,
+            strategy,
+            initial,
+            round_config,
+            evaluate_fn=evaluate_fn,
+            on_round_end=on_round_end,
+            validate_fn=validate_fn,
+        )
     finally:
         gc.unfreeze()
         progress.close()
-        if isinstance(clients, ProcessPool):
-            clients.close()
+        if process is not None:
+            process.close()
     model_path = out_dir / "model.safetensors"
     save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
     history = pd.DataFrame(rows, columns=history_columns(rows))
@@ -291,6 +323,9 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         f"final test accuracy {final_acc:.4f} after {final.round} rounds in {wall:.1f} s; "
         f"history: {csv_path}; plot: {plot_path if plot_path else 'off'}"
     )
+    convergence = Convergence.replay(round_config.stop, rows)
+    if line := convergence.summary(final.round):
+        echo(line)
     return SimulationResult(
         history=history,
         final=final,
@@ -299,22 +334,47 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         plot_path=plot_path,
         model_path=model_path,
         diverged=diverged,
+        reached=convergence.reached,
+        stop=convergence.stop,
     )
 
 
+VALIDATION_EXAMPLES = 1000
+"""How many examples of the central test split the server weighs each update on (weighting ``server``)."""
+
+
+def validation_evaluation(task: Task, batch_size: int, *, seed: int) -> EvaluateFn:
+    """The server's evaluation of one update for weighting ``server`` in a simulation: on
+    :data:`VALIDATION_EXAMPLES` examples of the server task's test split, drawn from (seed, "validation") (the
+    whole split when smaller, or when the task is not a :class:`~fedcore.supervised.SupervisedTask`).
+
+    The validation examples come from the central test split, so the test accuracy of a run weighted this way has
+    seen them in its aggregation: it is optimistic by the part they play (1000 of fashion-mnist's 10,000).
+    """
+    data = getattr(task, "test_data", None)
+    if isinstance(task, SupervisedTask) and data is not None and len(data[1]) > VALIDATION_EXAMPLES:
+        chosen = numpy_rng(seed, "validation").choice(len(data[1]), size=VALIDATION_EXAMPLES, replace=False)
+        index = torch.from_numpy(np.sort(chosen))
+        task = dataclasses.replace(task, test_data=(data[0][index], data[1][index]))
+    return central_evaluation(task, batch_size)
+
+
 def plot_history(history: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
-    """Write a PNG with test accuracy (left) and train/test loss (right) per round; return its path."""
+    """Write a PNG of the run and return its path: test accuracy per round (top left), train/test loss per round
+    (top right), test accuracy against the run's wall time (bottom left: the cumulative ``seconds``) and against
+    the bytes sent (bottom right: the cumulative ``bytes_up + bytes_down``, in MB; a history without those
+    columns counts 0)."""
     path = Path(path)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    evaluated = history.dropna(subset=["test_accuracy"])
-    ax_acc.plot(evaluated["round"], evaluated["test_accuracy"], marker=".", color="tab:blue")
     from matplotlib.ticker import MaxNLocator
 
+    fig, ((ax_acc, ax_loss), (ax_time, ax_bytes)) = plt.subplots(2, 2, figsize=(11, 8))
+    evaluated_mask = history["test_accuracy"].notna()
+    evaluated = history[evaluated_mask]
+    ax_acc.plot(evaluated["round"], evaluated["test_accuracy"], marker=".", color="tab:blue")
     for ax in (ax_acc, ax_loss):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_acc.set_xlabel("round")
@@ -327,6 +387,22 @@ def plot_history(history: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
     ax_loss.set_ylabel("loss")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
+
+    def cumulative(*columns: str) -> pd.Series:
+        total = pd.Series(0.0, index=history.index)
+        for column in columns:
+            if column in history:
+                total = total + pd.to_numeric(history[column], errors="coerce").fillna(0.0)
+        return total.cumsum()[evaluated_mask]
+
+    ax_time.plot(cumulative("seconds"), evaluated["test_accuracy"], marker=".", color="tab:blue")
+    ax_time.set_xlabel("wall time (s)")
+    ax_time.set_ylabel("test accuracy")
+    ax_time.grid(alpha=0.3)
+    ax_bytes.plot(cumulative("bytes_up", "bytes_down") / 1e6, evaluated["test_accuracy"], marker=".", color="tab:blue")
+    ax_bytes.set_xlabel("MB sent (up + down)")
+    ax_bytes.set_ylabel("test accuracy")
+    ax_bytes.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -20,12 +20,13 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 from client.runner import ModelCache, ParallelTraining, run_instruction
 from client.stages import ClientStages
 from client.state import ClientStateStore
 from fedcore.errors import ConfigError, FedcoreError, RoundFailed
-from fedcore.messages import Failure, Reply, ServerMessage, StageIns
+from fedcore.messages import Failure, FitRes, Reply, ServerMessage, StageIns, packed_nbytes
 from fedcore.task import Task
 
 log = logging.getLogger("fedcore.simulation")
@@ -112,7 +113,7 @@ class InMemoryPool:
                     continue
                 self._stages.observe(instruction.round)
                 plan = self._parallel(client_id) if self._parallel is not None else None
-                yield run_instruction(
+                reply = run_instruction(
                     self.task(client_id),
                     instruction,
                     client_id,
@@ -121,6 +122,9 @@ class InMemoryPool:
                     state=self._state,
                     stages=self._stages,
                 )
+                if isinstance(reply, FitRes):  # what would travel: the tensors' bytes (see FitRes.payload_bytes)
+                    reply = replace(reply, payload_bytes=packed_nbytes(reply))
+                yield reply
             except FedcoreError as exc:
                 yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
             except Exception as exc:  # a bug in user code must not kill the whole simulation

@@ -107,8 +107,10 @@ class ClientTasks:
         num_partitions: the number of virtual clients (partitions).
         seed: the run's seed.
         data_dir: handed to the factory (None: unset).
-        label_flip_classes: when > 0, attacking clients (see :class:`ProcessPool`'s ``attackers``) train on flipped
-            labels ``y -> classes - 1 - y`` (:func:`simulations.attacks.attacked_tasks`).
+        attack: the run's ``[attack]`` table (:class:`simulations.attacks.AttackConfig` as a mapping); attacking
+            clients (see :class:`ProcessPool`'s ``attackers``) of a label attack train on altered labels
+            (:func:`simulations.attacks.attacked_tasks`).
+        label_attack_classes: the number of classes a label attack draws from.
         max_tasks: how many clients' tasks a worker keeps built (least recently used first out).
     """
 
@@ -117,15 +119,16 @@ class ClientTasks:
     num_partitions: int
     seed: int
     data_dir: str | None = None
-    label_flip_classes: int = 0
+    attack: Mapping[str, Any] = field(default_factory=dict)
+    label_attack_classes: int = 0
     max_tasks: int = 256
 
     def __post_init__(self) -> None:
         module, sep, attr = self.factory.partition(":")
         if not (module and sep and attr):
             raise ConfigError(f"the task factory must look like module:attr, got {self.factory!r}")
-        if self.num_partitions < 1 or self.max_tasks < 1 or self.label_flip_classes < 0:
-            raise ConfigError("num_partitions and max_tasks must be >= 1, label_flip_classes >= 0")
+        if self.num_partitions < 1 or self.max_tasks < 1 or self.label_attack_classes < 0:
+            raise ConfigError("num_partitions and max_tasks must be >= 1, label_attack_classes >= 0")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -212,7 +215,7 @@ class ProcessPool:
         threads: torch threads of each worker (1: each worker one core).
         state_dir: the virtual clients' persistent state directory (:class:`client.state.ClientStateStore`),
             shared by the workers; None when no client keeps state.
-        attackers: clients that train on flipped labels when ``tasks.label_flip_classes`` is set.
+        attackers: the attacking clients (a label attack in ``tasks.attack`` alters their training labels).
         shm_dir: where to make the shared-memory directory (default :data:`SHM_ROOT` when it exists).
 
     Raises:
@@ -246,7 +249,8 @@ class ProcessPool:
             "num_partitions": tasks.num_partitions,
             "seed": tasks.seed,
             "data_dir": tasks.data_dir,
-            "label_flip_classes": tasks.label_flip_classes,
+            "attack": dict(tasks.attack),
+            "label_attack_classes": tasks.label_attack_classes,
             "max_tasks": tasks.max_tasks,
             "threads": threads,
             "state_dir": None if state_dir is None else str(Path(state_dir).resolve()),
@@ -677,10 +681,11 @@ def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes
     import torch
 
     from client.state import ClientStateStore
+    from fedcore.config import from_mapping
     from fedcore.proto.v1 import fedcore_pb2 as pb
     from fedcore.task import Task, TaskContext, load_task_factory
     from fedcore.wire import instruction_from_header, result_header
-    from simulations.attacks import AttackConfig, attacked_tasks
+    from simulations.attacks import LABEL_ATTACKS, AttackConfig, attacked_tasks
     from simulations.inmemory import InMemoryPool
 
     torch.set_num_threads(int(spec["threads"]))
@@ -689,6 +694,7 @@ def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes
     worker = int(spec["index"])
     options = {str(k): str(v) for k, v in spec["options"].items()}
     data_dir = spec["data_dir"]
+    attack = from_mapping(AttackConfig, spec["attack"], where="attack")
     current: dict[str, Any] = {}
 
     def make_task(client_id: str) -> Task:
@@ -701,10 +707,10 @@ def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes
             seed=int(spec["seed"]),
             options=options,
         )
-        if current["attacker"] and spec["label_flip_classes"]:
-            flip = AttackConfig(kind="label_flip")
+        if current["attacker"] and attack.kind in LABEL_ATTACKS:
             honest: Callable[[str], Task] = lambda _cid: factory(context)  # noqa: E731
-            return attacked_tasks(honest, frozenset({client_id}), flip, int(spec["label_flip_classes"]))(client_id)
+            classes = int(spec["label_attack_classes"])
+            return attacked_tasks(honest, frozenset({client_id}), attack, classes, seed=int(spec["seed"]))(client_id)
         return factory(context)
 
     state = ClientStateStore(spec["state_dir"]) if spec["state_dir"] is not None else None

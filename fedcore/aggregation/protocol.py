@@ -16,6 +16,32 @@ from fedcore.tensors import NamedArrays, TensorSpec
 
 
 @runtime_checkable
+class BlockArray(Protocol):
+    """A tensor of an update that is produced block by block as it is read, never whole: a compressed update
+    decoded on the fly (:class:`fedcore.compression.DecodedTensor`). The streaming mean reads it in blocks; any other
+    reader gets the whole tensor through ``np.asarray``.
+    """
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+        ...
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The tensor's dtype."""
+        ...
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """The flattened elements ``[start, stop)``, a new 1-D array of :attr:`dtype`."""
+        ...
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        """``read`` of a slice (step 1) over the flattened tensor."""
+        ...
+
+
+@runtime_checkable
 class Accumulator(Protocol):
     """One round's aggregation in progress: updates are added as they arrive, the result is taken once.
 

@@ -21,6 +21,7 @@ import math
 import mmap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from fedcore.aggregation.blocks import (
     release_tail,
     run_blocks,
 )
+from fedcore.aggregation.protocol import BlockArray
 from fedcore.errors import AggregationError, PayloadError
 from fedcore.kernels import FUSED_DTYPES, fold_block
 from fedcore.tensors import (
@@ -166,7 +168,8 @@ class WeightedMean:
         self._check_open()
         w = check_weight(weight, self._total_weight, client_id=client_id, round=round)
         check_spec(update, self._spec, round=round, client_id=client_id)
-        flat = {name: np.ascontiguousarray(update[name]).reshape(-1) for name in self._sums}
+        # a BlockArray (a compressed update) is decoded block by block as the passes below read it, never whole
+        flat = {name: _flat(update[name]) for name in self._sums}
         mapped = {name: m for name in self._sums if (m := file_mapping(update[name], flat[name])) is not None}
         self._check_finite(flat, round=round, client_id=client_id, mapped=mapped)
         self._fold(flat, w, client_id, mapped=mapped)
@@ -324,6 +327,13 @@ class WeightedMean:
         self._total_weight += w
         self._count += 1
         self._clients.append(client_id if client_id is not None else f"#{self._count}")
+
+
+def _flat(array: np.ndarray) -> np.ndarray:
+    """``array`` flattened (a view where it can be), or a :class:`BlockArray` as it is (it reads flat blocks)."""
+    if isinstance(array, BlockArray):
+        return cast(np.ndarray, array)
+    return np.ascontiguousarray(array).reshape(-1)
 
 
 def _zeros64(n: int) -> np.ndarray:

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fedcore.aggregation import Aggregator, MeanAggregator
+from fedcore.aggregation.weights import WeightRule
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.messages import FitIns, FitRes, ModSpec, bounded_repr
 from fedcore.mods import CallNext, ModContext, StateEntry, in_process
@@ -199,7 +199,7 @@ def scaffold(
     fit: FitConfig,
     sampling: SamplingConfig,
     server_lr: float = 1.0,
-    weighting: Literal["examples", "uniform"] = "uniform",
+    weighting: WeightRule = "uniform",
     aggregator: Aggregator | None = None,
     evaluate_batch_size: int = 256,
 ) -> Strategy:
@@ -210,7 +210,8 @@ def scaffold(
         fit: local training settings (``fit.lr`` is eta_l, also used in option II's ``1 / (K eta_l)``).
         sampling: whom to select each round.
         server_lr: eta_g, > 0 (1 in most of the paper's experiments).
-        weighting: how the models are averaged: ``"uniform"`` as in the paper, or ``"examples"`` as FedAvg.
+        weighting: how the models are averaged: ``"uniform"`` as in the paper, ``"examples"`` as FedAvg (or a
+            quality rule of :mod:`fedcore.aggregation.weights`).
         aggregator: how the models are combined (default: the streaming mean).
         evaluate_batch_size: as in :class:`~fedcore.strategy.Strategy`.
 

@@ -1,9 +1,11 @@
-"""The local training engine for large models: data parallel (DDP), sharded (FSDP2), pipeline parallel.
+"""The local training engine for large models: data parallel (DDP), sharded (FSDP2), tensor parallel, pipeline.
 
 A client hands :func:`train_with_plan` its task factory, the global model and a :class:`ParallelPlan`, and gets
 back the updated model (global names and dtypes) and the training result. A plan of all ones trains
-in-process; any other plan runs ``data_parallel * pipeline`` worker processes on torch.distributed (gloo on
-CPU, NCCL on CUDA). See the README section "Training large models on a client".
+in-process; any other plan runs ``data_parallel * pipeline * tensor_parallel`` worker processes on
+torch.distributed (gloo on CPU, NCCL on CUDA). Tensor parallelism: :mod:`fedcore.engine.tensor_parallel`; the
+transformer blocks that declare their splits: :mod:`fedcore.engine.transformer`. See the README section
+"Training large models on a client".
 
 Every plan trains the model that single-device training gives, or is refused with a ``ConfigError`` before any
 worker starts; never a silently different model. For modules with batch statistics (BatchNorm; InstanceNorm
@@ -23,7 +25,8 @@ InstanceNorm(track_running_stats) x DP      refused: running statistics are not 
 other buffers that differ between DP ranks  the round fails (EngineError) naming them
 ==========================================  ==============================================================
 
-Also refused before start: tied weights under FSDP2 (use DDP), a pipeline split between tied weights. DDP with
+Also refused before start: tied weights under FSDP2 (use DDP), a pipeline split between tied weights, a
+tensor-parallel degree without a declared plan or that does not divide the split layers (or heads). DDP with
 a module unused in ``forward`` fails at its first step (``EngineError`` with the worker's ``ConfigError``) naming
 the parameters, unless the plan sets ``find_unused_parameters``. Workers are bounded by ``timeout_s`` and die
 with their caller.

@@ -1,4 +1,5 @@
-"""Data-parallel execution: replicated (DDP) or sharded (FSDP2 ``fully_shard``), and plain at world size 1.
+"""Data-parallel execution: replicated (DDP) or sharded (FSDP2 ``fully_shard``), with or without tensor
+parallelism, and plain at world size 1.
 
 Each optimizer step takes the global batch (``config.batch_size`` samples, in the single-device order), cuts it
 into ``data_parallel`` contiguous shards (``torch.tensor_split``, so shards differ by at most one sample), and
@@ -6,6 +7,14 @@ each rank cuts its shard into ``grad_accum`` sequential micro-steps. Every micro
 per-sample losses scaled by ``data_parallel / len(batch)``; DDP and FSDP2 average gradients over the ranks, so
 the gradient is exactly the batch mean that a single device computes, whatever the shard sizes. BatchNorm
 layers compute their statistics over the global batch (:func:`~fedcore.engine.batch_stats.synchronize_batch_norm`).
+
+With tensor parallelism (:mod:`fedcore.engine.tensor_parallel`) the plan's layers are split over the ``tp`` mesh
+dimension first; every rank of a tensor-parallel group processes the same shard of the batch. Sharded data
+parallelism then shards the DTensors over ``dp`` too (FSDP2 on the 2D mesh, as torchtitan does); replicated
+data parallelism sums the gradients over the ``dp`` group after the backward pass in one flat all-reduce
+(:func:`sum_gradients`; DDP does not take DTensor parameters), with losses scaled by ``1 / len(batch)``.
+
+Losses are accumulated on the device: the step has no host-device synchronization (no ``.item()``).
 """
 
 from __future__ import annotations
@@ -14,15 +23,17 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fedcore.engine.batch_stats import check_buffers_agree, synchronize_batch_norm
-from fedcore.engine.layers import LayerChain, model_layers
+from fedcore.engine.layers import LayerChain, compile_layers, model_layers
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
+from fedcore.engine.tensor_parallel import TensorParallelPlan, apply_plan
 from fedcore.errors import ConfigError, EngineError
 from fedcore.training import LossFn
 
@@ -35,21 +46,38 @@ class DataParallelExecutor:
         plan: the parallel plan (``pipeline == 1``).
         env: this rank's place in the world.
         loss_fn: ``loss_fn(output, target, reduction="sum")``.
+        tp_plan: the layers to split when ``plan.tensor_parallel > 1``
+            (:func:`~fedcore.engine.tensor_parallel.resolve_plan`).
     """
 
-    def __init__(self, model: nn.Module, plan: ParallelPlan, env: RankEnv, loss_fn: LossFn) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ParallelPlan,
+        env: RankEnv,
+        loss_fn: LossFn,
+        tp_plan: TensorParallelPlan | None = None,
+    ) -> None:
         self.model = model
         self.plan = plan
         self.env = env
         self.loss_fn = loss_fn
         module: nn.Module = model
-        if env.world_size > 1 and env.dp_group is not None:
+        if env.world_size > 1 and env.dp_group is not None and plan.dp_enabled:
             synchronize_batch_norm(model, env.dp_group)  # statistics over the global batch, as on one device
+        if plan.tp_enabled:
+            if env.tp_mesh is None or tp_plan is None:
+                raise EngineError("tensor parallelism needs the tp mesh and a tensor-parallel plan", rank=env.rank)
+            apply_plan(model, tp_plan, env.tp_mesh)
+        if plan.compile:
+            compile_layers(model)
         if plan.activation_checkpointing:
             module = LayerChain(model_layers(model), checkpointing=True)
         self._fsdp: FSDPModule | None = None
         self._ddp: DistributedDataParallel | None = None
-        if env.world_size > 1 and plan.sharded:
+        # replicated data parallelism over DTensors: gradients summed after the backward pass (sum_gradients)
+        self._sum_over_dp = plan.dp_enabled and not plan.sharded and plan.tp_enabled
+        if plan.dp_enabled and plan.sharded:
             if env.dp_mesh is None:
                 raise EngineError(
                     "sharded data parallelism (FSDP2) needs the data-parallel device mesh, and the runtime built none",
@@ -63,7 +91,7 @@ class DataParallelExecutor:
                 if any(p.requires_grad for p in layer.parameters()):
                     fully_shard(layer, mesh=env.dp_mesh)
             self._fsdp = fully_shard(module, mesh=env.dp_mesh)
-        elif env.world_size > 1:
+        elif plan.dp_enabled and not self._sum_over_dp:
             device_ids = [env.device.index] if env.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(
                 module,
@@ -78,21 +106,24 @@ class DataParallelExecutor:
         """``(global name, parameter)`` for the parameters this rank updates (sharded ones as DTensors)."""
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Accumulate this rank's gradients for one global batch ``(x, y)``.
 
         Returns:
-            ``(sum of per-sample losses over the samples this rank processed, their number)``.
+            ``(sum of per-sample losses over the samples this rank processed, a float32 scalar on the device;
+            their number)``.
         """
         n = len(x)
         shard = torch.tensor_split(torch.arange(n), self.plan.data_parallel)[self.env.dp_index]
-        scale = self.plan.data_parallel / n
+        # DDP and FSDP2 average the ranks' gradients; sum_gradients adds them
+        scale = (1.0 if self._sum_over_dp else self.plan.data_parallel) / n
         chunks = torch.tensor_split(shard, self.plan.grad_accum)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
-            xb = x[chunk].to(self.env.device, non_blocking=True)
-            yb = y[chunk].to(self.env.device, non_blocking=True)
+            start, stop = (int(chunk[0]), int(chunk[-1]) + 1) if len(chunk) else (0, 0)  # contiguous: a view
+            xb = x[start:stop].to(self.env.device, non_blocking=True)
+            yb = y[start:stop].to(self.env.device, non_blocking=True)
             try:
                 with self._sync(last), autocast(self.plan, self.env.device):
                     loss = self.loss_fn(self.module(xb), yb, reduction="sum")
@@ -101,7 +132,7 @@ class DataParallelExecutor:
                     raise _unused_parameters_error("some parameters got no gradient in the previous step") from exc
                 raise
             (loss * scale).backward()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach().float()
         if self._ddp is not None and not self.plan.find_unused_parameters:
             unused = [name for name, p in self.trained_parameters() if p.grad is None]
             if unused:
@@ -117,7 +148,10 @@ class DataParallelExecutor:
         return contextlib.nullcontext()
 
     def finish_gradients(self) -> None:
-        """Nothing to do: DDP and FSDP2 reduce gradients in the backward of the last micro-step."""
+        """Sum the gradients over the data-parallel group under tensor parallelism; DDP and FSDP2 have reduced
+        them in the backward pass of the last micro-step already."""
+        if self._sum_over_dp and self.env.dp_group is not None:
+            sum_gradients([p for _, p in self.trained_parameters()], self.env.dp_group)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The full model state in global names on rank 0 (CPU tensors), None elsewhere.
@@ -135,6 +169,40 @@ class DataParallelExecutor:
             if self.env.rank == 0:
                 state[name] = full.detach().to("cpu", copy=True)
         return state if self.env.rank == 0 else None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (sharing its storage), a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sum_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Replace each gradient by its sum over the ranks of ``group`` (each holds a part of the batch).
+
+    A parameter that got no gradient on any rank keeps none, as on one device (the optimizer then skips it: no
+    weight decay, no momentum step); one that got a gradient somewhere gets zeros where it had none. DTensor
+    gradients are summed shard by shard (the ranks of ``group`` hold the same shard). Two collectives: which
+    parameters have gradients, then one flat all-reduce per dtype.
+    """
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    device = next((_local(p).device for p in params), torch.device("cpu"))
+    has_grad = has_grad.to(device)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
+    grads: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param, any_grad in zip(params, has_grad.tolist(), strict=True):
+        if not any_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        local = _local(param.grad)
+        grads.setdefault(local.dtype, []).append(local)
+    for tensors in grads.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def _unused_parameters_error(what: str) -> ConfigError:

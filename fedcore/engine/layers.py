@@ -175,6 +175,27 @@ def stage_state_names(model: nn.Module, stage: Sequence[Layer]) -> list[str]:
     return [name for name in model.state_dict() if name.startswith(prefixes)]
 
 
+def compile_layers(model: nn.Module, *, layers: Sequence[Layer] | None = None) -> None:
+    """``torch.compile`` each of the model's layers in place (``nn.Module.compile``: names and parameters stay).
+
+    Compiling layer by layer (as torchtitan compiles transformer blocks) keeps the graphs small, lets pipeline
+    stages and activation checkpointing cut between layers, and lets identical blocks share one compiled graph.
+    A model without layers (:func:`model_layers`) is compiled whole.
+
+    Args:
+        model: the model, after tensor parallelism and before data-parallel wrapping.
+        layers: the layers to compile (a pipeline rank's own); default all of the model's.
+    """
+    if layers is None:
+        try:
+            layers = model_layers(model)
+        except ConfigError:
+            model.compile()
+            return
+    for _, layer in layers:
+        layer.compile()
+
+
 class LayerChain(nn.Module):
     """Runs a list of layers one after the other, optionally with activation checkpointing per layer.
 

@@ -12,6 +12,10 @@ scaled by ``1 / len(batch)`` and schedules run with ``scale_grads=False``, so gr
 batch mean whatever the split. With data parallelism on top, gradients are summed over the ``dp`` group, and
 BatchNorm statistics are computed over the replicas' parts of the batch. Shape inference leaves no trace in the
 model's buffers (:class:`_Stage`); BatchNorm needs ``microbatches=1`` (:mod:`fedcore.engine.batch_stats`).
+
+With tensor parallelism each rank splits the plan's layers of its own stages over its ``tp`` group; the stages
+pass plain (replicated) activations, so a pipeline rank talks to the rank with the same ``tp_index`` in the
+next stage, and the update is gathered per stage (``DTensor.full_tensor``) before it reaches rank 0.
 """
 
 from __future__ import annotations
@@ -31,12 +35,16 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.tensor import DTensor
 
 from fedcore.engine.batch_stats import check_buffers_agree, preserved_buffers, synchronize_batch_norm
-from fedcore.engine.layers import LayerChain, split_stages, stage_state_names
+from fedcore.engine.data_parallel import sum_gradients
+from fedcore.engine.layers import LayerChain, compile_layers, split_stages, stage_state_names
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
 from fedcore.engine.schedules import Schedule, rank_of_stage, stages_of_rank
+from fedcore.engine.tensor_parallel import TensorParallelPlan, apply_plan
+from fedcore.errors import EngineError
 from fedcore.training import LossFn
 
 
@@ -73,18 +81,36 @@ class _Stage(PipelineStage):
             return super()._backward_metadata_inference(*args, **kwargs)
 
 
+def other_ranks_state_names(model: nn.Module, plan: ParallelPlan, pp_index: int) -> set[str]:
+    """``state_dict`` names of the stages that pipeline rank ``pp_index`` does not hold."""
+    stages = split_stages(
+        model, num_stages=plan.num_stages, split_points=plan.split_points, stage_modules=plan.stage_modules
+    )
+    mine = set(stages_of_rank(pp_index, plan.pipeline, plan.stages_per_rank))
+    return {name for s, stage in enumerate(stages) if s not in mine for name in stage_state_names(model, stage)}
+
+
 class PipelineExecutor:
     """Runs the pipeline stages of one rank.
 
     Args:
-        model: the full model on ``env.device`` holding the global parameters (every rank builds it; each
-            trains only its stages' parameters).
+        model: the model holding the global parameters on ``env.device``, at least in this rank's stages (the
+            others may be on the meta device: :mod:`fedcore.engine.materialize`); each rank trains only its
+            stages' parameters.
         plan: the parallel plan (``pipeline >= 2``).
         env: this rank's place in the world (``pp_group`` and ``dp_group`` set).
         loss_fn: ``loss_fn(output, target, reduction="sum")``.
+        tp_plan: the layers to split when ``plan.tensor_parallel > 1`` (this rank splits those of its stages).
     """
 
-    def __init__(self, model: nn.Module, plan: ParallelPlan, env: RankEnv, loss_fn: LossFn) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ParallelPlan,
+        env: RankEnv,
+        loss_fn: LossFn,
+        tp_plan: TensorParallelPlan | None = None,
+    ) -> None:
         self.model = model
         self.plan = plan
         self.env = env
@@ -95,6 +121,13 @@ class PipelineExecutor:
             model, num_stages=plan.num_stages, split_points=plan.split_points, stage_modules=plan.stage_modules
         )
         self.my_stages = stages_of_rank(env.pp_index, plan.pipeline, plan.stages_per_rank)
+        my_layers = [layer for s in self.my_stages for layer in self.stages[s]]
+        if plan.tp_enabled:
+            if env.tp_mesh is None or tp_plan is None:
+                raise EngineError("tensor parallelism needs the tp mesh and a tensor-parallel plan", rank=env.rank)
+            apply_plan(model, tp_plan, env.tp_mesh, only={name for name, _ in my_layers})
+        if plan.compile:
+            compile_layers(model, layers=my_layers)
         self.modules = [
             _AutocastChain(LayerChain(self.stages[s], checkpointing=plan.activation_checkpointing), plan, env.device)
             for s in self.my_stages
@@ -151,16 +184,18 @@ class PipelineExecutor:
             steps.append((kind, tail, 1, tail))
         return steps
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Accumulate this rank's stage gradients for one global batch ``(x, y)``.
 
         Returns:
-            ``(sum of per-sample losses, samples)`` on the rank holding the last stage; ``(0.0, 0)`` elsewhere.
+            ``(sum of per-sample losses as a float32 scalar on the device, samples)`` on the rank holding the last
+            stage; ``(0, 0)`` elsewhere.
         """
         n = len(x)
         self._scale = 1.0 / n
         shard = torch.tensor_split(torch.arange(n), self.plan.data_parallel)[self.env.dp_index]
-        loss_sum, seen = 0.0, 0
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
+        seen = 0
         for chunk in torch.tensor_split(shard, self.plan.grad_accum):
             start = 0
             for kind, microbatches, size, samples in self._steps(len(chunk)):
@@ -171,7 +206,7 @@ class PipelineExecutor:
                 if self.last:
                     losses: list[torch.Tensor] = []
                     schedule.step(*args, target=y[idx].to(self.env.device), losses=losses, return_outputs=False)
-                    loss_sum += float(sum(float(loss.detach()) for loss in losses)) * n
+                    loss_sum += torch.stack([loss.detach().float() for loss in losses]).sum() * n
                     seen += samples
                 else:
                     schedule.step(*args, return_outputs=False)
@@ -183,22 +218,15 @@ class PipelineExecutor:
         A parameter that got no gradient on any replica keeps none, as on one device (the optimizer then skips
         it: no weight decay, no momentum step).
         """
-        if self.plan.data_parallel == 1:
+        if self.plan.data_parallel == 1 or self.env.dp_group is None:
             return
-        params = [param for _, param in self.trained_parameters()]
-        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.env.device)
-        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.env.dp_group)
-        for param, any_grad in zip(params, has_grad.tolist(), strict=True):
-            if not any_grad:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.env.dp_group)
+        sum_gradients([param for _, param in self.trained_parameters()], self.env.dp_group)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The full model state in global names on rank 0 (CPU tensors), None elsewhere.
 
-        Pipeline ranks of replica 0 send their stages' tensors to rank 0 (plain tensor point-to-point, in
+        Split tensors are gathered within each tensor-parallel group first; then the pipeline ranks of replica 0
+        with ``tp_index == 0`` send their stages' tensors to rank 0 (plain tensor point-to-point, in
         ``state_dict`` order, which every rank knows because every rank built the full model).
 
         Raises:
@@ -208,8 +236,12 @@ class PipelineExecutor:
         if self.plan.data_parallel > 1 and self.env.dp_group is not None:
             mine = [(n, b) for n, b in self.model.named_buffers() if n in self._names]
             check_buffers_agree(mine, self.env.dp_group)
-        state = self.model.state_dict()
-        if self.env.dp_index != 0:
+        state = {
+            name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            for name, tensor in self.model.state_dict().items()
+            if name in self._names or not isinstance(tensor, DTensor)
+        }
+        if self.env.dp_index != 0 or self.env.tp_index != 0:
             return None
         if self.env.rank != 0:
             for name in state:
@@ -219,13 +251,16 @@ class PipelineExecutor:
         owner: dict[str, int] = {}
         for stage_index, stage in enumerate(self.stages):
             for name in stage_state_names(self.model, stage):
-                owner[name] = rank_of_stage(stage_index, self.plan.pipeline)
+                # global rank of (dp 0, pp rank_of_stage, tp 0)
+                owner[name] = rank_of_stage(stage_index, self.plan.pipeline) * self.plan.tensor_parallel
         out: dict[str, torch.Tensor] = {}
         received: dict[str, torch.Tensor] = {}
-        for source in range(1, self.plan.pipeline):
+        for source in range(
+            self.plan.tensor_parallel, self.plan.total_ranks // self.plan.data_parallel, self.plan.tensor_parallel
+        ):
             for name in state:
                 if owner.get(name) == source:
-                    buffer = torch.empty_like(state[name]).contiguous()
+                    buffer = torch.empty_like(state[name], device=self.env.device).contiguous()
                     dist.recv(buffer, src=source)
                     received[name] = buffer
         for name, tensor in state.items():

@@ -1,12 +1,14 @@
 """The parallel plan: how one client's local training is spread over processes and devices.
 
 One frozen value object holds every degree and option (the ``ParallelDims`` idea from torchtitan): data
-parallel degree (replicated with DDP or sharded with FSDP2), pipeline degree and how the model is cut into
-stages, micro-batches and schedule, gradient accumulation, precision and activation checkpointing. It is
+parallel degree (replicated or sharded with FSDP2), tensor-parallel degree, pipeline degree and how the model is
+cut into stages, micro-batches and schedule, gradient accumulation, precision, activation checkpointing and
+compilation. It is
 validated on construction; :meth:`ParallelPlan.check_model` and :meth:`ParallelPlan.check_runtime` finish the
 validation that needs the model or the machine, and the engine calls both before any worker starts.
 
-Ranks are laid out data-parallel outer, pipeline inner: ``rank = dp_index * pipeline + pp_index``.
+Ranks are laid out data-parallel outer, tensor-parallel inner (the ranks of one tensor-parallel group are
+neighbours, on one machine's fast links): ``rank = (dp_index * pipeline + pp_index) * tensor_parallel + tp_index``.
 
 Example (TOML ``[parallel]`` table or ``--parallel key=value`` flags)::
 
@@ -57,6 +59,7 @@ _ALIASES = {
     "gradient_accumulation": "grad_accum",
     "checkpointing": "activation_checkpointing",
     "unused_parameters": "find_unused_parameters",
+    "tp": "tensor_parallel",
 }
 
 
@@ -69,6 +72,9 @@ class ParallelPlan:
         sharded: shard parameters, gradients and optimizer state over the data-parallel ranks with FSDP2
             (``torch.distributed.fsdp.fully_shard``) instead of replicating them with DDP. Needs
             ``data_parallel >= 2`` and ``pipeline == 1``.
+        tensor_parallel: tensor-parallel degree (Megatron-LM column/row-parallel layers through
+            ``torch.distributed.tensor.parallel``; see :mod:`fedcore.engine.tensor_parallel`). >= 1. Composes with
+            data parallelism (replicated or sharded: a 2D mesh) and with the pipeline.
         pipeline: pipeline-parallel degree (ranks per pipeline). >= 1.
         stages_per_rank: pipeline stages each pipeline rank holds (``v``; > 1 only for interleaved 1F1B).
         split_points: module names where a new stage begins, ``pipeline * stages_per_rank - 1`` of them in
@@ -85,9 +91,11 @@ class ParallelPlan:
         find_unused_parameters: let DDP train a model with parameters that get no gradient in some step
             (a module unused in ``forward``); costs a graph traversal per step. Without it such a model fails
             at its first step, naming the unused parameters.
+        compile: ``torch.compile`` each layer (each pipeline layer, or the whole model when it has none) before
+            training; the first steps pay for the compilation.
         device: ``auto``, ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank).
         world_size: the number of processes the caller expects (e.g. GPUs on the machine), or None; when
-            given, ``data_parallel * pipeline`` must equal it.
+            given, ``data_parallel * pipeline * tensor_parallel`` must equal it.
     """
 
     data_parallel: int = 1
@@ -102,11 +110,13 @@ class ParallelPlan:
     precision: Precision = Precision.FP32
     activation_checkpointing: bool = False
     find_unused_parameters: bool = False
+    tensor_parallel: int = 1
+    compile: bool = False
     device: Device = Device.AUTO
     world_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel", "pipeline", "stages_per_rank", "microbatches", "grad_accum"):
+        for name in ("data_parallel", "pipeline", "tensor_parallel", "stages_per_rank", "microbatches", "grad_accum"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"parallel plan: {name} must be an integer >= 1, got {value!r}")
@@ -115,20 +125,22 @@ class ParallelPlan:
         object.__setattr__(self, "device", _enum(Device, self.device, "device"))
         object.__setattr__(self, "split_points", tuple(str(s) for s in self.split_points))
         object.__setattr__(self, "stage_modules", tuple(tuple(str(n) for n in s) for s in self.stage_modules))
-        if self.world_size is not None and self.data_parallel * self.pipeline != self.world_size:
+        if self.world_size is not None and self.total_ranks != self.world_size:
             raise ConfigError(
-                f"parallel plan: data_parallel ({self.data_parallel}) x pipeline ({self.pipeline}) = "
-                f"{self.data_parallel * self.pipeline}, but the world size is {self.world_size}; "
-                "the degrees must multiply to the number of processes"
+                f"parallel plan: data_parallel ({self.data_parallel}) x pipeline ({self.pipeline}) x "
+                f"tensor_parallel ({self.tensor_parallel}) = {self.total_ranks}, but the world size is "
+                f"{self.world_size}; the degrees must multiply to the number of processes"
             )
         if self.sharded and self.data_parallel < 2:
             raise ConfigError("parallel plan: sharded (FSDP2) needs data_parallel >= 2")
         if self.sharded and self.pipeline > 1:
             raise ConfigError("parallel plan: sharded data parallel with a pipeline is not supported; use DDP")
-        if self.find_unused_parameters and (self.data_parallel < 2 or self.sharded or self.pipeline > 1):
+        if self.find_unused_parameters and (
+            self.data_parallel < 2 or self.sharded or self.pipeline > 1 or self.tensor_parallel > 1
+        ):
             raise ConfigError(
                 "parallel plan: find_unused_parameters applies to DDP only (data_parallel >= 2, not sharded, no "
-                "pipeline); the other plans train unused parameters without it"
+                "pipeline, no tensor parallelism); the other plans train unused parameters without it"
             )
         if self.pipeline == 1:
             if self.stages_per_rank > 1 or self.split_points or self.stage_modules or self.microbatches > 1:
@@ -167,8 +179,8 @@ class ParallelPlan:
     # ----------------------------------------------------------------------------------------------- derived
     @property
     def total_ranks(self) -> int:
-        """Processes the plan needs: ``data_parallel * pipeline``."""
-        return self.data_parallel * self.pipeline
+        """Processes the plan needs: ``data_parallel * pipeline * tensor_parallel``."""
+        return self.data_parallel * self.pipeline * self.tensor_parallel
 
     @property
     def num_stages(self) -> int:
@@ -189,6 +201,11 @@ class ParallelPlan:
     def pp_enabled(self) -> bool:
         """More than one pipeline rank."""
         return self.pipeline > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """More than one tensor-parallel rank."""
+        return self.tensor_parallel > 1
 
     @property
     def is_single_process(self) -> bool:
@@ -310,8 +327,16 @@ def _enum(kind: type[StrEnum], value: object, name: str) -> Any:
         raise ConfigError(f"parallel plan: {name} must be one of {[k.value for k in kind]}, got {value!r}") from None
 
 
-_INT_FIELDS = {"data_parallel", "pipeline", "stages_per_rank", "microbatches", "grad_accum", "world_size"}
-_BOOL_FIELDS = {"sharded", "activation_checkpointing", "find_unused_parameters"}
+_INT_FIELDS = {
+    "data_parallel",
+    "pipeline",
+    "tensor_parallel",
+    "stages_per_rank",
+    "microbatches",
+    "grad_accum",
+    "world_size",
+}
+_BOOL_FIELDS = {"sharded", "activation_checkpointing", "find_unused_parameters", "compile"}
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -4,12 +4,18 @@ It mirrors :func:`fedcore.training.train_supervised` step for step: the same ``t
 generator seeded with ``derive_seed(seed, round, client_id)``, the same batches, SGD with the same momentum and
 weight decay, and the FedProx proximal term (Li et al. 2020), applied as its gradient ``mu * (w - w_global)``
 so that it also works on sharded parameters. Only how a batch's gradient is computed differs (data parallel,
-sharded, pipeline), and each executor computes exactly the batch mean.
+sharded, pipeline, tensor parallel), and each executor computes exactly the batch mean.
+
+On CUDA the optimizer step is fused (``torch.optim.SGD(fused=True)``: one kernel for every parameter) unless
+parameters are DTensors (tensor parallel, FSDP2), which take the multi-tensor (``foreach``) path; losses stay on
+the device, so a step has no host-device synchronization: the epoch's loss is read once, at its end. The
+training data moves to the device once when it is small (:data:`DEVICE_DATA_BYTES`); otherwise each batch is
+gathered into pinned memory and copied asynchronously.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,9 +26,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fedcore.engine.data_parallel import DataParallelExecutor
-from fedcore.engine.pipeline import PipelineExecutor
+from fedcore.engine.materialize import build_on_meta, can_build_on_meta, materialize
+from fedcore.engine.pipeline import PipelineExecutor, other_ranks_state_names
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv
+from fedcore.engine.tensor_parallel import resolve_plan
 from fedcore.errors import ClientTaskError
 from fedcore.seeding import derive_seed
 from fedcore.task import EngineTask, FitConfig
@@ -34,7 +42,7 @@ class Executor(Protocol):
 
     def trained_parameters(self) -> list[tuple[str, nn.Parameter]]: ...
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]: ...
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]: ...
 
     def finish_gradients(self) -> None: ...
 
@@ -66,11 +74,16 @@ def train_rank(
     seed: int,
     round: int,
     client_id: str,
+    on_step: Callable[[int], None] | None = None,
 ) -> RankResult:
     """Train this rank's part of the model for one round under ``plan``.
 
     Every rank of the world must call it with the same arguments (except ``env``). The task declares what is
     trained (:class:`~fedcore.task.EngineTask`: model, data, loss); its ``train`` is not called.
+
+    Args:
+        on_step: called with the number of optimizer steps taken after each step has been queued (the device
+            may still be running it); a benchmark records CUDA events there. It must not synchronize.
 
     Returns:
         A :class:`RankResult`; ``state`` is set on rank 0 only.
@@ -82,18 +95,16 @@ def train_rank(
             f"the task's training_data() has {len(x)} inputs but {len(y)} targets; give x and y of the same length",
             round=round,
         )
-    model = task.build_model()
-    model.load_state_dict(to_state_dict(global_parameters), strict=True)
-    model.to(env.device)
+    model = _build_model(task, global_parameters, plan, env)
+    tp_plan = resolve_plan(task, model, plan.tensor_parallel) if plan.tp_enabled else None
     executor: Executor
     if plan.pp_enabled:
-        executor = PipelineExecutor(model, plan, env, loss_fn)
+        executor = PipelineExecutor(model, plan, env, loss_fn, tp_plan)
     else:
-        executor = DataParallelExecutor(model, plan, env, loss_fn)
+        executor = DataParallelExecutor(model, plan, env, loss_fn, tp_plan)
     trained = executor.trained_parameters()
-    optimizer = torch.optim.SGD(
-        [p for _, p in trained], lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
+    optimizer = make_optimizer([p for _, p in trained], config, env.device)
+    x, y = _data_on(env.device, x, y)
     anchors = _proximal_anchors(trained, global_parameters, env) if config.mu > 0 else []
     generator = torch.Generator().manual_seed(derive_seed(seed, round, client_id))
     n = len(x)
@@ -101,12 +112,13 @@ def train_rank(
     steps = 0
     train_loss = float("nan")
     for _ in range(config.local_epochs if n else 0):
-        order = torch.randperm(n, generator=generator)
-        loss_sum, seen = 0.0, 0
+        order = torch.randperm(n, generator=generator).to(x.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        seen = 0
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]
             optimizer.zero_grad(set_to_none=True)
-            batch_loss, batch_seen = executor.forward_backward(x.index_select(0, idx), y.index_select(0, idx))
+            batch_loss, batch_seen = executor.forward_backward(_gather(x, idx), _gather(y, idx))
             executor.finish_gradients()
             for param, anchor in anchors:
                 prox = (param.detach() - anchor) * config.mu
@@ -115,9 +127,12 @@ def train_rank(
                 else:
                     param.grad.add_(prox)
             optimizer.step()
-            loss_sum += batch_loss
-            seen += batch_seen
+            if env.tp_index == 0:  # the ranks of a tensor-parallel group computed the same loss: count it once
+                loss_sum += batch_loss
+                seen += batch_seen
             steps += 1
+            if on_step is not None:
+                on_step(steps)
             if config.max_steps is not None and steps >= config.max_steps:
                 break
         train_loss = _global_mean(loss_sum, seen, env)
@@ -125,6 +140,60 @@ def train_rank(
             break
     state = executor.full_state()
     return RankResult(state=state, num_examples=n, train_loss=train_loss)
+
+
+def _build_model(
+    task: EngineTask, global_parameters: Mapping[str, np.ndarray], plan: ParallelPlan, env: RankEnv
+) -> nn.Module:
+    """The model on ``env.device`` holding the global parameters; a pipeline rank builds it on the meta device and
+    gives storage only to the tensors that are not another rank's (:mod:`fedcore.engine.materialize`)."""
+    if plan.pp_enabled:
+        model = build_on_meta(task.build_model)
+        if can_build_on_meta(model):
+            materialize(model, global_parameters, env.device, skip=other_ranks_state_names(model, plan, env.pp_index))
+            return model
+    model = task.build_model()
+    model.load_state_dict(to_state_dict(global_parameters), strict=True)
+    return model.to(env.device)
+
+
+DEVICE_DATA_BYTES = 1 << 30
+"""Training data up to this size (inputs plus targets) moves to a CUDA device once; larger data stays on the
+CPU, pinned, and each batch is copied asynchronously."""
+
+
+def _data_on(device: torch.device, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training tensors where batches are cut from: on ``device`` when it is CUDA and they are small, pinned
+    CPU memory when they are large, unchanged on the CPU."""
+    if device.type != "cuda":
+        return x, y
+    if x.nbytes + y.nbytes <= DEVICE_DATA_BYTES:
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    return x.pin_memory(), y.pin_memory()
+
+
+def _gather(data: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of ``data``; from pinned memory into pinned memory, so that the copy to the GPU is async."""
+    if not data.is_pinned():
+        return data.index_select(0, idx)
+    out = torch.empty((len(idx), *data.shape[1:]), dtype=data.dtype, pin_memory=True)
+    return torch.index_select(data, 0, idx, out=out)
+
+
+def make_optimizer(params: list[nn.Parameter], config: FitConfig, device: torch.device) -> torch.optim.SGD:
+    """The local optimizer: SGD with the round's lr, momentum and weight decay, as ``train_supervised`` uses.
+
+    Fused (one kernel for all parameters) on CUDA when no parameter is a DTensor; the multi-tensor path
+    otherwise (torch picks ``foreach`` on CUDA, a loop on the CPU).
+    """
+    fused = device.type == "cuda" and not any(isinstance(p, DTensor) for p in params)
+    return torch.optim.SGD(
+        params,
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        fused=fused or None,
+    )
 
 
 def _proximal_anchors(
@@ -140,10 +209,11 @@ def _proximal_anchors(
     return anchors
 
 
-def _global_mean(loss_sum: float, seen: int, env: RankEnv) -> float:
-    """Mean per-sample loss over all ranks' contributions (each sample counted once)."""
+def _global_mean(loss_sum: torch.Tensor, seen: int, env: RankEnv) -> float:
+    """Mean per-sample loss over all ranks' contributions (each sample counted once); reads the device once."""
+    count = torch.tensor(float(seen), dtype=torch.float64, device=env.device)
+    totals = torch.stack([loss_sum.to(torch.float64), count])
     if env.distributed:
-        totals = torch.tensor([loss_sum, float(seen)], dtype=torch.float64, device=env.device)
         dist.all_reduce(totals)
-        loss_sum, seen = float(totals[0]), int(totals[1])
-    return loss_sum / seen if seen else float("nan")
+    total_loss, total_seen = totals.tolist()
+    return total_loss / total_seen if total_seen else float("nan")

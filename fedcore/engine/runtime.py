@@ -1,8 +1,10 @@
 """One rank's place in the world: its coordinates, device, process groups; and its setup and teardown.
 
-Ranks are laid out data-parallel outer, pipeline inner (``rank = dp_index * pipeline + pp_index``), as a
-``DeviceMesh`` of shape ``(data_parallel, pipeline)`` with dimensions ``("dp", "pp")``. At world size 1 there is
-no process group and no mesh.
+Ranks are laid out data-parallel outer, tensor-parallel inner
+(``rank = (dp_index * pipeline + pp_index) * tensor_parallel + tp_index``), as a ``DeviceMesh`` of shape
+``(data_parallel, pipeline, tensor_parallel)`` with dimensions ``("dp", "pp", "tp")``: the ranks of one
+tensor-parallel group, which talk at every layer, are neighbours (one machine's NVLink). At world size 1 there
+is no process group and no mesh.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fedcore.engine.plan import Device, ParallelPlan, Precision
+from fedcore.errors import EngineError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,13 +26,15 @@ class RankEnv:
 
     Attributes:
         rank: global rank in ``[0, world_size)``.
-        world_size: ``data_parallel * pipeline``.
+        world_size: ``data_parallel * pipeline * tensor_parallel``.
         dp_index: data-parallel coordinate (which replica / shard).
         pp_index: pipeline coordinate (which pipeline rank).
         device: the rank's device (``cpu`` or ``cuda:<local rank>``).
-        dp_group: process group of the ranks with the same ``pp_index`` (None at world size 1).
-        pp_group: process group of the ranks with the same ``dp_index`` (None at world size 1).
+        dp_group: process group of the ranks with the same ``pp_index`` and ``tp_index`` (None at world size 1).
+        pp_group: process group of the ranks with the same ``dp_index`` and ``tp_index`` (None at world size 1).
         dp_mesh: one-dimensional data-parallel mesh for FSDP2 (None at world size 1).
+        tp_index: tensor-parallel coordinate (which slice of the split layers).
+        tp_mesh: one-dimensional tensor-parallel mesh (None at world size 1).
     """
 
     rank: int
@@ -40,6 +45,8 @@ class RankEnv:
     dp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_mesh: DeviceMesh | None = None
+    tp_index: int = 0
+    tp_mesh: DeviceMesh | None = None
 
     @property
     def distributed(self) -> bool:
@@ -59,7 +66,7 @@ def single_process_env(device: Device) -> RankEnv:
 
 
 def init_distributed(plan: ParallelPlan, device: Device, *, rank: int, init_method: str) -> RankEnv:
-    """Join the process group (gloo on CPU, NCCL on CUDA) and build the ``(dp, pp)`` mesh.
+    """Join the process group (gloo on CPU, NCCL on CUDA) and build the ``(dp, pp, tp)`` mesh.
 
     Args:
         plan: the plan; ``plan.total_ranks`` processes take part.
@@ -77,16 +84,26 @@ def init_distributed(plan: ParallelPlan, device: Device, *, rank: int, init_meth
         torch_device = torch.device("cpu")
         backend = "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    mesh = init_device_mesh(torch_device.type, (plan.data_parallel, plan.pipeline), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(
+        torch_device.type,
+        (plan.data_parallel, plan.pipeline, plan.tensor_parallel),
+        mesh_dim_names=("dp", "pp", "tp"),
+    )
+    coordinates = mesh.get_coordinate()
+    if coordinates is None:
+        raise EngineError(f"rank {rank} is not in the engine's device mesh", rank=rank)
+    dp_index, pp_index, tp_index = coordinates
     return RankEnv(
         rank=rank,
         world_size=world_size,
-        dp_index=rank // plan.pipeline,
-        pp_index=rank % plan.pipeline,
+        dp_index=dp_index,
+        pp_index=pp_index,
         device=torch_device,
         dp_group=mesh.get_group("dp"),
         pp_group=mesh.get_group("pp"),
         dp_mesh=mesh["dp"],
+        tp_index=tp_index,
+        tp_mesh=mesh["tp"],
     )
 
 

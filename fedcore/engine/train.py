@@ -4,7 +4,8 @@ The caller (client runner or simulation worker) hands over the task factory, the
 and gets back the updated model in the global model's names, order and dtypes, plus the training result.
 Validation happens first, in the caller's process: the plan against the model (split points) and the machine
 (GPUs, bf16), and the data against the micro-batching. A plan of all ones then trains in-process with no
-process group; any other plan starts ``data_parallel * pipeline`` workers (:mod:`fedcore.engine.launch`).
+process group; any other plan starts ``data_parallel * pipeline * tensor_parallel`` workers
+(:mod:`fedcore.engine.launch`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fedcore.engine.launch import DEFAULT_TIMEOUT_S, run_workers, worker_directo
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runner import train_rank
 from fedcore.engine.runtime import single_process_env
+from fedcore.engine.tensor_parallel import resolve_plan
 from fedcore.engine.worker import task_context_to_json
 from fedcore.errors import ConfigError, EngineError
 from fedcore.task import (
@@ -75,7 +77,8 @@ def train_with_plan(
 
     Raises:
         ConfigError: the factory cannot be loaded, the plan does not fit the model or the machine, the
-            global parameters do not match the model, or a plan other than all ones meets a task that does not
+            global parameters do not match the model, the model (or task) declares no tensor-parallel plan that
+            fits ``plan.tensor_parallel``, or a plan other than all ones meets a task that does not
             fit the engine's contract (:class:`~fedcore.task.EngineTask`; a plan of all ones runs such a
             task's own ``train``, as :func:`fedcore.training.train_task` does).
         EngineError: a worker failed (the message names the rank and the cause) or ``timeout_s`` passed; no
@@ -91,6 +94,8 @@ def train_with_plan(
         check_engine_task(task, round=round, client_id=client_id)  # before any worker starts
     model = task.build_model()
     plan.check_model(model)
+    if plan.tp_enabled:
+        resolve_plan(task, model, plan.tensor_parallel)  # the layers to split exist and the degree divides them
     device = plan.check_runtime()
     expected = list(model.state_dict())
     if expected != list(global_parameters):

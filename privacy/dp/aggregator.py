@@ -23,7 +23,9 @@ Floating tensors are privatized; integer tensors (e.g. BatchNorm's ``num_batches
 model's value, so nothing of a client's data reaches them. After each released round the accumulator reports the
 epsilon spent so far (:mod:`privacy.dp.accounting`), and a round whose release would exceed ``target_epsilon`` is
 refused before any client is contacted (:class:`~fedcore.errors.BudgetExhausted`: the run ends with the last round
-within budget).
+within budget). The epsilon is a function of the number of rounds released, so a round run again after a server
+restart (resumed from the checkpoint before it) is counted once; adaptive clipping's norm is kept in each
+checkpoint (:meth:`DPFedAvgAggregator.state_dict`), so a restarted server clips with the norm the run had reached.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from typing import Literal
 import numpy as np
 
 from fedcore.aggregation import WeightedMean
-from fedcore.errors import AggregationError, BudgetExhausted, ConfigError, PayloadError, UpdateRejected
+from fedcore.errors import AggregationError, BudgetExhausted, ConfigError, PayloadError, StateError, UpdateRejected
+from fedcore.messages import bound_text
 from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec
 from privacy.dp.accounting import Accountant, epsilon
 from privacy.dp.accounting import check as check_accounting
@@ -53,6 +56,8 @@ from privacy.dp.mechanism import (
 log = logging.getLogger("fedcore.privacy")
 
 DPMode = Literal["central", "distributed"]
+STATE_NORM = "dp_clipping_norm"
+"""The checkpointed state's key: adaptive clipping's norm for the round after the checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -164,11 +169,60 @@ class DPFedAvgAggregator:
         round loop stops after the last round allowed (:class:`server.round_loop.Budgeted`)."""
         return self.target_epsilon is None or self.epsilon_after(round) <= self.target_epsilon
 
+    def spend(self, round: int) -> float:
+        """The epsilon spent once round ``round`` is released.
+
+        Raises:
+            BudgetExhausted: it would exceed :attr:`target_epsilon`.
+        """
+        spent = self.epsilon_after(round)
+        if not self.allows(round):
+            raise BudgetExhausted(
+                f"round {round} would spend epsilon {spent:.4g} > target_epsilon {self.target_epsilon} "
+                f"(delta {self.delta}); training stops with the model of round {round - 1}",
+                round=round,
+            )
+        return spent
+
     def clipping_norm_for(self, round: int) -> float:
-        """The clipping norm of ``round``: fixed, or adaptive clipping's from the last round this process aggregated
-        (a server restarted from a checkpoint starts again from the initial norm: the norm is not checkpointed)."""
+        """The clipping norm of ``round``: fixed, or adaptive clipping's from the last round aggregated (by this
+        process, or restored from a checkpoint by :meth:`load_state`)."""
         known = [r for r in self._norms if r <= round]
         return self._norms[max(known)] if known else float(self.clipping_norm)
+
+    def state_dict(self, round: int) -> NamedArrays:
+        """What a checkpoint of round ``round`` keeps (:class:`server.round_loop.Stateful`): with adaptive clipping,
+        ``dp_clipping_norm``, the norm round ``round + 1`` clips with (float64 scalar); nothing with a fixed norm.
+        The epsilon needs no state: it is a function of the number of rounds released."""
+        if self.adaptive is None:
+            return {}
+        return {STATE_NORM: np.array(self.clipping_norm_for(round + 1), dtype=np.float64)}
+
+    def load_state(self, round: int, state: NamedArrays) -> None:
+        """Continue after round ``round`` with the clipping norm a checkpoint kept (:meth:`state_dict`); a
+        checkpoint without one (fixed clipping, or written before the norm was kept) leaves the initial norm.
+
+        Raises:
+            StateError: the stored norm is not one finite number > 0.
+        """
+        if self.adaptive is None or STATE_NORM not in state:
+            if self.adaptive is not None and round > 0:
+                log.warning(
+                    "the checkpoint of round %d holds no adaptive clipping norm; round %d clips with the initial %g",
+                    round,
+                    round + 1,
+                    self.clipping_norm,
+                )
+            return
+        stored = np.asarray(state[STATE_NORM])
+        norm = float(stored) if stored.size == 1 and stored.dtype.kind == "f" else math.nan
+        if not (math.isfinite(norm) and norm > 0):
+            raise StateError(
+                f"the checkpoint of round {round} holds an adaptive clipping norm that is not a finite number > 0 "
+                f"({bound_text(repr(stored.tolist()), 60)}); restore an intact checkpoint or start a new run"
+            )
+        self._norms.clear()
+        self._norms[round + 1] = norm
 
     def check(self, num_clients: int) -> None:
         """Refuse a round that selects more than m clients (a higher sampling rate than the accountant assumes)
@@ -199,13 +253,7 @@ class DPFedAvgAggregator:
             BudgetExhausted: releasing round ``round`` would exceed :attr:`target_epsilon`.
             ConfigError: no ``reference``, or one that does not fit ``spec``.
         """
-        spent = self.epsilon_after(round)
-        if not self.allows(round):
-            raise BudgetExhausted(
-                f"round {round} would spend epsilon {spent:.4g} > target_epsilon {self.target_epsilon} "
-                f"(delta {self.delta}); training stops with the model of round {round - 1}",
-                round=round,
-            )
+        spent = self.spend(round)
         if reference is None:
             raise ConfigError("DP-FedAvg clips each update's difference from the global model: pass reference=")
         return DPFedAvgAccumulator(self, spec, reference, round=round, epsilon=spent)

@@ -19,6 +19,7 @@ from privacy.dp.accounting import ACCOUNTANTS, Accountant
 from privacy.dp.aggregator import DPFedAvgAggregator, DPMode
 from privacy.dp.distributed import MOD_NAME
 from privacy.dp.mechanism import AdaptiveClipping
+from privacy.secagg.codec import PROTOCOL as SECAGG_PROTOCOL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +28,8 @@ class PrivacyConfig:
 
     Attributes:
         dp: ``"off"``, ``"central"`` (the trusted server clips every update and adds the noise) or
-            ``"distributed"`` (each client clips and adds its noise share; for use with secure aggregation).
+            ``"distributed"`` (each client clips and adds its noise share; with secure aggregation on, the share is
+            discrete Gaussian noise added inside the field, :mod:`privacy.dp.secure`).
         clipping_norm: C, the L2 bound of each client's update (the initial C with adaptive clipping), > 0.
         noise_multiplier: z, the noise standard deviation on the sum over C, > 0.
         adaptive_clipping: track a quantile of the update norms (Andrew et al. 2021; central mode only).
@@ -108,13 +110,16 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
 
     Returns:
         With ``dp``: the strategy with ``weighting="uniform"``, a :class:`~privacy.dp.aggregator.DPFedAvgAggregator`
-        and, in distributed mode, the ``dp-clip`` mod first (outermost, so it sees the final reply). With
-        ``dp_sgd``: the ``dp-sgd`` mod (inside ``dp-clip``).
+        and, in distributed mode, the ``dp-clip`` mod first (outermost, so it sees the final reply). A securely
+        aggregated strategy in distributed mode gets :func:`privacy.dp.secure.secure_distributed_dp` instead (the
+        noise is added inside the field by the ``secagg`` mod). With ``dp_sgd``: the ``dp-sgd`` mod (inside
+        ``dp-clip``).
 
     Raises:
         ConfigError: no population, a strategy with tensor groups (e.g. SCAFFOLD: its control variates would
-            leave the clients unprotected) or a non-mean aggregator (robust rules and DP noise do not compose
-            here), or settings the mechanism refuses.
+            leave the clients unprotected), a non-mean aggregator (robust rules and DP noise do not compose
+            here), a quality weighting (metric, server), central mode under secure aggregation, or settings the
+            mechanism refuses.
     """
     if config.dp_sgd:
         if strategy.groups:
@@ -146,7 +151,18 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
             f"strategy {strategy.name!r} exchanges tensor groups ({', '.join(sorted(strategy.groups))}) that DP-FedAvg "
             "does not privatize; use a FedAvg-family strategy with privacy.dp"
         )
-    if strategy.aggregator.name != "mean":
+    if strategy.weighting not in ("examples", "uniform"):  # a quality weight would bound no client's influence
+        raise ConfigError(
+            f"privacy.dp weighs every update 1 (DP-FedAvg's sensitivity bound); weighting {strategy.weighting!r} "
+            "cannot be combined with it: use weighting = 'uniform'"
+        )
+    secure = strategy.protocol is not None and strategy.protocol.name == SECAGG_PROTOCOL
+    if secure and config.dp != "distributed":
+        raise ConfigError(
+            "under secure aggregation the server never sees an update, so it cannot clip or add noise (central "
+            "mode); use privacy.dp = 'distributed' (--dp distributed): each client clips and adds its noise share"
+        )
+    if strategy.aggregator.name != "mean" and not secure:
         raise ConfigError(
             f"privacy.dp replaces the aggregator with DP-FedAvg's clipped mean; the strategy's "
             f"{strategy.aggregator.name!r} aggregator cannot be combined with it"
@@ -172,6 +188,10 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
         adaptive=adaptive,
         tolerated_dropout=config.tolerated_dropout,
     )
+    if secure:
+        from privacy.dp.secure import secure_distributed_dp  # imports the SecAgg+ machinery: only when it is on
+
+        return secure_distributed_dp(strategy, aggregator)
     mods = strategy.mods
     if config.dp == "distributed":
         share = ModSpec(MOD_NAME, {"clipping_norm": config.clipping_norm, "noise_stddev": aggregator.share_stddev()})

@@ -10,10 +10,15 @@ torch's losses).
 
 Accounting: Opacus' RDP accountant, one entry ``(noise_multiplier, q = batch_size / num_examples, steps)`` per
 round, with ``steps`` the optimizer steps that really ran in the round (epochs x batches, or fewer with
-``max_steps``), counted by the hook. The client keeps its history in its state (group ``dp-sgd``), so the epsilon
-covers every round it trained in (a round run again after a server restart counts again: the epsilon errs high);
-it reports ``sgd_epsilon`` (at ``delta``) with its training metrics (the history column ``train_sgd_epsilon`` is
-the example-weighted mean over the round's clients; each client's own value is its reply's). fedcore's loop draws
+``max_steps``), counted by the hook. The client keeps its history in its state (group ``dp-sgd``), one entry per
+round number, so the epsilon covers every round it trained in, and a round it trains again (the server restarted
+from the checkpoint before that round, or retried the round's attempt) replaces that round's entry instead of
+adding one: epsilon after a restart equals an uninterrupted run's. This treats the earlier run's update as not
+released, which holds when the server discarded it (a crashed server loses the round's updates with its memory
+and empties its spill directory at start; a failed attempt's accumulator is dropped); against a server that kept
+it, both runs count. It reports ``sgd_epsilon`` (at ``delta``) with its training metrics (the history column
+``train_sgd_epsilon`` is the example-weighted mean over the round's clients; each client's own value is its
+reply's). fedcore's loop draws
 shuffled batches of fixed size, which the accountant treats as Poisson sampling at rate q, as Opacus does for its
 own non-Poisson loaders.
 
@@ -49,7 +54,8 @@ log = logging.getLogger("fedcore.privacy")
 MOD_NAME = "dp-sgd"
 """The client mod's registered name."""
 STATE_GROUP = "dp-sgd"
-"""Client state group: the accountant's history, arrays ``noise_multiplier``, ``sample_rate``, ``steps``."""
+"""Client state group: the accountant's history, arrays ``round``, ``noise_multiplier``, ``sample_rate``,
+``steps`` (one entry per round)."""
 
 
 _Handler = Callable[[torch.optim.Optimizer], None]
@@ -187,25 +193,29 @@ class DPSGDMod:
             hooked._close()  # removes the hooks and the per-example gradients; the model is the task's again
         if steps == 0:
             raise fail("the task took no torch.optim optimizer step on the model's parameters")
-        history = _history(state.get(STATE_GROUP))
-        history.append((self.noise_multiplier, min(1.0, batch_size / max(reply.num_examples, 1)), steps))
+        history = [h for h in _history(state.get(STATE_GROUP)) if h[0] != instruction.round]  # a re-run replaces
+        history.append(
+            (instruction.round, self.noise_multiplier, min(1.0, batch_size / max(reply.num_examples, 1)), steps)
+        )
         state.put(
             {
                 STATE_GROUP: {
-                    "noise_multiplier": np.array([h[0] for h in history], np.float64),
-                    "sample_rate": np.array([h[1] for h in history], np.float64),
-                    "steps": np.array([h[2] for h in history], np.int64),
+                    "round": np.array([h[0] for h in history], np.int64),
+                    "noise_multiplier": np.array([h[1] for h in history], np.float64),
+                    "sample_rate": np.array([h[2] for h in history], np.float64),
+                    "steps": np.array([h[3] for h in history], np.int64),
                 }
             }
         )
-        spent = sgd_epsilon(history, self.delta)
+        spent = sgd_epsilon([h[1:] for h in history], self.delta)
         return replace(reply, metrics={**reply.metrics, "sgd_epsilon": spent})
 
 
-def _history(stored: dict[str, np.ndarray] | None) -> list[tuple[float, float, int]]:
+def _history(stored: dict[str, np.ndarray] | None) -> list[tuple[int, float, float, int]]:
+    """``(round, noise_multiplier, sample_rate, steps)`` entries from the client state (round -1: a state written
+    before rounds were kept, never replaced)."""
     if not stored or not {"noise_multiplier", "sample_rate", "steps"} <= set(stored):
         return []
-    return [
-        (float(z), float(q), int(s))
-        for z, q, s in zip(stored["noise_multiplier"], stored["sample_rate"], stored["steps"], strict=False)
-    ]
+    z, q, s = stored["noise_multiplier"], stored["sample_rate"], stored["steps"]
+    rounds = stored["round"] if "round" in stored and len(stored["round"]) == len(z) else np.full(len(z), -1)
+    return [(int(r), float(a), float(b), int(c)) for r, a, b, c in zip(rounds, z, q, s, strict=False)]

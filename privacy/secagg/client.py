@@ -96,9 +96,15 @@ class SecAggClient:
     # -- dispatch -------------------------------------------------------------------------------------------------
 
     def handle(
-        self, message: ServerMessage, *, update: Mapping[str, np.ndarray] | None = None, weight: int | None = None
+        self,
+        message: ServerMessage,
+        *,
+        update: Mapping[str, np.ndarray] | None = None,
+        weight: int | None = None,
+        noise: np.ndarray | None = None,
     ) -> AdvertiseKeysRes | ShareKeysRes | MaskedInputRes | UnmaskRes:
-        """Answer ``message`` with the method of its stage; ``update`` and ``weight`` are needed for stage 3."""
+        """Answer ``message`` with the method of its stage; ``update`` and ``weight`` (and ``noise``, optional:
+        :meth:`mask`) are needed for stage 3."""
         if isinstance(message, AdvertiseKeysIns):
             return self.advertise_keys(message)
         if isinstance(message, ShareKeysIns):
@@ -111,7 +117,7 @@ class SecAggClient:
                     client_id=self.client_id,
                     stage=message.stage.value,
                 )
-            return self.masked_input(message, update, weight)
+            return self.masked_input(message, update, weight, noise)
         if isinstance(message, UnmaskIns):
             return self.unmask(message)
         raise self._error(f"a {type(message).__name__} is not a server message of this protocol")
@@ -187,7 +193,13 @@ class SecAggClient:
         self.stage = Stage.COLLECT_MASKED_INPUT
         return ShareKeysRes(round=self.round, client_id=self.client_id, ciphertexts=ciphertexts)
 
-    def masked_input(self, message: MaskedInputIns, update: Mapping[str, np.ndarray], weight: int) -> MaskedInputRes:
+    def masked_input(
+        self,
+        message: MaskedInputIns,
+        update: Mapping[str, np.ndarray],
+        weight: int,
+        noise: np.ndarray | None = None,
+    ) -> MaskedInputRes:
         """Stage 3: keep the neighbours' shares (:meth:`receive_shares`), answer with the masked upload
         (:meth:`mask`).
 
@@ -195,13 +207,14 @@ class SecAggClient:
             message: the ciphertexts of the neighbours that shared.
             update: ``name -> float array`` matching the round's spec.
             weight: integer example weight, ``0..max_weight``.
+            noise: integer noise added after quantization (:meth:`mask`), or None.
 
         Raises:
             ProtocolError: as :meth:`receive_shares`.
             PayloadError, NonFiniteError, ConfigError: the update or weight cannot be quantized.
         """
         self.receive_shares(message)
-        return self.mask(update, weight)
+        return self.mask(update, weight, noise)
 
     def receive_shares(self, message: MaskedInputIns) -> None:
         """First half of stage 3 (where the shares travel ahead of training, e.g. with the fit instruction):
@@ -235,14 +248,20 @@ class SecAggClient:
             )
         self._received = received
 
-    def mask(self, update: Mapping[str, np.ndarray], weight: int) -> MaskedInputRes:
-        """Second half of stage 3: quantize ``update`` with ``weight`` folded in, add the self mask and one
-        pairwise mask per neighbour whose shares arrived (+ toward a higher-numbered one, - toward a lower one),
-        modulo ``2^b``.
+    def mask(self, update: Mapping[str, np.ndarray], weight: int, noise: np.ndarray | None = None) -> MaskedInputRes:
+        """Second half of stage 3: quantize ``update`` with ``weight`` folded in, add ``noise`` (if given) to the
+        values, then the self mask and one pairwise mask per neighbour whose shares arrived (+ toward a
+        higher-numbered one, - toward a lower one), all modulo ``2^b``.
+
+        Args:
+            update: ``name -> float array`` matching the round's spec.
+            weight: integer example weight, ``0..max_weight``.
+            noise: distributed DP's integer noise share (:mod:`privacy.dp.ddgauss`), int64 of the update's ``D``
+                values, added modulo ``2^b`` after quantization (the weight element gets none).
 
         Raises:
             ProtocolError: the shares have not arrived (:meth:`receive_shares`).
-            PayloadError, NonFiniteError, ConfigError: the update or weight cannot be quantized.
+            PayloadError, NonFiniteError, ConfigError: the update, weight or noise cannot be used.
         """
         if self.stage is not Stage.COLLECT_MASKED_INPUT or not self._received:
             raise self._error("the update can be masked only once, after the neighbours' shares arrived")
@@ -250,6 +269,15 @@ class SecAggClient:
         vector = quantize(
             update, weight, params, self._spec, rounding_key(self._rounding_seed, self.round, self.client_id)
         )
+        if noise is not None:
+            if noise.dtype != np.int64 or noise.shape != (vector.size - 1,):
+                raise ConfigError(
+                    f"secure aggregation: the noise must be {vector.size - 1} int64 values, got {noise.dtype} "
+                    f"of shape {noise.shape}"
+                )
+            wide = vector[:-1].astype(np.uint64)
+            wide += noise.view(np.uint64)  # two's complement: adding modulo 2^64, then reduced to 2^b
+            vector[:-1] = (wide & np.uint64(params.modulus_mask)).astype(params.dtype)
         expander = crypto.MaskExpander(params.dtype)
         streams = [(expander.stream(self._seed), 1)]
         me = self._index[self.client_id]

@@ -122,6 +122,10 @@ class SecAggConfig:
             more examples is refused when it masks. Part of the bit budget: ``n·max_weight·L < 2^b``.
         quantization_levels: ``L``, integers ``0..L`` a clipped coordinate is rounded to; None: the largest that
             fits the bit budget.
+        stage_deadline_s: seconds the server waits for the replies of each of the protocol's four stages
+            (advertise keys, share keys, deliver shares, unmask); a client that misses it drops out of the round
+            (and is recovered as the protocol allows). None: the round's deadline (``round_timeout_s``). The fit
+            exchange keeps the round's deadline. Finite, > 0.
 
     Raises:
         ConfigError: a value of the wrong type or out of its range (on construction), or a setting that cannot
@@ -134,6 +138,7 @@ class SecAggConfig:
     clip: float = 1.0
     max_weight: int = 1024
     quantization_levels: int | None = None
+    stage_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.neighbours is not None:
@@ -150,6 +155,17 @@ class SecAggConfig:
         _check_int("max_weight", self.max_weight, 1)
         if self.quantization_levels is not None:
             _check_int("quantization_levels", self.quantization_levels, 1, MAX_LEVELS)
+        deadline = self.stage_deadline_s
+        if deadline is not None and (
+            isinstance(deadline, bool)
+            or not isinstance(deadline, int | float)
+            or not math.isfinite(deadline)
+            or deadline <= 0
+        ):
+            raise ConfigError(
+                f"secure aggregation: stage_deadline_s must be a finite number of seconds > 0 (or unset for the "
+                f"round's deadline), got {deadline!r}"
+            )
 
     def resolve(self, num_clients: int) -> RoundParams:
         """The parameters of a round of ``num_clients`` clients.

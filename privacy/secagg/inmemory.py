@@ -37,6 +37,7 @@ def run_round(
     tamper: Tamper | None = None,
     on_reply: Callable[[ClientMessage], None] | None = None,
     timings: dict[str, float] | None = None,
+    noise: Mapping[str, np.ndarray] | None = None,
 ) -> SecAggResult:
     """One round over ``updates`` (``client id -> (update, integer weight)``); the result of the server.
 
@@ -52,6 +53,8 @@ def run_round(
         on_reply: called with every client reply before the server sees it (e.g. to record sizes).
         timings: if given, seconds spent are added under ``"client:<stage>"`` (all clients together) and
             ``"server:<stage>"`` (receiving that stage's replies and closing it).
+        noise: per-client integer noise added after quantization (distributed DP,
+            :meth:`~privacy.secagg.client.SecAggClient.mask`), for the clients it names.
 
     Raises:
         RoundFailed: the server aborted the round.
@@ -75,7 +78,7 @@ def run_round(
             update, weight = updates[cid]
             start = time.perf_counter()
             try:
-                reply = clients[cid].handle(message, update=update, weight=weight)
+                reply = clients[cid].handle(message, update=update, weight=weight, noise=(noise or {}).get(cid))
             except ProtocolError:
                 silent.add(cid)
                 continue

@@ -25,6 +25,7 @@ OS CSPRNG and cancel exactly.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -44,9 +45,11 @@ from fedcore.mods import CallNext, ModContext
 from fedcore.stages import Exchange, Phase
 from fedcore.strategy import Strategy
 from fedcore.tensors import NamedArrays, TensorSpec
+from privacy.dp.ddgauss import discrete_gaussian, integer_noise_stddev
+from privacy.dp.mechanism import clip_update
 from privacy.secagg import codec
 from privacy.secagg.client import SecAggClient
-from privacy.secagg.config import SecAggConfig
+from privacy.secagg.config import RoundParams, SecAggConfig
 from privacy.secagg.messages import (
     AdvertiseKeysIns,
     MaskedInputIns,
@@ -185,6 +188,7 @@ class SecAggStages:
     server: SecAggServer
     rounding_seed: bytes
     deadline_s: float | None
+    minimum_inputs: int = 0
     _outbox: Mapping[str, ServerMessage] = field(default_factory=dict)
     _sent: set[str] = field(default_factory=set)
 
@@ -238,8 +242,14 @@ class SecAggStages:
         """Close the masked-input stage: whoever's upload the aggregator took survived.
 
         Raises:
-            RoundFailed: too few survivors, or a client left with fewer than ``t`` surviving neighbours.
+            RoundFailed: too few survivors (fewer than ``minimum_inputs``: nothing is unmasked), or a client left
+                with fewer than ``t`` surviving neighbours.
         """
+        if len(accepted) < self.minimum_inputs:
+            self.server.abort(
+                f"only {len(accepted)} masked inputs arrived but the round needs {self.minimum_inputs} (distributed "
+                "DP: fewer noise shares than accounted); nothing is unmasked"
+            )
         self._outbox = self.server.advance()
 
 
@@ -249,11 +259,15 @@ class SecureAggregation:
 
     Attributes:
         config: the SecAgg+ parameters, resolved for each round's selection.
-        deadline_s: seconds each stage waits for its replies; None: the round's deadline.
+        deadline_s: seconds each stage waits for its replies; None: ``config.stage_deadline_s``, and when that is
+            unset too, the round's deadline.
+        minimum_inputs: the fewest masked inputs a round may unmask (distributed DP's ``n_min``); with fewer
+            after the fit exchange the attempt fails before any share is asked for.
     """
 
     config: SecAggConfig
     deadline_s: float | None = None
+    minimum_inputs: int = 0
     link: _Link = field(default_factory=_Link)
     name: str = codec.PROTOCOL
 
@@ -289,14 +303,19 @@ class SecureAggregation:
             spec=accumulator.spec,
             graph_seed=_seed_bytes(seed, "graph", round, attempt),
         )
+        deadline = self.deadline_s if self.deadline_s is not None else self.config.stage_deadline_s
         return SecAggStages(
-            server=accumulator.server, rounding_seed=_seed_bytes(seed, "rounding"), deadline_s=self.deadline_s
+            server=accumulator.server,
+            rounding_seed=_seed_bytes(seed, "rounding"),
+            deadline_s=deadline,
+            minimum_inputs=self.minimum_inputs,
         )
 
 
 def secure_aggregation(strategy: Strategy, config: SecAggConfig, *, deadline_s: float | None = None) -> Strategy:
     """``strategy`` with its updates securely aggregated: the SecAgg+ protocol, its aggregator, and the ``secagg``
-    client mod (outermost, so it masks what the other mods return).
+    client mod (outermost, so it masks what the other mods return). ``deadline_s`` overrides
+    ``config.stage_deadline_s`` (seconds each protocol stage waits for its replies).
 
     Raises:
         ConfigError: the strategy carries tensor groups (they would travel in plain), another round protocol, or
@@ -362,14 +381,24 @@ class SecAggClientMachine:
             return codec.client_stage(client.share_keys(message), instruction, self.client_id)
         return codec.client_stage(client.unmask(message), instruction, self.client_id)
 
-    def mask(self, update: Mapping[str, np.ndarray], weight: int) -> np.ndarray:
-        """The masked upload of ``update`` (the round's spec) with integer ``weight`` folded in.
+    @property
+    def params(self) -> RoundParams:
+        """The round's parameters (after the keys were advertised).
+
+        Raises:
+            ProtocolError: the round has not started.
+        """
+        return self._started()._state()[0]
+
+    def mask(self, update: Mapping[str, np.ndarray], weight: int, noise: np.ndarray | None = None) -> np.ndarray:
+        """The masked upload of ``update`` (the round's spec) with integer ``weight`` folded in and the integer
+        ``noise`` added (:meth:`privacy.secagg.client.SecAggClient.mask`).
 
         Raises:
             ProtocolError: the shares have not arrived, or the update was masked already.
-            PayloadError, NonFiniteError, ConfigError: the update or weight cannot be quantized.
+            PayloadError, NonFiniteError, ConfigError: the update, weight or noise cannot be used.
         """
-        return self._started().mask(update, weight).masked
+        return self._started().mask(update, weight, noise).masked
 
     def _started(self) -> SecAggClient:
         if self._client is None:
@@ -400,6 +429,12 @@ class SecAggMod:
     Args:
         weighting: ``"examples"`` (the weight is the example count, at most the config's ``max_weight``) or
             ``"uniform"`` (weight 1), as the strategy's.
+        clipping_norm: distributed DP (:mod:`privacy.dp.ddgauss`): C > 0 clips the update to L2 norm C before it
+            is quantized; 0: no DP.
+        noise_multiplier: distributed DP: this client's share ``z / sqrt(n_min)`` of the noise multiplier; the
+            discrete Gaussian noise of ``noise_multiplier * Delta`` field units is added after quantization
+            (:func:`~privacy.dp.ddgauss.integer_noise_stddev`), drawn from the OS's entropy. Needs
+            ``clipping_norm > 0`` and weighting ``"uniform"``.
 
     Raises (from the call):
         ClientTaskError: this client holds no SecAgg+ state for the round (the key stages did not reach it).
@@ -408,10 +443,22 @@ class SecAggMod:
     """
 
     weighting: str = "examples"
+    clipping_norm: float = 0.0
+    noise_multiplier: float = 0.0
 
     def __post_init__(self) -> None:
         if self.weighting not in ("examples", "uniform"):
             raise ConfigError(f"weighting must be 'examples' or 'uniform', got {bound_text(str(self.weighting), 40)!r}")
+        for name in ("clipping_norm", "noise_multiplier"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {bound_text(repr(value), 40)}")
+        if self.noise_multiplier and not (self.clipping_norm and self.weighting == "uniform"):
+            raise ConfigError("distributed DP noise needs clipping_norm > 0 and weighting 'uniform'")
 
     def __call__(self, instruction: FitIns, context: ModContext, call_next: CallNext) -> FitRes:
         """Train with ``call_next``, then mask; see the class docstring."""
@@ -428,14 +475,23 @@ class SecAggMod:
         reply = call_next(instruction)
         weight = reply.num_examples if self.weighting == "examples" else 1
         try:
-            update = {
-                s.name: (
-                    np.asarray(reply.parameters[s.name], dtype=np.float64)
-                    - np.asarray(instruction.parameters[s.name], dtype=np.float64)
-                ).astype(s.dtype)
+            delta = {
+                s.name: np.asarray(reply.parameters[s.name], dtype=np.float64)
+                - np.asarray(instruction.parameters[s.name], dtype=np.float64)
                 for s in machine.spec
             }
-            masked = machine.mask(update, weight)
+            noise = None
+            if self.clipping_norm:
+                delta, _ = clip_update(delta, self.clipping_norm)
+            if self.noise_multiplier:
+                params = machine.params
+                size = sum(a.size for a in delta.values())
+                sigma = integer_noise_stddev(
+                    self.noise_multiplier, self.clipping_norm, params.clip, params.levels, size
+                )
+                noise = discrete_gaussian(size, sigma, np.random.default_rng())  # OS entropy, never the run's seed
+            update = {s.name: delta[s.name].astype(s.dtype) for s in machine.spec}
+            masked = machine.mask(update, weight, noise)
         except KeyError as exc:
             raise ClientTaskError(
                 f"secure aggregation: the trained model lacks tensor {bound_text(str(exc), 80)}",

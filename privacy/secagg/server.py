@@ -393,6 +393,15 @@ class SecAggServer:
             stage=self.stage.value,
         )
 
+    def abort(self, reason: str) -> None:
+        """Abort the round for ``reason`` (a rule above the protocol's, e.g. distributed DP's fewest noise shares):
+        the running sum and the shares are dropped, nothing is revealed.
+
+        Raises:
+            RoundFailed: always, with ``reason``.
+        """
+        raise self._abort(reason)
+
     def _failed(self, text: str) -> RoundFailed:
         return RoundFailed(f"secure aggregation: {text}", round=self.round, stage=self.stage.value)
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from fedcore.engine import ParallelPlan, train_with_plan
 from fedcore.engine.launch import DEFAULT_TIMEOUT_S
+from fedcore.engine.transformer import gpt, lm_loss
 from fedcore.seeding import derive_seed
 from fedcore.supervised import SupervisedTask
 from fedcore.task import EvalResult, FitConfig, TaskContext, TrainResult
@@ -256,3 +260,66 @@ class HeadOnlyTask(SupervisedTask):
 def head_only_task(ctx: TaskContext) -> HeadOnlyTask:
     """See :class:`HeadOnlyTask`."""
     return HeadOnlyTask(model_fn=mlp, train_data=_data(ctx))
+
+
+VOCAB, SEQ = 32, 8
+
+
+def tiny_gpt(tied: bool = True) -> nn.Sequential:
+    """A two-block GPT (4 heads of width 4) for tensor-parallel tests; split point "blocks.1" needs ``tied=False``."""
+    return gpt(vocab=VOCAB, d_model=16, layers=2, heads=4, seq_len=SEQ, tie_embeddings=tied)
+
+
+def tiny_gpt_untied() -> nn.Sequential:
+    """:func:`tiny_gpt` with its own head weight (for FSDP2 and pipeline splits)."""
+    return tiny_gpt(tied=False)
+
+
+def _tokens(ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
+    n = int(ctx.options.get("n", "20"))
+    gen = torch.Generator().manual_seed(derive_seed(ctx.seed, "tokens", ctx.client_id))
+    text = torch.randint(0, VOCAB, (n, SEQ + 1), generator=gen)
+    return text[:, :-1].contiguous(), text[:, 1:].contiguous()
+
+
+def gpt_task(ctx: TaskContext) -> SupervisedTask:
+    """Next-token prediction on random tokens keyed by (seed, client_id) with :func:`tiny_gpt`; option ``tied``
+    ("0" for :func:`tiny_gpt_untied`)."""
+    return SupervisedTask(model_fn=_gpt_fn(ctx), train_data=_tokens(ctx), loss_fn=lm_loss)
+
+
+def _gpt_fn(ctx: TaskContext) -> Callable[[], nn.Module]:
+    """:func:`tiny_gpt` (option ``tied``: "0" for :func:`tiny_gpt_untied`), probed when option ``probe`` is set."""
+    model_fn = tiny_gpt if ctx.options.get("tied", "1") == "1" else tiny_gpt_untied
+    probe = ctx.options.get("probe")
+    return model_fn if probe is None else lambda: _probed(model_fn(), probe)
+
+
+def _probed(model: nn.Sequential, path: str) -> nn.Sequential:
+    """Append ``"<RANK> <rows of blocks.0.attn.q's weight held by this rank>"`` to ``path`` at every forward."""
+    layer = model.get_submodule("blocks.0.attn.q")
+
+    def record(module: nn.Module, args: object) -> None:
+        weight = module.weight
+        rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else weight.shape[0]
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('RANK', '-')} {rows}\n")
+
+    layer.register_forward_pre_hook(record)
+    return model
+
+
+class HeadsOnlyPlanTask(SupervisedTask):
+    """A task that declares its own tensor-parallel plan: only the attention projections are split."""
+
+    def tensor_parallel_plan(self, model: nn.Module, degree: int) -> dict[str, object]:
+        styles: dict[str, object] = {}
+        for i in range(len(model.get_submodule("blocks"))):
+            styles.update({f"blocks.{i}.attn.{n}": ColwiseParallel() for n in ("q", "k", "v")})
+            styles[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+        return styles
+
+
+def heads_only_task(ctx: TaskContext) -> HeadsOnlyPlanTask:
+    """:func:`gpt_task` with the task's own plan (:class:`HeadsOnlyPlanTask`)."""
+    return HeadsOnlyPlanTask(model_fn=_gpt_fn(ctx), train_data=_tokens(ctx), loss_fn=lm_loss)

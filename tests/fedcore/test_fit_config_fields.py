@@ -16,7 +16,7 @@ from fedcore.wire import fit_config_from_pb, fit_config_to_pb
 
 #: a config in which every field differs from its default (so a conversion that drops a field is caught)
 NON_DEFAULT = FitConfig(local_epochs=3, batch_size=17, lr=0.125, momentum=0.5, weight_decay=0.001, mu=0.25,
-                        max_steps=9)  # fmt: skip
+                        max_steps=9, report_validation=True)  # fmt: skip
 
 
 def test_every_field_differs_from_its_default_in_the_probe() -> None:

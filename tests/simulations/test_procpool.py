@@ -179,7 +179,7 @@ def test_simulate_with_the_process_backend_gives_the_in_process_history_bit_for_
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["simulation.backend='ray'"], "'ray' is not one of 'inprocess', 'process'"),
+        (["simulation.backend='ray'"], "'ray' is not one of 'inprocess', 'batched', 'process'"),
         (["simulation.workers=2"], "add backend = 'process'"),
         (["simulation.backend='process'", "simulation.workers=0"], "workers must be in 1..4096"),
     ],

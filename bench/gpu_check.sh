@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The engine's GPU check: a few minutes on one GPU (about 5 on an H200), run whenever a GPU is at hand.
+#
+#   bench/gpu_check.sh [OUT_DIR]          # default ./gpu-check-out
+#
+# 1. the CUDA equivalence tests (tests/engine/test_cuda.py): engine vs single-device CPU training in fp32,
+#    with torch.compile, and in bf16 autocast within the tolerance stated there; 2-GPU plans when 2 are visible;
+# 2. the throughput bench (bench/engine_gpu.py): GPT-2 small (124M, 16 x 1024 tokens, bf16), plain PyTorch loop
+#    and the engine, eager and compiled; tokens/s, TFLOP/s, MFU, peak memory (plus dp2/tp2 with 2+ GPUs);
+# 3. a short federated round with the engine on CUDA (the Shakespeare example: 2 clients, 1 round, bf16).
+#
+# Everything goes to OUT_DIR/gpu-check.txt (and the bench's figures to OUT_DIR/engine_gpu.json). Each step has
+# its own time limit; the script runs every step even if one fails, and exits 1 if any did.
+# PYTHON overrides the interpreter (default: .venv/bin/python when present, else python3).
+set -u -o pipefail
+
+OUT=${1:-./gpu-check-out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu-check.txt"
+: >"$LOG"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+FAILED=()
+
+step() {  # step NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date -u +%H:%M:%S) UTC, limit ${limit}s): $*" | tee -a "$LOG"
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local status=${PIPESTATUS[0]}
+    echo "=== $name: exit $status after $((SECONDS - start)) s" | tee -a "$LOG"
+    [ "$status" -eq 0 ] || FAILED+=("$name")
+}
+
+{
+    echo "fedcore engine GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; else echo "nvidia-smi: not installed"; fi
+    "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee -a "$LOG"
+
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "no CUDA device is visible to $PYTHON: nothing to check" | tee -a "$LOG"
+    exit 1
+fi
+
+step "cuda equivalence tests" 300 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_cuda.py
+step "throughput bench" 600 "$PYTHON" bench/engine_gpu.py --plans dp2,tp2 --json "$OUT/engine_gpu.json"
+step "federated round on cuda" 300 "$PYTHON" -m simulations.shakespeare --clients 2 --rounds 1 --max-samples 2048 \
+    --parallel device=cuda precision=bf16
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "FAILED: ${FAILED[*]} (see $LOG)" | tee -a "$LOG"
+    exit 1
+fi
+echo "all steps passed; output in $LOG" | tee -a "$LOG"

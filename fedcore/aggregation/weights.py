@@ -1,0 +1,186 @@
+"""Aggregation weights: how much each accepted update counts in the round's weighted mean.
+
+The weighted mean is ``sum_k w_k x_k / sum_k w_k``, folded reply by reply (:class:`WeightedMean`), so every rule
+gives one update's weight from that update alone, whatever arrives before or after it; the same seed then gives
+the same model in simulation and over gRPC, whatever the arrival order.
+
+=========  =========================================================================================================
+rule       weight ``w_k`` of client k's update
+=========  =========================================================================================================
+examples   ``n_k``, the client's training examples (FedAvg, McMahan et al. 2017). The default.
+uniform    ``1``.
+metric     a metric the client reports with its update (``FitRes.metrics``, e.g. ``train_loss``, or a validation
+           loss or accuracy its task reports), through the transform below.
+server     the server's own evaluation of the update on its held-out validation data (``"loss"`` or a metric of
+           the evaluation, e.g. ``"accuracy"``), through the transform below.
+=========  =========================================================================================================
+
+Transforms of a quality value ``v`` (:class:`QualityWeights`):
+
+- ``softmax`` (for a loss, lower is better): ``w_k = exp(-v_k / T)``. This is the softmax over ``-v / T`` of the
+  round's clients: its denominator ``sum_j exp(-v_j / T)`` is common to all and cancels in the weighted mean, so
+  each weight is known as its reply arrives. ``T`` (temperature) > 0: small T trusts the best clients most; large T
+  tends to uniform. The exponent is clamped to [-300, 300] so that a weight is always a positive finite float64
+  (values further apart than 600 T are not told apart beyond that).
+- ``proportional`` (for an accuracy, higher is better): ``w_k = v_k``, for ``v_k >= 0``.
+
+With ``times_examples`` the quality weight is multiplied by ``n_k`` (quality and data amount together).
+
+Fallback: an update whose value is missing, not a finite number, or negative under ``proportional`` (a client that
+reports nothing; a server evaluation that failed or saw 0 examples) takes the weight of ``fallback``, a value
+assumed in its place (e.g. a loss of 10, an accuracy of 0: no say in the mean); with no fallback (the default)
+such an update is rejected (:class:`~fedcore.errors.UpdateRejected`, a failure of the round that names the
+client), so a client cannot gain weight by staying silent. A weight of 0 is allowed; a round whose weights all
+are 0 fails as any round whose weights sum to 0 (:class:`~fedcore.errors.AggregationError`) and is retried.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from fedcore.errors import ConfigError, UpdateRejected
+from fedcore.messages import bound_text
+from fedcore.task import EvalResult
+
+WEIGHT_RULES = ("examples", "uniform", "metric", "server")
+"""The names of the weighting rules (``Strategy.weighting``)."""
+
+WeightRule = Literal["examples", "uniform", "metric", "server"]
+Transform = Literal["softmax", "proportional"]
+
+_MAX_EXPONENT = 300.0
+
+UpdateEvaluation = Callable[[], EvalResult]
+"""The server's evaluation of one update on its validation data, run when called (rule ``server``)."""
+
+
+def example_count_weight(num_examples: int) -> float:
+    """``float(num_examples)``, the FedAvg weight.
+
+    Raises:
+        UpdateRejected: the count is beyond the float range (the update cannot be weighted).
+    """
+    try:
+        return float(num_examples)
+    except OverflowError:
+        raise UpdateRejected(
+            f"the example count (an integer of {int(num_examples).bit_length()} bits) is beyond the float range"
+        ) from None
+
+
+def softmax_weight(value: float, temperature: float) -> float:
+    """``exp(-value / temperature)`` with the exponent clamped to [-300, 300]: a loss's softmax weight (see the
+    module docstring). ``value`` finite, ``temperature`` > 0."""
+    return math.exp(min(_MAX_EXPONENT, max(-_MAX_EXPONENT, -value / temperature)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class QualityWeights:
+    """How a quality value becomes a weight (rules ``metric`` and ``server``; see the module docstring).
+
+    Attributes:
+        metric: the value's name: a metric the client reports (rule ``metric``; e.g. ``"train_loss"``), or
+            ``"loss"`` or a metric of the server's evaluation (rule ``server``; e.g. ``"accuracy"``).
+        transform: ``"softmax"`` (``exp(-v / T)``, for losses) or ``"proportional"`` (``v``, for accuracies).
+        temperature: ``T`` of ``softmax``, finite and > 0.
+        fallback: the value assumed for an update whose value is missing or unusable; None: such an update is
+            rejected.
+        times_examples: multiply the quality weight by the client's example count.
+
+    Raises:
+        ConfigError: an empty metric name, an unknown transform, a temperature or fallback out of range.
+    """
+
+    metric: str = "train_loss"
+    transform: Transform = "softmax"
+    temperature: float = 1.0
+    fallback: float | None = None
+    times_examples: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError("the weighting metric must be a metric name, e.g. 'train_loss' or 'accuracy'")
+        if self.transform not in ("softmax", "proportional"):
+            raise ConfigError(f"weight transform must be 'softmax' or 'proportional', got {self.transform!r}")
+        if not 0 < self.temperature < math.inf:
+            raise ConfigError(f"the weighting temperature must be a finite number > 0, got {self.temperature}")
+        if self.fallback is not None and self._usable(self.fallback) is None:
+            raise ConfigError(
+                f"the weighting fallback must be a finite number (>= 0 for 'proportional'), got {self.fallback}"
+            )
+
+    def _usable(self, value: object) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        v = float(value)
+        if not math.isfinite(v) or (self.transform == "proportional" and v < 0):
+            return None
+        return v
+
+    def weight_of(self, value: object, num_examples: int, *, source: str) -> float:
+        """The weight of an update whose quality value is ``value`` (any object: what a client or an evaluation
+        reported), from a client with ``num_examples`` examples; ``source`` says where the value came from (for
+        the rejection's message).
+
+        Raises:
+            UpdateRejected: the value is unusable and there is no fallback; the example count is beyond the float
+                range (``times_examples``).
+        """
+        v = self._usable(value)
+        if v is None:
+            if self.fallback is None:
+                raise UpdateRejected(
+                    f"{source} gave no usable {self.metric!r} for quality weighting "
+                    f"(got {bound_text(repr(value), 40)}); set a weighting fallback value to take such updates"
+                )
+            v = self.fallback
+        weight = softmax_weight(v, self.temperature) if self.transform == "softmax" else v
+        return weight * example_count_weight(num_examples) if self.times_examples else weight
+
+
+def update_weight(
+    rule: WeightRule,
+    quality: QualityWeights,
+    num_examples: int,
+    metrics: Mapping[str, object],
+    evaluate: UpdateEvaluation | None = None,
+) -> float:
+    """The aggregation weight of one update under ``rule`` (see the module docstring).
+
+    Args:
+        rule: examples, uniform, metric or server.
+        quality: the transform and fallback of the ``metric`` and ``server`` rules.
+        num_examples: the client's training examples (already checked to be an int >= 0).
+        metrics: the metrics the client reported with the update.
+        evaluate: rule ``server``: runs the server's evaluation of this update. If it raises, the value is missing
+            (the fallback applies; the error is part of the rejection's message otherwise).
+
+    Raises:
+        UpdateRejected: see :meth:`QualityWeights.weight_of`.
+        ConfigError: rule ``server`` without an evaluation.
+    """
+    if rule == "uniform":
+        return 1.0
+    if rule == "examples":
+        return example_count_weight(num_examples)
+    if rule == "metric":
+        value = metrics.get(quality.metric) if isinstance(metrics, Mapping) else None
+        return quality.weight_of(value, num_examples, source="the client")
+    if evaluate is None:
+        raise ConfigError("weighting 'server' needs the server's evaluation of each update on its validation data")
+    try:
+        result = evaluate()
+        found: object = result.loss if quality.metric == "loss" else result.metrics.get(quality.metric)
+        if result.num_examples <= 0:
+            found = None
+    except Exception as exc:  # an evaluation that fails costs the update its value, never the round
+        if quality.fallback is None:
+            raise UpdateRejected(
+                f"the server's evaluation of the update failed ({type(exc).__name__}: {bound_text(str(exc), 200)}); "
+                "set a weighting fallback value to take such updates"
+            ) from exc
+        found = None
+    return quality.weight_of(found, num_examples, source="the server's evaluation of the update")

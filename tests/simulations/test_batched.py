@@ -1,0 +1,244 @@
+"""Batched clients (simulations/batched.py) against one-by-one training: same parameters and losses within 1e-5,
+clients of unequal sizes included; what cannot be batched is refused before a round."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedcore.errors import ConfigError
+from fedcore.messages import Failure, FitIns, FitRes
+from fedcore.seeding import derive_seed
+from fedcore.supervised import SupervisedTask
+from fedcore.task import FitConfig, TrainResult
+from fedcore.tensors import from_state_dict
+from fedcore.training import train_supervised
+from simulations.batched import BatchedPool, ClientShard, check_batchable, train_clients
+from simulations.config import load_recipe
+from simulations.harness import run_simulation
+from simulations.inmemory import InMemoryPool
+from simulations.models import MLP2NN
+
+SEED, ROUND = 7, 3
+
+
+class SmallCNN(nn.Module):
+    """conv3x3(4) - ReLU - maxpool2 - fc: a convolution under vmap on 1x8x8 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, kernel_size=3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(torch.relu(self.conv(x))), 1))
+
+
+def small_mlp() -> nn.Module:
+    return MLP2NN(num_inputs=12, num_classes=3, hidden=8)
+
+
+def shards(sizes: list[int], shape: tuple[int, ...]) -> list[ClientShard]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ClientShard(
+            f"client-{i:03d}",
+            torch.randn(n, *shape, generator=generator),
+            torch.randint(0, 3, (n,), generator=generator),
+        )
+        for i, n in enumerate(sizes)
+    ]
+
+
+def one_by_one(
+    model_fn: Callable[[], nn.Module], clients: list[ClientShard], config: FitConfig, start: dict[str, torch.Tensor]
+) -> list[tuple[dict[str, torch.Tensor], TrainResult]]:
+    """Each client alone with fedcore's own loop, as the in-process backend trains it."""
+    results = []
+    for shard in clients:
+        model = model_fn()
+        model.load_state_dict(start)
+        generator = torch.Generator().manual_seed(derive_seed(SEED, ROUND, shard.client_id))
+        global_parameters = {n: t.clone() for n, t in start.items()}
+        result = train_supervised(
+            model, shard.x, shard.y, config, generator=generator, global_parameters=global_parameters
+        )
+        results.append((model.state_dict(), result))
+    return results
+
+
+@pytest.mark.parametrize(
+    ("model_fn", "shape", "sizes", "config"),
+    [
+        # equal sizes, the workload's shape: one vmap call per step
+        (small_mlp, (12,), [20, 20, 20], FitConfig(local_epochs=1, batch_size=5, lr=0.1)),
+        # unequal sizes: different step counts, partial batches at different steps, an empty client, E=2
+        (small_mlp, (12,), [23, 0, 7, 10, 3, 23, 16], FitConfig(local_epochs=2, batch_size=4, lr=0.1)),
+        # momentum, weight decay and the FedProx term, capped steps ending mid-epoch
+        (
+            small_mlp,
+            (12,),
+            [9, 14, 5, 14],
+            FitConfig(local_epochs=3, batch_size=4, lr=0.05, momentum=0.9, weight_decay=0.01, mu=0.5, max_steps=7),
+        ),
+        # a convolutional model
+        (SmallCNN, (1, 8, 8), [11, 6, 8], FitConfig(local_epochs=2, batch_size=4, lr=0.05, momentum=0.5)),
+    ],
+)
+def test_batched_clients_equal_one_by_one_training(
+    model_fn: Callable[[], nn.Module], shape: tuple[int, ...], sizes: list[int], config: FitConfig
+) -> None:
+    torch.manual_seed(1)
+    start = model_fn().state_dict()
+    clients = shards(sizes, shape)
+    updates = train_clients(model_fn(), start, clients, config, seed=SEED, round=ROUND)
+    expected = one_by_one(model_fn, clients, config, start)
+    assert [u.num_examples for u in updates] == sizes
+    for update, (state, result), n in zip(updates, expected, sizes, strict=True):
+        assert set(update.parameters) == set(state)
+        for name, value in state.items():
+            torch.testing.assert_close(update.parameters[name], value, rtol=1e-5, atol=1e-5)
+        if n == 0:
+            assert update.metrics == {} and result.metrics == {}
+            for name in state:
+                assert torch.equal(update.parameters[name], start[name])  # untouched
+        else:
+            assert update.metrics["train_loss"] == pytest.approx(result.metrics["train_loss"], rel=1e-5, abs=1e-6)
+            moved = max(float((update.parameters[k] - start[k]).abs().max()) for k in start)
+            assert moved > 1e-3  # it trained: equality is not two untouched models
+
+
+def test_check_batchable_refuses_what_it_cannot_reproduce() -> None:
+    data = (torch.randn(4, 12), torch.randint(0, 3, (4,)))
+    check_batchable(SupervisedTask(model_fn=small_mlp, train_data=data))
+    with pytest.raises(ConfigError, match=r"buffers.*BatchNorm.*inprocess"):
+        check_batchable(
+            SupervisedTask(model_fn=lambda: nn.Sequential(nn.Linear(12, 3), nn.BatchNorm1d(3)), train_data=data)
+        )
+    with pytest.raises(ConfigError, match=r"randomness.*Dropout"):
+        check_batchable(
+            SupervisedTask(model_fn=lambda: nn.Sequential(nn.Dropout(0.5), nn.Linear(12, 3)), train_data=data)
+        )
+
+    class NoisyForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(12, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x + torch.randn_like(x))
+
+    with pytest.raises(ConfigError, match="random numbers"):
+        check_batchable(SupervisedTask(model_fn=NoisyForward, train_data=data))
+
+    class OwnLoop(SupervisedTask):
+        def train(self, model, config, context):  # type: ignore[no-untyped-def]
+            return super().train(model, config, context)
+
+    with pytest.raises(ConfigError, match=r"overrides SupervisedTask\.train"):
+        check_batchable(OwnLoop(model_fn=small_mlp, train_data=data))
+
+
+def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
+    generator = torch.Generator().manual_seed(0)
+    data = {
+        "a": (torch.randn(10, 12, generator=generator), torch.randint(0, 3, (10,), generator=generator)),
+        "b": (
+            torch.randn(6, 12, generator=generator),
+            torch.randint(0, 3, (5,), generator=generator),
+        ),  # one label short
+        "c": (torch.randn(7, 12, generator=generator), torch.randint(0, 3, (7,), generator=generator)),
+    }
+    tasks = {cid: SupervisedTask(model_fn=small_mlp, train_data=d) for cid, d in data.items()}
+    torch.manual_seed(2)
+    start = from_state_dict(small_mlp().state_dict())
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in data}
+    batched = list(BatchedPool(InMemoryPool(list(data), tasks.__getitem__), batch_clients=1).run(instructions))
+    inprocess = list(InMemoryPool(list(data), tasks.__getitem__).run(instructions))
+    assert [r.client_id for r in batched] == ["a", "b", "c"]
+    assert isinstance(batched[1], Failure) and "6 samples but y has 5" in batched[1].reason
+    assert isinstance(inprocess[1], Failure)
+    for got, want in ((batched[0], inprocess[0]), (batched[2], inprocess[2])):
+        assert isinstance(got, FitRes) and isinstance(want, FitRes)
+        assert got.num_examples == want.num_examples
+        assert got.payload_bytes == want.payload_bytes  # the bytes_up column counts the same
+        for name, value in want.parameters.items():
+            np.testing.assert_allclose(got.parameters[name], value, rtol=1e-5, atol=1e-5)
+
+
+SMALL = [
+    "data.dataset=digits",
+    "data.num_clients=8",
+    "data.partition=quantity",  # lognormal sizes: every client a different size
+    "model.name=2nn",
+    "sampling.min_fit_clients=4",
+    "sampling.fraction_fit=0.5",
+    "train.batch_size=32",
+    "train.lr=0.05",
+    "train.momentum=0.5",
+    "rounds=2",
+    "evaluate_every=2",
+    "strategy.name=fedavg",
+    "output.progress=false",
+    "output.plot=false",
+]
+
+
+def test_batched_backend_gives_the_in_process_history(tmp_path: Path) -> None:
+    runs = {}
+    for backend in ("inprocess", "batched"):
+        config = load_recipe(None, [*SMALL, f"output.dir={str(tmp_path / backend)!r}", f"simulation.backend={backend}"])
+        runs[backend] = run_simulation(config, echo=lambda _: None)
+    inprocess, batched = runs["inprocess"], runs["batched"]
+    assert list(batched.history["clients"]) == list(inprocess.history["clients"]) == [0, 4, 4]
+    for column in ("train_loss", "test_loss", "test_accuracy"):
+        np.testing.assert_allclose(batched.history[column], inprocess.history[column], rtol=1e-5, atol=1e-6)
+    for name, value in inprocess.final.parameters.items():
+        np.testing.assert_allclose(batched.final.parameters[name], value, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_backend_refuses_a_strategy_with_client_mods(tmp_path: Path) -> None:
+    overrides = [*SMALL, f"output.dir={str(tmp_path)!r}", "simulation.backend=batched", "strategy.name=scaffold"]
+    with pytest.raises(ConfigError, match="inprocess"):
+        run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+    assert not (tmp_path / "history.csv").exists()  # refused before the first round
+    overrides = [*SMALL, f"output.dir={str(tmp_path)!r}", "simulation.backend=batched", "train.report_validation=true"]
+    with pytest.raises(ConfigError, match="report_validation"):
+        run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+
+
+def test_backend_is_a_recipe_key_and_a_flag() -> None:
+    from fedcore.cli import simulate_options
+
+    flags = {o.flag: o for o in simulate_options()}
+    assert flags["--backend"].key == "simulation.backend"
+    assert set(flags["--backend"].choices or ()) >= {"inprocess", "batched"}
+    assert load_recipe(None, ["simulation.backend=batched"]).simulation.backend == "batched"
+    with pytest.raises(ConfigError, match="backend"):
+        load_recipe(None, ["simulation.backend=ray-of-light"])
+
+
+def test_the_fused_path_takes_only_a_plain_perceptron() -> None:
+    from simulations.batched import _LinearChain
+
+    sample = torch.randn(2, 1, 28, 28)
+    assert _LinearChain.detect(MLP2NN(), sample) is not None  # the 2NN: Flatten, Linear, ReLU, ... in order
+
+    class Residual(nn.Module):  # the same kinds of modules, another forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.relu = nn.Linear(784, 784), nn.Linear(784, 10), nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.flatten(x, 1)
+            return self.b(self.relu(self.a(h)) + h)
+
+    assert _LinearChain.detect(Residual(), sample) is None
+    assert _LinearChain.detect(SmallCNN(), torch.randn(2, 1, 8, 8)) is None

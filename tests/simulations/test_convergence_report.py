@@ -1,0 +1,108 @@
+"""A simulation stops at its target accuracy and says after how many rounds and seconds; its history has the
+bytes and update-norm columns and its plot the accuracy against wall time and bytes; noisy labels are drawn
+as stated; the quality options are flags of both commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedcore.cli import server_options, simulate_options
+from fedcore.errors import ConfigError
+from fedcore.seeding import numpy_rng
+from fedcore.strategy import StrategyConfig
+from fedcore.supervised import SupervisedTask
+from fedcore.task import initial_parameters
+from server.config import ServerConfig, TlsSettings
+from simulations.attacks import noisy_labels
+from simulations.config import load_recipe
+from simulations.harness import VALIDATION_EXAMPLES, plot_history, run_simulation, validation_evaluation
+from simulations.models import MLP2NN
+
+SMALL = [
+    "data.dataset=digits",
+    "data.num_clients=4",
+    "data.partition=iid",
+    "model.name=logreg",
+    "sampling.min_fit_clients=4",
+    "sampling.fraction_fit=1.0",
+    "train.batch_size=32",
+    "train.lr=0.1",
+    "evaluate_every=1",
+    "rounds=10",
+    "output.progress=false",
+    "output.plot=false",
+]
+
+
+def test_a_simulation_stops_at_its_target_and_reports_rounds_and_seconds(tmp_path: Path) -> None:
+    lines: list[str] = []
+    config = load_recipe(None, [*SMALL, f"output.dir={str(tmp_path)!r}", "target_accuracy=0.8"])
+    result = run_simulation(config, echo=lines.append)
+    history = result.history
+    assert result.stop is not None and result.stop.rule == "target_accuracy"
+    last = int(history["round"].iloc[-1])
+    assert result.final.round == last == result.stop.round < 10
+    accuracy = history["test_accuracy"].to_numpy()
+    assert accuracy[-1] >= 0.8 and (accuracy[:-1] < 0.8).all()  # the first round to reach it
+    assert result.reached == (last, pytest.approx(history["seconds"].sum()))
+    assert any(f"reached at round {last} after" in line for line in lines)
+    on_disk = pd.read_csv(tmp_path / "history.csv")
+    assert (
+        on_disk["stopped_target_accuracy"].iloc[-1] == 1 and on_disk["stopped_target_accuracy"].iloc[:-1].isna().all()
+    )
+    model_bytes = (64 * 10 + 10) * 4  # logistic regression on 8x8 digits, float32
+    assert list(on_disk["bytes_down"]) == [0] + [4 * model_bytes] * last
+    assert list(on_disk["bytes_up"]) == [0] + [4 * model_bytes] * last
+    assert on_disk["update_norm"].iloc[0] != on_disk["update_norm"].iloc[0]  # NaN: round 0 trains nothing
+    assert (on_disk["update_norm"].iloc[1:] > 0).all()
+    png = plot_history(on_disk, tmp_path / "history.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_symmetric_label_noise_by_hand() -> None:
+    y = torch.arange(10).repeat(1000)
+    always = noisy_labels(y, 10, 1.0, numpy_rng(0, "label_noise", "c"))
+    assert always.dtype == torch.int64 and always.shape == y.shape
+    kept = (always == y).float().mean().item()
+    assert abs(kept - 0.1) < 0.02  # every label redrawn uniformly: one in ten lands on itself
+    some = noisy_labels(y, 10, 0.3, numpy_rng(0, "label_noise", "c"))
+    assert abs((some != y).float().mean().item() - 0.3 * 0.9) < 0.02  # P(changed) = rate * (1 - 1/C)
+    again = noisy_labels(y, 10, 0.3, numpy_rng(0, "label_noise", "c"))
+    assert torch.equal(some, again)  # drawn from (seed, client): the same for the same seed
+    assert np.bincount(always.numpy(), minlength=10).min() > 800  # uniform over the classes
+
+
+def test_the_options_are_flags_of_both_commands_and_server_weighting_needs_a_task() -> None:
+    flags = {o.flag for o in simulate_options()}
+    assert {"--target-accuracy", "--patience", "--min-delta", "--weighting", "--weight-temperature"} <= flags
+    flags = {o.flag for o in server_options()}
+    assert {"--target-accuracy", "--patience", "--min-delta", "--weighting", "--weight-metric"} <= flags
+    with pytest.raises(ConfigError, match="weighting 'server'"):
+        ServerConfig(
+            initial=Path("model.safetensors"),
+            tls=TlsSettings(insecure=True),
+            strategy=StrategyConfig(weighting="server"),
+        )
+    with pytest.raises(ConfigError, match="target_accuracy"):
+        load_recipe(None, ["target_accuracy=1.5"])
+
+
+def test_the_simulations_validation_data_is_a_seeded_subset_of_the_test_split() -> None:
+    def model_fn() -> torch.nn.Module:
+        return MLP2NN(num_inputs=4, num_classes=3, hidden=8)
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1500, 4, generator=generator), torch.randint(0, 3, (1500,), generator=generator)
+    task = SupervisedTask(model_fn=model_fn, train_data=None, test_data=(x, y))
+    parameters = initial_parameters(model_fn, 0)
+    first = validation_evaluation(task, 256, seed=1)(parameters, 1)
+    assert first.num_examples == VALIDATION_EXAMPLES == 1000
+    assert validation_evaluation(task, 256, seed=1)(parameters, 1) == first  # the same examples for the same seed
+    assert validation_evaluation(task, 256, seed=2)(parameters, 1).loss != first.loss  # others for another seed
+    small = SupervisedTask(model_fn=model_fn, train_data=None, test_data=(x[:300], y[:300]))
+    assert validation_evaluation(small, 256, seed=1)(parameters, 1).num_examples == 300  # the whole split
