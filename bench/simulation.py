@@ -3,6 +3,7 @@
     python bench/simulation.py                  # issue 12's workload, 5 rounds
     python bench/simulation.py --rounds 3 --model cnn
     python bench/simulation.py --batched-threads 2   # the batched backend also on 2 threads
+    python bench/simulation.py --scale 100000   # and runs of 1,000 and 100,000 synthetic clients (s/round, peak RSS)
 
 The workload of issue 12 ("Simulation at scale"): Fashion-MNIST, 1000 IID clients of 60 samples, 100 clients per
 round, the FedAvg paper's 2NN, E=1, B=10, SGD lr 0.05, FedAvg. Both sides run in this process on one thread
@@ -13,6 +14,11 @@ round, the FedAvg paper's 2NN, E=1, B=10, SGD lr 0.05, FedAvg. Both sides run in
   round loop's own (``RoundRecord.seconds``: the round's tasks built on first use, training, aggregation, step).
 - fedcore batched: the same, with ``[simulation] backend = "batched"`` (:mod:`simulations.batched`: the round's
   clients trained together with torch.func); ``--batched-threads N`` adds a row of it on N threads.
+- fedcore process pool: ``[simulation] backend = "process"`` (:mod:`simulations.procpool`) with ``--workers``
+  worker processes of one torch thread each (default: the cores this process may use), so its ratio to the
+  one-thread plain loop is bounded by the number of cores; its final model equals the in-process one bit for bit.
+  Its CPU column counts the parent process only; its first round includes the workers loading the dataset (the
+  median leaves it out).
 - plain: the machine's practical floor, a loop a researcher would write: one model, and per sampled client
   ``load_state_dict``, SGD over the client's shuffled mini-batches, and the example-weighted sum in float64.
   It samples the same clients and shuffles with the same generators as fedcore (``sample_clients``,
@@ -27,6 +33,11 @@ wall time on a shared machine), the final model's test accuracy, and the ratios 
 targets: in-process at most 1.3, batched at most 0.5 with the accuracy within 1 point. The batched backend sums
 in another float order, so its model is compared with the others' within a tolerance, not bit for bit. On a
 shared machine run it with ``nice``; the header prints the load average before and after.
+
+``--scale N`` adds runs of 1,000 and N virtual clients of FedProx Synthetic(1, 1) (devices generated when
+sampled), logistic regression, 10 clients a round, E=1 capped at 50 steps, B=10, 3 rounds, through the ``fedcore``
+command in a child process: median seconds per round and the child's peak RSS. The peak follows the largest device
+sampled (lognormal sizes), not the number of clients.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +55,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +69,7 @@ from fedcore.training import evaluate_supervised  # noqa: E402
 from simulations.config import BackendName, DataConfig, SimulationConfig  # noqa: E402
 from simulations.harness import client_ids, run_simulation  # noqa: E402
 from simulations.models import build_model  # noqa: E402
+from simulations.procpool import default_workers  # noqa: E402
 from simulations.tasks import prepare_data  # noqa: E402
 
 
@@ -83,14 +97,14 @@ Run = Callable[[SimulationConfig], tuple[list[float], dict[str, np.ndarray]]]
 
 
 def run_fedcore(
-    config: SimulationConfig, backend: BackendName = "inprocess", threads: int = 1
+    config: SimulationConfig, backend: BackendName = "inprocess", threads: int = 1, workers: int | None = None
 ) -> tuple[list[float], dict[str, np.ndarray]]:
     """Seconds of each round and the final model of ``run_simulation`` with ``backend``, on ``threads`` torch
-    threads."""
+    threads (``workers``: the process backend's worker count)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        config = replace(config, simulation=replace(config.simulation, backend=backend))
+        config = replace(config, simulation=replace(config.simulation, backend=backend, workers=workers))
         result = run_simulation(config, echo=lambda _line: None)
     finally:
         torch.set_num_threads(before)
@@ -104,7 +118,7 @@ def run_plain(config: SimulationConfig) -> tuple[list[float], dict[str, np.ndarr
         dataset=config.data.dataset, num_clients=config.data.num_clients, partition=config.data.partition
     )
     data = prepare_data(data_config, config.seed)
-    shards = [(data.x_train[torch.from_numpy(p)], data.y_train[torch.from_numpy(p)]) for p in data.partitions]
+    shards = [data.shard(i) for i in range(data.num_clients)]
 
     def model_fn() -> torch.nn.Module:
         return build_model(config.model.name, data.input_shape, data.num_classes)
@@ -165,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=1, help="run every system this many times, alternating")
     parser.add_argument("--batched-threads", type=int, default=0, help="also run the batched backend on N threads")
+    parser.add_argument("--workers", type=int, default=None, help="process pool workers (default: one per core)")
+    parser.add_argument("--scale", type=int, default=0, help="also run 1,000 and this many synthetic clients")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warm_up()
@@ -174,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "fedcore in-process": run_fedcore,
         "fedcore batched": partial(run_fedcore, backend="batched"),
     }
+    pool = f"fedcore process pool x{args.workers or default_workers()}"
+    systems[pool] = partial(run_fedcore, backend="process", workers=args.workers)
     if args.batched_threads > 1:
         systems[f"fedcore batched, {args.batched_threads} thr"] = partial(
             run_fedcore, backend="batched", threads=args.batched_threads
@@ -214,7 +232,46 @@ def main(argv: list[str] | None = None) -> int:
             + (f" ({targets[name]})" if name in targets else "")
             + f"; largest difference from the plain loop's final model: {diff:.3g}"
         )
+    same = all(np.array_equal(models[pool][n], models["fedcore in-process"][n]) for n in plain_model)
+    print(f"process pool model {'equals' if same else 'DIFFERS from'} the in-process model bit for bit")
+    for clients in (1000, args.scale) if args.scale else ():
+        seconds, peak = run_scale(clients, args.seed)
+        print(f"{clients} synthetic clients, 10 a round, logreg: {seconds:.3f} s/round, peak RSS {peak:.0f} MiB")
     return 0
+
+
+PEAK_SCRIPT = (
+    "import sys\n"
+    "from fedcore.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "peak = [line for line in open('/proc/self/status') if line.startswith('VmHWM:')][0].split()[1]\n"
+    "print('peak-kib', peak)\n"
+    "sys.exit(code)\n"
+)
+"""``fedcore`` in a child that prints its own peak RSS at the end (VmHWM: the child's own high-water mark; a
+child's ``ru_maxrss`` starts at its parent's RSS at fork on Linux, which here would be the bench's)."""
+
+
+def run_scale(clients: int, seed: int) -> tuple[float, float]:
+    """Median seconds per round and peak RSS (MiB) of ``fedcore simulate`` over ``clients`` synthetic devices."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable,
+            "-c",
+            PEAK_SCRIPT,
+            "simulate",
+            *("--dataset", "synthetic", "--partition", "natural", "--clients", str(clients), "--model", "logreg"),
+            *("--strategy", "fedavg", "--clients-per-round", "10", "--fraction-fit", str(1e-9), "--epochs", "1"),
+            *("--batch-size", "10", "--max-steps", "50", "--lr", "0.01", "--rounds", "3", "--seed", str(seed)),
+            "--no-progress",
+            *("--set", "data.normalize=false", "--set", "output.plot=false", "--out", tmp),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
+        peaks = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("peak-kib ")]
+        if done.returncode != 0 or not peaks:
+            raise SystemExit(f"the {clients}-client run failed: {done.stderr[-2000:]}")
+        history = pd.read_csv(Path(tmp) / "history.csv")
+    return float(history.loc[history["round"] > 0, "seconds"].median()), int(peaks[0]) / 1024
 
 
 def warm_up() -> None:

@@ -98,7 +98,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from simulations.config import load_recipe
-    from simulations.report import class_counts, format_summary, plot_heatmap, skew_summary
+    from simulations.report import format_summary, label_counts, plot_heatmap, skew_summary
     from simulations.tasks import prepare_data
 
     overrides = ["sampling.min_fit_clients=1"]  # no training here: sampling must not limit the client count
@@ -106,7 +106,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     overrides += args.overrides
     config = load_recipe(args.recipe, overrides)
     prepared = prepare_data(config.data, config.seed)
-    counts = class_counts(prepared.labels, prepared.partitions, prepared.num_classes)
+    counts = label_counts(prepared.client_labels(), prepared.num_classes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     counts.to_csv(out / "counts.csv", index_label="client")

@@ -155,7 +155,7 @@ class OutputConfig:
             raise ConfigError("output.dir is empty; give a directory for the run's results (e.g. runs/my-run)")
 
 
-BackendName = Literal["inprocess", "batched"]
+BackendName = Literal["inprocess", "batched", "process"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,23 +164,31 @@ class BackendConfig:
 
     Attributes:
         backend: inprocess (one client after another in this process, the default; the same model as a
-            deployment bit for bit) or batched (the round's sampled clients trained together as one batched
+            deployment bit for bit), batched (the round's sampled clients trained together as one batched
             computation with torch.func, :mod:`simulations.batched`: plain or FedProx SGD of a SupervisedTask whose
             model has no buffers and no randomness; the same history as inprocess up to float rounding, within
-            1e-5; other recipes are refused before the first round).
+            1e-5; other recipes are refused before the first round) or process (worker processes fed from one
+            queue, :mod:`simulations.procpool`; the same history as inprocess bit for bit when each trains on as
+            many torch threads, 1 per worker).
         batch_clients: batched: at most this many clients are trained together (memory grows with it: the
             stacked parameters, gradients and momentum of that many models); 0 chooses: on the CPU as many as keep
             the largest stacked parameter within 16 MiB (the 2NN: 26), on a GPU all of a round's clients.
+        workers: process: the number of worker processes (default: the cores this process may use).
     """
 
     backend: BackendName = "inprocess"
     batch_clients: int = 0
+    workers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in ("inprocess", "batched"):
-            raise ConfigError(f"unknown simulation backend {self.backend!r}; choose inprocess or batched")
+        if self.backend not in ("inprocess", "batched", "process"):
+            raise ConfigError(f"unknown simulation backend {self.backend!r}; choose inprocess, batched or process")
         if self.batch_clients < 0:
             raise ConfigError(f"batch_clients must be >= 0 (0: all of a round's clients), got {self.batch_clients}")
+        if self.workers is not None and not 1 <= self.workers <= 4096:
+            raise ConfigError(f"workers must be in 1..4096 (or unset: one per core), got {self.workers}")
+        if self.workers is not None and self.backend != "process":
+            raise ConfigError("workers sets the process backend's worker count; add backend = 'process' to use it")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,9 @@ __all__ = [
     "load_fashion_mnist",
     "load_mnist_5k",
     "normalization_stats",
+    "synthetic_device",
     "synthetic_fedprox",
+    "synthetic_train_size",
 ]
 
 FloatArray = npt.NDArray[np.float32]
@@ -274,26 +276,22 @@ def synthetic_fedprox(
     seed: int = 0,
 ) -> list[DeviceData]:
     """Generate FedProx's Synthetic(alpha, beta) (Li et al. 2020, "Federated Optimization in Heterogeneous
-    Networks"), following the authors' generator.
-
-    For device ``k``: ``n_k = int(lognormal(4, 2)) + 50`` samples; ``u_k ~ N(0, alpha)``, ``B_k ~ N(0, beta)``
-    (alpha and beta are standard deviations); ``W_k`` (``num_classes x num_features``) and ``b_k`` entries
-    ``~ N(u_k, 1)``; ``v_k ~ N(B_k, 1)`` per feature; ``x ~ N(v_k, diag(j^-1.2))`` for ``j = 1..num_features``;
-    ``y = argmax softmax(W_k x + b_k)``. The first 90% of each device's samples (``int(0.9 * n_k)``) are its train
-    set, the rest its test set. ``alpha`` sets how much the local models differ, ``beta`` how much the local
-    feature distributions differ; Synthetic(0, 0) is the most homogeneous.
-
-    Note: ``lognormal(4, 2)`` is heavy-tailed (median ~55, but a 3-sigma draw is ~22000 and a 4-sigma one
-    ~160000), so a seed occasionally yields one very large device. The formula is kept as published; pick
-    another seed if that matters.
+    Networks"): the devices ``0 .. num_devices - 1`` of :func:`synthetic_device`, all at once.
 
     Returns:
-        ``num_devices`` tuples ``(x_train, y_train, x_test, y_test)``: x float32 ``(n, num_features)``,
-        y int64 in ``0..num_classes-1``. Drawn from one generator keyed by ``(seed, "synthetic-fedprox")``.
+        ``num_devices`` tuples ``(x_train, y_train, x_test, y_test)`` (see :func:`synthetic_device`).
 
     Raises:
         ConfigError: negative ``alpha``/``beta`` or non-positive sizes.
     """
+    _check_synthetic(alpha, beta, num_devices, num_features, num_classes)
+    return [
+        synthetic_device(alpha, beta, k, num_features=num_features, num_classes=num_classes, seed=seed)
+        for k in range(num_devices)
+    ]
+
+
+def _check_synthetic(alpha: float, beta: float, num_devices: int, num_features: int, num_classes: int) -> None:
     for name, value in (("alpha", alpha), ("beta", beta)):
         if not np.isfinite(value) or value < 0:
             raise ConfigError(f"{name} must be a finite standard deviation >= 0, got {value!r}")
@@ -301,23 +299,57 @@ def synthetic_fedprox(
         if count < 1:
             raise ConfigError(f"{name} must be >= 1, got {count}")
 
-    rng = numpy_rng(seed, "synthetic-fedprox")
-    sizes = rng.lognormal(4.0, 2.0, num_devices).astype(np.int64) + 50
-    model_means = rng.normal(0.0, alpha, num_devices)  # u_k
-    feature_shifts = rng.normal(0.0, beta, num_devices)  # B_k
-    feature_std = np.power(np.arange(1, num_features + 1, dtype=np.float64), -1.2) ** 0.5
 
-    devices: list[DeviceData] = []
-    for k in range(num_devices):
-        v_k = rng.normal(feature_shifts[k], 1.0, num_features)
-        W_k = rng.normal(model_means[k], 1.0, (num_classes, num_features))
-        b_k = rng.normal(model_means[k], 1.0, num_classes)
-        x = v_k + rng.standard_normal((int(sizes[k]), num_features)) * feature_std
-        y = np.argmax(x @ W_k.T + b_k, axis=1).astype(np.int64)  # softmax is monotone: argmax of the logits
-        n_train = int(0.9 * sizes[k])
-        x32 = x.astype(np.float32)
-        devices.append((x32[:n_train], y[:n_train], x32[n_train:], y[n_train:]))
-    return devices
+def _draw_size(rng: np.random.Generator) -> int:
+    """A device's sample count ``n_k = int(lognormal(4, 2)) + 50``: the first draw of its generator."""
+    return int(rng.lognormal(4.0, 2.0)) + 50
+
+
+def synthetic_train_size(device: int, *, seed: int = 0) -> int:
+    """The number of training examples of :func:`synthetic_device`'s device ``device`` (``int(0.9 * n_k)``),
+    without generating its data (alpha and beta do not change it)."""
+    return int(0.9 * _draw_size(numpy_rng(seed, "synthetic-fedprox", device)))
+
+
+def synthetic_device(
+    alpha: float, beta: float, device: int, *, num_features: int = 60, num_classes: int = 10, seed: int = 0
+) -> DeviceData:
+    """Generate device ``device`` of FedProx's Synthetic(alpha, beta) (Li et al. 2020), following the authors'
+    generator, from its own generator keyed by ``(seed, "synthetic-fedprox", device)``: any device is generated
+    alone, in any order, with the same numbers (100,000 devices need not be held, about 10 GB, to use a few).
+
+    For device ``k``: ``n_k = int(lognormal(4, 2)) + 50`` samples; ``u_k ~ N(0, alpha)``, ``B_k ~ N(0, beta)``
+    (alpha and beta are standard deviations); ``W_k`` (``num_classes x num_features``) and ``b_k`` entries
+    ``~ N(u_k, 1)``; ``v_k ~ N(B_k, 1)`` per feature; ``x ~ N(v_k, diag(j^-1.2))`` for ``j = 1..num_features``;
+    ``y = argmax softmax(W_k x + b_k)``. The first 90% of the device's samples (``int(0.9 * n_k)``) are its train
+    set, the rest its test set. ``alpha`` sets how much the local models differ, ``beta`` how much the local
+    feature distributions differ; Synthetic(0, 0) is the most homogeneous.
+
+    Note: ``lognormal(4, 2)`` is heavy-tailed (median ~55, mean ~400, but a 3-sigma draw is ~22000 and a 4-sigma
+    one ~160000), so some devices are very large. The formula is kept as published.
+
+    Returns:
+        ``(x_train, y_train, x_test, y_test)``: x float32 ``(n, num_features)``, y int64 in ``0..num_classes-1``.
+
+    Raises:
+        ConfigError: negative ``alpha``/``beta``, non-positive sizes or a negative device index.
+    """
+    _check_synthetic(alpha, beta, 1, num_features, num_classes)
+    if device < 0:
+        raise ConfigError(f"the device index must be >= 0, got {device}")
+    rng = numpy_rng(seed, "synthetic-fedprox", device)
+    size = _draw_size(rng)
+    model_mean = rng.normal(0.0, alpha)  # u_k
+    feature_shift = rng.normal(0.0, beta)  # B_k
+    feature_std = np.power(np.arange(1, num_features + 1, dtype=np.float64), -1.2) ** 0.5
+    v_k = rng.normal(feature_shift, 1.0, num_features)
+    W_k = rng.normal(model_mean, 1.0, (num_classes, num_features))
+    b_k = rng.normal(model_mean, 1.0, num_classes)
+    x = v_k + rng.standard_normal((size, num_features)) * feature_std
+    y = np.argmax(x @ W_k.T + b_k, axis=1).astype(np.int64)  # softmax is monotone: argmax of the logits
+    n_train = int(0.9 * size)
+    x32 = x.astype(np.float32)
+    return x32[:n_train], y[:n_train], x32[n_train:], y[n_train:]
 
 
 def concat_devices(devices: Sequence[DeviceData], name: str = "synthetic") -> tuple[Dataset, list[IntArray]]:

@@ -55,6 +55,7 @@ from simulations.attacks import LABEL_ATTACKS, AttackedPool, attacked_tasks, cho
 from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.devices import SimulatedDevices, simulation_selector, slow_clients
 from simulations.inmemory import InMemoryPool
+from simulations.procpool import ClientTasks, ProcessPool
 from simulations.tasks import demo_task
 
 log = logging.getLogger("fedcore.simulation")
@@ -64,6 +65,9 @@ OUTPUT_FILES = ("config.json", "history.csv", "history.png", "model.safetensors"
 CLIENT_STATE_DIR = "client-state"
 """The virtual clients' persistent state under output.dir (one file per client that keeps state, e.g. SCAFFOLD's
 control variate); emptied when a simulation starts."""
+MAX_TASKS = 1024
+"""The most virtual clients' tasks (data shards) kept built at once, in this process or in each worker; a client
+used less recently is built again when it is sampled, so memory does not grow with the number of clients."""
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,8 @@ def partition_sizes(config: SimulationConfig, ids: list[str]) -> dict[str, int]:
         )
     from simulations.tasks import prepare_data
 
-    parts = prepare_data(config.data, config.seed).partitions
-    return {cid: len(part) for cid, part in zip(ids, parts, strict=True)}
+    sizes = prepare_data(config.data, config.seed).client_sizes()
+    return {cid: int(size) for cid, size in zip(ids, sizes, strict=True)}
 
 
 def client_ids(num_clients: int) -> list[str]:
@@ -205,18 +209,34 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     )
     attackers = choose_attackers(ids, config.attack, seed=config.seed)
     client_task: Callable[[str], Task] = make_task
+    classes = 0
     if attackers:
         kind, count = config.attack.kind, len(attackers)
         log.warning("attack %s by %d of %d clients: %s", kind, count, len(ids), sorted(attackers))
         classes = num_classes(server_task) if config.attack.kind in LABEL_ATTACKS else 0
         client_task = attacked_tasks(make_task, attackers, config.attack, classes, seed=config.seed)
-    clients = InMemoryPool(ids, client_task, state=ClientStateStore(out_dir / CLIENT_STATE_DIR))
+    state = ClientStateStore(out_dir / CLIENT_STATE_DIR)
+    clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS)
     backend: ClientPool = clients
     if config.simulation.backend == "batched":
         from simulations.batched import BatchedPool, check_batchable
 
         check_batchable(clients.task(ids[0]), strategy)  # refused before the first round, not in one
         backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients)
+    process: ProcessPool | None = None
+    if config.simulation.backend == "process":
+        tasks = ClientTasks(
+            factory=DEMO_TASK if demo else config.task.factory,
+            options=options,
+            num_partitions=len(ids),
+            seed=config.seed,
+            data_dir=None if data_dir is None else str(data_dir),
+            attack=to_mapping(config.attack),
+            label_attack_classes=classes,
+            max_tasks=MAX_TASKS,
+        )
+        workers = config.simulation.workers
+        backend = process = ProcessPool(ids, tasks, workers=workers, state_dir=state.root, attackers=attackers)
     pool: ClientPool = AttackedPool(backend, attackers, config.attack, seed=config.seed)
     if config.devices.timed or config.strategy.selection == "oort":  # oort reads durations: simulated, reproducible
         pool = SimulatedDevices(pool, slow_clients(ids, config.devices.slow_fraction, seed=config.seed), config.devices)
@@ -284,6 +304,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     finally:
         gc.unfreeze()
         progress.close()
+        if process is not None:
+            process.close()
     model_path = out_dir / "model.safetensors"
     save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
     history = pd.DataFrame(rows, columns=history_columns(rows))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
@@ -31,6 +32,20 @@ from fedcore.task import Task
 log = logging.getLogger("fedcore.simulation")
 
 
+def all_virtual_clients(client_ids: Sequence[str], num_clients: int) -> list[str]:
+    """A simulation's ``wait_for``: every virtual client is always available.
+
+    Raises:
+        RoundFailed: there are fewer than ``num_clients`` clients.
+    """
+    if num_clients > len(client_ids):
+        raise RoundFailed(
+            f"the simulation has {len(client_ids)} clients but {num_clients} are needed per round; "
+            "lower sampling.min_fit_clients or raise data.num_clients"
+        )
+    return list(client_ids)
+
+
 class InMemoryPool:
     """A :class:`server.pool.ClientPool` whose clients are :class:`~fedcore.task.Task` objects in this process.
 
@@ -42,6 +57,9 @@ class InMemoryPool:
             being run), or None when no client keeps state.
         stages: the clients' dispatcher of round protocol stages (default: the protocols registered in this
             process, :func:`client.stages.register_client_protocol`).
+        max_tasks: keep at most this many clients' tasks built, dropping the least recently used (None: keep
+            every task built, e.g. when clients share a dataset in memory and a task is a cheap view of it; a
+            bound keeps memory flat when tasks make their own data, e.g. generated on demand).
     """
 
     def __init__(
@@ -51,12 +69,16 @@ class InMemoryPool:
         parallel: Callable[[str], ParallelTraining | None] | None = None,
         state: ClientStateStore | None = None,
         stages: ClientStages | None = None,
+        max_tasks: int | None = None,
     ) -> None:
+        if max_tasks is not None and max_tasks < 1:
+            raise ConfigError(f"max_tasks must be >= 1 or None, got {max_tasks}")
         if len(set(client_ids)) != len(client_ids):
             raise ConfigError(f"client ids must be unique; {len(client_ids) - len(set(client_ids))} repeat")
         self._ids = list(client_ids)
         self._make_task = make_task
-        self._tasks: dict[str, Task] = {}
+        self._tasks: OrderedDict[str, Task] = OrderedDict()
+        self._max_tasks = max_tasks
         self._parallel = parallel
         self._state = state
         self._models = ModelCache()
@@ -68,18 +90,18 @@ class InMemoryPool:
 
     def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
         """Return all clients, or raise :class:`RoundFailed` if there are fewer than ``num_clients``."""
-        if num_clients > len(self._ids):
-            raise RoundFailed(
-                f"the simulation has {len(self._ids)} clients but {num_clients} are needed per round; "
-                "lower sampling.min_fit_clients or raise data.num_clients"
-            )
-        return self.available()
+        return all_virtual_clients(self._ids, num_clients)
 
     def task(self, client_id: str) -> Task:
-        """The task of ``client_id`` (built on first use)."""
-        if client_id not in self._tasks:
-            self._tasks[client_id] = self._make_task(client_id)
-        return self._tasks[client_id]
+        """The task of ``client_id`` (built on first use, and again after ``max_tasks`` others were used)."""
+        task = self._tasks.get(client_id)
+        if task is None:
+            task = self._tasks[client_id] = self._make_task(client_id)
+            if self._max_tasks is not None and len(self._tasks) > self._max_tasks:
+                self._tasks.popitem(last=False)
+        elif self._max_tasks is not None:
+            self._tasks.move_to_end(client_id)
+        return task
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
         """Run each instruction in turn and yield its reply; a client that raises, or answers a stage after its

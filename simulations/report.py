@@ -10,7 +10,7 @@ Typical use::
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,7 @@ import pandas as pd
 
 from fedcore.errors import ConfigError
 
-__all__ = ["class_counts", "format_summary", "plot_heatmap", "skew_summary"]
+__all__ = ["class_counts", "format_summary", "label_counts", "plot_heatmap", "skew_summary"]
 
 TOTAL = "total"
 
@@ -46,13 +46,37 @@ def class_counts(labels: npt.ArrayLike, partitions: Sequence[npt.ArrayLike], num
         raise ConfigError(f"labels must be 1-D, got shape {y.shape}")
     if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise ConfigError(f"labels must lie in 0..{num_classes - 1}, found {int(y.min())}..{int(y.max())}")
-    rows = np.zeros((len(partitions), num_classes), dtype=np.int64)
     for client, indices in enumerate(partitions):
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= y.size):
             raise ConfigError(f"client {client} has indices outside 0..{y.size - 1}")
-        rows[client] = np.bincount(y[idx], minlength=num_classes)
-    table = pd.DataFrame(rows, columns=list(range(num_classes)), index=pd.RangeIndex(len(partitions), name="client"))
+    return label_counts((y[np.asarray(indices, dtype=np.int64)] for indices in partitions), num_classes)
+
+
+def label_counts(client_labels: Iterable[npt.ArrayLike], num_classes: int) -> pd.DataFrame:
+    """Count each class on each client from each client's own labels, one client at a time (clients whose data is
+    made on demand are never all held at once).
+
+    Args:
+        client_labels: per client, its 1-D integer labels in ``0..num_classes-1``.
+        num_classes: number of classes ``C``.
+
+    Returns:
+        the table of :func:`class_counts`.
+
+    Raises:
+        ConfigError: ``num_classes < 1``, or labels out of range.
+    """
+    if num_classes < 1:
+        raise ConfigError(f"num_classes must be >= 1, got {num_classes}")
+    rows_list: list[npt.NDArray[np.int64]] = []
+    for client, labels in enumerate(client_labels):
+        y = np.asarray(labels, dtype=np.int64).reshape(-1)
+        if y.size and (y.min() < 0 or y.max() >= num_classes):
+            raise ConfigError(f"client {client} has labels outside 0..{num_classes - 1}")
+        rows_list.append(np.bincount(y, minlength=num_classes))
+    rows = np.stack(rows_list) if rows_list else np.zeros((0, num_classes), dtype=np.int64)
+    table = pd.DataFrame(rows, columns=list(range(num_classes)), index=pd.RangeIndex(len(rows), name="client"))
     table[TOTAL] = rows.sum(axis=1)
     return table
 

@@ -9,12 +9,18 @@ options trains on exactly the same shard.
 
 Normalization, when on, uses the mean and standard deviation of the whole training set; this is the usual
 benchmark convention (a real deployment would fix these constants in advance).
+
+The synthetic dataset is never held whole: a client's device is generated when its task is built
+(:func:`simulations.datasets.synthetic_device`, keyed by (seed, device), so the numbers do not depend on which
+clients are sampled first), and the server's test set and the normalization statistics come from the first
+:data:`REFERENCE_DEVICES` devices. Memory therefore stays flat in the number of devices (100,000 of them would
+take about 10 GB held at once).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -26,9 +32,13 @@ from fedcore.errors import ConfigError
 from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext
 from simulations.config import DataConfig
-from simulations.datasets import Dataset, concat_devices, load_dataset, normalization_stats, synthetic_fedprox
+from simulations.datasets import Dataset, load_dataset, normalization_stats, synthetic_device, synthetic_train_size
 from simulations.models import build_model
 from simulations.partition import partition
+
+REFERENCE_DEVICES = 200
+"""Synthetic data: the server's test set is the test split of the first this many devices (all of them when there
+are fewer), and normalization uses the mean and standard deviation of their training splits."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,66 @@ class PreparedData:
     input_shape: tuple[int, ...]
     partitions: tuple[np.ndarray, ...]
     labels: np.ndarray
+
+    @property
+    def num_clients(self) -> int:
+        """The number of clients (partitions)."""
+        return len(self.partitions)
+
+    def shard(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``client``'s training data ``(x, y)``: copies of its rows."""
+        idx = torch.from_numpy(self.partitions[client])
+        return self.x_train.index_select(0, idx), self.y_train.index_select(0, idx)  # not x[idx]: 100x slower
+
+    def client_labels(self) -> Iterator[np.ndarray]:
+        """Each client's training labels, in client order."""
+        return (self.labels[part] for part in self.partitions)
+
+    def client_sizes(self) -> list[int]:
+        """Each client's number of training examples, in client order."""
+        return [len(part) for part in self.partitions]
+
+
+@dataclass(frozen=True)
+class SyntheticDevices:
+    """FedProx Synthetic(alpha, beta) devices, each generated when a client asks for its data (see the module
+    docstring); the same members as :class:`PreparedData` that a task and the partition report use."""
+
+    config: DataConfig
+    seed: int
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    normalization: tuple[float, float] | None
+    num_classes: int = 10
+    input_shape: tuple[int, ...] = (60,)
+
+    @property
+    def num_clients(self) -> int:
+        """The number of devices."""
+        return self.config.num_clients
+
+    def device(self, client: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Device ``client``'s ``(x_train, y_train, x_test, y_test)``, generated now."""
+        c = self.config
+        return synthetic_device(
+            c.synthetic_alpha, c.synthetic_beta, client, num_classes=self.num_classes, seed=self.seed
+        )
+
+    def shard(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``client``'s training data ``(x, y)`` (normalized when the config says so)."""
+        x, y, _, _ = self.device(client)
+        if self.normalization is not None:
+            mean, std = self.normalization
+            x = ((x - mean) / std).astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
+
+    def client_labels(self) -> Iterator[np.ndarray]:
+        """Each device's training labels, in device order (each device generated in turn, none kept)."""
+        return (self.device(k)[1] for k in range(self.num_clients))
+
+    def client_sizes(self) -> list[int]:
+        """Each device's number of training examples, in device order (no data generated)."""
+        return [synthetic_train_size(k, seed=self.seed) for k in range(self.num_clients)]
 
 
 def data_config_from_options(options: Mapping[str, str]) -> tuple[DataConfig, str]:
@@ -61,32 +131,48 @@ def _parsed_options(options: tuple[tuple[str, str], ...]) -> tuple[DataConfig, s
     return data_config_from_options(dict(options))
 
 
+def _synthetic(config: DataConfig, seed: int) -> SyntheticDevices:
+    reference = [
+        synthetic_device(config.synthetic_alpha, config.synthetic_beta, k, seed=seed)
+        for k in range(min(config.num_clients, REFERENCE_DEVICES))
+    ]
+    x_test = np.concatenate([d[2] for d in reference])
+    y_test = np.concatenate([d[3] for d in reference])
+    normalization = None
+    if config.normalize:
+        normalization = normalization_stats(np.concatenate([d[0] for d in reference]))
+        x_test = ((x_test - normalization[0]) / normalization[1]).astype(np.float32)
+    return SyntheticDevices(
+        config=config,
+        seed=seed,
+        x_test=torch.from_numpy(np.ascontiguousarray(x_test)),
+        y_test=torch.from_numpy(y_test),
+        normalization=normalization,
+    )
+
+
 @functools.lru_cache(maxsize=4)
-def prepare_data(config: DataConfig, seed: int) -> PreparedData:
-    """Load, normalize and partition the dataset ``config`` names (cached per process).
+def prepare_data(config: DataConfig, seed: int) -> PreparedData | SyntheticDevices:
+    """Load, normalize and partition the dataset ``config`` names (cached per process); for synthetic, the
+    devices to generate on demand (:class:`SyntheticDevices`).
 
     Raises:
         DatasetNotFoundError, PartitionError, ConfigError: from the loader and the partitioner.
     """
-    dataset: Dataset
     if config.dataset == "synthetic":
-        devices = synthetic_fedprox(
-            config.synthetic_alpha, config.synthetic_beta, num_devices=config.num_clients, seed=seed
-        )
-        dataset, parts = concat_devices(devices)
-    else:
-        dataset = load_dataset(config.dataset, data_dir=config.data_dir, seed=seed)
-        params: dict[str, object] = {}
-        if config.partition in ("dirichlet", "dirichlet-client"):
-            params["alpha"] = config.alpha
-        if config.partition == "dirichlet":
-            params["min_partition_size"] = config.min_partition_size
-            params["max_redraws"] = config.max_redraws
-        if config.partition == "shards":
-            params["shards_per_client"] = config.shards_per_client
-        if config.partition == "quantity":
-            params["sigma"] = config.sigma
-        parts = partition(dataset.y_train, config.partition, config.num_clients, seed, **params)
+        return _synthetic(config, seed)
+    dataset: Dataset = load_dataset(config.dataset, data_dir=config.data_dir, seed=seed)
+    params: dict[str, object] = {}
+    if config.partition in ("dirichlet", "dirichlet-client"):
+        params["alpha"] = config.alpha
+    if config.partition == "dirichlet":
+        params["min_partition_size"] = config.min_partition_size
+        params["max_redraws"] = config.max_redraws
+    if config.partition == "shards":
+        params["shards_per_client"] = config.shards_per_client
+    if config.partition == "quantity":
+        params["sigma"] = config.sigma
+    parts = partition(dataset.y_train, config.partition, config.num_clients, seed, **params)
     x_train, x_test = dataset.x_train, dataset.x_test
     if config.normalize:
         mean, std = normalization_stats(x_train)
@@ -147,10 +233,8 @@ def demo_task(context: TaskContext) -> SupervisedTask:
     if context.role == "server":
         return SupervisedTask(model_fn=model_fn, train_data=None, test_data=test)
     pid = context.partition_id
-    if pid is None or not 0 <= pid < len(prepared.partitions):
+    if pid is None or not 0 <= pid < prepared.num_clients:
         raise ConfigError(
-            f"client {context.client_id!r} needs a partition id in 0..{len(prepared.partitions) - 1}, got {pid}"
+            f"client {context.client_id!r} needs a partition id in 0..{prepared.num_clients - 1}, got {pid}"
         )
-    idx = torch.from_numpy(prepared.partitions[pid])
-    shard = (prepared.x_train.index_select(0, idx), prepared.y_train.index_select(0, idx))  # not x[idx]: 100x slower
-    return SupervisedTask(model_fn=model_fn, train_data=shard, test_data=test)
+    return SupervisedTask(model_fn=model_fn, train_data=prepared.shard(pid), test_data=test)

@@ -1,0 +1,757 @@
+"""The process-pool backend: virtual clients trained by worker processes, one per core, fed from one queue.
+
+:class:`ProcessPool` is a :class:`server.pool.ClientPool` whose clients run in ``workers`` child processes. Each
+worker is a plain ``python -m simulations.procpool`` started once per run: it builds the task factory once, keeps
+one model for all the clients it trains (:class:`client.runner.ModelCache`, through an
+:class:`~simulations.inmemory.InMemoryPool` of its own) and runs client after client. Nothing crosses a process
+boundary as pickle:
+
+- tensors (the global model and its tensor groups, each update) pass through shared memory as safetensors files
+  in a private directory under ``/dev/shm`` (:func:`fedcore.payload.save_payload`, mapped back with
+  :func:`fedcore.payload.open_safetensors`): the global model is written once per round and mapped by every
+  worker; an update is written by its worker and mapped by the pool, then unlinked;
+- everything else travels as the gRPC path's own protobuf headers (:func:`fedcore.wire.task_header`,
+  :func:`fedcore.wire.result_header`) plus a small JSON envelope (client id, partition id, file name), framed by
+  length over two pipes per worker.
+
+The same protobuf conversions serve the gRPC path, which gives the in-process model bit for bit; the pool
+therefore gives the in-process history bit for bit as long as each client trains with the same number of torch
+threads (``threads``, 1 by default: one per worker, so ``workers`` threads in all).
+
+Scheduling is a dynamic queue: each worker takes the next client when it is done with the last, so a slow client
+(a large shard, a slow task) delays only its own worker. Clients of a multi-stage round protocol (SecAgg+) keep
+their state machines in the worker that answered their first stage message of the round, so every later message
+of that client in that round goes to the same worker.
+
+Failures: a client whose task raises fails as in the in-memory pool. A worker that dies (a crash in native code,
+killed for memory) fails the client it was running with a reason that says so, and is replaced at once; the round
+goes on by the round loop's quorum rules. The pool never waits for a dead worker. :meth:`ProcessPool.close` (also
+on ``with`` exit and at interpreter exit) ends the workers, killing any that do not exit within a few seconds, and
+removes the shared-memory directory; a worker also exits by itself when the pool's process dies (its command pipe
+reaches end of file), and a later pool removes directories left by pools whose process died.
+
+Fit and evaluate instructions keep no deadline (as in the in-memory pool: a simulation's model never depends on
+timing); a stage instruction is timed inside its worker against ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedcore.errors import ConfigError, FedcoreError, TransportError
+from fedcore.messages import (
+    Failure,
+    FitRes,
+    Reply,
+    ServerMessage,
+    Stage,
+    StageIns,
+    StageRes,
+    bound_text,
+    payload_arrays,
+)
+from fedcore.payload import open_safetensors, save_payload
+from fedcore.tensors import NamedArrays
+from simulations.inmemory import all_virtual_clients
+
+log = logging.getLogger("fedcore.simulation")
+
+SHM_ROOT = Path("/dev/shm")
+"""Where the pool's shared-memory directory goes when it exists (else the system's temporary directory)."""
+DIR_PREFIX = "fedcore-procpool-"
+"""Name prefix of a pool's shared-memory directory: ``fedcore-procpool-<pid>-<random>``."""
+START_TIMEOUT_S = 300.0
+"""How long a starting worker may take to import torch and build its task factory before the pool gives up."""
+STOP_TIMEOUT_S = 10.0
+"""How long :meth:`ProcessPool.close` waits for a worker to exit by itself before killing it."""
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest control message (envelope or protobuf header) either side reads; tensors travel as files."""
+
+
+def default_workers() -> int:
+    """The number of cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientTasks:
+    """How a worker builds a virtual client's task: the task factory by name, and the context it gets.
+
+    A worker calls ``factory`` with ``TaskContext(role="client", client_id, partition_id, num_partitions,
+    data_dir, seed, options)``, exactly as the in-process harness and a client daemon do.
+
+    Attributes:
+        factory: ``module:attr`` of the task factory, importable in a fresh interpreter with this process's
+            ``sys.path``.
+        options: the factory's string options.
+        num_partitions: the number of virtual clients (partitions).
+        seed: the run's seed.
+        data_dir: handed to the factory (None: unset).
+        attack: the run's ``[attack]`` table (:class:`simulations.attacks.AttackConfig` as a mapping); attacking
+            clients (see :class:`ProcessPool`'s ``attackers``) of a label attack train on altered labels
+            (:func:`simulations.attacks.attacked_tasks`).
+        label_attack_classes: the number of classes a label attack draws from.
+        max_tasks: how many clients' tasks a worker keeps built (least recently used first out).
+    """
+
+    factory: str
+    options: Mapping[str, str] = field(default_factory=dict)
+    num_partitions: int
+    seed: int
+    data_dir: str | None = None
+    attack: Mapping[str, Any] = field(default_factory=dict)
+    label_attack_classes: int = 0
+    max_tasks: int = 256
+
+    def __post_init__(self) -> None:
+        module, sep, attr = self.factory.partition(":")
+        if not (module and sep and attr):
+            raise ConfigError(f"the task factory must look like module:attr, got {self.factory!r}")
+        if self.num_partitions < 1 or self.max_tasks < 1 or self.label_attack_classes < 0:
+            raise ConfigError("num_partitions and max_tasks must be >= 1, label_attack_classes >= 0")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# framing: [u32 envelope length][envelope JSON][u32 header length][header bytes]
+
+_LEN = struct.Struct("<I")
+
+
+def _write_message(fd: int, envelope: Mapping[str, Any], header: bytes = b"") -> None:
+    body = json.dumps(envelope, separators=(",", ":")).encode()
+    data = memoryview(b"".join((_LEN.pack(len(body)), body, _LEN.pack(len(header)), header)))
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def _read_exact(fd: int, size: int) -> bytes | None:
+    """``size`` bytes from ``fd``; None at end of file before the first byte.
+
+    Raises:
+        TransportError: end of file in the middle (the other side died while writing).
+    """
+    chunks: list[bytes] = []
+    left = size
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            if left == size:
+                return None
+            raise TransportError(f"pipe closed after {size - left} of {size} bytes of a message")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_message(fd: int) -> tuple[dict[str, Any], bytes] | None:
+    """The next ``(envelope, header bytes)`` from ``fd``; None at end of file.
+
+    Raises:
+        TransportError: a truncated or oversized message.
+    """
+    parts: list[bytes] = []
+    for _ in range(2):
+        prefix = _read_exact(fd, _LEN.size)
+        if prefix is None:
+            if parts:
+                raise TransportError("pipe closed between the envelope and the header of a message")
+            return None
+        (size,) = _LEN.unpack(prefix)
+        if size > MAX_MESSAGE_BYTES:
+            raise TransportError(f"a control message claims {size} bytes; at most {MAX_MESSAGE_BYTES} are read")
+        body = _read_exact(fd, size) if size else b""
+        if body is None:
+            raise TransportError("pipe closed inside a message")
+        parts.append(body)
+    return json.loads(parts[0]), parts[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pool (parent side)
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: subprocess.Popen[bytes]
+    commands: int  # our end of the worker's command pipe (we write)
+    results: int  # our end of the worker's result pipe (we read)
+    ready: bool = False
+    started: float = field(default_factory=time.monotonic)
+    task: tuple[int, str, ServerMessage] | None = None  # (seq, client id, instruction) in flight
+    pinned: deque[str] = field(default_factory=deque)
+
+
+class ProcessPool:
+    """A :class:`~server.pool.ClientPool` whose virtual clients train in worker processes (see the module
+    docstring).
+
+    Args:
+        client_ids: the virtual clients' ids; client ``client_ids[i]`` gets partition ``i``.
+        tasks: how workers build a client's task.
+        workers: the number of worker processes (default: :func:`default_workers`, the cores this process may
+            use).
+        threads: torch threads of each worker (1: each worker one core).
+        state_dir: the virtual clients' persistent state directory (:class:`client.state.ClientStateStore`),
+            shared by the workers; None when no client keeps state.
+        attackers: the attacking clients (a label attack in ``tasks.attack`` alters their training labels).
+        shm_dir: where to make the shared-memory directory (default :data:`SHM_ROOT` when it exists).
+
+    Raises:
+        ConfigError: repeated client ids, workers or threads < 1.
+        TransportError: a worker could not start (the message gives the worker's own error, e.g. a task factory
+            that cannot be imported).
+    """
+
+    def __init__(
+        self,
+        client_ids: Sequence[str],
+        tasks: ClientTasks,
+        *,
+        workers: int | None = None,
+        threads: int = 1,
+        state_dir: str | os.PathLike[str] | None = None,
+        attackers: frozenset[str] = frozenset(),
+        shm_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if len(set(client_ids)) != len(client_ids):
+            raise ConfigError(f"client ids must be unique; {len(client_ids) - len(set(client_ids))} repeat")
+        count = default_workers() if workers is None else workers
+        if count < 1 or threads < 1:
+            raise ConfigError(f"workers and threads must be >= 1, got workers={count}, threads={threads}")
+        self._ids = list(client_ids)
+        self._index = {cid: i for i, cid in enumerate(self._ids)}
+        self._attackers = attackers
+        self._spec = {
+            "factory": tasks.factory,
+            "options": dict(tasks.options),
+            "num_partitions": tasks.num_partitions,
+            "seed": tasks.seed,
+            "data_dir": tasks.data_dir,
+            "attack": dict(tasks.attack),
+            "label_attack_classes": tasks.label_attack_classes,
+            "max_tasks": tasks.max_tasks,
+            "threads": threads,
+            "state_dir": None if state_dir is None else str(Path(state_dir).resolve()),
+        }
+        root = Path(shm_dir) if shm_dir is not None else (SHM_ROOT if SHM_ROOT.is_dir() else None)
+        remove_stale_dirs(root or Path(tempfile.gettempdir()))
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=root))
+        self._workers: list[_Worker | None] = [None] * count
+        self._seq = 0
+        self._affinity: dict[str, int] = {}
+        self._affinity_round = -1
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._dir)
+        try:
+            for i in range(count):
+                self._workers[i] = self._spawn(i)
+            self.wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- ClientPool ----------------------------------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        """The number of worker processes."""
+        return len(self._workers)
+
+    @property
+    def shm_dir(self) -> Path:
+        """The pool's shared-memory directory (removed by :meth:`close`)."""
+        return self._dir
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the live workers."""
+        return [w.process.pid for w in self._workers if w is not None]
+
+    def available(self) -> list[str]:
+        """All virtual clients are always available."""
+        return list(self._ids)
+
+    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
+        """Return all clients, or raise :class:`~fedcore.errors.RoundFailed` if there are fewer than ``num_clients``."""
+        return all_virtual_clients(self._ids, num_clients)
+
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
+        """Hand the instructions to the workers and yield each reply as it comes (one per client, in the order the
+        workers finish); a client whose task raised, or whose worker died, yields a Failure.
+
+        Raises:
+            TransportError: the pool is closed.
+        """
+        if self._closed:
+            raise TransportError("the process pool is closed; make a new one")
+        shared: deque[str] = deque()
+        for client_id, instruction in instructions.items():
+            if instruction.round != self._affinity_round:
+                self._affinity, self._affinity_round = {}, instruction.round
+            pinned = self._affinity.get(client_id)
+            worker = self._workers[pinned] if pinned is not None else None
+            if worker is not None:
+                worker.pinned.append(client_id)
+            else:
+                shared.append(client_id)
+        files: dict[tuple[object, ...], tuple[str, int, NamedArrays]] = {}
+        try:
+            yield from self._schedule(instructions, shared, files, timeout_s)
+        finally:
+            self._drain()
+            for name, _, _ in files.values():
+                (self._dir / name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """End the workers (killing those that do not exit within :data:`STOP_TIMEOUT_S`) and remove the
+        shared-memory directory. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> ProcessPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- scheduling -----------------------------------------------------------------------------------------
+
+    def _schedule(
+        self,
+        instructions: Mapping[str, ServerMessage],
+        shared: deque[str],
+        files: dict[tuple[object, ...], tuple[str, int, NamedArrays]],
+        timeout_s: float | None,
+    ) -> Iterator[Reply]:
+        while True:
+            for worker in self._workers:
+                if worker is None or not worker.ready or worker.task is not None:
+                    continue
+                queue = worker.pinned if worker.pinned else shared
+                if queue:
+                    client_id = queue.popleft()
+                    failure = self._dispatch(worker, client_id, instructions[client_id], files, timeout_s)
+                    if failure is not None:
+                        yield failure
+            live = [w for w in self._workers if w is not None]
+            running = [w for w in live if w.task is not None]
+            starting = [w for w in live if not w.ready]
+            pending = bool(shared) or any(w.pinned for w in live)
+            if not running and not pending:
+                return
+            if not running and not starting:
+                if any(w.ready for w in live):
+                    continue  # a worker freed up: hand it the next client
+                for client_id in shared:  # no worker left to run them
+                    instruction = instructions[client_id]
+                    reason = "no simulation worker is left to run this client (they died and could not be replaced)"
+                    yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason)
+                return
+            waiting = running + starting
+            readable, _, _ = select.select([w.results for w in waiting], [], [], 1.0)
+            for worker in waiting:
+                if worker.results in readable:
+                    yield from self._receive(worker, shared)
+                elif not worker.ready and time.monotonic() - worker.started > START_TIMEOUT_S:
+                    raise TransportError(
+                        f"a replacement simulation worker did not start within {START_TIMEOUT_S:.0f} s"
+                    )
+
+    def _dispatch(
+        self,
+        worker: _Worker,
+        client_id: str,
+        instruction: ServerMessage,
+        files: dict[tuple[object, ...], tuple[str, int, NamedArrays]],
+        timeout_s: float | None,
+    ) -> Failure | None:
+        from fedcore.wire import task_header
+
+        try:
+            arrays, metadata = payload_arrays(instruction)
+            name, size = "", 0
+            if arrays:
+                key = (*(id(a) for a in arrays.values()), *sorted(metadata.items()))
+                if key not in files:
+                    self._seq += 1
+                    name = f"in-{self._seq}.safetensors"
+                    written = save_payload(self._dir / name, arrays, metadata, durable=False)
+                    files[key] = (name, written.size, arrays)  # the arrays stay referenced: ids stay unique
+                name, size, _ = files[key]
+            header = task_header(instruction, task_id="", payload_bytes=size).SerializeToString()
+        except FedcoreError as exc:
+            return Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
+        except OSError as exc:
+            raise TransportError(
+                f"cannot write the model to the shared-memory directory {str(self._dir)!r}: {exc.strerror or exc}; "
+                "give the pool more room (e.g. docker run --shm-size) or another directory (shm_dir)"
+            ) from exc
+        self._seq += 1
+        envelope = {
+            "seq": self._seq,
+            "client": client_id,
+            "partition": self._index[client_id],
+            "attacker": client_id in self._attackers,
+            "payload": name,
+            "timeout_s": timeout_s,
+        }
+        if isinstance(instruction, StageIns):
+            self._affinity[client_id] = worker.index
+        worker.task = (self._seq, client_id, instruction)
+        with contextlib.suppress(OSError):  # the worker died: its result pipe reports end of file, failing this client
+            _write_message(worker.commands, envelope, header)
+        return None
+
+    def _receive(self, worker: _Worker, shared: deque[str]) -> Iterator[Reply]:
+        from fedcore.proto.v1 import fedcore_pb2 as pb
+        from fedcore.wire import reply_from_header
+
+        try:
+            message = _read_message(worker.results)
+        except TransportError as exc:
+            message, problem = None, f"died ({exc.message})"
+        else:
+            problem = "died"
+        if message is None:
+            if not worker.ready:  # a replacement that cannot start would be replaced forever
+                raise TransportError(
+                    f"a replacement simulation worker exited while starting ({_exit_status(worker.process)}); its "
+                    "error is above"
+                )
+            yield from self._replace(worker, shared, problem)
+            return
+        envelope, header = message
+        if envelope.get("kind") == "ready":
+            worker.ready = True
+            return
+        if envelope.get("kind") == "error":  # the worker could not start: nothing will start better
+            reason = bound_text(str(envelope.get("error", "")))
+            self._kill(worker)
+            self._workers[worker.index] = None
+            raise TransportError(f"a simulation worker could not start: {reason}")
+        task, worker.task = worker.task, None
+        if task is None or envelope.get("seq") != task[0]:
+            raise TransportError(f"worker {worker.index} answered a task it was not given ({envelope.get('seq')})")
+        _, client_id, instruction = task
+        name = envelope.get("payload") or ""
+        try:
+            parameters: NamedArrays | None = None
+            metadata: dict[str, str] = {}
+            if name:
+                path = self._dir / Path(name).name
+                try:
+                    parameters, metadata = open_safetensors(path, round=instruction.round, client_id=client_id)
+                finally:
+                    path.unlink(missing_ok=True)  # the mapping stays valid; the memory goes with the arrays
+            reply = reply_from_header(
+                pb.ResultHeader.FromString(header), client_id=client_id, parameters=parameters, metadata=metadata
+            )
+        except (FedcoreError, OSError) as exc:
+            reason = exc.message if isinstance(exc, FedcoreError) else str(exc)
+            reply = Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason)
+        yield _with_stage_of(reply, instruction)
+
+    def _replace(self, worker: _Worker, shared: deque[str], problem: str) -> Iterator[Failure]:
+        """Fail the client ``worker`` was running, move its pinned clients out, and start a replacement."""
+        status = _exit_status(worker.process)
+        self._kill(worker)
+        if worker.task is not None:
+            _, client_id, instruction = worker.task
+            yield Failure(
+                client_id=client_id,
+                round=instruction.round,
+                stage=instruction.stage,
+                reason=(
+                    f"the simulation worker process {worker.process.pid} running this client {problem} ({status}); "
+                    "its update is lost (out of memory, or a crash in native code?); a new worker takes its place"
+                ),
+            )
+        for client_id, index in list(self._affinity.items()):  # their state machines died with the worker
+            if index == worker.index:
+                del self._affinity[client_id]
+        shared.extend(worker.pinned)
+        log.warning(
+            "simulation worker %d (pid %d) %s (%s); starting another", worker.index, worker.process.pid, problem, status
+        )
+        self._workers[worker.index] = None
+        try:
+            self._workers[worker.index] = self._spawn(worker.index)
+        except OSError as exc:
+            log.error("cannot start a replacement worker: %s", exc)
+
+    def _drain(self) -> None:
+        """Wait for the tasks still in flight (the caller stopped early) and drop their results."""
+        for worker in self._workers:
+            if worker is None:
+                continue
+            worker.pinned.clear()
+            if worker.task is not None:
+                for _ in self._receive(worker, deque()):
+                    pass
+
+    # -- processes ------------------------------------------------------------------------------------------
+
+    def _spawn(self, index: int) -> _Worker:
+        commands_read, commands_write = os.pipe()
+        results_read, results_write = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        env.setdefault("OMP_NUM_THREADS", str(self._spec["threads"]))
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "simulations.procpool", str(commands_read), str(results_write)],
+                pass_fds=(commands_read, results_write),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            for fd in (commands_read, commands_write, results_read, results_write):
+                os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(commands_read)
+                os.close(results_write)
+        worker = _Worker(index, process, commands_write, results_read)
+        with contextlib.suppress(OSError):  # it died at once: its result pipe says so
+            _write_message(worker.commands, {"kind": "spec", **self._spec, "dir": str(self._dir), "index": index})
+        return worker
+
+    def wait_until_ready(self) -> None:
+        """Wait until every worker has started (the pool's constructor does; a worker that replaces a dead one
+        starts while the others train, and this waits for it too, e.g. before timing a round).
+
+        Raises:
+            TransportError: a worker exited while starting, reported an error, or took longer than
+                :data:`START_TIMEOUT_S`.
+        """
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            waiting = [w for w in self._workers if w is not None and not w.ready]
+            if not waiting:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(
+                    f"{len(waiting)} simulation worker(s) did not start within {START_TIMEOUT_S:.0f} s"
+                )
+            readable, _, _ = select.select([w.results for w in waiting], [], [], left)
+            for worker in waiting:
+                if worker.results in readable:
+                    message = _read_message(worker.results)
+                    if message is None:
+                        raise TransportError(
+                            f"a simulation worker exited while starting ({_exit_status(worker.process)}); its "
+                            "error is above"
+                        )
+                    envelope, _ = message
+                    if envelope.get("kind") == "error":
+                        raise TransportError(
+                            f"a simulation worker could not start: {bound_text(str(envelope.get('error', '')))}"
+                        )
+                    worker.ready = True
+
+    def _kill(self, worker: _Worker) -> None:
+        _stop(worker, timeout_s=0.0)
+
+
+def _with_stage_of(reply: Reply, instruction: ServerMessage) -> Reply:
+    """A failure keeps the stage of the instruction it answers (the header carries it too)."""
+    if isinstance(reply, Failure) and reply.stage != instruction.stage:
+        return Failure(client_id=reply.client_id, round=reply.round, stage=instruction.stage, reason=reply.reason)
+    return reply
+
+
+def _exit_status(process: subprocess.Popen[bytes]) -> str:
+    try:
+        code = process.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(worker: _Worker, *, timeout_s: float) -> None:
+    for fd in (worker.commands, worker.results):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        worker.process.wait(timeout=timeout_s)
+    if worker.process.poll() is None:
+        worker.process.kill()
+        worker.process.wait()
+
+
+def _shutdown(workers: list[_Worker | None], directory: Path) -> None:
+    """End every worker (closing its command pipe asks it to exit) and remove ``directory``."""
+    live = [w for w in workers if w is not None]
+    for worker in live:
+        if not worker.ready:  # still importing: nothing to finish, and it would read its pipe only once started
+            worker.process.kill()
+    for worker in live:  # all asked at once, then each waited for
+        with contextlib.suppress(OSError):
+            os.close(worker.commands)
+        worker.commands = -1
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for worker in live:
+        _stop(worker, timeout_s=max(0.0, deadline - time.monotonic()))
+    workers[:] = [None] * len(workers)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def remove_stale_dirs(root: Path) -> list[Path]:
+    """Remove the shared-memory directories of pools whose process is gone (killed before it could clean up);
+    return those removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for path in root.glob(f"{DIR_PREFIX}*"):
+            pid_text = path.name[len(DIR_PREFIX) :].partition("-")[0]
+            if not pid_text.isdigit() or _alive(int(pid_text)):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the worker (child side)
+
+
+def _worker_main(commands: int, results: int) -> int:
+    """Serve tasks from ``commands`` until it reaches end of file; answer on ``results``.
+
+    Ctrl-C in a terminal reaches the whole process group: the worker ignores it, and the pool, which gets it too,
+    ends the workers by closing their command pipes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    first = _read_message(commands)
+    if first is None:
+        return 0
+    spec = first[0]
+    try:
+        serve = _worker_setup(spec)
+    except Exception as exc:  # reported to the pool, which raises it as a TransportError
+        _write_message(results, {"kind": "error", "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    _write_message(results, {"kind": "ready"})
+    while True:
+        message = _read_message(commands)
+        if message is None:
+            return 0
+        envelope, header = message
+        reply_envelope, reply_header = serve(envelope, header)
+        _write_message(results, reply_envelope, reply_header)
+
+
+def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes], tuple[dict[str, Any], bytes]]:
+    import torch
+
+    from client.state import ClientStateStore
+    from fedcore.config import from_mapping
+    from fedcore.proto.v1 import fedcore_pb2 as pb
+    from fedcore.task import Task, TaskContext, load_task_factory
+    from fedcore.wire import instruction_from_header, result_header
+    from simulations.attacks import LABEL_ATTACKS, AttackConfig, attacked_tasks
+    from simulations.inmemory import InMemoryPool
+
+    torch.set_num_threads(int(spec["threads"]))
+    factory = load_task_factory(spec["factory"])
+    directory = Path(spec["dir"])
+    worker = int(spec["index"])
+    options = {str(k): str(v) for k, v in spec["options"].items()}
+    data_dir = spec["data_dir"]
+    attack = from_mapping(AttackConfig, spec["attack"], where="attack")
+    current: dict[str, Any] = {}
+
+    def make_task(client_id: str) -> Task:
+        context = TaskContext(
+            role="client",
+            client_id=client_id,
+            partition_id=int(current["partition"]),
+            num_partitions=int(spec["num_partitions"]),
+            data_dir=Path(data_dir) if data_dir is not None else None,
+            seed=int(spec["seed"]),
+            options=options,
+        )
+        if current["attacker"] and attack.kind in LABEL_ATTACKS:
+            honest: Callable[[str], Task] = lambda _cid: factory(context)  # noqa: E731
+            classes = int(spec["label_attack_classes"])
+            return attacked_tasks(honest, frozenset({client_id}), attack, classes, seed=int(spec["seed"]))(client_id)
+        return factory(context)
+
+    state = ClientStateStore(spec["state_dir"]) if spec["state_dir"] is not None else None
+    pool = InMemoryPool((), make_task, state=state, max_tasks=int(spec["max_tasks"]))
+    last: tuple[tuple[str, bytes], ServerMessage] | None = None
+    count = 0
+
+    def serve(envelope: Mapping[str, Any], header: bytes) -> tuple[dict[str, Any], bytes]:
+        nonlocal last, count
+        client_id = str(envelope["client"])
+        current["partition"], current["attacker"] = envelope["partition"], bool(envelope["attacker"])
+        name = str(envelope["payload"] or "")
+        key = (name, header)
+        parsed = pb.TaskHeader.FromString(header)
+        out = ""
+        try:
+            if last is not None and last[0] == key:
+                instruction = last[1]  # every client of a round: one instruction, one model check
+            else:
+                arrays: NamedArrays = {}
+                metadata: dict[str, str] = {}
+                if name:
+                    arrays, metadata = open_safetensors(directory / name, round=parsed.round, client_id=client_id)
+                instruction = instruction_from_header(parsed, arrays, metadata)
+                last = (key, instruction)
+            reply = next(iter(pool.run({client_id: instruction}, timeout_s=envelope.get("timeout_s"))))
+            if isinstance(reply, FitRes | StageRes):
+                arrays, metadata = payload_arrays(reply)
+                if arrays:
+                    count += 1
+                    out = f"out-{worker}-{count}.safetensors"
+                    save_payload(directory / out, arrays, metadata, durable=False)
+        except Exception as exc:  # the client fails, the worker goes on
+            stage = {pb.STAGE_FIT: Stage.FIT, pb.STAGE_EVALUATE: Stage.EVALUATE}.get(parsed.stage, Stage.PROTOCOL)
+            reason = exc.message if isinstance(exc, FedcoreError) else f"{type(exc).__name__}: {exc}"
+            reply, out = Failure(client_id=client_id, round=parsed.round, stage=stage, reason=reason), ""
+        message = result_header(reply, session="", task_id="")
+        return {"seq": envelope["seq"], "payload": out}, message.SerializeToString()
+
+    return serve
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(int(sys.argv[1]), int(sys.argv[2])))

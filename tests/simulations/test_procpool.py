@@ -1,0 +1,193 @@
+"""The process-pool backend: same model as in-process, crashes, stragglers, clean shutdown (real processes)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedcore.errors import TransportError
+from fedcore.messages import Failure, FitIns, FitRes
+from fedcore.task import FitConfig, initial_parameters
+from simulations.procpool import DIR_PREFIX, ClientTasks, ProcessPool, remove_stale_dirs
+from tests.simulations.procpool_tasks import linear
+
+TINY = "tests.simulations.procpool_tasks:tiny_task"
+IDS = [f"client-{i}" for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcessPool]:
+    """Two workers; client-2 crashes its worker, client-0 sleeps 1.5 s."""
+    options = {"crash": "client-2", "slow": "client-0", "slow_s": "1.5"}
+    tasks = ClientTasks(factory=TINY, options=options, num_partitions=len(IDS), seed=0)
+    with ProcessPool(IDS, tasks, workers=2) as p:
+        yield p
+
+
+def _fit(clients: list[str], round: int = 1) -> dict[str, FitIns]:
+    parameters = initial_parameters(linear, 0)
+    config = FitConfig(local_epochs=1, batch_size=5, lr=0.1)
+    ins = FitIns(round=round, parameters=parameters, config=config, seed=0)
+    return {cid: ins for cid in clients}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_crash_fails_only_that_client_and_the_worker_is_replaced(pool: ProcessPool) -> None:
+    before = set(pool.worker_pids())
+    replies = {r.client_id: r for r in pool.run(_fit(["client-1", "client-2", "client-3", "client-4"]))}
+    assert sorted(replies) == ["client-1", "client-2", "client-3", "client-4"]
+    failure = replies["client-2"]
+    assert isinstance(failure, Failure)
+    assert "died" in failure.reason and "SIGKILL" in failure.reason, failure.reason
+    assert all(isinstance(replies[c], FitRes) for c in ("client-1", "client-3", "client-4"))
+    after = set(pool.worker_pids())
+    assert len(after) == 2 and len(before - after) == 1  # the crashed worker was replaced
+    again = list(pool.run(_fit(["client-5", "client-6"], round=2)))  # the replacement trains
+    assert [type(r) for r in again] == [FitRes, FitRes]
+
+
+def test_a_straggler_does_not_idle_the_other_worker(pool: ProcessPool) -> None:
+    clients = ["client-0", *IDS[3:]]  # the slow one first, then nine fast ones
+    pool.wait_until_ready()  # the worker that replaced the crashed one too
+    started = time.perf_counter()
+    replies = list(pool.run(_fit(clients, round=3)))
+    took = time.perf_counter() - started
+    assert all(isinstance(r, FitRes) for r in replies)
+    by_pid: dict[float, list[str]] = {}
+    for r in replies:
+        assert isinstance(r, FitRes)
+        by_pid.setdefault(r.metrics["pid"], []).append(r.client_id)
+    slow_worker = next(cids for cids in by_pid.values() if "client-0" in cids)
+    assert slow_worker == ["client-0"], by_pid  # the other worker took all nine fast clients meanwhile
+    assert took < 1.5 + 1.0
+    assert replies[-1].client_id == "client-0"  # yielded as finished, not in instruction order
+
+
+def test_same_updates_as_in_process(pool: ProcessPool) -> None:
+    from fedcore.task import TaskContext
+    from simulations.inmemory import InMemoryPool
+    from tests.simulations.procpool_tasks import tiny_task
+
+    clients = ["client-5", "client-7", "client-9"]
+    tasks = {c: tiny_task(TaskContext(role="client", client_id=c, partition_id=IDS.index(c), seed=0)) for c in clients}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = {r.client_id: r for r in InMemoryPool(clients, tasks.__getitem__).run(_fit(clients, round=4))}
+    finally:
+        torch.set_num_threads(threads)
+    remote = {r.client_id: r for r in pool.run(_fit(clients, round=4))}
+    for c in clients:
+        a, b = local[c], remote[c]
+        assert isinstance(a, FitRes) and isinstance(b, FitRes)
+        assert a.num_examples == b.num_examples == 20
+        assert a.metrics["train_loss"] == b.metrics["train_loss"]
+        for name in a.parameters:
+            np.testing.assert_array_equal(a.parameters[name], b.parameters[name])
+
+
+def test_stopping_early_leaves_no_file_behind(pool: ProcessPool) -> None:
+    replies = pool.run(_fit(IDS[3:], round=5))
+    next(replies)
+    replies.close()  # the round loop gave up: in-flight clients are waited for, inputs removed
+    assert [p.name for p in pool.shm_dir.iterdir()] == []
+    assert len(list(pool.run(_fit(["client-3"], round=6)))) == 1
+
+
+def test_close_ends_every_worker_and_removes_shared_memory(pool: ProcessPool) -> None:
+    """Last of the tests that share the module's pool: it closes it."""
+    pids, directory = pool.worker_pids(), pool.shm_dir
+    assert directory.is_dir() and directory.name.startswith(f"{DIR_PREFIX}{os.getpid()}-")
+    pool.close()
+    assert not directory.exists()
+    assert not any(_alive(pid) for pid in pids)
+    with pytest.raises(TransportError, match="closed"):
+        list(pool.run(_fit(["client-3"])))
+    pool.close()  # idempotent
+
+
+def test_a_factory_that_cannot_load_is_a_clear_error() -> None:
+    tasks = ClientTasks(factory="tests.simulations.procpool_tasks:missing", num_partitions=1, seed=0)
+    with pytest.raises(TransportError, match=r"could not start.*missing"):
+        ProcessPool(["a"], tasks, workers=1)
+
+
+def test_stale_directories_of_dead_pools_are_removed(tmp_path: Path) -> None:
+    dead = tmp_path / f"{DIR_PREFIX}999999999-x"  # no such process
+    mine = tmp_path / f"{DIR_PREFIX}{os.getpid()}-y"
+    for d in (dead, mine):
+        d.mkdir()
+    assert remove_stale_dirs(tmp_path) == [dead]
+    assert mine.is_dir() and not dead.exists()
+
+
+DIGITS = [
+    "data.dataset='digits'",
+    "data.num_clients=8",
+    "data.partition='iid'",
+    "model.name='2nn'",
+    "strategy.name='fedavgm'",
+    "strategy.server_momentum=0.9",
+    "sampling.min_fit_clients=4",
+    "sampling.fraction_fit=0.5",
+    "train.batch_size=16",
+]
+SECAGG = Path(__file__).resolve().parents[2] / "simulations" / "recipes" / "secagg_synthetic.toml"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "overrides"), [(None, DIGITS), (SECAGG, [])], ids=["fedavgm", "secagg"])
+def test_simulate_with_the_process_backend_gives_the_in_process_history_bit_for_bit(
+    tmp_path: Path, recipe: Path | None, overrides: list[str]
+) -> None:
+    """FedAvgM on digits, and SecAgg+ (its stages keep each client on one worker for the round)."""
+    from simulations.config import load_recipe
+    from simulations.harness import run_simulation
+
+    common = [*overrides, "rounds=2", "evaluate_every=1", "output.progress=false", "output.plot=false"]
+    before = set(Path("/dev/shm").glob(f"{DIR_PREFIX}{os.getpid()}-*"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker: the same float order
+    try:
+        local = run_simulation(load_recipe(recipe, [*common, f"output.dir='{tmp_path / 'a'}'"]), echo=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+    process = [*common, f"output.dir='{tmp_path / 'b'}'", "simulation.backend='process'", "simulation.workers=2"]
+    remote = run_simulation(load_recipe(recipe, process), echo=lambda _: None)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    timing = {"seconds", "fit_seconds"}
+    columns = [c for c in local.history.columns if c not in timing]
+    pd.testing.assert_frame_equal(local.history[columns], remote.history[columns])
+    assert list(local.history["failures"]) == [0, 0, 0] and local.history["clients"].iloc[-1] >= 4
+    assert set(Path("/dev/shm").glob(f"{DIR_PREFIX}{os.getpid()}-*")) == before  # the run's pool cleaned up
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["simulation.backend='ray'"], "'ray' is not one of 'inprocess', 'batched', 'process'"),
+        (["simulation.workers=2"], "add backend = 'process'"),
+        (["simulation.backend='process'", "simulation.workers=0"], "workers must be in 1..4096"),
+    ],
+)
+def test_backend_options_are_checked_before_the_run(overrides: list[str], message: str) -> None:
+    from fedcore.errors import ConfigError
+    from simulations.config import load_recipe
+
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(None, overrides)
+    assert load_recipe(None, ["simulation.backend='process'"]).simulation.workers is None  # one per core
