@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     same = all(np.array_equal(models[pool][n], models["fedcore in-process"][n]) for n in plain_model)
     print(f"process pool model {'equals' if same else 'DIFFERS from'} the in-process model bit for bit")
     for clients in (1000, args.scale) if args.scale else ():
-        seconds, peak = run_scale(clients, args.seed)
-        print(f"{clients} synthetic clients, 10 a round, logreg: {seconds:.3f} s/round, peak RSS {peak:.0f} MiB")
+        per_round, peak = run_scale(clients, args.seed)
+        print(f"{clients} synthetic clients, 10 a round, logreg: {per_round:.3f} s/round, peak RSS {peak:.0f} MiB")
     return 0
 
 
