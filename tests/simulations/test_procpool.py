@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,8 +23,8 @@ IDS = [f"client-{i}" for i in range(12)]
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[ProcessPool]:
-    """Two workers; client-2 crashes its worker, client-0 sleeps 1.5 s."""
-    options = {"crash": "client-2", "slow": "client-0", "slow_s": "1.5"}
+    """Two workers; client-2 crashes its worker, client-0 sleeps 4 s."""
+    options = {"crash": "client-2", "slow": "client-0", "slow_s": "4"}
     tasks = ClientTasks(factory=TINY, options=options, num_partitions=len(IDS), seed=0)
     with ProcessPool(IDS, tasks, workers=2) as p:
         yield p
@@ -63,18 +62,20 @@ def test_crash_fails_only_that_client_and_the_worker_is_replaced(pool: ProcessPo
 def test_a_straggler_does_not_idle_the_other_worker(pool: ProcessPool) -> None:
     clients = ["client-0", *IDS[3:]]  # the slow one first, then nine fast ones
     pool.wait_until_ready()  # the worker that replaced the crashed one too
-    started = time.perf_counter()
     replies = list(pool.run(_fit(clients, round=3)))
-    took = time.perf_counter() - started
     assert all(isinstance(r, FitRes) for r in replies)
     by_pid: dict[float, list[str]] = {}
     for r in replies:
         assert isinstance(r, FitRes)
         by_pid.setdefault(r.metrics["pid"], []).append(r.client_id)
     slow_worker = next(cids for cids in by_pid.values() if "client-0" in cids)
-    assert slow_worker == ["client-0"], by_pid  # the other worker took all nine fast clients meanwhile
-    assert took < 1.5 + 1.0
-    assert replies[-1].client_id == "client-0"  # yielded as finished, not in instruction order
+    other_worker = next(cids for cids in by_pid.values() if "client-0" not in cids)
+    # the other worker went on taking clients while client-0 slept: a static split would give it 4 or 5 of the
+    # nine fast clients, the shared queue all nine on a quiet machine (at least 7 on a loaded one)
+    assert slow_worker[0] == "client-0" and len(other_worker) >= 7, by_pid
+    # yielded as finished, not in instruction order: a fast client's update comes before the straggler's (no wall
+    # time bound: how fast nine tiny clients train depends on the machine's load, the schedule does not)
+    assert replies[0].client_id != "client-0"
 
 
 def test_same_updates_as_in_process(pool: ProcessPool) -> None:
