@@ -1,7 +1,8 @@
 """Benchmark: one SecAgg+ round (privacy/secagg) against plain aggregation, on one machine, in memory.
 
     python bench/secagg.py                                   # 1M float32 params; n=10, n=50, n=50 with 10% dropout
-    python bench/secagg.py --clients 100 --neighbours 15 --dropout 0 0.1   # the issue's setup (slower)
+    python bench/secagg.py --clients 100 --neighbours 15 --dropout 0 0.1   # the issue's setup (about 2 minutes)
+    python bench/secagg.py --clients 10 --params 100000 --flwr-timeout 120  # a quick run, flwr's rows included
 
 For each row, every client's update is a fresh random 1M-parameter float32 model; the round runs through
 ``privacy.secagg.inmemory.run_round`` (the client and server state machines passing messages by reference), and
