@@ -73,7 +73,7 @@ from fedcore.errors import ClientTaskError, ConfigError, NonFiniteError, Payload
 from fedcore.messages import FitIns, FitRes, bounded_repr
 from fedcore.mods import CallNext, ModContext, StateEntry
 from fedcore.seeding import numpy_rng
-from fedcore.tensors import NamedArrays
+from fedcore.tensors import NamedArrays, name_mismatch
 
 MOD = "compress"
 """The client mod's registered name."""
@@ -369,13 +369,8 @@ class CompressionMod:
 
         encoded = reply.parameters if isinstance(reply.parameters, Mapping) else {}
         groups = dict(reply.groups) if isinstance(reply.groups, Mapping) else {}
-        missing = [n for n in reference if n not in encoded]
-        extra = [n for n in encoded if n not in reference]
-        if missing or extra:
-            raise fail(
-                f"the update's tensors differ from the model's: missing {bounded_repr(missing[:5])}, unexpected "
-                f"{bounded_repr(extra[:5])}"
-            )
+        if mismatch := name_mismatch(encoded, reference):
+            raise fail(f"the update's tensors differ from the model's: {mismatch}")
         floating = [n for n, x in reference.items() if x.dtype.kind == "f"]
         group_name = {"int8": SCALE_GROUP, "topk": INDEX_GROUP}.get(self.method)
         side_group: Mapping[str, np.ndarray] = {}

@@ -108,12 +108,9 @@ def check_spec(
     The message lists missing and unexpected names, or the first shape/dtype mismatch.
     """
     want = {s.name: s for s in expected}
-    missing = [n for n in want if n not in arrays]
-    extra = [n for n in arrays if n not in want]
-    if missing or extra:
+    if mismatch := name_mismatch(arrays, want):
         raise PayloadError(
-            f"tensor names do not match the global model: missing {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}. "
+            f"tensor names do not match the global model: {mismatch}. "
             "The client must train the same model architecture as the server.",
             round=round,
             client_id=client_id,
@@ -128,7 +125,7 @@ def check_spec(
             )
         if array.dtype.name != spec.dtype:
             raise PayloadError(
-                f"tensor {name!r} has dtype {array.dtype.name}, expected {spec.dtype}.",
+                f"tensor {_name(name)} has dtype {array.dtype.name}, expected {spec.dtype}.",
                 round=round,
                 client_id=client_id,
             )
@@ -176,6 +173,20 @@ def _header_size_problem(header_len: int) -> str:
         f"safetensors header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} bytes fedcore reads (about 40,000 "
         "tensors); the payload is refused unread"
     )
+
+
+def name_mismatch(arrays: Mapping[str, object], expected: Mapping[str, object] | Sequence[str]) -> str | None:
+    """``"missing [...], unexpected [...]"`` (at most 5 names each, each bounded for an error message) when the
+    names of ``arrays`` differ from ``expected``'s (a mapping's keys, or a sequence of names), else None."""
+    missing = [n for n in expected if n not in arrays]
+    extra = [n for n in arrays if n not in expected]
+    if not missing and not extra:
+        return None
+    return f"missing {_names(missing)}, unexpected {_names(extra)}"
+
+
+def _names(names: Sequence[str]) -> str:
+    return "[" + ", ".join(_name(n) for n in names[:5]) + "]" + (" ..." if len(names) > 5 else "")
 
 
 def _name(name: str) -> str:

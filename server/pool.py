@@ -8,7 +8,7 @@ The round loop talks to clients only through a :class:`ClientPool`. Simulation u
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from fedcore.messages import Reply, ServerMessage
 
@@ -48,3 +48,34 @@ class PayloadMeasure(Protocol):
     def payload_bytes(self, message: ServerMessage) -> int:
         """The bytes of ``message``'s payload as this pool sends it to one client."""
         ...
+
+
+class PoolWrapper:
+    """A :class:`ClientPool` that wraps another and changes some of what passes through it (a simulation's attacks,
+    simulated device times, batched training): everything it does not override goes to the wrapped pool, which a
+    subclass reaches as ``self._pool``; any other attribute (e.g. the in-memory pool's ``task``) is the wrapped
+    pool's too.
+
+    Args:
+        pool: the wrapped pool.
+    """
+
+    def __init__(self, pool: ClientPool) -> None:
+        self._pool = pool
+
+    def available(self) -> list[str]:
+        """The wrapped pool's available clients."""
+        return self._pool.available()
+
+    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
+        """As the wrapped pool."""
+        return self._pool.wait_for(num_clients, timeout_s)
+
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
+        """The wrapped pool's replies."""
+        return self._pool.run(instructions, timeout_s=timeout_s)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_pool":  # not set yet (during unpickling or before __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self._pool, name)

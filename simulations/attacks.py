@@ -28,7 +28,6 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +38,7 @@ from fedcore.seeding import numpy_rng
 from fedcore.supervised import SupervisedTask
 from fedcore.task import Task
 from fedcore.tensors import NamedArrays
-from server.pool import ClientPool
+from server.pool import ClientPool, PoolWrapper
 
 log = logging.getLogger("fedcore.simulation")
 
@@ -132,7 +131,7 @@ def poison_update(
     return out
 
 
-class AttackedPool:
+class AttackedPool(PoolWrapper):
     """A :class:`~server.pool.ClientPool` whose attacking clients' fit replies are poisoned on the way back.
 
     Args:
@@ -143,18 +142,10 @@ class AttackedPool:
     """
 
     def __init__(self, pool: ClientPool, attackers: frozenset[str], config: AttackConfig, *, seed: int) -> None:
-        self._pool = pool
+        super().__init__(pool)
         self._attackers = attackers
         self._config = config
         self._seed = seed
-
-    def available(self) -> list[str]:
-        """The honest pool's available clients."""
-        return self._pool.available()
-
-    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
-        """As the honest pool."""
-        return self._pool.wait_for(num_clients, timeout_s)
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
         """The honest pool's replies, an attacker's fit result replaced by its poisoned update."""
@@ -167,9 +158,6 @@ class AttackedPool:
                 poisoned = poison_update(reply.parameters, instruction.parameters, self._config, rng)
                 reply = dataclasses.replace(reply, parameters=poisoned)
             yield reply
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)  # whatever else the honest pool offers (e.g. its tasks)
 
 
 def num_classes(task: Task) -> int:

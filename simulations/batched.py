@@ -63,6 +63,7 @@ from fedcore.strategy import Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, LossFn, Task
 from fedcore.tensors import NamedArrays, check_spec, state_spec
+from server.pool import PoolWrapper
 from simulations.inmemory import InMemoryPool
 
 log = logging.getLogger("fedcore.simulation")
@@ -495,7 +496,7 @@ def _updates(
 Key = tuple[Any, ...]
 
 
-class BatchedPool:
+class BatchedPool(PoolWrapper):
     """A :class:`server.pool.ClientPool` that trains a round's fit instructions as batches (:func:`train_clients`)
     and runs everything else (evaluation, protocol stages) through the in-process pool it wraps.
 
@@ -518,18 +519,11 @@ class BatchedPool:
     def __init__(self, pool: InMemoryPool, *, batch_clients: int = 0, device: torch.device | str | None = None) -> None:
         if batch_clients < 0:
             raise ConfigError(f"batch_clients must be >= 0 (0: all of a round's clients), got {batch_clients}")
-        self._pool = pool
+        super().__init__(pool)
+        self._pool: InMemoryPool = pool
         self._batch_clients = batch_clients
         self._device = device
         self._models: dict[Key, nn.Module] = {}
-
-    def available(self) -> list[str]:
-        """The in-process pool's clients."""
-        return self._pool.available()
-
-    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
-        """As the in-process pool."""
-        return self._pool.wait_for(num_clients, timeout_s)
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
         """Fit instructions: trained in batches, one reply per client in instruction order. Anything else (or a

@@ -23,13 +23,13 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from fedcore.errors import ConfigError
 from fedcore.messages import FitIns, FitRes, Reply, ServerMessage
 from fedcore.seeding import numpy_rng
 from fedcore.selection import SIZE_ATTRIBUTE, Availability, Selector, size_buckets
-from server.pool import ClientPool
+from server.pool import ClientPool, PoolWrapper
 
 AVAILABILITY_NAMES = ("always", "diurnal", "csv")
 
@@ -192,7 +192,7 @@ def simulation_selector(
     )
 
 
-class SimulatedDevices:
+class SimulatedDevices(PoolWrapper):
     """A :class:`~server.pool.ClientPool` whose fit replies carry their simulated duration, the metric
     ``simulated_seconds`` (:func:`fit_seconds` with the client's speed factor and its instruction's settings).
 
@@ -203,17 +203,9 @@ class SimulatedDevices:
     """
 
     def __init__(self, pool: ClientPool, slow: frozenset[str], config: DevicesConfig) -> None:
-        self._pool = pool
+        super().__init__(pool)
         self._slow = slow
         self._config = config
-
-    def available(self) -> list[str]:
-        """The wrapped pool's available clients."""
-        return self._pool.available()
-
-    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
-        """As the wrapped pool."""
-        return self._pool.wait_for(num_clients, timeout_s)
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
         """The wrapped pool's replies, each fit result with its ``simulated_seconds``."""
@@ -230,6 +222,3 @@ class SimulatedDevices:
                 )
                 reply = dataclasses.replace(reply, metrics={**reply.metrics, "simulated_seconds": seconds})
             yield reply
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)  # whatever else the wrapped pool offers (e.g. its tasks)

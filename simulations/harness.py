@@ -11,7 +11,6 @@ JSON. For the same recipe and seed every file but the plot is byte for byte the 
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import logging
@@ -355,7 +354,7 @@ def validation_evaluation(task: Task, batch_size: int, *, seed: int) -> Evaluate
     if isinstance(task, SupervisedTask) and data is not None and len(data[1]) > VALIDATION_EXAMPLES:
         chosen = numpy_rng(seed, "validation").choice(len(data[1]), size=VALIDATION_EXAMPLES, replace=False)
         index = torch.from_numpy(np.sort(chosen))
-        task = dataclasses.replace(task, test_data=(data[0][index], data[1][index]))
+        task = replace(task, test_data=(data[0][index], data[1][index]))
     return central_evaluation(task, batch_size)
 
 

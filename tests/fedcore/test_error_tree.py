@@ -30,6 +30,8 @@ ALLOWED_AT = {
     ("client/flower.py", "__missing__", "KeyError"): "the dict protocol: a missing key raises KeyError",
     ("fedcore/engine/__init__.py", "__getattr__", "AttributeError"): "the module __getattr__ protocol (PEP 562): "
     "an unknown name raises AttributeError",
+    ("server/pool.py", "__getattr__", "AttributeError"): "the attribute protocol: a wrapper's own state, not set "
+    "yet, is missing rather than looked up in the wrapped pool (which would recurse)",
     ("fedcore/engine/launch.py", "handler", "SystemExit"): "a SIGTERM handler ends the worker process with the "
     "signal's exit status",
     ("server/sessions.py", "begin_call", "KeyError"): "an unknown session; server/service.py catches it and "
