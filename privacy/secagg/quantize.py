@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fedcore.errors import ConfigError, PayloadError
+from fedcore.kernels import FUSED_DTYPES, quantize_into
 from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec
 from privacy.secagg.config import RoundParams
 from privacy.secagg.crypto import MaskExpander
@@ -98,6 +99,10 @@ def quantize(
 ) -> np.ndarray:
     """The unmasked upload of one client: ``(w·q_1, ..., w·q_D, w)`` as a flat array of ``params.dtype``.
 
+    float32 and float64 tensors are quantized by :func:`fedcore.kernels.quantize_into` (one compiled pass per
+    block, compiled on first use in a process), other float dtypes by :func:`quantize_block`; both round the same
+    values to the same integers, bit for bit.
+
     Args:
         update: ``name -> float array`` with exactly the names, shapes and dtypes of ``spec``.
         weight: integer example weight, ``0..params.max_weight``.
@@ -116,12 +121,19 @@ def quantize(
     out = np.empty(vector_length(spec), dtype=params.dtype)
     dither = MaskExpander(DITHER_DTYPE, block=_BLOCK)
     stream = dither.stream(rounding_key)
+    scale = params.levels / (2.0 * params.clip)
     offset = 0
     for s in spec:
         flat = np.ravel(update[s.name])
+        fused = flat.dtype in FUSED_DTYPES
         for start in range(0, flat.size, _BLOCK):
             part = flat[start : start + _BLOCK]
-            out[offset : offset + part.size] = quantize_block(part, w, params, dither.take(stream, part.size))
+            words = dither.take(stream, part.size)
+            target = out[offset : offset + part.size]
+            if fused:  # one compiled pass, the same rounding as quantize_block's numpy steps
+                quantize_into(part, words, params.clip, scale, np.uint64(params.levels), np.uint64(w), target)
+            else:
+                target[:] = quantize_block(part, w, params, words)
             offset += part.size
     out[-1] = w
     return out
