@@ -8,7 +8,7 @@ quantization levels (:class:`~privacy.secagg.config.RoundParams`),
 
 is unbiased stochastic rounding (``E[q_i] = y_i``, ``|q_i - y_i| < 1``; the comparison with the exact fractional
 part keeps it unbiased for any ``L``). The dither ``u_i`` is ``d_i / 2^32`` for
-the AES-256-CTR keystream ``d`` (uint32 words) of a 32-byte rounding key, so rounding never touches numpy's RNG
+the AES-128-CTR keystream ``d`` (uint32 words) of a 32-byte rounding key (:class:`~privacy.secagg.crypto.MaskExpander`), so rounding never touches numpy's RNG
 and is reproducible when the key is given. The bit budget of the config guarantees ``Σ_clients w·q_i <= n·W·L <
 2^b``, so the unmasked sum ``Z`` of ``n`` uploads is exact, and for any number of clients
 
@@ -108,7 +108,7 @@ def quantize(
         weight: integer example weight, ``0..params.max_weight``.
         params: the round's parameters.
         spec: the tensors, in upload order.
-        rounding_key: 32 bytes keying the dither stream (AES-256-CTR); a fresh random key per client and round
+        rounding_key: 32 bytes keying the dither stream (AES-128-CTR); a fresh random key per client and round
             in production, a derived one for reproducible runs.
 
     Raises:
