@@ -25,10 +25,10 @@ Printed per row, plain beside SecAgg+:
   upload against the plain float32 update, and ``+stages``, the protobuf bytes of its other stage replies (two
   public keys, share ciphertexts, the empty acknowledgement, unmask shares), which do not grow with the model.
 
-Each figure is the best of ``--repeat`` rounds. It also prints the mask PRG's rate (MaskExpander adding 16M
-uint32 elements into a vector) against the raw AES-128-CTR keystream (the PRG's cipher) of ``cryptography`` written into a preallocated
-buffer of the same size (best of 5). One core; times are wall seconds. On a shared machine compare numbers only
-within one run (the header prints the load average).
+Each figure is the best of ``--repeat`` rounds. It also prints the mask PRG's rate (MaskExpander adding 16M uint32
+elements into a vector) against the raw AES-128-CTR keystream (the PRG's cipher) of ``cryptography`` written into a
+preallocated buffer of the same size (best of 5). One core; times are wall seconds. On a shared machine compare numbers
+only within one run (the header prints the load average).
 
 Then the same rows through flwr's SecAgg+ (``flwr.server.workflow.SecAggPlusWorkflow`` on the server,
 ``flwr.client.mod.secaggplus_mod`` on the clients, one ServerApp and one ClientApp run by

@@ -132,10 +132,10 @@ class MaskExpander:
     """Expands 32-byte seeds into masks over the field and adds or subtracts them from a vector, block by block.
 
     Each seed's keystream is AES-128-CTR keyed by the seed's first :data:`MASK_KEY_BYTES` bytes (``cryptography``'s
-    OpenSSL, AES-NI where the CPU has it) with a zero counter block; element ``i`` of the mask is the little-endian unsigned integer of keystream bytes
-    ``[i·w, (i+1)·w)`` for the field dtype's width ``w``. Arithmetic wraps modulo ``2^(8w)``, which is also
-    correct modulo ``2^b`` for ``b <= 8w`` once the caller reduces the result. Memory: one block of keystream,
-    shared by all seeds.
+    OpenSSL, AES-NI where the CPU has it) with a zero counter block; element ``i`` of the mask is the little-endian
+    unsigned integer of keystream bytes ``[i·w, (i+1)·w)`` for the field dtype's width ``w``. Arithmetic wraps modulo
+    ``2^(8w)``, which is also correct modulo ``2^b`` for ``b <= 8w`` once the caller reduces the result. Memory: one
+    block of keystream, shared by all seeds.
 
     Args:
         dtype: an unsigned little-endian numpy dtype (``RoundParams.dtype``).

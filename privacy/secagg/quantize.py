@@ -7,10 +7,10 @@ quantization levels (:class:`~privacy.secagg.config.RoundParams`),
     y_i = (clip(x_i, -c, c) + c) · L / (2c)  in [0, L],      q_i = floor(y_i) + [u_i < y_i - floor(y_i)],  u_i ~ U[0, 1)
 
 is unbiased stochastic rounding (``E[q_i] = y_i``, ``|q_i - y_i| < 1``; the comparison with the exact fractional
-part keeps it unbiased for any ``L``). The dither ``u_i`` is ``d_i / 2^32`` for
-the AES-128-CTR keystream ``d`` (uint32 words) of a 32-byte rounding key (:class:`~privacy.secagg.crypto.MaskExpander`), so rounding never touches numpy's RNG
-and is reproducible when the key is given. The bit budget of the config guarantees ``Σ_clients w·q_i <= n·W·L <
-2^b``, so the unmasked sum ``Z`` of ``n`` uploads is exact, and for any number of clients
+part keeps it unbiased for any ``L``). The dither ``u_i`` is ``d_i / 2^32`` for the AES-128-CTR keystream ``d`` (uint32
+words) of a 32-byte rounding key (:class:`~privacy.secagg.crypto.MaskExpander`), so rounding never touches numpy's RNG
+and is reproducible when the key is given. The bit budget of the config guarantees ``Σ_clients w·q_i <= n·W·L < 2^b``,
+so the unmasked sum ``Z`` of ``n`` uploads is exact, and for any number of clients
 
     Σ_k w_k x_k  ≈  Z_i · 2c/L - c · Σ_k w_k        (error below 2c/L · Σ_k w_k per coordinate)
 
