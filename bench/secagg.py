@@ -7,19 +7,29 @@
 For each row, every client's update is a fresh random 1M-parameter float32 model; the round runs through
 ``privacy.secagg.inmemory.run_round`` (the client and server state machines passing messages by reference), and
 the dropouts (a fraction of the clients) vanish after sharing keys, the costly case for the server (their
-masks are rebuilt from neighbours' shares). Printed per row:
+masks are rebuilt from neighbours' shares). Beside it, the plain round over the same updates: every surviving
+client serializes its float32 update (safetensors, ``fedcore.tensors.encode``), the server decodes each
+(``fedcore.tensors.decode``, from its receive buffer, no copy) and folds it into the streaming weighted mean
+(``fedcore.aggregation.WeightedMean``, one thread). The masked upload is serialized and decoded the same way.
+Printed per row, plain beside SecAgg+:
 
-- client s: one client's compute per round, all four stages (mean over all selected clients, dropouts included,
-  who skip the last stages);
-- server s: the server's compute per round (receiving every reply, the running sum, unmasking, dequantizing),
-  beside the plain streaming weighted mean (``fedcore.aggregation.WeightedMean``) of the same float32 updates;
-- upload: bytes one client sends over the round (keys, share ciphertexts, masked vector, unmask shares)
-  against the plain float32 update.
+- client s: the clients' compute as a deployment waits for it (clients run in parallel on their own machines,
+  the server waits for the slowest): plain, a client's serialization of its update; SecAgg+, a client's compute
+  in each stage (key agreement, share encryption, quantizing and masking with the upload's serialization, unmask
+  shares), summed over the four stages. The clients do the same work here, so the slowest is a typical one: the
+  median over the clients (on a shared machine their spread is its scheduling, not a slower client);
+- server s: the server's compute for every stage (plain: decoding and the streaming mean; SecAgg+: checking
+  keys and ciphertexts, decoding and summing the masked uploads, Shamir reconstruction, unmasking, dequantizing);
+- round s: client s + server s, and the ratio SecAgg+ : plain (the issue's target: at most 2);
+- one core s: every client's compute one after another plus the server's, what this one-machine simulation pays;
+- upload bytes: a surviving client's fit-result payload as sent (safetensors: header and data), the masked
+  upload against the plain float32 update, and ``+stages``, the protobuf bytes of its other stage replies (two
+  public keys, share ciphertexts, the empty acknowledgement, unmask shares), which do not grow with the model.
 
-It also prints the mask PRG's rate (MaskExpander adding 16M uint32 elements into a vector) against the raw
-AES-256-CTR keystream of ``cryptography`` written into a preallocated buffer of the same size (best of 5). One
-core; times are wall seconds of the best of ``--repeat`` rounds. On a shared machine compare numbers only within
-one run (the header prints the load average).
+Each figure is the best of ``--repeat`` rounds. It also prints the mask PRG's rate (MaskExpander adding 16M uint32
+elements into a vector) against the raw AES-128-CTR keystream (the PRG's cipher) of ``cryptography`` written into a
+preallocated buffer of the same size (best of 5). One core; times are wall seconds. On a shared machine compare numbers
+only within one run (the header prints the load average).
 
 Then the same rows through flwr's SecAgg+ (``flwr.server.workflow.SecAggPlusWorkflow`` on the server,
 ``flwr.client.mod.secaggplus_mod`` on the clients, one ServerApp and one ClientApp run by
@@ -33,8 +43,8 @@ plain round first, untimed) under ``--flwr-timeout`` seconds, with ``--flwr-cpus
 actor (default 1: clients one after another, as our rows count them). Printed per row: seconds per round, the
 server's wall time of the fit workflow (sending the model, every client's reply including drawing its update,
 about 3 ms, the protocol stages, aggregation), and the max error of the aggregate against the weighted mean of
-the survivors' updates; our round is ``n x client s + server s`` (one core, messages passed by reference, no
-serialization), our plain round is the server's streaming mean. Needs Ray (``pip install -e '.[bench]'``);
+the survivors' updates; beside it our one-core figures (clients one after another, as flwr's single actor runs
+them). Needs Ray (``pip install -e '.[bench]'``);
 without it the flwr rows are skipped with a line saying so. ``--flwr-clients 0`` skips them too.
 """
 
@@ -55,10 +65,14 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedcore.aggregation import WeightedMean
-from fedcore.tensors import spec_of
-from privacy.secagg import ClientMessage, SecAggConfig, Stage
-from privacy.secagg.crypto import MaskExpander
+from fedcore.messages import StageIns
+from fedcore.tensors import TensorSpec, decode, encode, spec_of
+from fedcore.wire import stage_message_to_pb
+from privacy.secagg import ClientMessage, SecAggConfig, Stage, codec
+from privacy.secagg.crypto import MASK_KEY_BYTES, MaskExpander
 from privacy.secagg.inmemory import run_round
+from privacy.secagg.messages import MaskedInputRes
+from privacy.secagg.quantize import quantize
 
 
 def _updates(clients: int, params: int, seed: int) -> dict[str, tuple[dict[str, np.ndarray], int]]:
@@ -77,42 +91,99 @@ def _updates(clients: int, params: int, seed: int) -> dict[str, tuple[dict[str, 
 
 
 def _row(clients: int, params: int, dropout: float, neighbours: int | None) -> dict[str, float]:
+    """One SecAgg+ round and one plain round over the same updates; the seconds and bytes the module docstring
+    lists."""
     updates = _updates(clients, params, seed=clients)
     spec = spec_of(next(iter(updates.values()))[0])
     config = SecAggConfig(neighbours=neighbours, clip=0.5, max_weight=1000)
     gone = {f"client-{i}" for i in range(round(dropout * clients))}
-    sent: dict[str, int] = {}
+    stage_bytes: dict[str, int] = {}
+    upload_bytes: dict[str, int] = {}
+    serialize: dict[tuple[str, str], float] = {}
+    deserialize = 0.0
+    masked_spec: list[TensorSpec] = []
 
-    def count(reply: ClientMessage) -> None:
-        sent[reply.client_id] = sent.get(reply.client_id, 0) + reply.payload_bytes()
+    def wire(reply: ClientMessage) -> None:
+        """What the gRPC path does with a reply: a stage reply becomes a protobuf stage message; the masked upload
+        is the fit result's payload (safetensors), encoded by the client and decoded by the server (timed)."""
+        nonlocal deserialize
+        cid = reply.client_id
+        ins = StageIns(round=reply.round, attempt=1, protocol=codec.PROTOCOL, name=reply.stage.value, fields={})
+        carried = None if isinstance(reply, MaskedInputRes) else reply  # the masked-input stage: an empty ack
+        size = stage_message_to_pb(codec.client_stage(carried, ins, cid)).ByteSize()
+        stage_bytes[cid] = stage_bytes.get(cid, 0) + size
+        if isinstance(reply, MaskedInputRes):
+            if not masked_spec:
+                masked_spec.append(TensorSpec(codec.MASKED, reply.masked.shape, reply.masked.dtype.name))
+            start = time.perf_counter()
+            data = encode({codec.MASKED: reply.masked})
+            serialize[reply.stage.value, cid] = time.perf_counter() - start
+            upload_bytes[cid] = len(data)
+            received = bytearray(data)  # the server's receive buffer (a spill file, mapped, on the gRPC path)
+            start = time.perf_counter()
+            decode(received, masked_spec, copy=False)
+            deserialize += time.perf_counter() - start
 
+    # the compiled quantization kernel compiles on first use in a process: not part of a round
+    warm_params = config.resolve(clients)
+    quantize(next(iter(updates.values()))[0], 1, warm_params, spec, bytes(32))
     timings: dict[str, float] = {}
+    per_client: dict[tuple[str, str], float] = {}
     result = run_round(
-        config, updates, spec, dropouts={Stage.COLLECT_MASKED_INPUT: gone}, on_reply=count, timings=timings
+        config,
+        updates,
+        spec,
+        dropouts={Stage.COLLECT_MASKED_INPUT: gone},
+        on_reply=wire,
+        timings=timings,
+        client_timings=per_client,
     )
-    client_s = sum(v for k, v in timings.items() if k.startswith("client:")) / clients
-    server_s = sum(v for k, v in timings.items() if k.startswith("server:"))
+    for key, seconds in serialize.items():
+        per_client[key] = per_client.get(key, 0.0) + seconds
+    stages = {stage for stage, _ in per_client}
+    # a deployment: the clients of a stage run in parallel, the server waits for the slowest, then closes it. The
+    # clients here do the same work on the same machine, so the slowest is a typical one: the median, since the
+    # spread on a shared machine is its scheduling (the max measures the longest stall, not a slower client)
+    secure_critical = sum(float(np.median([t for (s, _), t in per_client.items() if s == stage])) for stage in stages)
+    secure_server = sum(v for k, v in timings.items() if k.startswith("server:")) + deserialize
 
     warm = WeightedMean(spec, threads=1)  # the fold kernels compile on first use: not part of a round
     warm.add(next(iter(updates.values()))[0], 1.0)
     warm.result()
-    start = time.perf_counter()
     plain = WeightedMean(spec, threads=1)
+    plain_client: list[float] = []
+    plain_server = 0.0
+    plain_bytes = 0
     for cid, (update, weight) in updates.items():
-        if cid not in gone:
-            plain.add(update, weight)
+        if cid in gone:
+            continue
+        start = time.perf_counter()
+        data = encode(update)
+        plain_client.append(time.perf_counter() - start)
+        plain_bytes = len(data)
+        received = bytearray(data)
+        start = time.perf_counter()
+        plain.add(decode(received, spec, copy=False), weight)
+        plain_server += time.perf_counter() - start
+    start = time.perf_counter()
     reference = plain.result()
-    plain_s = time.perf_counter() - start
+    plain_server += time.perf_counter() - start
 
     secure = result.mean(spec)
     error = max(float(np.abs(secure[s.name] - reference[s.name]).max()) for s in spec)
     survivor = next(c for c in updates if c not in gone)
     return {
-        "client_s": client_s,
-        "server_s": server_s,
-        "plain_server_s": plain_s,
-        "upload": float(sent[survivor]),
-        "plain_upload": float(sum(a.nbytes for a in updates[survivor][0].values())),
+        "secure_client": secure_critical,
+        "secure_server": secure_server,
+        "secure_round": secure_critical + secure_server,
+        "secure_serial": sum(per_client.values()) + secure_server,
+        "plain_client": float(np.median(plain_client)),
+        "plain_server": plain_server,
+        "plain_round": float(np.median(plain_client)) + plain_server,
+        "plain_serial": sum(plain_client) + plain_server,
+        "upload": float(upload_bytes[survivor]),
+        "stage_upload": float(stage_bytes[survivor]),
+        "plain_upload": float(plain_bytes),
         "error": error,
         "bound": config.resolve(clients).error_bound,
         "neighbours": float(config.resolve(clients).neighbours),
@@ -128,7 +199,7 @@ def _prg_rates(elements: int = 16 << 20) -> tuple[float, float]:
     best_raw = best_mask = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update_into(zeros, buffer)
+        Cipher(algorithms.AES(seed[:MASK_KEY_BYTES]), modes.CTR(bytes(16))).encryptor().update_into(zeros, buffer)
         best_raw = min(best_raw, time.perf_counter() - start)
         expander = MaskExpander(np.dtype("<u4"))
         start = time.perf_counter()
@@ -316,7 +387,8 @@ def _flwr_rows(rows: list[tuple[int, float, int]], params: int, cpus: int, timeo
 def _compare_flwr(
     rows: list[tuple[int, float]], ours: dict[tuple[int, float], dict[str, float]], args: argparse.Namespace
 ) -> None:
-    """Run flwr's rows and print them beside ours: seconds per round (fedcore: ``n x client s + server s``) and
+    """Run flwr's rows and print them beside ours: seconds per round (fedcore: the one-core figure, every client's
+    compute one after another plus the server's, as flwr's single ClientApp actor runs them) and
     the ratio fedcore SecAgg+ : flwr SecAgg+ where the same (n, dropout) has a fedcore row."""
     if importlib.util.find_spec("flwr") is None or importlib.util.find_spec("ray") is None:
         print("flwr SecAgg+: skipped (pip install -e '.[bench]')")
@@ -340,9 +412,9 @@ def _compare_flwr(
     print("-" * len(header))
     for n, drop in rows:
         mine, theirs, theirs_plain = ours.get((n, drop)), flwr_s.get((n, drop, True)), flwr_s.get((n, 0.0, False))
-        ours_s = mine["client_s"] * n + mine["server_s"] if mine else None
+        ours_s = mine["secure_serial"] if mine else None
         cells = [
-            f"{ours_s:>8.3f} {mine['plain_server_s']:>8.3f}" if mine and ours_s else f"{'-':>8} {'-':>8}",
+            f"{ours_s:>8.3f} {mine['plain_serial']:>8.3f}" if mine and ours_s else f"{'-':>8} {'-':>8}",
             f"{theirs['seconds']:>8.3f}" if theirs else f"{'-':>8}",
             f"{theirs_plain['seconds']:>8.3f}" if theirs_plain else f"{'-':>8}",
             f"{theirs['error']:>8.1e}" if theirs else f"{'-':>8}",
@@ -376,25 +448,32 @@ def main() -> None:
     if args.extra_dropout_row and (max(args.clients), args.extra_dropout_row) not in rows:
         rows.append((max(args.clients), args.extra_dropout_row))
     header = (
-        f"{'n':>4} {'k':>3} {'drop':>5} | {'client s':>8} | {'server s':>8} {'plain s':>8} {'ratio':>6} | "
-        f"{'upload MB':>9} {'plain MB':>8} {'ratio':>6} | {'max err':>8} {'bound':>8}"
+        f"{'n':>4} {'k':>3} {'drop':>5} | {'client s':>17} | {'server s':>17} | {'round s':>23} | "
+        f"{'one core s':>23} | {'upload bytes':>27} {'+stages':>7} | {'max err':>8} {'bound':>8}"
     )
     print(header)
+    print(
+        f"{'':>14} | {'plain':>8} {'secure':>8} | {'plain':>8} {'secure':>8} | {'plain':>8} {'secure':>8} "
+        f"{'ratio':>5} | {'plain':>8} {'secure':>8} {'ratio':>5} | {'plain':>10} {'masked':>10} {'ratio':>5} "
+        f"{'':>7} |"
+    )
     print("-" * len(header))
     ours: dict[tuple[int, float], dict[str, float]] = {}
     for n, drop in rows:
         runs = [_row(n, args.params, drop, args.neighbours) for _ in range(args.repeat)]
-        b = ours[n, drop] = min(runs, key=lambda r: r["server_s"] + r["client_s"])
+        b = ours[n, drop] = {key: min(r[key] for r in runs) for key in runs[0]}  # best of --repeat, per figure
         print(
-            f"{n:>4} {int(b['neighbours']):>3} {drop:>5.0%} | {b['client_s']:>8.3f} | "
-            f"{b['server_s']:>8.3f} {b['plain_server_s']:>8.3f} {b['server_s'] / b['plain_server_s']:>6.1f} | "
-            f"{b['upload'] / 1e6:>9.3f} {b['plain_upload'] / 1e6:>8.3f} {b['upload'] / b['plain_upload']:>6.3f} | "
-            f"{b['error']:>8.1e} {b['bound']:>8.1e}",
+            f"{n:>4} {int(b['neighbours']):>3} {drop:>5.0%} | {b['plain_client']:>8.3f} {b['secure_client']:>8.3f} | "
+            f"{b['plain_server']:>8.3f} {b['secure_server']:>8.3f} | "
+            f"{b['plain_round']:>8.3f} {b['secure_round']:>8.3f} {b['secure_round'] / b['plain_round']:>5.1f} | "
+            f"{b['plain_serial']:>8.3f} {b['secure_serial']:>8.3f} {b['secure_serial'] / b['plain_serial']:>5.1f} | "
+            f"{b['plain_upload']:>10.0f} {b['upload']:>10.0f} {b['upload'] / b['plain_upload']:>5.3f} "
+            f"{b['stage_upload']:>7.0f} | {b['error']:>8.1e} {b['bound']:>8.1e}",
             flush=True,
         )
     raw, mask = _prg_rates()
     print(
-        f"mask PRG: {mask:.2f} GB/s added into a uint32 vector; raw AES-256-CTR keystream {raw:.2f} GB/s "
+        f"mask PRG: {mask:.2f} GB/s added into a uint32 vector; raw AES-128-CTR keystream {raw:.2f} GB/s "
         f"({mask / raw:.0%} of raw)"
     )
     flwr_clients = args.clients if args.flwr_clients is None else [n for n in args.flwr_clients if n > 0]

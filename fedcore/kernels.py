@@ -79,6 +79,40 @@ def _select(a: np.ndarray, lo: int, hi: int, kth: int) -> None:  # pragma: no co
             return
 
 
+@njit(nogil=True)
+def quantize_into(  # pragma: no cover - compiled
+    values: np.ndarray,
+    dither: np.ndarray,
+    clip: float,
+    scale: float,
+    levels: np.uint64,
+    weight: np.uint64,
+    out: np.ndarray,
+) -> None:
+    """SecAgg+'s stochastic quantization of one block in one pass (``privacy.secagg.quantize.quantize_block``'s
+    numpy steps, rounded the same way bit for bit): for float32/float64 ``values`` and uint32 ``dither`` words,
+    ``out[i] = weight * min(floor(y) + [d_i / 2^32 < y - floor(y)], levels)`` with ``y = (clip(x_i, -c, c) + c)
+    * scale``, written to the unsigned ``out`` (``weight * levels`` fits it: the caller's bit budget)."""
+    top = np.float64(levels)
+    for i in range(values.size):
+        y = float(values[i])
+        if y < -clip:
+            y = -clip
+        elif y > clip:
+            y = clip
+        y = (y + clip) * scale
+        whole = np.floor(y)
+        up = np.float64(dither[i]) * (1.0 / 4294967296.0) < y - whole
+        if whole > top:
+            whole = top
+        q = np.uint64(whole)
+        if up:
+            q += np.uint64(1)
+        if q > levels:
+            q = levels
+        out[i] = q * weight
+
+
 _TILE = 32
 """Columns transposed at a time by :func:`trimmed_mean_columns` (a tile of 32 x clients float64 stays in L1/L2)."""
 

@@ -6,8 +6,11 @@
   both client ids, so no key serves two purposes, rounds or pairs.
 - Share encryption: AES-256-GCM with a random 96-bit nonce; the associated data binds the round, the sender and
   the receiver, so a ciphertext replayed in another round or redirected to another client fails authentication.
-- Mask expansion: AES-256-CTR keystream of a 32-byte seed (nonce 0: each seed expands exactly one mask), read as
-  little-endian unsigned field elements. Never numpy's RNG.
+- Mask expansion: AES-128-CTR keystream keyed by the first 16 bytes of a 32-byte seed (nonce 0: each seed expands
+  exactly one mask), read as little-endian unsigned field elements. Never numpy's RNG. The seeds are uniformly
+  random (HKDF outputs or OS CSPRNG bytes), so those 16 bytes are a uniform 128-bit key: 128-bit security, as
+  X25519's, with 10 AES rounds per block instead of AES-256's 14 (expanding masks is most of the protocol's
+  compute).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from fedcore.errors import ProtocolError
 
 KEY_BYTES = 32
 """Bytes of an X25519 public or private key, of a derived key and of a PRG seed."""
+
+MASK_KEY_BYTES = 16
+"""Bytes of a seed that key its mask's AES-128-CTR keystream (:class:`MaskExpander`)."""
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
@@ -125,11 +131,11 @@ def decrypt(key: bytes, message: bytes, associated: bytes) -> bytes:
 class MaskExpander:
     """Expands 32-byte seeds into masks over the field and adds or subtracts them from a vector, block by block.
 
-    Each seed's keystream is AES-256-CTR (``cryptography``'s OpenSSL, AES-NI where the CPU has it) with a zero
-    counter block; element ``i`` of the mask is the little-endian unsigned integer of keystream bytes
-    ``[i·w, (i+1)·w)`` for the field dtype's width ``w``. Arithmetic wraps modulo ``2^(8w)``, which is also
-    correct modulo ``2^b`` for ``b <= 8w`` once the caller reduces the result. Memory: one block of keystream,
-    shared by all seeds.
+    Each seed's keystream is AES-128-CTR keyed by the seed's first :data:`MASK_KEY_BYTES` bytes (``cryptography``'s
+    OpenSSL, AES-NI where the CPU has it) with a zero counter block; element ``i`` of the mask is the little-endian
+    unsigned integer of keystream bytes ``[i·w, (i+1)·w)`` for the field dtype's width ``w``. Arithmetic wraps modulo
+    ``2^(8w)``, which is also correct modulo ``2^b`` for ``b <= 8w`` once the caller reduces the result. Memory: one
+    block of keystream, shared by all seeds.
 
     Args:
         dtype: an unsigned little-endian numpy dtype (``RoundParams.dtype``).
@@ -147,7 +153,7 @@ class MaskExpander:
         """A fresh keystream of ``seed``; pass it to :meth:`apply` for consecutive blocks of one vector."""
         if len(seed) != KEY_BYTES:
             raise ProtocolError(f"a mask seed has {KEY_BYTES} bytes, got {len(seed)}")
-        return Cipher(algorithms.AES(seed), modes.CTR(_ZERO_COUNTER)).encryptor()
+        return Cipher(algorithms.AES(seed[:MASK_KEY_BYTES]), modes.CTR(_ZERO_COUNTER)).encryptor()
 
     def take(self, stream: CipherContext, count: int) -> np.ndarray:
         """The next ``count`` (<= block) mask elements of ``stream``: a view valid until the next call."""

@@ -5,8 +5,9 @@ from a public 32-byte seed the server picks; each client's neighbours are the ``
 it on the ring and, when ``k`` is odd (which needs an even ``n``), the client opposite it. Every client has
 exactly ``k`` neighbours and the relation is symmetric. Server and clients compute the same graph from the seed.
 
-The order is a Fisher-Yates shuffle driven by the AES-256-CTR keystream of the seed (64-bit draws reduced modulo
-``i + 1``; the bias is below ``n / 2^64``), so it is reproducible from the seed and independent of numpy's RNG.
+The order is a Fisher-Yates shuffle driven by the AES-128-CTR keystream (:func:`~privacy.secagg.crypto.expand`) of a key
+derived from the seed (64-bit draws reduced modulo ``i + 1``; the bias is below ``n / 2^64``), so it is reproducible
+from the seed and independent of numpy's RNG.
 """
 
 from __future__ import annotations

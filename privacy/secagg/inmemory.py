@@ -37,6 +37,7 @@ def run_round(
     tamper: Tamper | None = None,
     on_reply: Callable[[ClientMessage], None] | None = None,
     timings: dict[str, float] | None = None,
+    client_timings: dict[tuple[str, str], float] | None = None,
     noise: Mapping[str, np.ndarray] | None = None,
 ) -> SecAggResult:
     """One round over ``updates`` (``client id -> (update, integer weight)``); the result of the server.
@@ -53,6 +54,8 @@ def run_round(
         on_reply: called with every client reply before the server sees it (e.g. to record sizes).
         timings: if given, seconds spent are added under ``"client:<stage>"`` (all clients together) and
             ``"server:<stage>"`` (receiving that stage's replies and closing it).
+        client_timings: if given, each client's seconds per stage are added under ``(stage value, client id)``
+            (what the slowest client of each stage costs a deployment, where clients run in parallel).
         noise: per-client integer noise added after quantization (distributed DP,
             :meth:`~privacy.secagg.client.SecAggClient.mask`), for the clients it names.
 
@@ -83,7 +86,11 @@ def run_round(
                 silent.add(cid)
                 continue
             finally:
-                client_time += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                client_time += seconds
+                if client_timings is not None:
+                    key = (stage.value, cid)
+                    client_timings[key] = client_timings.get(key, 0.0) + seconds
             if on_reply is not None:
                 on_reply(reply)
             start = time.perf_counter()

@@ -7,10 +7,10 @@ quantization levels (:class:`~privacy.secagg.config.RoundParams`),
     y_i = (clip(x_i, -c, c) + c) · L / (2c)  in [0, L],      q_i = floor(y_i) + [u_i < y_i - floor(y_i)],  u_i ~ U[0, 1)
 
 is unbiased stochastic rounding (``E[q_i] = y_i``, ``|q_i - y_i| < 1``; the comparison with the exact fractional
-part keeps it unbiased for any ``L``). The dither ``u_i`` is ``d_i / 2^32`` for
-the AES-256-CTR keystream ``d`` (uint32 words) of a 32-byte rounding key, so rounding never touches numpy's RNG
-and is reproducible when the key is given. The bit budget of the config guarantees ``Σ_clients w·q_i <= n·W·L <
-2^b``, so the unmasked sum ``Z`` of ``n`` uploads is exact, and for any number of clients
+part keeps it unbiased for any ``L``). The dither ``u_i`` is ``d_i / 2^32`` for the AES-128-CTR keystream ``d`` (uint32
+words) of a 32-byte rounding key (:class:`~privacy.secagg.crypto.MaskExpander`), so rounding never touches numpy's RNG
+and is reproducible when the key is given. The bit budget of the config guarantees ``Σ_clients w·q_i <= n·W·L < 2^b``,
+so the unmasked sum ``Z`` of ``n`` uploads is exact, and for any number of clients
 
     Σ_k w_k x_k  ≈  Z_i · 2c/L - c · Σ_k w_k        (error below 2c/L · Σ_k w_k per coordinate)
 
@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fedcore.errors import ConfigError, PayloadError
+from fedcore.kernels import FUSED_DTYPES, quantize_into
 from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec
 from privacy.secagg.config import RoundParams
 from privacy.secagg.crypto import MaskExpander
@@ -98,12 +99,16 @@ def quantize(
 ) -> np.ndarray:
     """The unmasked upload of one client: ``(w·q_1, ..., w·q_D, w)`` as a flat array of ``params.dtype``.
 
+    float32 and float64 tensors are quantized by :func:`fedcore.kernels.quantize_into` (one compiled pass per
+    block, compiled on first use in a process), other float dtypes by :func:`quantize_block`; both round the same
+    values to the same integers, bit for bit.
+
     Args:
         update: ``name -> float array`` with exactly the names, shapes and dtypes of ``spec``.
         weight: integer example weight, ``0..params.max_weight``.
         params: the round's parameters.
         spec: the tensors, in upload order.
-        rounding_key: 32 bytes keying the dither stream (AES-256-CTR); a fresh random key per client and round
+        rounding_key: 32 bytes keying the dither stream (AES-128-CTR); a fresh random key per client and round
             in production, a derived one for reproducible runs.
 
     Raises:
@@ -116,12 +121,19 @@ def quantize(
     out = np.empty(vector_length(spec), dtype=params.dtype)
     dither = MaskExpander(DITHER_DTYPE, block=_BLOCK)
     stream = dither.stream(rounding_key)
+    scale = params.levels / (2.0 * params.clip)
     offset = 0
     for s in spec:
         flat = np.ravel(update[s.name])
+        fused = flat.dtype in FUSED_DTYPES
         for start in range(0, flat.size, _BLOCK):
             part = flat[start : start + _BLOCK]
-            out[offset : offset + part.size] = quantize_block(part, w, params, dither.take(stream, part.size))
+            words = dither.take(stream, part.size)
+            target = out[offset : offset + part.size]
+            if fused:  # one compiled pass, the same rounding as quantize_block's numpy steps
+                quantize_into(part, words, params.clip, scale, np.uint64(params.levels), np.uint64(w), target)
+            else:
+                target[:] = quantize_block(part, w, params, words)
             offset += part.size
     out[-1] = w
     return out

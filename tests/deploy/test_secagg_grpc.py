@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedcore.tensors import encode
+from privacy.secagg.codec import MASKED
 from server.round_loop import RoundConfig, run_rounds
 from simulations.inmemory import InMemoryPool
 from tests.deploy.daemon_threads import daemon_threads
@@ -37,3 +39,10 @@ def test_secure_rounds_over_grpc_equal_the_simulation_bit_for_bit(tmp_path: Path
     assert [sorted(r.accepted) for r in records] == [IDS] * ROUNDS
     for name, value in simulated.parameters.items():
         np.testing.assert_array_equal(final.parameters[name], value, err_msg=name)
+    # the bytes the server received for the fit results: each a masked upload of D + 1 uint32 elements (24-bit
+    # field), no larger than the plain float32 update of the same model as it travels (safetensors)
+    size = sum(int(np.prod(v.shape)) for v in final.parameters.values())
+    masked = len(encode({MASKED: np.zeros(size + 1, np.uint32)}))
+    plain = len(encode(dict(final.parameters)))
+    assert [r.bytes_up for r in records] == [len(IDS) * masked] * ROUNDS
+    assert masked <= plain

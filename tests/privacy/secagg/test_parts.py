@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedcore.config import from_mapping
 from fedcore.errors import ConfigError, ProtocolError
+from fedcore.kernels import quantize_into
 from fedcore.tensors import TensorSpec
 from privacy.secagg import crypto, shamir
 from privacy.secagg.config import RoundParams, SecAggConfig, default_neighbours
@@ -162,7 +163,7 @@ def test_shamir_any_t_of_k_reconstruct_and_fewer_do_not() -> None:
 
 
 def test_mask_is_the_aes_ctr_keystream() -> None:
-    raw = Cipher(algorithms.AES(SEED), modes.CTR(bytes(16))).encryptor().update(bytes(4 * 1000))
+    raw = Cipher(algorithms.AES(SEED[:16]), modes.CTR(bytes(16))).encryptor().update(bytes(4 * 1000))
     assert np.array_equal(crypto.expand(SEED, 1000, np.dtype("<u4")), np.frombuffer(raw, "<u4"))
     expander = crypto.MaskExpander(np.dtype("<u4"), block=7)  # blocks that cut the keystream anywhere
     out = np.zeros(1000, dtype="<u4")
@@ -224,6 +225,30 @@ def test_stochastic_rounding_is_unbiased_and_within_one_step() -> None:
     q = quantize_block(values, 1, _params(), dither)
     assert set(np.unique(q).tolist()) == {2, 3}
     assert abs(q.mean() - 2.6) < 5 * math.sqrt(0.24 / values.size)
+
+
+@pytest.mark.parametrize("bits", [8, 24, 32, 64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_quantization_equals_the_numpy_steps_bit_for_bit(bits: int, dtype: type) -> None:
+    # quantize() runs fedcore.kernels.quantize_into for float32/float64; quantize_block (numpy) is the reference.
+    # Values on the grid, just off it, at and beyond the clip; dither words 0 and 2^32 - 1 (never / always up).
+    params = SecAggConfig(field_bits=bits, clip=0.5, max_weight=3).resolve(2)
+    rng = np.random.default_rng(bits)
+    grid = np.arange(2001) / params.levels - 0.5
+    x = np.concatenate([rng.uniform(-1, 1, 5000), grid, np.nextafter(grid, 1), [-0.5, 0.5, 0.0, -1e30, 1e30]])
+    x = x.astype(dtype)
+    dither = crypto.expand(SEED, x.size, np.dtype("<u4"))  # quantize()'s dither: the stream of its key SEED
+    extreme = dither.copy()
+    extreme[:500], extreme[500:1000] = 0, 2**32 - 1
+    spec = [TensorSpec("w", (x.size,), np.dtype(dtype).name)]
+    scale = params.levels / (2 * params.clip)
+    for weight in (0, 1, 3):
+        got = quantize({"w": x}, weight, params, spec, SEED)
+        assert got.dtype == params.dtype and got[-1] == weight
+        np.testing.assert_array_equal(got[:-1], quantize_block(x, weight, params, dither))
+        out = np.empty(x.size, params.dtype)
+        quantize_into(x, extreme, params.clip, scale, np.uint64(params.levels), np.uint64(weight), out)
+        np.testing.assert_array_equal(out, quantize_block(x, weight, params, extreme))
 
 
 def test_dequantize_three_clients_hand_values() -> None:
