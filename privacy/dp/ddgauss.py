@@ -208,6 +208,27 @@ def max_clipping_norm(
     return max(0.0, (clip - a * r) / (1.0 + a) * (1.0 - 1e-9))
 
 
+def min_clipping_norm(*, share_multiplier: float, clip: float, levels: int, dimension: int, num_clients: int) -> float:
+    """The smallest clipping norm ``C`` whose noise :func:`check_coarseness` accepts (adaptive clipping's norm is held
+    above it; 0 when every C is fine).
+
+    The per-client sigma ``(z / sqrt(n_min)) (C L / (2c) + sqrt(D))`` grows with C; ``D tau(sigma, n)`` falls with
+    sigma, so the smallest sigma that passes is found by bisection (to a relative 1e-12) and turned back into C,
+    plus a relative 1e-9 so that rounding never tips it under.
+    """
+    target = MAX_TAU_TOTAL / dimension
+    floor = share_multiplier * math.sqrt(dimension)  # sigma at C = 0
+    if tau(floor, num_clients) <= target:
+        return 0.0
+    low, high = floor, max(2.0 * floor, 1.0)
+    while tau(high, num_clients) > target:
+        low, high = high, 2.0 * high
+    while high - low > 1e-12 * high:
+        middle = (low + high) / 2.0
+        low, high = (low, middle) if tau(middle, num_clients) <= target else (middle, high)
+    return (high / share_multiplier - math.sqrt(dimension)) * 2.0 * clip / levels * (1.0 + 1e-9)
+
+
 COUNT_TENSOR = "dp.unclipped"
 """Adaptive clipping under secure aggregation: the one-element float64 tensor appended to the securely summed spec
 whose field coordinate carries each client's ``S b_i + g_i`` (see :func:`count_scale`)."""

@@ -37,11 +37,11 @@ from privacy.dp.aggregator import DPFedAvgAggregator
 from privacy.dp.ddgauss import (
     CLIPPING_SETTING,
     COUNT_TENSOR,
-    check_coarseness,
     check_count_field,
     check_field,
     count_scale,
     max_clipping_norm,
+    min_clipping_norm,
     read_count,
 )
 from privacy.secagg.rounds import MOD, SecAggAccumulator, SecAggAggregator, SecureAggregation
@@ -115,16 +115,44 @@ class SecureDPAggregator:
         """As :meth:`DPFedAvgAggregator.load_state` (a restarted server continues with the stored norm)."""
         self.dp.load_state(round, state)
 
+    def _held(self, norm: float, round: int, clip: float, levels: int, dimension: int, num_clients: int) -> float:
+        """An adapted norm held within what the field carries: at most :func:`~privacy.dp.ddgauss.max_clipping_norm`
+        (wrap-around), at least :func:`~privacy.dp.ddgauss.min_clipping_norm` (noise too coarse). The configured
+        initial norm is returned as it is (:func:`~privacy.dp.ddgauss.check_field` then refuses it if it does not
+        fit)."""
+        if norm == self.dp.clipping_norm:
+            return norm
+        share, n_min = self.share_multiplier(), self.dp.minimum_clients
+        high = max_clipping_norm(
+            share_multiplier=share, clip=clip, levels=levels, dimension=dimension, minimum_clients=n_min
+        )
+        low = min_clipping_norm(
+            share_multiplier=share, clip=clip, levels=levels, dimension=dimension, num_clients=num_clients
+        )
+        held = min(max(norm, low), high)
+        if held != norm:
+            log.warning(
+                "round %d: adaptive clipping reached C=%.6g, outside [%.6g, %.6g], what the field (clip=%g, %d levels) "
+                "carries; the round clips with C=%.6g (raise [strategy.secagg] clip to let C grow, or field_bits to "
+                "let it shrink)",
+                round,
+                norm,
+                low,
+                high,
+                clip,
+                levels,
+                held,
+            )
+        return held
+
     def start(
         self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
     ) -> SecureDPAccumulator:
         """The round's accumulator, after the field was checked for the noise (before any client is contacted).
 
         With adaptive clipping the round's norm (:meth:`DPFedAvgAggregator.clipping_norm_for`) is announced to the
-        clients with the keys; an adapted norm above the largest the field's ``clip`` carries
-        (:func:`~privacy.dp.ddgauss.max_clipping_norm`) is held at that limit (logged), the configured initial norm
-        is refused instead. The sum-of-discrete-Gaussians term is checked at ``C -> 0``, so a norm that shrinks
-        later never fails it.
+        clients with the keys; an adapted norm outside what the field carries is held at the nearer limit (logged;
+        :meth:`_held`), the configured initial norm is refused instead, as a fixed one is.
 
         Raises:
             BudgetExhausted: releasing round ``round`` would exceed the target epsilon.
@@ -139,35 +167,13 @@ class SecureDPAggregator:
         clipping_norm = dp.clipping_norm_for(round)
         secure_spec = tuple(spec)
         if dp.adaptive is not None:
-            check_coarseness(
-                self.share_multiplier() * math.sqrt(dimension),
-                levels=params.levels,
-                dimension=dimension,
-                num_clients=n,
-            )
             check_count_field(
                 scale=self.count_scale(),
                 sigma=self.count_noise(),
                 num_clients=max(n, dp.expected_clients),
                 field_bits=params.field_bits,
             )
-            limit = max_clipping_norm(
-                share_multiplier=self.share_multiplier(),
-                clip=params.clip,
-                levels=params.levels,
-                dimension=dimension,
-                minimum_clients=dp.minimum_clients,
-            )
-            if clipping_norm > limit > 0 and clipping_norm != dp.clipping_norm:
-                log.warning(
-                    "round %d: adaptive clipping reached C=%.6g, above the largest the field's clip=%g carries; the "
-                    "round clips with C=%.6g (raise [strategy.secagg] clip to let it grow)",
-                    round,
-                    clipping_norm,
-                    params.clip,
-                    limit,
-                )
-                clipping_norm = limit
+            clipping_norm = self._held(clipping_norm, round, params.clip, params.levels, dimension, n)
             secure_spec += (TensorSpec(COUNT_TENSOR, (1,), "float64"),)
         noise = check_field(
             share_multiplier=self.share_multiplier(),

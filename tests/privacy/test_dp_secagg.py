@@ -35,6 +35,7 @@ from privacy.dp.ddgauss import (
     discrete_gaussian,
     integer_noise_stddev,
     max_clipping_norm,
+    min_clipping_norm,
     minimum_clip,
     read_count,
     signed,
@@ -404,6 +405,14 @@ def test_adaptive_settings_the_field_or_the_paper_cannot_honour_are_refused() ->
     field(clipping_norm=limit, clip=2.0)
     with pytest.raises(ConfigError, match="clip"):
         field(clipping_norm=limit * 1.0001, clip=2.0)
+    # the smallest C whose noise is fine enough (sigma = 0.01 (128 C + sqrt(10)) field units): accepted, a little
+    # less refused
+    low = min_clipping_norm(share_multiplier=0.01, clip=4.0, levels=1024, dimension=10, num_clients=4)
+    assert 0.5 < low < 2.0
+    field(share_multiplier=0.01, clipping_norm=low, clip=4.0, levels=1024, dimension=10)
+    with pytest.raises(ConfigError, match="field_bits"):
+        field(share_multiplier=0.01, clipping_norm=low * 0.999, clip=4.0, levels=1024, dimension=10)
+    assert min_clipping_norm(share_multiplier=0.5, clip=2.0, levels=1 << 20, dimension=1000, num_clients=4) == 0
     # an adapted norm above it is held at it (the initial norm is refused instead, as with a fixed one)
     strategy = secure_dp(ADAPTIVE)
     rule = strategy.aggregator
