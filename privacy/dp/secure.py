@@ -18,6 +18,16 @@ Dropouts: ``k`` shares carry noise ``z Delta sqrt(k / n_min)``, so a round with 
 accounted noise and one with more has more (up to ``1 / sqrt(1 - tolerated_dropout)`` times); fewer are refused as
 above. The field is checked before any client is contacted (:func:`~privacy.dp.ddgauss.check_field`: wrap-around
 and the sum-of-discrete-Gaussians term).
+
+Adaptive clipping (Andrew et al. 2021, Algorithm 1) in this mode: the round's C is announced with the keys (the
+``dp_clipping_norm`` round setting); the securely summed spec gains the one-element tensor
+:data:`~privacy.dp.ddgauss.COUNT_TENSOR`, on which each client adds ``S b_i + N_Z(0, (S sigma_b / sqrt(n_min))^2)``
+with ``b_i = 1[||delta_i|| <= C]`` (:func:`~privacy.dp.ddgauss.count_share`); the server reads only the noisy count
+out of the unmasked sum (:func:`~privacy.dp.ddgauss.read_count`) and steps C for the next round
+(:meth:`DPFedAvgAggregator.adapt`). The update's share multiplier is ``z_delta / sqrt(n_min)`` with ``z_delta =
+(z^-2 - (2 sigma_b)^-2)^(-1/2)``, so the update (multiplier ``z_delta`` on sensitivity Delta) and the count
+(``2 sigma_b`` on sensitivity S / 2, the number of contributions being public) together are the Gaussian mechanism
+of multiplier z, which is what is accounted.
 """
 
 from __future__ import annotations
