@@ -328,13 +328,13 @@ def test_the_noisy_count_out_of_the_secure_sum_and_the_norm_step_by_hand() -> No
 
 
 def test_the_count_out_of_the_secure_sum_is_the_plain_count_plus_noise_of_the_stated_std() -> None:
-    """Over 300 secure sums the count minus the plain count (3) has mean 0 and standard deviation sigma_b sqrt(k /
-    n_min) = 1.5 (k = n_min = 4); 300 draws estimate a std within ~4% (one sigma), a mean within 0.087."""
+    """Over 200 secure sums the count minus the plain count (3) has mean 0 and standard deviation sigma_b sqrt(k /
+    n_min) = 1.5 (k = n_min = 4); 200 draws estimate a std within 5% (one sigma), a mean within 0.11."""
     config = SecAggConfig(field_bits=32, clip=2.0, max_weight=1, neighbours=3)
     rng = np.random.default_rng(2)
     bits = {"a": True, "b": False, "c": True, "d": True}
     errors = np.array(
-        [read_count(count_round(config, bits, 128, 96.0, rng)[0].field_sum, 32, 128) - 3 for _ in range(300)]
+        [read_count(count_round(config, bits, 128, 96.0, rng)[0].field_sum, 32, 128) - 3 for _ in range(200)]
     )
     assert abs(errors.mean()) < 4 * 1.5 / math.sqrt(errors.size)
     assert errors.std() == pytest.approx(1.5, rel=0.15)
