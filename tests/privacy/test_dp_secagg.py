@@ -17,7 +17,9 @@ from torch import nn
 
 from fedcore.cli import simulate_options
 from fedcore.config import from_mapping
-from fedcore.errors import ConfigError, RoundFailed
+from fedcore.errors import ClientTaskError, ConfigError, RoundFailed
+from fedcore.messages import FitIns, FitRes
+from fedcore.mods import ModContext
 from fedcore.options import add_options, given_values
 from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
@@ -50,6 +52,7 @@ from privacy.secagg.config import SecAggConfig
 from privacy.secagg.inmemory import run_round
 from privacy.secagg.messages import Stage
 from privacy.secagg.quantize import quantize
+from privacy.secagg.rounds import SecAggClientMachine, SecAggMod
 from server.round_loop import RoundConfig, initial_state, run_rounds
 from simulations.inmemory import InMemoryPool
 from tests.privacy.secagg.test_rounds import Recording
@@ -428,3 +431,41 @@ def test_adaptive_settings_the_field_or_the_paper_cannot_honour_are_refused() ->
         share_multiplier=rule.share_multiplier(), clip=2.0, levels=params.levels, dimension=1020, minimum_clients=4
     )
     assert 0.5 < held < 2.0
+
+
+class _Stages:
+    """The one SecAgg+ machine a client holds for the round."""
+
+    def __init__(self, machine: SecAggClientMachine) -> None:
+        self._machine = machine
+
+    def machine(self, round: int, client_id: str, protocol: str) -> SecAggClientMachine:
+        return self._machine
+
+
+def test_an_adaptive_client_refuses_a_round_that_announced_no_clipping_norm_before_training() -> None:
+    mod = SecAggMod(weighting="uniform", clipping_norm=0.5, noise_multiplier=0.5, count_scale=128, count_noise=64.0)
+    machine = SecAggClientMachine("a")
+    machine.ready = True
+    machine.spec = (TensorSpec("w", (3,), "float32"), TensorSpec(COUNT_TENSOR, (1,), "float64"))
+    context = ModContext(client_id="a", model=None, state=None, stages=_Stages(machine))  # type: ignore[arg-type]
+    instruction = FitIns(round=1, parameters={"w": np.zeros(3, np.float32)}, config=FIT, seed=0)
+    trained: list[int] = []
+
+    def train(ins: FitIns) -> FitRes:
+        trained.append(ins.round)
+        raise AssertionError("a client must not train for a round it cannot privatize")
+
+    for settings in ({}, {"dp_clipping_norm": 0.0}, {"dp_clipping_norm": -1.0}):
+        machine.settings = settings
+        with pytest.raises(ClientTaskError, match="did not announce a clipping norm"):
+            mod(instruction, context, train)
+    machine.settings = {"dp_clipping_norm": 0.5}
+    machine.spec = machine.spec[:1]  # a server that left out the count coordinate
+    with pytest.raises(ClientTaskError, match="coordinate"):
+        mod(instruction, context, train)
+    assert trained == []
+    with pytest.raises(ConfigError, match="count_noise"):
+        SecAggMod(weighting="uniform", clipping_norm=0.5, noise_multiplier=0.5, count_scale=128)
+    with pytest.raises(ConfigError, match="count_scale"):
+        SecAggMod(weighting="uniform", clipping_norm=0.5, noise_multiplier=0.5, count_scale=-1, count_noise=1.0)
