@@ -18,6 +18,7 @@ from fedcore.task import FitConfig
 from privacy.dp.accounting import epsilon
 from privacy.dp.config import PrivacyConfig
 from privacy.secagg.config import SecAggConfig
+from privacy.tls import init_certs
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from server.round_loop import RoundConfig, run_rounds
 from server.service import AuthPolicy, CoordinatorService, build_server
@@ -25,7 +26,7 @@ from server.state import load_checkpoint
 from simulations.config import DataConfig, ModelConfig, OutputConfig, SimulationConfig
 from simulations.harness import client_ids, run_simulation, task_options
 from simulations.inmemory import InMemoryPool
-from tests.e2e.deploy_helpers import Proc, certs_init, read_tokens, tls_client_args, tls_server_args
+from tests.e2e.deploy_helpers import Proc, read_tokens, tls_client_args, tls_server_args
 from tests.privacy.secagg.test_rounds import FIT, IDS, SECAGG, SEED, make_task, start_state
 
 pytestmark = pytest.mark.slow
@@ -128,19 +129,14 @@ def test_distributed_dp_with_adaptive_clipping_over_tls_daemons_equals_the_simul
     noise: per coordinate, the difference of two independent sums of discrete Gaussian shares of standard
     deviation ``dp_noise_std`` (on the average) per round, ``sqrt(sum_r s_sim,r^2 + s_grpc,r^2)`` in all (the
     stated bound; adaptive clipping's C differs between the runs only through the count's noise, ~0.3% here, and
-    the second round's training from models ~0.005 apart adds ~2%, measured). The updates are clipped to C ~ 0.5
-    and the noise is z C / m ~ 0.0025 on the average, so a run that lost, doubled or failed to clip updates would
-    be ~10x outside the bound (the model of a plain FedAvg run is 0.037 away, per coordinate, std).
+    the second round's training from models ~0.007 apart adds ~2%, measured). The updates are clipped to C ~ 0.5
+    and the noise is z_delta C / m ~ 0.0034 on the average, so a run that lost, doubled or failed to clip updates
+    would be far outside the bound (measured with 4 clients: a plain FedAvg run's model is 0.037 away, per
+    coordinate std, 7x that bound; a run here: std 0.97x the bound, largest difference 2.9x).
     """
     config = _dp_config(tmp_path / "simulation")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the daemons (OMP_NUM_THREADS=1)
-    try:
-        simulated = run_simulation(config, echo=lambda _: None)
-    finally:
-        torch.set_num_threads(threads)
     certs = tmp_path / "certs"
-    certs_init(certs, *DP_IDS)
+    init_certs(certs, clients=DP_IDS)  # what `fedcore certs init` writes (test_deploy_security runs the command)
     tokens = read_tokens(certs)
     options = task_options(config)
     state = tmp_path / "state"
@@ -152,6 +148,12 @@ def test_distributed_dp_with_adaptive_clipping_over_tls_daemons_equals_the_simul
             Proc(cid, tls_client_args(port, cid, i, len(DP_IDS), certs, tokens[cid], options), tmp_path)
             for i, cid in enumerate(DP_IDS)
         ]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the daemons (OMP_NUM_THREADS=1); while they start
+        try:
+            simulated = run_simulation(config, echo=lambda _: None)
+        finally:
+            torch.set_num_threads(threads)
         assert server.wait(150) == 0, server.text()[-4000:]
         for daemon in daemons:
             assert daemon.wait(30) == 0, daemon.text()[-3000:]
