@@ -73,13 +73,15 @@ class DPFedAvgAggregator:
         delta: the delta epsilon is reported for, in (0, 1).
         target_epsilon: stop before a round whose epsilon would exceed it (None: no budget).
         accountant: ``"rdp"`` or ``"pld"`` (:mod:`privacy.dp.accounting`).
-        adaptive: adaptive clipping settings (central mode only), or None for a fixed C.
+        adaptive: adaptive clipping settings, or None for a fixed C. In distributed mode only under secure
+            aggregation (:class:`~privacy.dp.secure.SecureDPAggregator` learns the noisy unclipped count from the
+            secure sum); this aggregator's own :meth:`start` refuses it there.
         tolerated_dropout: distributed mode: the fraction of the m clients that may drop out while the sum still
             carries noise ``z C`` (each share is raised to ``z C / sqrt(n_min)``).
         threads: fold threads of the wrapped streaming mean (None: its default).
 
     Raises:
-        ConfigError: a value out of range, or adaptive clipping in distributed mode.
+        ConfigError: a value out of range (``2 sigma_b <= z`` with adaptive clipping).
     """
 
     mode: DPMode
@@ -111,11 +113,6 @@ class DPFedAvgAggregator:
         if self.mode == "central" and self.tolerated_dropout:
             raise ConfigError("tolerated_dropout applies to distributed mode (central mode adds all the noise itself)")
         if self.adaptive is not None:
-            if self.mode != "central":
-                raise ConfigError(
-                    "adaptive clipping needs the clipped count of all clients with its own noise, which the server "
-                    "computes in central mode only; distributed mode takes a fixed clipping_norm"
-                )
             update_noise_multiplier(self.noise_multiplier, self.adaptive.clipped_count_stddev)
         if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
             raise ConfigError(f"target_epsilon must be a finite number > 0, got {self.target_epsilon!r}")
@@ -190,6 +187,25 @@ class DPFedAvgAggregator:
         known = [r for r in self._norms if r <= round]
         return self._norms[max(known)] if known else float(self.clipping_norm)
 
+    def adapt(self, round: int, clipping_norm: float, noisy_count: float) -> float:
+        """Adaptive clipping's step after round ``round`` (Andrew et al. 2021, Algorithm 1): round ``round + 1``
+        clips with ``clipping_norm * exp(-eta_C (noisy_count / m - gamma))``, which is returned and kept for
+        :meth:`clipping_norm_for` and :meth:`state_dict`.
+
+        Args:
+            round: the round just aggregated.
+            clipping_norm: the norm that round clipped with.
+            noisy_count: its count of unclipped updates with the count's noise already added.
+
+        Raises:
+            ConfigError: no adaptive clipping configured, or values :meth:`AdaptiveClipping.step` refuses.
+        """
+        if self.adaptive is None:
+            raise ConfigError("adapt() needs adaptive clipping (the aggregator has a fixed clipping norm)")
+        following = self.adaptive.step(clipping_norm, noisy_count, self.expected_clients)
+        self._norms[round + 1] = following
+        return following
+
     def state_dict(self, round: int) -> NamedArrays:
         """What a checkpoint of round ``round`` keeps (:class:`server.round_loop.Stateful`): with adaptive clipping,
         ``dp_clipping_norm``, the norm round ``round + 1`` clips with (float64 scalar); nothing with a fixed norm.
@@ -253,6 +269,11 @@ class DPFedAvgAggregator:
             BudgetExhausted: releasing round ``round`` would exceed :attr:`target_epsilon`.
             ConfigError: no ``reference``, or one that does not fit ``spec``.
         """
+        if self.mode == "distributed" and self.adaptive is not None:
+            raise ConfigError(
+                "adaptive clipping in distributed mode needs the clients' noisy unclipped count, which only the "
+                "secure sum carries: enable secure aggregation (--secure-aggregation) or use a fixed clipping_norm"
+            )
         spent = self.spend(round)
         if reference is None:
             raise ConfigError("DP-FedAvg clips each update's difference from the global model: pass reference=")
@@ -354,10 +375,7 @@ class DPFedAvgAccumulator:
             out[s.name] = (ref.astype(np.float64) + total / rule.expected_clients).astype(s.dtype)
         if rule.adaptive is not None:
             count_noise = float(rng.normal(0.0, rule.adaptive.clipped_count_stddev))
-            following = rule.adaptive.next_norm(
-                self._clipping_norm, self._unclipped, rule.expected_clients, count_noise
-            )
-            rule._norms[self._round + 1] = following
+            rule.adapt(self._round, self._clipping_norm, self._unclipped + count_noise)
         return out
 
     def report(self) -> Mapping[str, float]:

@@ -32,10 +32,13 @@ class PrivacyConfig:
             discrete Gaussian noise added inside the field, :mod:`privacy.dp.secure`).
         clipping_norm: C, the L2 bound of each client's update (the initial C with adaptive clipping), > 0.
         noise_multiplier: z, the noise standard deviation on the sum over C, > 0.
-        adaptive_clipping: track a quantile of the update norms (Andrew et al. 2021; central mode only).
+        adaptive_clipping: track a quantile of the update norms (Andrew et al. 2021): central mode, or distributed
+            mode under secure aggregation (each client adds its noisy clipped-count bit inside the secure sum).
         target_quantile: gamma, the fraction of updates left unclipped, in (0, 1).
         clipping_lr: eta_C, the geometric step of adaptive clipping, > 0.
-        clipped_count_stddev: sigma_b, the noise on the count of unclipped updates; 0: m / 20 as in the paper.
+        clipped_count_stddev: sigma_b, the noise on the count of unclipped updates, > z / 2; 0: m / 20 as in the
+            paper. The update's noise multiplier becomes ``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` so that both
+            releases together are accounted as noise multiplier z.
         delta: the delta epsilon is reported for, in (0, 1) (choose it below 1 / number of clients).
         target_epsilon: stop before a round that would spend more (0: no target).
         accountant: ``"rdp"`` or ``"pld"`` (dp-accounting).
@@ -116,7 +119,8 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
         ``dp-clip``).
 
     Raises:
-        ConfigError: no population, a strategy with tensor groups (e.g. SCAFFOLD: its control variates would
+        ConfigError: no population, adaptive clipping in distributed mode without secure aggregation, a strategy
+            with tensor groups (e.g. SCAFFOLD: its control variates would
             leave the clients unprotected), a non-mean aggregator (robust rules and DP noise do not compose
             here), a quality weighting (metric, server), central mode under secure aggregation, or settings the
             mechanism refuses.
@@ -166,6 +170,11 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
         raise ConfigError(
             f"privacy.dp replaces the aggregator with DP-FedAvg's clipped mean; the strategy's "
             f"{strategy.aggregator.name!r} aggregator cannot be combined with it"
+        )
+    if config.adaptive_clipping and config.dp == "distributed" and not secure:
+        raise ConfigError(
+            "adaptive clipping in distributed mode needs the clients' noisy clipped counts summed where the server "
+            "cannot see one: enable secure aggregation (--secure-aggregation), or use a fixed clipping_norm"
         )
     mode: DPMode = "central" if config.dp == "central" else "distributed"
     m = min(strategy.sampling.num_fit(n), n)

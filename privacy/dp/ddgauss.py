@@ -172,6 +172,17 @@ def check_field(
             f"{minimum_clients}, {dimension} values): a coordinate could wrap around the field with probability "
             f"above {MAX_WRAP_PROBABILITY}. Set [strategy.secagg] clip (--clip) to at least {needed:.6g}"
         )
+    check_coarseness(sigma, levels=levels, dimension=dimension, num_clients=num_clients)
+    return noise
+
+
+def check_coarseness(sigma: float, *, levels: int, dimension: int, num_clients: int) -> None:
+    """Refuse a per-client discrete Gaussian of ``sigma`` field units whose sum over ``num_clients`` is too far
+    from one discrete Gaussian to be accounted as one: ``D tau > MAX_TAU_TOTAL`` (Kairouz et al. 2021, Theorem 1).
+
+    Raises:
+        ConfigError: names what to raise (``field_bits`` or ``quantization_levels``).
+    """
     excess = dimension * tau(sigma, num_clients)
     if excess > MAX_TAU_TOTAL:
         raise ConfigError(
@@ -180,4 +191,123 @@ def check_field(
             f"Gaussian (D*tau = {excess:.3g} > {MAX_TAU_TOTAL}); raise [strategy.secagg] field_bits or "
             "quantization_levels"
         )
-    return noise
+
+
+def max_clipping_norm(
+    *, share_multiplier: float, clip: float, levels: int, dimension: int, minimum_clients: int
+) -> float:
+    """The largest clipping norm ``C`` that :func:`check_field` accepts for the field's ``clip`` (adaptive
+    clipping's norm is held below it), or 0 when none is.
+
+    :func:`check_field` needs ``c >= C + a (C + r)`` with ``a = (z / sqrt(n_min)) sqrt(2 ln(2 D / p) / n_min)`` and
+    ``r = sqrt(D) 2c / L`` (the noise in update units is ``(z / sqrt(n_min)) (C + r)``), so ``C <= (c - a r) /
+    (1 + a)``; the value returned is that bound less a relative 1e-9, so that rounding never tips it over.
+    """
+    a = share_multiplier * math.sqrt(2.0 * math.log(2.0 * dimension / MAX_WRAP_PROBABILITY) / minimum_clients)
+    r = math.sqrt(dimension) * 2.0 * clip / levels
+    return max(0.0, (clip - a * r) / (1.0 + a) * (1.0 - 1e-9))
+
+
+def min_clipping_norm(*, share_multiplier: float, clip: float, levels: int, dimension: int, num_clients: int) -> float:
+    """The smallest clipping norm ``C`` whose noise :func:`check_coarseness` accepts (adaptive clipping's norm is held
+    above it; 0 when every C is fine).
+
+    The per-client sigma ``(z / sqrt(n_min)) (C L / (2c) + sqrt(D))`` grows with C; ``D tau(sigma, n)`` falls with
+    sigma, so the smallest sigma that passes is found by bisection (to a relative 1e-12) and turned back into C,
+    plus a relative 1e-9 so that rounding never tips it under.
+    """
+    target = MAX_TAU_TOTAL / dimension
+    floor = share_multiplier * math.sqrt(dimension)  # sigma at C = 0
+    if tau(floor, num_clients) <= target:
+        return 0.0
+    low, high = floor, max(2.0 * floor, 1.0)
+    while tau(high, num_clients) > target:
+        low, high = high, 2.0 * high
+    while high - low > 1e-12 * high:
+        middle = (low + high) / 2.0
+        low, high = (low, middle) if tau(middle, num_clients) <= target else (middle, high)
+    return (high / share_multiplier - math.sqrt(dimension)) * 2.0 * clip / levels * (1.0 + 1e-9)
+
+
+COUNT_TENSOR = "dp.unclipped"
+"""Adaptive clipping under secure aggregation: the one-element float64 tensor appended to the securely summed spec
+whose field coordinate carries each client's ``S b_i + g_i`` (see :func:`count_scale`)."""
+CLIPPING_SETTING = "dp_clipping_norm"
+"""The round setting (announced with the keys, :data:`privacy.secagg.codec.SETTING_PREFIX`) that tells the clients
+adaptive clipping's norm for the round."""
+COUNT_MIN_SIGMA = 64.0
+"""The smallest per-client discrete Gaussian (field units) on the count coordinate; ``tau`` is 0 in float64 there."""
+
+
+def count_scale(count_stddev: float, minimum_clients: int) -> int:
+    """``S``, the field units of one unclipped update on the count coordinate: the smallest power of two with
+    ``S sigma_b / sqrt(n_min) >= COUNT_MIN_SIGMA``.
+
+    Each client adds ``S b_i + g_i`` (``b_i = 1[||delta_i|| <= C]``, ``g_i ~ N_Z(0, (S sigma_b / sqrt(n_min))^2)``)
+    to the coordinate, which quantizes to exactly 0 (the tensor's value is ``-clip``), so the unmasked coordinate is
+    ``S sum_i b_i + sum_i g_i``: the count with noise of standard deviation ``sigma_b sqrt(k / n_min)`` in count
+    units. With the number of contributions ``k`` public (the weight element), releasing it is releasing
+    ``sum_i S (b_i - 1/2)``, of sensitivity ``S / 2``: noise multiplier ``2 sigma_b``, as in Andrew et al. 2021
+    (section 3.1), which :func:`~privacy.dp.mechanism.update_noise_multiplier` composes with the update's.
+
+    Raises:
+        ConfigError: ``count_stddev`` not a finite number > 0, or ``minimum_clients`` < 1.
+    """
+    if not (math.isfinite(count_stddev) and count_stddev > 0):
+        raise ConfigError(f"the clipped count's noise standard deviation must be finite and > 0, got {count_stddev!r}")
+    if minimum_clients < 1:
+        raise ConfigError(f"the fewest contributions must be >= 1, got {minimum_clients}")
+    needed = COUNT_MIN_SIGMA * math.sqrt(minimum_clients) / count_stddev
+    return 1 << max(0, math.ceil(math.log2(needed)))
+
+
+def check_count_field(*, scale: int, sigma: float, num_clients: int, field_bits: int) -> None:
+    """Refuse a field whose count coordinate could wrap: the server reads ``S sum_i b_i + sum_i g_i`` as a signed
+    ``b``-bit integer, exact while it lies in ``[-2^(b-1), 2^(b-1))``. ``sum_i b_i <= n`` and the noise of ``n``
+    shares is sub-Gaussian with parameter ``sigma sqrt(n)`` (CKS20, Proposition 19), so a margin ``t = sigma sqrt(2 n
+    ln(2 / p))`` keeps the chance of a wrap below ``p =`` :data:`MAX_WRAP_PROBABILITY`; ``tau`` of the coordinate
+    must also be below :data:`MAX_TAU_TOTAL`.
+
+    Args:
+        scale: S (:func:`count_scale`).
+        sigma: each client's discrete Gaussian on the coordinate, in field units.
+        num_clients: n, the most clients a round sums (the clients per round m).
+        field_bits: b.
+
+    Raises:
+        ConfigError: the count does not fit (names the ``field_bits`` that would).
+    """
+    margin = sigma * math.sqrt(2.0 * num_clients * math.log(2.0 / MAX_WRAP_PROBABILITY))
+    largest = scale * num_clients + margin
+    if largest >= 2.0 ** (field_bits - 1):
+        need = math.ceil(math.log2(largest)) + 2
+        raise ConfigError(
+            f"adaptive clipping under secure aggregation: the noisy unclipped count of {num_clients} clients (scale "
+            f"{scale}, noise {sigma:.4g} field units per client) could wrap around a field of {field_bits} bits; "
+            f"use [strategy.secagg] field_bits >= {need}"
+        )
+    check_coarseness(sigma, levels=scale, dimension=1, num_clients=num_clients)
+
+
+def count_share(unclipped: bool, scale: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """One client's integer on the count coordinate: ``S b + g``, ``b = 1`` for an unclipped update, ``g ~ N_Z(0,
+    sigma^2)`` (:func:`discrete_gaussian`); int64 of shape (1,), added after quantization like the update's noise.
+
+    Raises:
+        ConfigError: ``sigma`` out of the sampler's range.
+    """
+    return scale * int(unclipped) + discrete_gaussian(1, sigma, rng)
+
+
+def read_count(field_sum: np.ndarray, field_bits: int, scale: int) -> float:
+    """The noisy count of unclipped updates, ``(S sum_k b_k + sum_k g_k) / S``, from the unmasked sum whose last
+    two elements are the count coordinate and the weight element (the count is :data:`COUNT_TENSOR`, last in the
+    securely summed spec), read as a signed ``b``-bit integer (:func:`signed`)."""
+    return signed(int(field_sum[field_sum.size - 2]), field_bits) / scale
+
+
+def signed(value: int, field_bits: int) -> int:
+    """``value`` (an element of ``Z_{2^b}``, ``0 <= value < 2^b``) read as the signed integer in
+    ``[-2^(b-1), 2^(b-1))`` it is congruent to."""
+    half = 1 << (field_bits - 1)
+    return value - (1 << field_bits) if value >= half else value

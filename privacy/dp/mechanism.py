@@ -1,7 +1,7 @@
 """The pure math of client-level DP-FedAvg: L2 clipping of an update, Gaussian noise, adaptive clipping.
 
-No I/O and no round logic (STYLE.md §1): the central aggregator (:mod:`privacy.dp.central`) and the client mod
-of distributed mode (:mod:`privacy.dp.distributed`) call these functions.
+No I/O and no round logic (STYLE.md §1): the aggregators (:mod:`privacy.dp.aggregator`,
+:mod:`privacy.dp.secure`) and the client mod of distributed mode (:mod:`privacy.dp.distributed`) call these functions.
 
 Sources:
 
@@ -166,8 +166,29 @@ class AdaptiveClipping:
             expected_clients: m, the fixed denominator (clients expected per round).
             noise: a draw of ``N(0, clipped_count_stddev^2)`` (passed in, so the step is checkable by hand).
         """
-        fraction = (unclipped + noise) / expected_clients
-        return clipping_norm * math.exp(-self.learning_rate * (fraction - self.target_quantile))
+        return self.step(clipping_norm, unclipped + noise, expected_clients)
+
+    def step(self, clipping_norm: float, noisy_count: float, expected_clients: int) -> float:
+        """``C * exp(-eta_C (noisy_count / expected_clients - gamma))``: the geometric update from a count of
+        unclipped updates that already carries its noise (distributed mode: the count comes out of the secure sum
+        with the clients' noise shares in it, :mod:`privacy.dp.secure`).
+
+        Args:
+            clipping_norm: this round's C > 0.
+            noisy_count: ``sum_k 1[||delta_k|| <= C] + noise`` (may be negative or above m: it is not clamped, as
+                in Andrew et al.'s Algorithm 1).
+            expected_clients: m >= 1, the fixed denominator.
+
+        Raises:
+            ConfigError: a non-finite count or C, or m < 1.
+        """
+        c = _positive("the clipping norm", clipping_norm)
+        if not math.isfinite(noisy_count):
+            raise ConfigError(f"the noisy unclipped count must be finite, got {noisy_count!r}")
+        if isinstance(expected_clients, bool) or not isinstance(expected_clients, int) or expected_clients < 1:
+            raise ConfigError(f"the expected clients per round must be an integer >= 1, got {expected_clients!r}")
+        fraction = noisy_count / expected_clients
+        return c * math.exp(-self.learning_rate * (fraction - self.target_quantile))
 
 
 def minimum_contributors(expected_clients: int, tolerated_dropout: float) -> int:

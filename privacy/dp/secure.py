@@ -18,10 +18,21 @@ Dropouts: ``k`` shares carry noise ``z Delta sqrt(k / n_min)``, so a round with 
 accounted noise and one with more has more (up to ``1 / sqrt(1 - tolerated_dropout)`` times); fewer are refused as
 above. The field is checked before any client is contacted (:func:`~privacy.dp.ddgauss.check_field`: wrap-around
 and the sum-of-discrete-Gaussians term).
+
+Adaptive clipping (Andrew et al. 2021, Algorithm 1) in this mode: the round's C is announced with the keys (the
+``dp_clipping_norm`` round setting); the securely summed spec gains the one-element tensor
+:data:`~privacy.dp.ddgauss.COUNT_TENSOR`, on which each client adds ``S b_i + N_Z(0, (S sigma_b / sqrt(n_min))^2)``
+with ``b_i = 1[||delta_i|| <= C]`` (:func:`~privacy.dp.ddgauss.count_share`); the server reads only the noisy count
+out of the unmasked sum (:func:`~privacy.dp.ddgauss.read_count`) and steps C for the next round
+(:meth:`DPFedAvgAggregator.adapt`). The update's share multiplier is ``z_delta / sqrt(n_min)`` with ``z_delta =
+(z^-2 - (2 sigma_b)^-2)^(-1/2)``, so the update (multiplier ``z_delta`` on sensitivity Delta) and the count
+(``2 sigma_b`` on sensitivity S / 2, the number of contributions being public) together are the Gaussian mechanism
+of multiplier z, which is what is accounted.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,8 +44,19 @@ from fedcore.messages import ModSpec
 from fedcore.strategy import Strategy
 from fedcore.tensors import NamedArrays, TensorSpec
 from privacy.dp.aggregator import DPFedAvgAggregator
-from privacy.dp.ddgauss import check_field
+from privacy.dp.ddgauss import (
+    CLIPPING_SETTING,
+    COUNT_TENSOR,
+    check_count_field,
+    check_field,
+    count_scale,
+    max_clipping_norm,
+    min_clipping_norm,
+    read_count,
+)
 from privacy.secagg.rounds import MOD, SecAggAccumulator, SecAggAggregator, SecureAggregation
+
+log = logging.getLogger("fedcore.privacy")
 
 
 @dataclass(eq=False)
@@ -50,7 +72,7 @@ class SecureDPAggregator:
 
     Attributes:
         secagg: the secure sum's aggregator (its protocol's).
-        dp: the distributed-mode DP-FedAvg rule: m, N, z, C, delta, budget and accounting.
+        dp: the distributed-mode DP-FedAvg rule: m, N, z, C, delta, budget, accounting and adaptive clipping.
     """
 
     secagg: SecAggAggregator
@@ -63,8 +85,23 @@ class SecureDPAggregator:
             raise ConfigError("under secure aggregation the server cannot clip or noise updates: use dp='distributed'")
 
     def share_multiplier(self) -> float:
-        """Each client's share of the noise multiplier, ``z / sqrt(n_min)``."""
-        return self.dp.noise_multiplier / math.sqrt(self.dp.minimum_clients)
+        """Each client's share of the update's noise multiplier: ``z / sqrt(n_min)``, or ``z_delta / sqrt(n_min)``
+        with adaptive clipping (:func:`~privacy.dp.mechanism.update_noise_multiplier`)."""
+        return self.dp.update_noise_multiplier() / math.sqrt(self.dp.minimum_clients)
+
+    def count_scale(self) -> int:
+        """Adaptive clipping: S, the field units of one unclipped update (:func:`~privacy.dp.ddgauss.count_scale`);
+        0 with a fixed clipping norm."""
+        if self.dp.adaptive is None:
+            return 0
+        return count_scale(self.dp.adaptive.clipped_count_stddev, self.dp.minimum_clients)
+
+    def count_noise(self) -> float:
+        """Adaptive clipping: each client's discrete Gaussian sigma on the count coordinate, ``S sigma_b /
+        sqrt(n_min)`` field units (0 with a fixed clipping norm)."""
+        if self.dp.adaptive is None:
+            return 0.0
+        return self.count_scale() * self.dp.adaptive.clipped_count_stddev / math.sqrt(self.dp.minimum_clients)
 
     def allows(self, round: int) -> bool:
         """As :meth:`DPFedAvgAggregator.allows` (the target epsilon)."""
@@ -80,46 +117,123 @@ class SecureDPAggregator:
         self.secagg.check(num_clients)
         self.selection.num_clients = num_clients
 
+    def state_dict(self, round: int) -> NamedArrays:
+        """As :meth:`DPFedAvgAggregator.state_dict`: adaptive clipping's norm for round ``round + 1``."""
+        return self.dp.state_dict(round)
+
+    def load_state(self, round: int, state: NamedArrays) -> None:
+        """As :meth:`DPFedAvgAggregator.load_state` (a restarted server continues with the stored norm)."""
+        self.dp.load_state(round, state)
+
+    def _held(self, norm: float, round: int, clip: float, levels: int, dimension: int, num_clients: int) -> float:
+        """An adapted norm held within what the field carries: at most :func:`~privacy.dp.ddgauss.max_clipping_norm`
+        (wrap-around), at least :func:`~privacy.dp.ddgauss.min_clipping_norm` (noise too coarse). The configured
+        initial norm is returned as it is (:func:`~privacy.dp.ddgauss.check_field` then refuses it if it does not
+        fit)."""
+        if norm == self.dp.clipping_norm:
+            return norm
+        share, n_min = self.share_multiplier(), self.dp.minimum_clients
+        high = max_clipping_norm(
+            share_multiplier=share, clip=clip, levels=levels, dimension=dimension, minimum_clients=n_min
+        )
+        low = min_clipping_norm(
+            share_multiplier=share, clip=clip, levels=levels, dimension=dimension, num_clients=num_clients
+        )
+        held = min(max(norm, low), high)
+        if held != norm:
+            log.warning(
+                "round %d: adaptive clipping reached C=%.6g, outside [%.6g, %.6g], what the field (clip=%g, %d levels) "
+                "carries; the round clips with C=%.6g (raise [strategy.secagg] clip to let C grow, or field_bits to "
+                "let it shrink)",
+                round,
+                norm,
+                low,
+                high,
+                clip,
+                levels,
+                held,
+            )
+        return held
+
     def start(
         self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
     ) -> SecureDPAccumulator:
         """The round's accumulator, after the field was checked for the noise (before any client is contacted).
 
+        With adaptive clipping the round's norm (:meth:`DPFedAvgAggregator.clipping_norm_for`) is announced to the
+        clients with the keys; an adapted norm outside what the field carries is held at the nearer limit (logged;
+        :meth:`_held`), the configured initial norm is refused instead, as a fixed one is.
+
         Raises:
             BudgetExhausted: releasing round ``round`` would exceed the target epsilon.
-            ConfigError: a field that cannot carry the noisy sum (:func:`~privacy.dp.ddgauss.check_field`), or
-                what the secure sum refuses.
+            ConfigError: a field that cannot carry the noisy sum (:func:`~privacy.dp.ddgauss.check_field`) or the
+                noisy count (:func:`~privacy.dp.ddgauss.check_count_field`), or what the secure sum refuses.
         """
-        spent = self.dp.spend(round)
-        n = self.selection.num_clients or self.dp.expected_clients
+        dp = self.dp
+        spent = dp.spend(round)
+        n = self.selection.num_clients or dp.expected_clients
         params = self.secagg.config.resolve(n)
+        dimension = sum(int(np.prod(s.shape, dtype=np.int64)) for s in spec)
+        clipping_norm = dp.clipping_norm_for(round)
+        secure_spec = tuple(spec)
+        if dp.adaptive is not None:
+            check_count_field(
+                scale=self.count_scale(),
+                sigma=self.count_noise(),
+                num_clients=max(n, dp.expected_clients),
+                field_bits=params.field_bits,
+            )
+            clipping_norm = self._held(clipping_norm, round, params.clip, params.levels, dimension, n)
+            secure_spec += (TensorSpec(COUNT_TENSOR, (1,), "float64"),)
         noise = check_field(
             share_multiplier=self.share_multiplier(),
-            clipping_norm=self.dp.clipping_norm,
+            clipping_norm=clipping_norm,
             clip=params.clip,
             levels=params.levels,
-            dimension=sum(int(np.prod(s.shape, dtype=np.int64)) for s in spec),
-            minimum_clients=self.dp.minimum_clients,
+            dimension=dimension,
+            minimum_clients=dp.minimum_clients,
             num_clients=n,
         )
-        inner = self.secagg.start(spec, round=round, reference=reference)
-        return SecureDPAccumulator(self, inner, epsilon=spent, noise_stddev=noise)
+        inner = self.secagg.start(secure_spec, round=round, reference=reference)
+        if dp.adaptive is not None:
+            inner.settings[CLIPPING_SETTING] = clipping_norm
+        return SecureDPAccumulator(
+            self, inner, tuple(spec), epsilon=spent, noise_stddev=noise, clipping_norm=clipping_norm
+        )
 
 
 class SecureDPAccumulator:
     """One round of :class:`SecureDPAggregator` (an :class:`~fedcore.aggregation.Accumulator` with ``report``)."""
 
-    def __init__(self, rule: SecureDPAggregator, inner: SecAggAccumulator, *, epsilon: float, noise_stddev: float):
+    def __init__(
+        self,
+        rule: SecureDPAggregator,
+        inner: SecAggAccumulator,
+        spec: tuple[TensorSpec, ...],
+        *,
+        epsilon: float,
+        noise_stddev: float,
+        clipping_norm: float,
+    ):
         self._rule = rule
         self._inner = inner
+        self._spec = spec
         self._epsilon = epsilon
         self._noise_stddev = noise_stddev
+        self._clipping_norm = clipping_norm
         self._noise_on_average = 0.0
+        self._unclipped: float | None = None
 
     @property
     def count(self) -> int:
         """Masked uploads taken so far."""
         return self._inner.count
+
+    @property
+    def noisy_unclipped(self) -> float | None:
+        """Adaptive clipping, after :meth:`result`: the noisy count of unclipped updates the secure sum revealed
+        (``sum_k b_k`` plus noise of standard deviation ``sigma_b sqrt(k / n_min)``); None before or without."""
+        return self._unclipped
 
     def add(
         self, update: Mapping[str, np.ndarray], weight: float, *, client_id: str | None = None, round: int | None = None
@@ -128,7 +242,8 @@ class SecureDPAccumulator:
         self._inner.add(update, weight, client_id=client_id, round=round)
 
     def result(self, *, release: bool = False) -> NamedArrays:
-        """``w + T / m`` (T: the unmasked noisy sum of the survivors' clipped updates), in the spec's dtypes.
+        """``w + T / m`` (T: the unmasked noisy sum of the survivors' clipped updates), in the spec's dtypes; with
+        adaptive clipping, also the next round's norm from the noisy count (:meth:`DPFedAvgAggregator.adapt`).
 
         Raises:
             AggregationError: the round protocol never ran, or fewer than ``n_min`` updates are in the sum.
@@ -147,25 +262,33 @@ class SecureDPAccumulator:
         self._noise_on_average = self._noise_stddev * math.sqrt(k) / dp.expected_clients
         m = dp.expected_clients
         out: NamedArrays = {}
-        for s in inner.spec:
+        for s in self._spec:
             total = outcome.weighted_sum[s.name]
             out[s.name] = (np.asarray(inner.reference[s.name], dtype=np.float64) + total / m).astype(s.dtype)
+        if dp.adaptive is not None:
+            self._unclipped = read_count(outcome.field_sum, inner.server.params.field_bits, self._rule.count_scale())
+            dp.adapt(inner.round, self._clipping_norm, self._unclipped)
         return out
 
     def report(self) -> Mapping[str, float]:
-        """``epsilon`` (spent by the rounds released so far, this one included), ``dp_clipping_norm`` and
-        ``dp_noise_std`` (the noise's standard deviation on the average, in update units)."""
-        return {
+        """``epsilon`` (spent by the rounds released so far, this one included), ``dp_clipping_norm`` (the norm
+        this round clipped with), ``dp_noise_std`` (the noise's standard deviation on the average, in update
+        units) and, with adaptive clipping, ``dp_unclipped`` (:attr:`noisy_unclipped`, a DP release itself)."""
+        figures = {
             "epsilon": self._epsilon,
-            "dp_clipping_norm": float(self._rule.dp.clipping_norm),
+            "dp_clipping_norm": float(self._clipping_norm),
             "dp_noise_std": self._noise_on_average,
         }
+        if self._unclipped is not None:
+            figures["dp_unclipped"] = self._unclipped
+        return figures
 
 
 def secure_distributed_dp(strategy: Strategy, dp: DPFedAvgAggregator) -> Strategy:
     """``strategy`` (securely aggregated, :func:`privacy.secagg.rounds.secure_aggregation`) with distributed
-    DP-FedAvg: uniform weights, the ``secagg`` mod clipping and adding the noise shares, the protocol refusing to
-    unmask fewer than ``n_min`` inputs, and :class:`SecureDPAggregator`.
+    DP-FedAvg: uniform weights, the ``secagg`` mod clipping and adding the noise shares (and, with adaptive
+    clipping, its noisy clipped-count bit), the protocol refusing to unmask fewer than ``n_min`` inputs, and
+    :class:`SecureDPAggregator`.
 
     Raises:
         ConfigError: the strategy is not securely aggregated, or ``dp`` is not in distributed mode.
@@ -179,6 +302,8 @@ def secure_distributed_dp(strategy: Strategy, dp: DPFedAvgAggregator) -> Strateg
         "clipping_norm": float(dp.clipping_norm),
         "noise_multiplier": aggregator.share_multiplier(),
     }
+    if dp.adaptive is not None:
+        params |= {"count_scale": aggregator.count_scale(), "count_noise": aggregator.count_noise()}
     mods = tuple(ModSpec(MOD, params) if spec.name == MOD else spec for spec in strategy.mods)
     return replace(
         strategy,

@@ -42,6 +42,10 @@ DELIVER_SHARES = Stage.COLLECT_MASKED_INPUT.value
 """The third exchange: each client receives its neighbours' share ciphertexts (before training) and acknowledges;
 its masked input then comes back as its fit result."""
 
+SETTING_PREFIX = "setting."
+"""Stage 1's fields that carry round settings from the layer above the protocol (distributed DP's adaptive
+clipping norm, :mod:`privacy.dp.secure`), as ``setting.<name>`` = the float's exact hex text."""
+
 _PARAMS = ("num_clients", "neighbours", "threshold", "field_bits", "max_weight", "levels")
 
 
@@ -104,8 +108,11 @@ def _str(fields: Mapping[str, StageValue], name: str) -> str:
     return value
 
 
-def server_stage(message: ServerMessage, *, attempt: int, rounding_seed: bytes) -> StageIns:
-    """The stage instruction carrying ``message`` (stage 1 also carries the run's ``rounding_seed``)."""
+def server_stage(
+    message: ServerMessage, *, attempt: int, rounding_seed: bytes, settings: Mapping[str, float] | None = None
+) -> StageIns:
+    """The stage instruction carrying ``message`` (stage 1 also carries the run's ``rounding_seed`` and the round's
+    ``settings``, :data:`SETTING_PREFIX`)."""
     fields: dict[str, StageValue]
     if isinstance(message, AdvertiseKeysIns):
         p = message.params
@@ -117,6 +124,7 @@ def server_stage(message: ServerMessage, *, attempt: int, rounding_seed: bytes) 
             "spec": json.dumps([[s.name, list(s.shape), s.dtype] for s in message.spec]),
             "rounding_seed": rounding_seed,
         }
+        fields |= {SETTING_PREFIX + name: float(value).hex() for name, value in (settings or {}).items()}
     elif isinstance(message, ShareKeysIns):
         fields = {"public_keys": pack({p: enc + mask for p, (enc, mask) in message.public_keys.items()})}
     elif isinstance(message, MaskedInputIns):
@@ -142,7 +150,7 @@ def read_server_stage(ins: StageIns) -> tuple[ServerMessage, bytes]:
             clip = float.fromhex(clip_text)
             raw_spec = json.loads(_str(f, "spec"))
             spec = tuple(TensorSpec(str(n), tuple(int(d) for d in shape), str(dtype)) for n, shape, dtype in raw_spec)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             raise ProtocolError(f"secure aggregation: the round's clip or spec is malformed: {exc}") from None
         if not math.isfinite(clip):
             raise ProtocolError("secure aggregation: the round's clip is not finite")
@@ -165,6 +173,26 @@ def read_server_stage(ins: StageIns) -> tuple[ServerMessage, bytes]:
         survivors = tuple(unpack(f.get("survivors"), "survivors"))
         return UnmaskIns(round=ins.round, survivors=survivors, dropped=tuple(unpack(f.get("dropped"), "dropped"))), b""
     raise ProtocolError(f"secure aggregation has no stage {ins.name[:64]!r}")
+
+
+def read_settings(ins: StageIns) -> dict[str, float]:
+    """The round settings stage 1 announces (``name -> value``; empty when there are none).
+
+    Raises:
+        ProtocolError: a setting that is not a finite float's hex text.
+    """
+    out: dict[str, float] = {}
+    for name, value in ins.fields.items():
+        if not name.startswith(SETTING_PREFIX):
+            continue
+        try:
+            number = float.fromhex(value) if isinstance(value, str) else math.nan
+        except (ValueError, OverflowError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise ProtocolError(f"secure aggregation: the round setting {name[:64]!r} is not a finite number")
+        out[name[len(SETTING_PREFIX) :]] = number
+    return out
 
 
 def client_stage(

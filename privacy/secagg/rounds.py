@@ -45,7 +45,7 @@ from fedcore.mods import CallNext, ModContext
 from fedcore.stages import Exchange, Phase
 from fedcore.strategy import Strategy
 from fedcore.tensors import NamedArrays, TensorSpec
-from privacy.dp.ddgauss import discrete_gaussian, integer_noise_stddev
+from privacy.dp.ddgauss import CLIPPING_SETTING, COUNT_TENSOR, count_share, discrete_gaussian, integer_noise_stddev
 from privacy.dp.mechanism import clip_update
 from privacy.secagg import codec
 from privacy.secagg.client import SecAggClient
@@ -81,12 +81,15 @@ class SecAggAccumulator:
         round: the round.
         reference: the global model the clients started from; the result is it plus the mean update.
         server: the round's server machine, set when the protocol starts the round.
+        settings: round settings announced to the clients with the keys (stage 1; distributed DP's adaptive
+            clipping norm, :mod:`privacy.dp.secure`), set before the protocol starts the round.
     """
 
     spec: tuple[TensorSpec, ...]
     round: int
     reference: Mapping[str, np.ndarray]
     server: SecAggServer | None = None
+    settings: dict[str, float] = field(default_factory=dict)
     _count: int = 0
 
     @property
@@ -189,6 +192,7 @@ class SecAggStages:
     rounding_seed: bytes
     deadline_s: float | None
     minimum_inputs: int = 0
+    settings: Mapping[str, float] = field(default_factory=dict)
     _outbox: Mapping[str, ServerMessage] = field(default_factory=dict)
     _sent: set[str] = field(default_factory=set)
 
@@ -214,7 +218,7 @@ class SecAggStages:
         for cid, message in self._outbox.items():
             if id(message) not in encoded:
                 encoded[id(message)] = codec.server_stage(
-                    message, attempt=self.server.attempt, rounding_seed=self.rounding_seed
+                    message, attempt=self.server.attempt, rounding_seed=self.rounding_seed, settings=self.settings
                 )
             instructions[cid] = encoded[id(message)]
         return Exchange(name=name, instructions=instructions, deadline_s=self.deadline_s)
@@ -309,6 +313,7 @@ class SecureAggregation:
             rounding_seed=_seed_bytes(seed, "rounding"),
             deadline_s=deadline,
             minimum_inputs=self.minimum_inputs,
+            settings=dict(accumulator.settings),
         )
 
 
@@ -353,6 +358,7 @@ class SecAggClientMachine:
         self.client_id = client_id
         self._client: SecAggClient | None = None
         self.spec: tuple[TensorSpec, ...] = ()
+        self.settings: dict[str, float] = {}
         self.ready = False
 
     def handle(self, instruction: StageIns) -> StageRes:
@@ -371,6 +377,7 @@ class SecAggClientMachine:
                 raise ProtocolError(exc.message) from None
             reply = self._client.advertise_keys(message)
             self.spec = message.spec
+            self.settings = codec.read_settings(instruction)
             return codec.client_stage(reply, instruction, self.client_id)
         client = self._started()
         if isinstance(message, MaskedInputIns):
@@ -431,13 +438,20 @@ class SecAggMod:
             ``"uniform"`` (weight 1), as the strategy's.
         clipping_norm: distributed DP (:mod:`privacy.dp.ddgauss`): C > 0 clips the update to L2 norm C before it
             is quantized; 0: no DP.
-        noise_multiplier: distributed DP: this client's share ``z / sqrt(n_min)`` of the noise multiplier; the
-            discrete Gaussian noise of ``noise_multiplier * Delta`` field units is added after quantization
-            (:func:`~privacy.dp.ddgauss.integer_noise_stddev`), drawn from the OS's entropy. Needs
-            ``clipping_norm > 0`` and weighting ``"uniform"``.
+        noise_multiplier: distributed DP: this client's share ``z / sqrt(n_min)`` of the update's noise multiplier
+            (``z_delta / sqrt(n_min)`` with adaptive clipping); the discrete Gaussian noise of ``noise_multiplier *
+            Delta`` field units is added after quantization (:func:`~privacy.dp.ddgauss.integer_noise_stddev`),
+            drawn from the OS's entropy. Needs ``clipping_norm > 0`` and weighting ``"uniform"``.
+        count_scale: adaptive clipping under secure aggregation (:mod:`privacy.dp.secure`): S >= 1, the field
+            units of one unclipped update on the count coordinate (:func:`~privacy.dp.ddgauss.count_scale`); the
+            round's clipping norm then comes with the keys (the ``dp_clipping_norm`` setting) and
+            ``clipping_norm`` is not used; 0: no count.
+        count_noise: with ``count_scale``: this client's discrete Gaussian sigma on the count coordinate, in field
+            units (``S sigma_b / sqrt(n_min)``), > 0.
 
     Raises (from the call):
-        ClientTaskError: this client holds no SecAgg+ state for the round (the key stages did not reach it).
+        ClientTaskError: this client holds no SecAgg+ state for the round (the key stages did not reach it), or an
+            adaptive round whose spec or clipping norm is missing or malformed.
         ProtocolError, ConfigError, PayloadError: the update cannot be masked (e.g. more examples than
             ``max_weight``).
     """
@@ -445,11 +459,13 @@ class SecAggMod:
     weighting: str = "examples"
     clipping_norm: float = 0.0
     noise_multiplier: float = 0.0
+    count_scale: int = 0
+    count_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.weighting not in ("examples", "uniform"):
             raise ConfigError(f"weighting must be 'examples' or 'uniform', got {bound_text(str(self.weighting), 40)!r}")
-        for name in ("clipping_norm", "noise_multiplier"):
+        for name in ("clipping_norm", "noise_multiplier", "count_noise"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -457,8 +473,12 @@ class SecAggMod:
                 or not (math.isfinite(value) and value >= 0)
             ):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {bound_text(repr(value), 40)}")
+        if isinstance(self.count_scale, bool) or not isinstance(self.count_scale, int) or self.count_scale < 0:
+            raise ConfigError(f"count_scale must be an integer >= 0, got {bound_text(repr(self.count_scale), 40)}")
         if self.noise_multiplier and not (self.clipping_norm and self.weighting == "uniform"):
             raise ConfigError("distributed DP noise needs clipping_norm > 0 and weighting 'uniform'")
+        if self.count_scale and not (self.noise_multiplier and self.count_noise > 0):
+            raise ConfigError("the clipped count (adaptive clipping) needs noise_multiplier > 0 and count_noise > 0")
 
     def __call__(self, instruction: FitIns, context: ModContext, call_next: CallNext) -> FitRes:
         """Train with ``call_next``, then mask; see the class docstring."""
@@ -472,30 +492,53 @@ class SecAggMod:
                 client_id=context.client_id,
                 stage="fit",
             )
+        spec, clipping_norm = self._round_spec(machine, instruction, context)
         reply = call_next(instruction)
         weight = reply.num_examples if self.weighting == "examples" else 1
         try:
             delta = {
                 s.name: np.asarray(reply.parameters[s.name], dtype=np.float64)
                 - np.asarray(instruction.parameters[s.name], dtype=np.float64)
-                for s in machine.spec
+                for s in spec
             }
-            noise = None
-            if self.clipping_norm:
-                delta, _ = clip_update(delta, self.clipping_norm)
-            if self.noise_multiplier:
-                params = machine.params
-                size = sum(a.size for a in delta.values())
-                sigma = integer_noise_stddev(
-                    self.noise_multiplier, self.clipping_norm, params.clip, params.levels, size
-                )
-                noise = discrete_gaussian(size, sigma, np.random.default_rng())  # OS entropy, never the run's seed
-            update = {s.name: delta[s.name].astype(s.dtype) for s in machine.spec}
-            masked = machine.mask(update, weight, noise)
         except KeyError as exc:
             raise ClientTaskError(
                 f"secure aggregation: the trained model lacks tensor {bound_text(str(exc), 80)}",
                 round=instruction.round,
                 client_id=context.client_id,
             ) from None
+        noise = None
+        norm = 0.0
+        if clipping_norm:
+            delta, norm = clip_update(delta, clipping_norm)
+        update = {s.name: delta[s.name].astype(s.dtype) for s in spec}
+        if self.noise_multiplier:
+            params = machine.params
+            size = sum(a.size for a in delta.values())
+            sigma = integer_noise_stddev(self.noise_multiplier, clipping_norm, params.clip, params.levels, size)
+            rng = np.random.default_rng()  # OS entropy, never the run's seed
+            noise = discrete_gaussian(size, sigma, rng)
+            if self.count_scale:
+                # the count coordinate quantizes -clip to exactly 0 and carries S b_i + g_i in the added integers
+                update[COUNT_TENSOR] = np.full(1, -params.clip, dtype=np.float64)
+                count = count_share(norm <= clipping_norm, self.count_scale, self.count_noise, rng)
+                noise = np.concatenate([noise, count])
+        masked = machine.mask(update, weight, noise)
         return replace(reply, parameters={codec.MASKED: masked})
+
+    def _round_spec(
+        self, machine: SecAggClientMachine, instruction: FitIns, context: ModContext
+    ) -> tuple[tuple[TensorSpec, ...], float]:
+        """The model's tensors of the round's spec and the clipping norm the round clips with."""
+        if not self.count_scale:
+            return machine.spec, self.clipping_norm
+        spec = machine.spec
+        norm = machine.settings.get(CLIPPING_SETTING, math.nan)
+        if not spec or spec[-1] != TensorSpec(COUNT_TENSOR, (1,), "float64") or not (math.isfinite(norm) and norm > 0):
+            raise ClientTaskError(
+                "secure aggregation with adaptive clipping: the round's keys did not announce a clipping norm > 0 "
+                f"and the {COUNT_TENSOR!r} coordinate; is the server's privacy configuration the same as this mod's?",
+                round=instruction.round,
+                client_id=context.client_id,
+            )
+        return spec[:-1], norm

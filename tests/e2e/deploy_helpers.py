@@ -138,3 +138,53 @@ def client_args(port: int, client_id: str, index: int, total: int, options: dict
         "2",
         *extra,
     ]
+
+
+def certs_init(out: Path, *clients: str) -> None:
+    """``fedcore certs init --out out --client ...``: a CA, a server certificate for 127.0.0.1, one certificate and
+    token per client."""
+    flags = [item for cid in clients for item in ("--client", cid)]
+    subprocess.run(
+        [sys.executable, "-m", "fedcore.cli", "certs", "init", "--out", str(out), *flags],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def read_tokens(certs: Path) -> dict[str, str]:
+    """``client id -> token`` from the ``tokens.txt`` that :func:`certs_init` wrote."""
+    lines = (certs / "tokens.txt").read_text().splitlines()
+    pairs = (line.split() for line in lines if line and not line.startswith("#"))
+    return {cid: token for cid, token in pairs}
+
+
+def tls_server_args(
+    port: int, state_dir: Path, certs: Path, options: dict[str, str], *extra: str, verbose: bool = True
+) -> list[str]:
+    """:func:`server_args` with TLS on: the server certificate, mutual TLS against the CA, and the tokens file;
+    ``verbose`` logs at debug level (``-v``)."""
+    args = [a for a in server_args(port, state_dir, options, *extra) if a != "--insecure"]
+    tls = ["--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
+           "--client-ca", str(certs / "ca.pem"), "--tokens-file", str(certs / "tokens.txt")]  # fmt: skip
+    return [*(["-v"] if verbose else []), *args, *tls]
+
+
+def tls_client_args(
+    port: int,
+    client_id: str,
+    index: int,
+    total: int,
+    certs: Path,
+    token: str,
+    options: dict[str, str],
+    *extra: str,
+    identity: Path | None = None,
+) -> list[str]:
+    """:func:`client_args` with TLS on: the server's CA, the client certificate from ``identity`` (default:
+    ``certs``) and the token."""
+    identity = identity if identity is not None else certs
+    args = [a for a in client_args(port, client_id, index, total, options, *extra) if a != "--insecure"]
+    return [*args, "--ca-cert", str(certs / "ca.pem"), "--cert", str(identity / "clients" / f"{client_id}.pem"),
+            "--key", str(identity / "clients" / f"{client_id}.key"), f"--token={token}"]  # fmt: skip

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -29,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fedcore.payload import save_payload
 from fedcore.tensors import encode
 from server.state import StateStore, load_checkpoint
-from tests.e2e.deploy_helpers import ROOT, Proc, client_args, server_args, task_option_flags
+from tests.e2e.deploy_helpers import Proc, certs_init, read_tokens, task_option_flags, tls_client_args, tls_server_args
 
 pytestmark = pytest.mark.slow
 
@@ -37,37 +35,15 @@ OPTIONS = {"dataset": "digits", "num_clients": "2", "partition": "iid", "model":
 SLOW = ["--task", "tests.e2e.slow_task:slow_demo_task"]
 
 
-def _certs_init(out: Path, *clients: str) -> None:
-    flags = [item for cid in clients for item in ("--client", cid)]
-    subprocess.run(
-        [sys.executable, "-m", "fedcore.cli", "certs", "init", "--out", str(out), *flags],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-
-
-def _tokens(certs: Path) -> dict[str, str]:
-    lines = (certs / "tokens.txt").read_text().splitlines()
-    pairs = (line.split() for line in lines if line and not line.startswith("#"))
-    return {cid: token for cid, token in pairs}
-
-
 def _tls_server(port: int, state: Path, certs: Path, *extra: str) -> list[str]:
-    args = [a for a in server_args(port, state, OPTIONS, *extra) if a != "--insecure"]
-    return ["-v", *args, "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
-            "--client-ca", str(certs / "ca.pem"), "--tokens-file", str(certs / "tokens.txt")]  # fmt: skip
+    return tls_server_args(port, state, certs, OPTIONS, *extra)
 
 
 def _tls_client(
     port: int, cid: str, index: int, certs: Path, token: str, *extra: str, identity: Path | None = None
 ) -> list[str]:
     """Client flags with TLS: the server's CA, the client certificate from ``identity`` (default: ``certs``)."""
-    identity = identity if identity is not None else certs
-    args = [a for a in client_args(port, cid, index, 2, OPTIONS, *extra) if a != "--insecure"]
-    return [*args, "--ca-cert", str(certs / "ca.pem"), "--cert", str(identity / "clients" / f"{cid}.pem"),
-            "--key", str(identity / "clients" / f"{cid}.key"), f"--token={token}"]  # fmt: skip
+    return tls_client_args(port, cid, index, 2, certs, token, OPTIONS, *extra, identity=identity)
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -88,9 +64,9 @@ def _joins(state: Path) -> dict[str, int]:
 
 def test_invalid_credentials_are_refused_and_metrics_match_the_run(tmp_path: Path) -> None:
     certs, other = tmp_path / "certs", tmp_path / "other-ca"
-    _certs_init(certs, "client-000", "client-001", "client-002")
-    _certs_init(other, "client-002")  # a second CA issuing a certificate with the right name
-    tokens = _tokens(certs)
+    certs_init(certs, "client-000", "client-001", "client-002")
+    certs_init(other, "client-002")  # a second CA issuing a certificate with the right name
+    tokens = read_tokens(certs)
     state = tmp_path / "state"
     rounds = 2
     server = Proc(
@@ -159,8 +135,8 @@ def test_invalid_credentials_are_refused_and_metrics_match_the_run(tmp_path: Pat
 
 def test_restarted_client_rejoins_at_once_then_sigterm_stops_the_server_cleanly(tmp_path: Path) -> None:
     certs = tmp_path / "certs"
-    _certs_init(certs, "client-000", "client-001")
-    tokens = _tokens(certs)
+    certs_init(certs, "client-000", "client-001")
+    tokens = read_tokens(certs)
     state = tmp_path / "state"
     rounds = 30  # more than run before the SIGTERM
     flags = ["--rounds", str(rounds), "--min-fit-clients", "2", "--liveness-timeout-s", "30", "--no-evaluate"]

@@ -176,8 +176,10 @@ def test_adaptive_aggregator_moves_the_norm_for_the_next_round() -> None:
     # |noise| < 0.06 (6 sigma): C2 within exp(0.1 +- 0.003)
     assert math.exp(0.097) < rule.clipping_norm_for(2) < math.exp(0.103)
     assert rule.clipping_norm_for(1) == 1.0
-    with pytest.raises(ConfigError, match="central mode only"):
-        central(mode="distributed", adaptive=AdaptiveClipping())
+    # distributed mode learns the noisy count only from the secure sum (privacy.dp.secure): alone, it refuses
+    distributed = central(mode="distributed", adaptive=AdaptiveClipping())
+    with pytest.raises(ConfigError, match="enable secure aggregation"):
+        distributed.start(spec_of(reference), round=1, reference=reference)
 
 
 # --- distributed mode ---------------------------------------------------------------------------------------------
@@ -292,6 +294,8 @@ def test_apply_dp_composes_the_strategy() -> None:
         check_mods((distributed.mods[0].__class__("dp-clip", {"clipping_norm": -1.0, "noise_stddev": 0.1}),))
     with pytest.raises(ConfigError, match="target_quantile"):
         PrivacyConfig(dp="central", target_quantile=1.0)
+    with pytest.raises(ConfigError, match="enable secure aggregation"):
+        apply_dp(base, PrivacyConfig(dp="distributed", adaptive_clipping=True), population=100)
 
 
 # --- simulation ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ comes back from the checkpoint, and a DP-SGD round trained again after the resta
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -12,12 +14,14 @@ from torch import nn
 
 from client.state import ClientStateStore
 from fedcore.errors import StateError
-from fedcore.strategy import SamplingConfig, Strategy
+from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, initial_parameters, trainable_names
 from privacy.dp.accounting import epsilon
 from privacy.dp.aggregator import DPFedAvgAggregator
 from privacy.dp.config import PrivacyConfig, apply_dp
+from privacy.dp.secure import SecureDPAggregator
+from privacy.secagg.config import SecAggConfig
 from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from server.state import StateStore, load_checkpoint
 from simulations.inmemory import InMemoryPool
@@ -171,3 +175,44 @@ def test_a_dp_sgd_round_trained_again_after_a_restart_is_accounted_once(tmp_path
         assert entry is not None
         assert list(entry["round"]) == [1, 2, 3]
         assert list(entry["steps"]) == [2, 2, 2]
+
+
+SECURE_ADAPTIVE = dataclasses.replace(ADAPTIVE, dp="distributed", clipping_norm=0.5, clipping_lr=1.0)
+
+
+def secure_strategy() -> Strategy:
+    """Distributed DP with adaptive clipping under SecAgg+, built afresh as a restarted server does."""
+    secagg = SecAggConfig(field_bits=32, clip=4.0, max_weight=1)
+    sampling = SamplingConfig(fraction_fit=1.0, min_fit_clients=4)
+    return apply_dp(
+        build_strategy(StrategyConfig(secure_aggregation=True, secagg=secagg), FIT, sampling), SECURE_ADAPTIVE
+    )
+
+
+def test_distributed_adaptive_clipping_norm_survives_a_server_restart(tmp_path: Path) -> None:
+    """The norm the secure sum's noisy count moved to is in round 2's checkpoint, and the restarted server announces
+    it to the clients in round 3 (and steps on from it)."""
+    store = StateStore(tmp_path / "server")
+    first = secure_strategy()
+    records = run_until_crash(store, first, InMemoryPool(IDS, make_task), crash_at=3, rounds=4)
+    store.close()
+    assert [r.round for r in records] == [1, 2]
+    rule = first.aggregator
+    assert isinstance(rule, SecureDPAggregator)
+    reached = rule.dp.clipping_norm_for(3)
+    assert reached == pytest.approx(
+        records[1].aggregation["dp_clipping_norm"] * math.exp(-(records[1].aggregation["dp_unclipped"] / 4 - 0.5)),
+        rel=1e-12,
+    )
+    assert reached != pytest.approx(0.5)
+    stored = load_checkpoint(tmp_path / "server" / "checkpoints" / "round-000002.safetensors")
+    assert stored.aggregator_state["dp_clipping_norm"] == np.float64(reached)
+    resumed = resume(tmp_path / "server", secure_strategy(), InMemoryPool(IDS, make_task), rounds=4)
+    assert [r.round for r in resumed] == [3, 4]
+    assert resumed[0].aggregation["dp_clipping_norm"] == reached
+    assert resumed[1].aggregation["dp_clipping_norm"] == pytest.approx(
+        reached * math.exp(-(resumed[0].aggregation["dp_unclipped"] / 4 - 0.5)), rel=1e-12
+    )
+    assert [r.aggregation["epsilon"] for r in resumed] == [
+        epsilon(noise_multiplier=1.0, sampling_rate=1.0, rounds=r, delta=1e-5) for r in (3, 4)
+    ]

@@ -8,6 +8,8 @@ import dataclasses
 import math
 from pathlib import Path
 
+import dp_accounting
+import dp_accounting.rdp
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,9 @@ from torch import nn
 
 from fedcore.cli import simulate_options
 from fedcore.config import from_mapping
-from fedcore.errors import ConfigError, RoundFailed
+from fedcore.errors import ClientTaskError, ConfigError, RoundFailed
+from fedcore.messages import FitIns, FitRes
+from fedcore.mods import ModContext
 from fedcore.options import add_options, given_values
 from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
@@ -24,11 +28,19 @@ from fedcore.tensors import TensorSpec
 from privacy.dp.accounting import epsilon
 from privacy.dp.config import PrivacyConfig, apply_dp
 from privacy.dp.ddgauss import (
+    COUNT_TENSOR,
     MAX_WRAP_PROBABILITY,
+    check_count_field,
     check_field,
+    count_scale,
+    count_share,
     discrete_gaussian,
     integer_noise_stddev,
+    max_clipping_norm,
+    min_clipping_norm,
     minimum_clip,
+    read_count,
+    signed,
     tau,
     wrap_probability,
 )
@@ -40,6 +52,7 @@ from privacy.secagg.config import SecAggConfig
 from privacy.secagg.inmemory import run_round
 from privacy.secagg.messages import Stage
 from privacy.secagg.quantize import quantize
+from privacy.secagg.rounds import SecAggClientMachine, SecAggMod
 from server.round_loop import RoundConfig, initial_state, run_rounds
 from simulations.inmemory import InMemoryPool
 from tests.privacy.secagg.test_rounds import Recording
@@ -270,3 +283,189 @@ def test_the_same_option_runs_over_grpc_with_client_daemons(tmp_path: Path) -> N
     start = initial_parameters(model_fn, SEED)
     moved = np.concatenate([(final.parameters[n].astype(np.float64) - start[n]).ravel() for n in start])
     assert moved.std() == pytest.approx(0.125, rel=0.08)
+
+
+# -- adaptive clipping under secure aggregation ----------------------------------------------------------------------
+
+ADAPTIVE = dataclasses.replace(
+    PRIVACY, adaptive_clipping=True, clipped_count_stddev=1.0, clipping_lr=1.0, target_quantile=0.5
+)
+
+
+COUNT_SPEC = (TensorSpec("w", (3,), "float32"), TensorSpec(COUNT_TENSOR, (1,), "float64"))
+
+
+def count_round(config: SecAggConfig, bits: dict[str, bool], scale: int, sigma: float, rng: np.random.Generator):
+    """One secure sum of 4 clients whose updates are 0 and whose count coordinates carry ``count_share``; returns
+    the result and the count noise each client drew."""
+    params = config.resolve(len(bits))
+    updates, noises, drawn = {}, {}, {}
+    for cid, bit in bits.items():
+        share = count_share(bit, scale, sigma, rng)
+        drawn[cid] = int(share[0]) - scale * int(bit)
+        updates[cid] = ({"w": np.zeros(3, np.float32), COUNT_TENSOR: np.full(1, -params.clip)}, 1)
+        noises[cid] = np.concatenate([np.zeros(3, np.int64), share])
+    return run_round(config, updates, COUNT_SPEC, noise=noises), drawn
+
+
+def test_the_noisy_count_out_of_the_secure_sum_and_the_norm_step_by_hand() -> None:
+    """sigma_b = 1.5, n_min = 4: S = 2^ceil(log2(64 * 2 / 1.5)) = 128, each client's sigma 128 * 1.5 / 2 = 96 field
+    units. Three of four clients unclipped: the unmasked coordinate is 3 * 128 + the four draws, exactly."""
+    assert count_scale(1.5, 4) == 128
+    config = SecAggConfig(field_bits=32, clip=2.0, max_weight=1)
+    bits = {"a": True, "b": True, "c": False, "d": True}
+    result, drawn = count_round(config, bits, 128, 96.0, np.random.default_rng(1))
+    coordinate = 3 * 128 + sum(drawn.values())
+    assert int(result.field_sum[3]) == coordinate % 2**32  # a negative sum wraps to the top of the field
+    count = read_count(result.field_sum, 32, 128)
+    assert count == coordinate / 128
+    assert signed(2**32 - 5, 32) == -5 and signed(5, 32) == 5
+    # C <- C exp(-eta (count / m - gamma)), by hand for a known count: C = 0.5, count 2.75 of m = 4, gamma 0.5,
+    # eta 0.2: 0.5 * exp(-0.2 * 0.1875) = 0.5 * exp(-0.0375) = 0.4815972089
+    rule = secure_dp(dataclasses.replace(ADAPTIVE, clipping_lr=0.2)).aggregator
+    assert isinstance(rule, SecureDPAggregator)
+    dp = rule.dp
+    assert dp.adapt(1, 0.5, 2.75) == pytest.approx(0.5 * math.exp(-0.0375), rel=1e-15)
+    assert dp.clipping_norm_for(2) == pytest.approx(0.4815972089, rel=1e-9)
+    assert dp.state_dict(1)["dp_clipping_norm"] == dp.clipping_norm_for(2)
+
+
+def test_the_count_out_of_the_secure_sum_is_the_plain_count_plus_noise_of_the_stated_std() -> None:
+    """Over 200 secure sums the count minus the plain count (3) has mean 0 and standard deviation sigma_b sqrt(k /
+    n_min) = 1.5 (k = n_min = 4); 200 draws estimate a std within 5% (one sigma), a mean within 0.11."""
+    config = SecAggConfig(field_bits=32, clip=2.0, max_weight=1, neighbours=3)
+    rng = np.random.default_rng(2)
+    bits = {"a": True, "b": False, "c": True, "d": True}
+    errors = np.array(
+        [read_count(count_round(config, bits, 128, 96.0, rng)[0].field_sum, 32, 128) - 3 for _ in range(200)]
+    )
+    assert abs(errors.mean()) < 4 * 1.5 / math.sqrt(errors.size)
+    assert errors.std() == pytest.approx(1.5, rel=0.15)
+    assert np.allclose(errors * 128, np.round(errors * 128))  # whole field units: nothing lost on the way
+
+
+def test_adaptive_clipping_under_secure_aggregation_announces_steps_and_accounts_the_norm() -> None:
+    """z = 1, sigma_b = 1: z_delta = (1 - 1/4)^(-1/2) = 2 / sqrt(3) on the update, 2 sigma_b = 2 on the count. The
+    updates are ~1e-9 (lr 1e-9), so all four are unclipped: the count is 4 + noise of std 1, and C moves by
+    exp(-1 * (count / 4 - 0.5)) ~ exp(-0.5) a round, which the clients must use: each round's model moves by the
+    noise of its own C."""
+    strategy = secure_dp(ADAPTIVE)
+    assert isinstance(strategy.aggregator, SecureDPAggregator)
+    params = strategy.mods[0].params
+    z_delta = 2 / math.sqrt(3)
+    assert params["noise_multiplier"] == pytest.approx(z_delta / 2, rel=1e-15)  # n_min = 4
+    assert params["count_scale"] == 128 and params["count_noise"] == 64.0  # S = 2^ceil(log2(64 * 2 / 1)); S / 2
+    models = [initial_parameters(model_fn, SEED)]
+
+    def keep(record, state):
+        models.append(state.parameters)
+
+    state = initial_state(models[0], strategy, trainable=trainable_names(model_fn))
+    pool = Recording(InMemoryPool(IDS, make_task))
+    _, records = run_rounds(pool, strategy, state, RoundConfig(num_rounds=3, seed=SEED), on_round_end=keep)
+    for reply in pool.fit_replies:
+        assert reply.parameters[MASKED].shape == (1020 + 2,)  # the values, the count coordinate, the weight
+    norms = [r.aggregation["dp_clipping_norm"] for r in records]
+    assert norms[0] == 0.5
+    levels = (2**32 - 1) // 4
+    for r, record in enumerate(records):
+        count = record.aggregation["dp_unclipped"]
+        assert abs(count - 4) < 6.0  # 6 sigma of the count's noise (sigma_b = 1)
+        if r + 1 < len(records):
+            assert norms[r + 1] == pytest.approx(norms[r] * math.exp(-(count / 4 - 0.5)), rel=1e-12)
+        # the noise of the round's own C: 2 shares' worth of z_delta / 2 (C + sqrt(D) 2c / L), over m = 4
+        s = z_delta / 2 * (norms[r] + math.sqrt(1020) * 4.0 / levels)
+        assert record.aggregation["dp_noise_std"] == pytest.approx(2 * s / 4, rel=1e-12)
+        moved = np.concatenate([(models[r + 1][n].astype(np.float64) - models[r][n]).ravel() for n in models[0]])
+        assert moved.std() == pytest.approx(2 * s / 4, rel=0.1), r
+    # both releases together are the Gaussian mechanism of z = 1: dp-accounting's epsilon of the composition
+    for r, record in enumerate(records, start=1):
+        library = dp_accounting.rdp.RdpAccountant()
+        pair = dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(z_delta), dp_accounting.GaussianDpEvent(2.0)]
+        )
+        library.compose(dp_accounting.PoissonSampledDpEvent(1.0, pair), r)
+        assert record.aggregation["epsilon"] == pytest.approx(library.get_epsilon(1e-5), rel=1e-9)
+        assert record.aggregation["epsilon"] == epsilon(noise_multiplier=1.0, sampling_rate=1.0, rounds=r, delta=1e-5)
+
+
+def test_adaptive_settings_the_field_or_the_paper_cannot_honour_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"> z / 2"):  # sigma_b = m / 20 = 0.2 against z = 1
+        secure_dp(dataclasses.replace(ADAPTIVE, clipped_count_stddev=0.0))
+    with pytest.raises(ConfigError, match="target_quantile"):
+        dataclasses.replace(ADAPTIVE, target_quantile=0.0)
+    with pytest.raises(ConfigError, match="clipping_lr"):
+        dataclasses.replace(ADAPTIVE, clipping_lr=0.0)
+    with pytest.raises(ConfigError, match="clipped_count_stddev"):
+        dataclasses.replace(ADAPTIVE, clipped_count_stddev=-1.0)
+    # the count coordinate: S n + its noise margin must stay below 2^(b-1); by hand for S = 128, sigma 64, n = 4:
+    # 512 + 64 sqrt(8 ln(2e9)) = 512 + 838.4 = 1350.4 < 2^11 but not < 2^10
+    check_count_field(scale=128, sigma=64.0, num_clients=4, field_bits=12)
+    with pytest.raises(ConfigError, match="field_bits >= 13"):
+        check_count_field(scale=128, sigma=64.0, num_clients=4, field_bits=11)
+    # the largest C the field's clip carries: check_field accepts it and refuses a little more
+    limit = max_clipping_norm(share_multiplier=0.5, clip=2.0, levels=1 << 20, dimension=1000, minimum_clients=4)
+    field(clipping_norm=limit, clip=2.0)
+    with pytest.raises(ConfigError, match="clip"):
+        field(clipping_norm=limit * 1.0001, clip=2.0)
+    # the smallest C whose noise is fine enough (sigma = 0.01 (128 C + sqrt(10)) field units): accepted, a little
+    # less refused
+    low = min_clipping_norm(share_multiplier=0.01, clip=4.0, levels=1024, dimension=10, num_clients=4)
+    assert 0.5 < low < 2.0
+    field(share_multiplier=0.01, clipping_norm=low, clip=4.0, levels=1024, dimension=10)
+    with pytest.raises(ConfigError, match="field_bits"):
+        field(share_multiplier=0.01, clipping_norm=low * 0.999, clip=4.0, levels=1024, dimension=10)
+    assert min_clipping_norm(share_multiplier=0.5, clip=2.0, levels=1 << 20, dimension=1000, num_clients=4) == 0
+    # an adapted norm above it is held at it (the initial norm is refused instead, as with a fixed one)
+    strategy = secure_dp(ADAPTIVE)
+    rule = strategy.aggregator
+    assert isinstance(rule, SecureDPAggregator)
+    rule.load_state(1, {"dp_clipping_norm": np.array(50.0)})
+    rule.check(4)
+    spec = (TensorSpec("weight", (20, 50), "float32"), TensorSpec("bias", (20,), "float32"))
+    reference = initial_parameters(model_fn, SEED)
+    accumulator = rule.start(spec, round=2, reference=reference)
+    held = accumulator.report()["dp_clipping_norm"]
+    params = SECAGG.resolve(4)
+    assert held == max_clipping_norm(
+        share_multiplier=rule.share_multiplier(), clip=2.0, levels=params.levels, dimension=1020, minimum_clients=4
+    )
+    assert 0.5 < held < 2.0
+
+
+class _Stages:
+    """The one SecAgg+ machine a client holds for the round."""
+
+    def __init__(self, machine: SecAggClientMachine) -> None:
+        self._machine = machine
+
+    def machine(self, round: int, client_id: str, protocol: str) -> SecAggClientMachine:
+        return self._machine
+
+
+def test_an_adaptive_client_refuses_a_round_that_announced_no_clipping_norm_before_training() -> None:
+    mod = SecAggMod(weighting="uniform", clipping_norm=0.5, noise_multiplier=0.5, count_scale=128, count_noise=64.0)
+    machine = SecAggClientMachine("a")
+    machine.ready = True
+    machine.spec = (TensorSpec("w", (3,), "float32"), TensorSpec(COUNT_TENSOR, (1,), "float64"))
+    context = ModContext(client_id="a", model=None, state=None, stages=_Stages(machine))  # type: ignore[arg-type]
+    instruction = FitIns(round=1, parameters={"w": np.zeros(3, np.float32)}, config=FIT, seed=0)
+    trained: list[int] = []
+
+    def train(ins: FitIns) -> FitRes:
+        trained.append(ins.round)
+        raise AssertionError("a client must not train for a round it cannot privatize")
+
+    for settings in ({}, {"dp_clipping_norm": 0.0}, {"dp_clipping_norm": -1.0}):
+        machine.settings = settings
+        with pytest.raises(ClientTaskError, match="did not announce a clipping norm"):
+            mod(instruction, context, train)
+    machine.settings = {"dp_clipping_norm": 0.5}
+    machine.spec = machine.spec[:1]  # a server that left out the count coordinate
+    with pytest.raises(ClientTaskError, match="coordinate"):
+        mod(instruction, context, train)
+    assert trained == []
+    with pytest.raises(ConfigError, match="count_noise"):
+        SecAggMod(weighting="uniform", clipping_norm=0.5, noise_multiplier=0.5, count_scale=128)
+    with pytest.raises(ConfigError, match="count_scale"):
+        SecAggMod(weighting="uniform", clipping_norm=0.5, noise_multiplier=0.5, count_scale=-1, count_noise=1.0)

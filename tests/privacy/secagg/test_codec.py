@@ -10,7 +10,15 @@ from fedcore.errors import ProtocolError
 from fedcore.messages import StageIns, StageRes
 from fedcore.stages import Phase
 from fedcore.tensors import TensorSpec
-from privacy.secagg.codec import PROTOCOL, pack, read_client_stage, read_server_stage, server_stage, unpack
+from privacy.secagg.codec import (
+    PROTOCOL,
+    pack,
+    read_client_stage,
+    read_server_stage,
+    read_settings,
+    server_stage,
+    unpack,
+)
 from privacy.secagg.config import SecAggConfig
 from privacy.secagg.messages import AdvertiseKeysIns, ShareKeysIns
 from privacy.secagg.rounds import SecAggAggregator, SecAggClientMachine, SecureAggregation
@@ -51,6 +59,17 @@ def test_stage_one_round_trips_with_the_exact_clip_and_spec() -> None:
     assert back == message and seed == b"r" * 32
     keys = ShareKeysIns(round=7, public_keys={"b": (b"e" * 32, b"m" * 32)})
     assert read_server_stage(server_stage(keys, attempt=2, rounding_seed=b""))[0] == keys
+    # round settings (adaptive clipping's norm) ride along with stage 1, exactly, and only there
+    assert read_settings(ins) == {}
+    announced = server_stage(message, attempt=2, rounding_seed=b"", settings={"dp_clipping_norm": 0.1 + 0.2})
+    assert announced.fields["setting.dp_clipping_norm"] == (0.1 + 0.2).hex()
+    assert read_settings(announced) == {"dp_clipping_norm": 0.30000000000000004}
+    assert read_server_stage(announced)[0] == message
+    assert "setting.x" not in server_stage(keys, attempt=2, rounding_seed=b"", settings={"x": 1.0}).fields
+    for garbled in ("inf", "0x1p+1025", "half", b"1"):
+        bad = StageIns(round=7, attempt=2, protocol=PROTOCOL, name="advertise_keys", fields={"setting.c": garbled})
+        with pytest.raises(ProtocolError, match="not a finite number"):
+            read_settings(bad)
 
 
 def test_a_client_refuses_a_garbled_stage_and_the_server_drops_a_garbled_reply() -> None:
