@@ -314,6 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # -v is for fedcore's own DEBUG lines: numba's compiler logs every bytecode pass at DEBUG (about 1.4 MB for
+    # the first SecAgg+ round of a server), which buries them.
+    logging.getLogger("numba").setLevel(logging.WARNING)
     try:
         return int(args.func(args))
     except FedcoreError as exc:
