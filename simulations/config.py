@@ -346,4 +346,3 @@ def load_data_recipe(path: str | Path | None = None, overrides: list[str] | None
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an integer, got {seed!r}")
     return from_mapping(DataConfig, table, where="data"), seed
-

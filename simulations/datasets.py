@@ -36,11 +36,11 @@ __all__ = [
     "Dataset",
     "DeviceData",
     "concat_devices",
+    "encode_characters",
+    "leaf_split",
     "load_dataset",
     "load_digits_dataset",
     "load_fashion_mnist",
-    "encode_characters",
-    "leaf_split",
     "load_mnist_5k",
     "load_shakespeare_roles",
     "next_char_samples",
@@ -503,7 +503,9 @@ def next_char_samples(
     return next_char_windows(torch.from_numpy(encode_characters(text).astype(np.int64)), seq_len, stride)
 
 
-def leaf_split(num_samples: int, train_fraction: float, seq_len: int = SHAKESPEARE_SEQ_LEN, stride: int = 1) -> tuple[int, int]:
+def leaf_split(
+    num_samples: int, train_fraction: float, seq_len: int = SHAKESPEARE_SEQ_LEN, stride: int = 1
+) -> tuple[int, int]:
     """Split one role's ``num_samples`` consecutive samples into train and test as LEAF does for Shakespeare
     (``split_data.py``, by sample): the first ``max(1, int(train_fraction * n))`` samples (1 when ``n == 2``) are
     the train set; the test set starts at the first sample whose context begins at or after the last train

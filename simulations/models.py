@@ -103,9 +103,7 @@ class CharHead(nn.Module):
         return self.out(self.norm(x[:, -1]))
 
 
-def char_transformer(
-    vocab: int, seq_len: int, d_model: int = 64, layers: int = 4, heads: int = 4
-) -> nn.Sequential:
+def char_transformer(vocab: int, seq_len: int, d_model: int = 64, layers: int = 4, heads: int = 4) -> nn.Sequential:
     """A pre-norm character transformer: ``(N, seq_len)`` integer ids -> ``(N, vocab)`` next-character logits.
 
     Token plus learned position embedding, ``layers`` :class:`fedcore.engine.transformer.Block` (causal

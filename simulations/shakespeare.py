@@ -30,6 +30,7 @@ from simulations.datasets import SHAKESPEARE_VOCAB as VOCAB
 from simulations.datasets import load_shakespeare_roles, next_char_samples
 from simulations.models import char_transformer
 
+
 def model_flops_per_sample(model: nn.Module, *, d_model: int, layers: int, seq_len: int = SEQ_LEN) -> float:
     """Training FLOPs per sample: ``6 * params * seq_len`` plus ``12 * layers * d * seq_len^2`` for attention
     (the Kaplan et al. 2020 / PaLM MFU approximation; embeddings' lookups are not counted as matmuls).

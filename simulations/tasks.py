@@ -32,9 +32,9 @@ import torch
 
 from fedcore.config import from_mapping
 from fedcore.errors import ConfigError, PartitionError
+from fedcore.seeding import numpy_rng
 from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext
-from fedcore.seeding import numpy_rng
 from simulations.config import DataConfig, check_model_for_dataset
 from simulations.datasets import (
     SHAKESPEARE_SEQ_LEN,
