@@ -17,9 +17,10 @@ baseline in MiB and as a multiple of the model's float32 size, beside the datase
 features and labels) and the target ``4 x model + dataset``.
 
 Measured (2-core VM, load average 13 from other jobs; memory does not depend on it): FedAvgM 14.00x the model before
-the changes of issue 12's memory work, 6.80x after; FedAvg 8.79x, 5.80x. While a client trains the simulation holds
-the global model (1x), FedAvgM's momentum (1x), the float64 running sum (2x) and the client's model and gradients
-(2x), so 6x / 5x is this design's floor with bit-exact float64 means.
+the changes of issue 12's memory work, 6.80x after; FedAvg 8.79x, 5.80x (with ``--params 40e6 --rounds 2``: 6.45x
+and 5.54x, so the rest above 6x / 5x is a constant of about 65 MiB, not a model copy). While a client trains the
+simulation holds the global model (1x), FedAvgM's momentum (1x), the float64 running sum (2x) and the client's model
+and its gradients (2x), so 6x / 5x is this design's floor with bit-exact float64 means.
 """
 
 from __future__ import annotations
