@@ -20,10 +20,12 @@ import logging
 import operator
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 
 from client.mods import run_chain
@@ -116,7 +118,7 @@ class ModelCache:
         self._modes: list[tuple[torch.nn.Module, bool]] = []
         self._requires_grad: list[tuple[torch.nn.Parameter, bool]] = []
         self._extra_buffers: list[tuple[torch.nn.Module, str, torch.Tensor | None]] = []
-        self._checked: NamedArrays | None = None
+        self._checked: tuple[tuple[str, weakref.ref[np.ndarray]], ...] = ()
 
     def load(self, task: Task, parameters: NamedArrays, *, round: int, client_id: str) -> torch.nn.Module:
         """A model of ``task``'s architecture holding ``parameters``: the cached one when it fits, else built.
@@ -135,16 +137,27 @@ class ModelCache:
             self._remember(key, model)
         else:
             self._restore()
-        if parameters is not self._checked:
+        if not self._is_checked(parameters):
             check_spec(parameters, self._spec, round=round, client_id=client_id)
-            self._checked = parameters  # the object itself is kept, so no other dict can pass for it by its id
+            # weak references to the arrays themselves: no other arrays can pass for them, and a global model the
+            # server has replaced is not kept alive here (it would be a model-sized copy beside the next one)
+            try:
+                self._checked = tuple((name, weakref.ref(array)) for name, array in parameters.items())
+            except TypeError:  # a value that takes no weak reference: checked again next time
+                self._checked = ()
         _copy_into(model, parameters)
         return model
 
     def discard(self) -> None:
         """Drop the cached model (after a failed instruction: the task may have left it changed)."""
-        self._key, self._model, self._spec, self._checked = None, None, (), None
+        self._key, self._model, self._spec, self._checked = None, None, (), ()
         self._modes, self._requires_grad, self._extra_buffers = [], [], []
+
+    def _is_checked(self, parameters: NamedArrays) -> bool:
+        """Whether ``parameters`` holds exactly the array objects last checked against the spec, by name."""
+        if len(parameters) != len(self._checked) or not self._checked:
+            return False
+        return all(parameters.get(name) is ref() for name, ref in self._checked)
 
     def _remember(self, key: object, model: torch.nn.Module) -> None:
         self._key, self._model = key, model
@@ -312,6 +325,8 @@ def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> Fit
     started = time.perf_counter()
     result = train_task(task, model, ins.config, ins.parameters, seed=ins.seed, round=ins.round, client_id=client_id)
     num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.FIT)
+    for param in model.parameters():  # the gradients are done with: not held beside the update's copy below
+        param.grad = None
     updated = from_state_dict(model.state_dict())
     for name, array in updated.items():
         expected = ins.parameters[name].dtype

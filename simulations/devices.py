@@ -222,3 +222,4 @@ class SimulatedDevices(PoolWrapper):
                 )
                 reply = dataclasses.replace(reply, metrics={**reply.metrics, "simulated_seconds": seconds})
             yield reply
+            del reply  # not kept while the next client trains (a model-sized update)

@@ -271,7 +271,6 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
                 progress.set_postfix(acc=f"{acc:.4f}")
 
     trainable = trainable_names(server_task.build_model)
-    initial = initial_state(initial_parameters(server_task.build_model, config.seed), strategy, trainable=trainable)
     evaluate_fn = (
         central_evaluation(server_task, strategy.evaluate_batch_size) if config.task.server_evaluation else None
     )
@@ -294,7 +293,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         final, _ = run_rounds(
             pool,
             strategy,
-            initial,
+            # made in the call, so that no reference here keeps the initial model alive for the whole run
+            initial_state(initial_parameters(server_task.build_model, config.seed), strategy, trainable=trainable),
             round_config,
             evaluate_fn=evaluate_fn,
             on_round_end=on_round_end,

@@ -107,34 +107,41 @@ class InMemoryPool:
         """Run each instruction in turn and yield its reply; a client that raises, or answers a stage after its
         deadline ``timeout_s``, yields a Failure."""
         for client_id, instruction in instructions.items():
-            try:
-                if isinstance(instruction, StageIns):
-                    yield self._stage(instruction, client_id, timeout_s)
-                    continue
-                self._stages.observe(instruction.round)
-                plan = self._parallel(client_id) if self._parallel is not None else None
-                reply = run_instruction(
-                    self.task(client_id),
-                    instruction,
-                    client_id,
-                    models=self._models,
-                    parallel=plan,
-                    state=self._state,
-                    stages=self._stages,
-                )
-                if isinstance(reply, FitRes):  # what would travel: the tensors' bytes (see FitRes.payload_bytes)
-                    reply = replace(reply, payload_bytes=packed_nbytes(reply))
-                yield reply
-            except FedcoreError as exc:
-                yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
-            except Exception as exc:  # a bug in user code must not kill the whole simulation
-                log.exception("client %s raised", client_id)
-                yield Failure(
-                    client_id=client_id,
-                    round=instruction.round,
-                    stage=instruction.stage,
-                    reason=f"{type(exc).__name__}: {exc}",
-                )
+            reply = self._run_one(client_id, instruction, timeout_s)
+            yield reply
+            # dropped before the next client trains: the consumer has folded it, and a model-sized update kept
+            # here would sit beside the next client's model and the running sum
+            del reply
+
+    def _run_one(self, client_id: str, instruction: ServerMessage, timeout_s: float | None) -> Reply:
+        """One instruction's reply; a client that raises, or answers a stage late, gives a Failure."""
+        try:
+            if isinstance(instruction, StageIns):
+                return self._stage(instruction, client_id, timeout_s)
+            self._stages.observe(instruction.round)
+            plan = self._parallel(client_id) if self._parallel is not None else None
+            reply = run_instruction(
+                self.task(client_id),
+                instruction,
+                client_id,
+                models=self._models,
+                parallel=plan,
+                state=self._state,
+                stages=self._stages,
+            )
+            if isinstance(reply, FitRes):  # what would travel: the tensors' bytes (see FitRes.payload_bytes)
+                reply = replace(reply, payload_bytes=packed_nbytes(reply))
+            return reply
+        except FedcoreError as exc:
+            return Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
+        except Exception as exc:  # a bug in user code must not kill the whole simulation
+            log.exception("client %s raised", client_id)
+            return Failure(
+                client_id=client_id,
+                round=instruction.round,
+                stage=instruction.stage,
+                reason=f"{type(exc).__name__}: {exc}",
+            )
 
     def _stage(self, instruction: StageIns, client_id: str, timeout_s: float | None) -> Reply:
         started = time.perf_counter()

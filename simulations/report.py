@@ -19,7 +19,15 @@ import pandas as pd
 
 from fedcore.errors import ConfigError
 
-__all__ = ["class_counts", "format_summary", "label_counts", "plot_heatmap", "skew_summary"]
+__all__ = [
+    "class_counts",
+    "format_size_summary",
+    "format_summary",
+    "label_counts",
+    "plot_heatmap",
+    "size_summary",
+    "skew_summary",
+]
 
 TOTAL = "total"
 
@@ -157,6 +165,51 @@ def format_summary(summary: Mapping[str, float]) -> str:
         text = f"{value:.0f}" if key in ("num_clients", "min_size", "max_size") else f"{value:.4g}"
         lines.append(f"{label:<{width}} : {text}")
     return "\n".join(lines)
+
+
+def size_summary(sizes: npt.ArrayLike) -> dict[str, float]:
+    """How unequal the clients' sample counts are (quantity skew), e.g. of a natural split.
+
+    Keys (all floats): ``min``, ``p10``, ``median``, ``p90``, ``max`` (samples per client; quantiles by linear
+    interpolation), ``mean``, ``cv`` (coefficient of variation: standard deviation / mean), ``gini`` (Gini
+    coefficient of the sizes, 0 = equal, towards 1 = a few clients hold almost everything), ``top10_share``
+    (the share of all samples held by the largest 10% of clients, at least one client).
+
+    Raises:
+        ConfigError: no sizes, a negative size, or sizes that are all zero.
+    """
+    x = np.sort(np.asarray(sizes, dtype=np.float64).reshape(-1))
+    if x.size == 0:
+        raise ConfigError("size_summary needs at least one client")
+    if x[0] < 0 or not x[-1] > 0:
+        raise ConfigError("size_summary needs sizes >= 0, not all zero")
+    n, total = x.size, float(x.sum())
+    p10, median, p90 = np.percentile(x, [10, 50, 90])
+    # Gini of sorted x: sum_i (2i - n - 1) x_i / (n sum x), i = 1..n
+    gini = float(np.sum((2 * np.arange(1, n + 1) - n - 1) * x) / (n * total))
+    top = max(1, int(np.ceil(0.1 * n)))
+    return {
+        "min": float(x[0]),
+        "p10": float(p10),
+        "median": float(median),
+        "p90": float(p90),
+        "max": float(x[-1]),
+        "mean": total / n,
+        "cv": float(x.std() / x.mean()),
+        "gini": gini,
+        "top10_share": float(x[-top:].sum() / total),
+    }
+
+
+def format_size_summary(summary: Mapping[str, float]) -> str:
+    """Render a :func:`size_summary` as two lines: the quantiles of samples per client, then the spread."""
+    s = summary
+    return (
+        f"samples per client: min {s['min']:.0f}, p10 {s['p10']:.0f}, median {s['median']:.0f}, p90 {s['p90']:.0f}, "
+        f"max {s['max']:.0f} (mean {s['mean']:.1f})\n"
+        f"size spread: coefficient of variation {s['cv']:.3g}, Gini {s['gini']:.3f}, the largest 10% of clients "
+        f"hold {100 * s['top10_share']:.1f}% of the samples"
+    )
 
 
 def plot_heatmap(df: pd.DataFrame, path: str | os.PathLike[str], title: str | None = None) -> Path:

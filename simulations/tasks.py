@@ -15,6 +15,9 @@ The synthetic dataset is never held whole: a client's device is generated when i
 clients are sampled first), and the server's test set and the normalization statistics come from the first
 :data:`REFERENCE_DEVICES` devices. Memory therefore stays flat in the number of devices (100,000 of them would
 take about 10 GB held at once).
+
+Shakespeare (:class:`ShakespeareRoles`) holds only its chosen roles' text, one byte per character; a client's
+80-character samples are views of its text made when its task is built, and it evaluates on its own test split.
 """
 
 from __future__ import annotations
@@ -28,11 +31,25 @@ import numpy as np
 import torch
 
 from fedcore.config import from_mapping
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, PartitionError
+from fedcore.seeding import numpy_rng
 from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext
-from simulations.config import DataConfig
-from simulations.datasets import Dataset, load_dataset, normalization_stats, synthetic_device, synthetic_train_size
+from simulations.config import DataConfig, check_model_for_dataset
+from simulations.datasets import (
+    SHAKESPEARE_SEQ_LEN,
+    SHAKESPEARE_VOCAB,
+    Dataset,
+    encode_characters,
+    leaf_split,
+    load_dataset,
+    load_shakespeare_roles,
+    next_char_windows,
+    normalization_stats,
+    num_next_char_samples,
+    synthetic_device,
+    synthetic_train_size,
+)
 from simulations.models import build_model
 from simulations.partition import partition
 
@@ -115,6 +132,131 @@ class SyntheticDevices:
         return [synthetic_train_size(k, seed=self.seed) for k in range(self.num_clients)]
 
 
+@dataclass(frozen=True, eq=False)
+class ShakespeareRoles:
+    """Shakespeare by speaking role (LEAF; Caldas et al. 2018): client ``k`` is the ``k``-th chosen (play, role) and
+    its samples are the 80-character windows of its text with the next character as label, split into train and
+    test per role as LEAF does (:func:`simulations.datasets.leaf_split`). The same members as
+    :class:`PreparedData` that a task and the partition report use.
+
+    Only the chosen roles' encoded text is held (one byte per character, about 4.4 MB for every role); a client's
+    samples are made when its task is built, as views of its text (:func:`simulations.datasets.next_char_windows`),
+    so they take the memory of its text, not 80 times it.
+
+    Attributes:
+        roles: the chosen roles' names ``"<play>/<ROLE>"``, in sorted order; client ``k`` is ``roles[k]``.
+        text: the chosen roles' texts encoded (:func:`simulations.datasets.encode_characters`) and concatenated,
+            uint8 ``(characters,)``.
+        offsets: int64 ``(K + 1,)``: role ``k``'s text is ``text[offsets[k]:offsets[k + 1]]``.
+        stride, train_fraction: the sampling and split (``DataConfig.shakespeare_*``).
+        x_test, y_test: the server's test samples, int64 ``(M, 80)`` and ``(M,)``, drawn from the union of the
+            clients' test sets (``DataConfig.shakespeare_test_samples``).
+    """
+
+    roles: tuple[str, ...]
+    text: np.ndarray
+    offsets: np.ndarray
+    stride: int
+    train_fraction: float
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int = len(SHAKESPEARE_VOCAB)
+    input_shape: tuple[int, ...] = (SHAKESPEARE_SEQ_LEN,)
+
+    @property
+    def num_clients(self) -> int:
+        """The number of clients (chosen roles)."""
+        return len(self.roles)
+
+    def _split(self, client: int) -> tuple[int, int, int]:
+        """``(num_samples, num_train, test_start)`` of client ``client``."""
+        length = int(self.offsets[client + 1] - self.offsets[client])
+        n = num_next_char_samples(length, SHAKESPEARE_SEQ_LEN, self.stride)
+        return (n, *leaf_split(n, self.train_fraction, SHAKESPEARE_SEQ_LEN, self.stride))
+
+    def samples(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of client ``client``'s samples ``(x, y)``: int64 ``(N, 80)`` (a view of its text) and ``(N,)``."""
+        ids = torch.from_numpy(self.text[self.offsets[client] : self.offsets[client + 1]].astype(np.int64))
+        return next_char_windows(ids, SHAKESPEARE_SEQ_LEN, self.stride)
+
+    def shard(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``client``'s training samples ``(x, y)``: the first ones of its text (views of it)."""
+        _, num_train, _ = self._split(client)
+        x, y = self.samples(client)
+        return x[:num_train], y[:num_train]
+
+    def test_shard(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``client``'s test samples ``(x, y)``: the last ones of its text, after LEAF's gap (views)."""
+        _, _, test_start = self._split(client)
+        x, y = self.samples(client)
+        return x[test_start:], y[test_start:]
+
+    def client_labels(self) -> Iterator[np.ndarray]:
+        """Each client's training labels (the characters that follow its train windows), in client order."""
+        for k in range(self.num_clients):
+            _, num_train, _ = self._split(k)
+            start = int(self.offsets[k]) + SHAKESPEARE_SEQ_LEN
+            yield self.text[start : start + num_train * self.stride : self.stride].astype(np.int64)
+
+    def client_sizes(self) -> list[int]:
+        """Each client's number of training samples, in client order."""
+        return [self._split(k)[1] for k in range(self.num_clients)]
+
+
+def _shakespeare(config: DataConfig, seed: int) -> ShakespeareRoles:
+    """Choose the roles (those with at least ``shakespeare_min_samples`` samples and a train and a test sample,
+    then ``num_clients`` of them at random, keyed by (seed, "shakespeare-roles")) and draw the server's test set
+    (keyed by (seed, "shakespeare-test")).
+
+    Raises:
+        PartitionError: fewer eligible roles than ``num_clients``.
+    """
+    roles = load_shakespeare_roles(config.data_dir)
+    stride, fraction = config.shakespeare_stride, config.shakespeare_train_fraction
+    eligible = []
+    for name, text in roles.items():
+        n = num_next_char_samples(len(text), SHAKESPEARE_SEQ_LEN, stride)
+        num_train, test_start = leaf_split(n, fraction, SHAKESPEARE_SEQ_LEN, stride)
+        if n >= config.shakespeare_min_samples and num_train >= 1 and test_start < n:
+            eligible.append(name)
+    if config.num_clients > len(eligible):
+        least = config.shakespeare_min_samples
+        raise PartitionError(
+            f"dataset shakespeare has {len(eligible)} roles (of {len(roles)}) with "
+            + (f"at least {least} samples and " if least else "")
+            + f"a train and a test sample at stride {stride} and train fraction {fraction}, fewer than num_clients="
+            f"{config.num_clients}; use num_clients <= {len(eligible)}"
+            + (" or a lower shakespeare_min_samples" if least else "")
+        )
+    if config.num_clients < len(eligible):
+        chosen = numpy_rng(seed, "shakespeare-roles").choice(len(eligible), size=config.num_clients, replace=False)
+        eligible = [eligible[i] for i in np.sort(chosen)]
+    encoded = [encode_characters(roles[name]) for name in eligible]
+    offsets = np.cumsum([0] + [len(e) for e in encoded]).astype(np.int64)
+    data = ShakespeareRoles(
+        roles=tuple(eligible),
+        text=np.concatenate(encoded),
+        offsets=offsets,
+        stride=stride,
+        train_fraction=fraction,
+        x_test=torch.empty(0, SHAKESPEARE_SEQ_LEN, dtype=torch.int64),
+        y_test=torch.empty(0, dtype=torch.int64),
+    )
+    # The test windows' first characters in ``text``, for every client; then the server's sample of them.
+    starts = []
+    for k in range(data.num_clients):
+        n, _, test_start = data._split(k)
+        starts.append(offsets[k] + stride * np.arange(test_start, n, dtype=np.int64))
+    every = np.concatenate(starts)
+    if 0 < config.shakespeare_test_samples < len(every):
+        chosen = numpy_rng(seed, "shakespeare-test").choice(len(every), config.shakespeare_test_samples, replace=False)
+        every = every[np.sort(chosen)]
+    ids = torch.from_numpy(data.text.astype(np.int64))
+    first = torch.from_numpy(every)
+    x_test = ids[first[:, None] + torch.arange(SHAKESPEARE_SEQ_LEN)[None, :]]
+    return replace(data, x_test=x_test, y_test=ids[first + SHAKESPEARE_SEQ_LEN])
+
+
 def data_config_from_options(options: Mapping[str, str]) -> tuple[DataConfig, str]:
     """Split task options into a :class:`DataConfig` and the model name (option ``model``, default ``cnn``)."""
     known = {f.name for f in fields(DataConfig)}
@@ -122,7 +264,9 @@ def data_config_from_options(options: Mapping[str, str]) -> tuple[DataConfig, st
     if unknown:
         raise ConfigError(f"unknown task option(s) {unknown}; known: model, {', '.join(sorted(known))}")
     data = from_mapping(DataConfig, {k: v for k, v in options.items() if k in known}, where="task options")
-    return data, options.get("model", "cnn")
+    model = options.get("model", "cnn")
+    check_model_for_dataset(data.dataset, model)
+    return data, model
 
 
 @functools.lru_cache(maxsize=16)
@@ -152,15 +296,18 @@ def _synthetic(config: DataConfig, seed: int) -> SyntheticDevices:
 
 
 @functools.lru_cache(maxsize=4)
-def prepare_data(config: DataConfig, seed: int) -> PreparedData | SyntheticDevices:
+def prepare_data(config: DataConfig, seed: int) -> PreparedData | SyntheticDevices | ShakespeareRoles:
     """Load, normalize and partition the dataset ``config`` names (cached per process); for synthetic, the
-    devices to generate on demand (:class:`SyntheticDevices`).
+    devices to generate on demand (:class:`SyntheticDevices`); for shakespeare, the chosen roles' text
+    (:class:`ShakespeareRoles`).
 
     Raises:
         DatasetNotFoundError, PartitionError, ConfigError: from the loader and the partitioner.
     """
     if config.dataset == "synthetic":
         return _synthetic(config, seed)
+    if config.dataset == "shakespeare":
+        return _shakespeare(config, seed)
     dataset: Dataset = load_dataset(config.dataset, data_dir=config.data_dir, seed=seed)
     params: dict[str, object] = {}
     if config.partition in ("dirichlet", "dirichlet-client"):
@@ -237,4 +384,6 @@ def demo_task(context: TaskContext) -> SupervisedTask:
         raise ConfigError(
             f"client {context.client_id!r} needs a partition id in 0..{prepared.num_clients - 1}, got {pid}"
         )
+    if isinstance(prepared, ShakespeareRoles):  # a role evaluates on its own test split, as in LEAF
+        test = prepared.test_shard(pid)
     return SupervisedTask(model_fn=model_fn, train_data=prepared.shard(pid), test_data=test)

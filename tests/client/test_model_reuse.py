@@ -156,3 +156,22 @@ def test_a_simulation_builds_the_model_once_and_matches_fresh_models() -> None:
         }
     for name, value in final.parameters.items():
         np.testing.assert_allclose(value, state[name], rtol=1e-6, atol=1e-7)
+
+
+def test_the_cache_keeps_no_replaced_global_model_alive() -> None:
+    """The cache remembers which global model it checked by weak references: once the server replaces the model,
+    the old one is freed (a strong reference would keep a model-sized copy beside the next one)."""
+    import gc
+    import weakref
+
+    one = task("a")
+    models = ModelCache()
+    first = {name: array.copy() for name, array in INITIAL.items()}
+    models.load(one, first, round=1, client_id="a")
+    alive = [weakref.ref(a) for a in first.values()]
+    del first
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+    second = {name: array.copy() for name, array in INITIAL.items()}
+    models.load(one, second, round=2, client_id="a")
+    assert models._is_checked(second) and not models._is_checked(dict(second, extra=np.zeros(1)))

@@ -209,3 +209,45 @@ def test_a_state_of_another_strategy_is_refused_with_a_clear_error() -> None:
         ServerAdaptive(kind="adam").step(params, {"w": np.array([0.0, 0.0])}, {})
     with pytest.raises(PayloadError, match="'v/w'"):
         ServerSGD(momentum=0.9).step(params, {"w": np.array([0.0, 0.0])}, {"m/w": np.zeros(2), "v/x": np.zeros(2)})
+
+
+# more elements than one block of the step (2**18), and not a multiple of it
+BIG = 2**18 * 2 + 12_345
+
+
+def _whole_array_reference(opt: ServerOptimizer, x: np.ndarray, avg: np.ndarray, state: dict[str, np.ndarray]) -> tuple:
+    """The step's formulas applied to whole float64 arrays, as the step computed them before it went block-wise."""
+    x64, delta = x.astype(np.float64), avg.astype(np.float64) - x.astype(np.float64)
+    if isinstance(opt, ServerSGD):
+        v = opt.momentum * state["v/w"].astype(np.float64) + delta
+        return (x64 + opt.lr * v).astype(np.float32), {"v/w": v.astype(np.float32)}
+    assert isinstance(opt, ServerAdaptive) and opt.kind == "adam"
+    m = opt.beta1 * state["m/w"].astype(np.float64) + (1 - opt.beta1) * delta
+    v = opt.beta2 * state["v/w"].astype(np.float64) + (1 - opt.beta2) * delta * delta
+    new = x64 + opt.lr * m / (np.sqrt(v) + opt.tau)
+    return new.astype(np.float32), {"m/w": m.astype(np.float32), "v/w": v.astype(np.float32)}
+
+
+@pytest.mark.parametrize("opt", [ServerSGD(lr=0.9, momentum=0.7), ServerAdaptive(kind="adam", lr=0.05)])
+def test_block_wise_step_equals_the_whole_array_formula_and_may_reuse_the_average(opt: ServerOptimizer) -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(BIG).astype(np.float32)
+    avg = (x + 1e-2 * rng.standard_normal(BIG)).astype(np.float32)
+    state = {k: np.abs(v) + rng.random(BIG).astype(np.float32) for k, v in opt.init({"w": x}).items()}
+    expected, expected_state = _whole_array_reference(opt, x, avg, state)
+    new, new_state = opt.step({"w": x}, {"w": avg.copy()}, state)
+    assert np.array_equal(new["w"], expected) and new["w"].dtype == np.float32
+    assert all(np.array_equal(new_state[k], expected_state[k]) for k in expected_state)
+    given = {"w": avg.copy()}
+    reused, reused_state = opt.step({"w": x}, given, state, reuse_average=True)
+    assert reused["w"] is given["w"]  # written into the average's memory, which the caller gave up
+    assert np.array_equal(reused["w"], expected)
+    assert all(np.array_equal(reused_state[k], expected_state[k]) for k in expected_state)
+
+
+def test_fedavg_with_reuse_returns_the_average_itself() -> None:
+    average = {"w": np.arange(3, dtype=np.float32), "n": np.array(4, np.int64)}
+    new, state = ServerSGD().step(
+        {"w": np.zeros(3, np.float32), "n": np.array(1, np.int64)}, average, {}, reuse_average=True
+    )
+    assert new["w"] is average["w"] and new["n"] is average["n"] and state == {}
