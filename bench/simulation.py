@@ -280,6 +280,75 @@ def run_flower(config: SimulationConfig, workers: int) -> tuple[list[float], dic
     return seconds, final
 
 
+def run_pfl(config: SimulationConfig) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The workload through pfl-research (Apple's simulator, ``pfl`` 0.6, one process): ``FederatedAveraging`` with
+    ``SimulatedBackend`` over a ``FederatedDataset`` of the same IID shards (its own ``minimize_reuse`` sampling of
+    the same number of clients a round), ``PyTorchModel`` of the same model with local SGD (E, B, lr; pfl's datasets
+    are not shuffled) and central SGD of learning rate 1 (FedAvg's plain average). A round's seconds run from one
+    central iteration's end to the next's (the first from the start of training). Runs in the interpreter of
+    ``--pfl-python`` (a virtualenv with ``pip install pfl==0.6.0``, whose pins would clash with this project's)."""
+    from pfl.aggregate.simulate import SimulatedBackend
+    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.data.dataset import Dataset
+    from pfl.data.federated_dataset import FederatedDataset
+    from pfl.data.sampling import get_user_sampler
+    from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+    from pfl.metrics import Metrics, Weighted
+    from pfl.model.pytorch import PyTorchModel
+
+    data = prepare_data(
+        DataConfig(dataset=config.data.dataset, num_clients=config.data.num_clients, partition=config.data.partition),
+        config.seed,
+    )
+    net = build_model(config.model.name, data.input_shape, data.num_classes)
+    net.load_state_dict({n: torch.from_numpy(a) for n, a in initial_parameters(lambda: net, config.seed).items()})
+
+    def loss(x: torch.Tensor, y: torch.Tensor, eval: bool = False) -> torch.Tensor:
+        net.train(not eval)
+        return torch.nn.functional.cross_entropy(net(x), y)
+
+    @torch.no_grad()
+    def metrics(x: torch.Tensor, y: torch.Tensor, eval: bool = True) -> dict[str, Any]:
+        net.eval()
+        return {"loss": Weighted(float(torch.nn.functional.cross_entropy(net(x), y, reduction="sum")), len(y))}
+
+    net.__dict__.update(loss=loss, metrics=metrics)  # what pfl's PyTorchModel calls
+    shards = {i: list(data.shard(i)) for i in range(data.num_clients)}
+    federated = FederatedDataset(lambda user: Dataset(shards[user]), get_user_sampler("minimize_reuse", list(shards)))
+    model = PyTorchModel(net, torch.optim.SGD, torch.optim.SGD(net.parameters(), lr=1.0))
+    fit = config.train
+    seconds: list[float] = []
+
+    class Timing(TrainingProcessCallback):
+        def on_train_begin(self, *, model: Any) -> Any:
+            self.last = time.perf_counter()
+            return Metrics()
+
+        def after_central_iteration(self, aggregate_metrics: Any, model: Any, *, central_iteration: int) -> Any:
+            now = time.perf_counter()
+            seconds.append(now - self.last)
+            self.last = now
+            return False, Metrics()
+
+    FederatedAveraging().run(
+        algorithm_params=NNAlgorithmParams(
+            central_num_iterations=config.rounds,
+            evaluation_frequency=config.rounds + 1,
+            train_cohort_size=config.sampling.num_fit(data.num_clients),
+            val_cohort_size=0,
+        ),
+        backend=SimulatedBackend(training_data=federated, val_data=federated),
+        model=model,
+        model_train_params=NNTrainHyperParams(
+            local_num_epochs=fit.local_epochs, local_learning_rate=fit.lr, local_batch_size=fit.batch_size
+        ),
+        model_eval_params=NNEvalHyperParams(local_batch_size=1000),
+        callbacks=[Timing()],
+    )
+    return seconds, {n: t.detach().numpy().copy() for n, t in net.state_dict().items()}
+
+
 def systems_of(args: argparse.Namespace) -> dict[str, tuple[str, Run | None]]:
     """The bench's rows: name -> (child key, run; None: skipped, the key then says why)."""
     workers = args.workers or default_workers()
@@ -296,16 +365,18 @@ def systems_of(args: argparse.Namespace) -> dict[str, tuple[str, Run | None]]:
             "batched-threads",
             partial(run_fedcore, backend="batched", threads=args.batched_threads),
         )
-    skipped = "skipped: pip install -e '.[bench]'"
-    rows[f"fedcore Ray x{workers}"] = (
-        "ray",
-        partial(run_fedcore, backend="ray", workers=workers) if have_ray else None,
-    )
-    rows[f"Flower {_version('flwr')} (Ray) x{workers}"] = (
-        "flower",
-        partial(run_flower, workers=workers) if have_flwr else None,
-    )
-    return {name: (key if run is not None else skipped, run) for name, (key, run) in rows.items()}
+    bench = "skipped: pip install -e '.[bench]'"
+    rows[f"fedcore Ray x{workers}"] = ("ray", partial(run_fedcore, backend="ray", workers=workers))
+    rows[f"Flower {_version('flwr')} (Ray) x{workers}"] = ("flower", partial(run_flower, workers=workers))
+    rows["pfl-research 0.6"] = ("pfl", run_pfl)
+    missing = {
+        "ray": None if have_ray else bench,
+        "flower": None if have_flwr else bench,
+        "pfl": None
+        if args.child == "pfl" or args.pfl_python
+        else "skipped: --pfl-python PATH (a venv with pfl==0.6.0)",
+    }
+    return {name: (missing.get(key) or key, None if missing.get(key) else run) for name, (key, run) in rows.items()}
 
 
 def _version(package: str) -> str:
@@ -361,7 +432,8 @@ def measure(args: argparse.Namespace, key: str, out: Path) -> tuple[list[float],
     """Run system ``key`` in a child process under ``--child-timeout`` (its whole process group killed then),
     sampling its process tree's memory every 0.25 s: (seconds of each round, CPU s/round of the child's own
     process, peak PSS MiB of the tree, problem or "")."""
-    command = [sys.executable, __file__, *(args.argv), "--child", key, "--child-out", str(out)]
+    python = args.pfl_python if key == "pfl" else sys.executable
+    command = [python, __file__, *(args.argv), "--child", key, "--child-out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     child = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
@@ -403,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scale", type=int, default=0, help="also run 1,000 and this many synthetic clients")
     parser.add_argument("--child-timeout", type=float, default=900.0, help="seconds each system's run may take")
+    parser.add_argument(
+        "--only", default="", help="comma-separated rows to run: plain,inprocess,batched,process,ray,flower,pfl"
+    )
+    parser.add_argument("--pfl-python", default=None, help="python of a virtualenv with pfl 0.6 (a pfl-research row)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -412,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_child(args)
     args.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
     systems = systems_of(args)
+    if args.only:
+        keep = set(args.only.split(",")) | {"plain"}  # the ratios' reference
+        systems = {name: (key, run) for name, (key, run) in systems.items() if key in keep or key.startswith("skip")}
     runs: dict[str, list[tuple[list[float], float, float]]] = {name: [] for name in systems}
     models: dict[str, dict[str, np.ndarray]] = {}
     problems: dict[str, str] = {name: key for name, (key, run) in systems.items() if run is None}
