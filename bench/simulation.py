@@ -210,9 +210,11 @@ def run_flower(config: SimulationConfig, workers: int) -> tuple[list[float], dic
     )
     data = prepare_data(data_config, config.seed)
     ids = client_ids(config.data.num_clients)
+    shape, classes = data.input_shape, data.num_classes  # what the ClientApp's closure takes to the actors: not data
+    del data
 
     def model_fn() -> torch.nn.Module:
-        return build_model(config.model.name, data.input_shape, data.num_classes)
+        return build_model(config.model.name, shape, classes)
 
     names = list(initial_parameters(model_fn, config.seed))
     initial = ndarrays_to_parameters(list(initial_parameters(model_fn, config.seed).values()))
@@ -409,18 +411,26 @@ def run_child(args: argparse.Namespace) -> int:
     return 0
 
 
-def tree_pss_mib(root: int) -> float:
-    """The proportional set size (MiB) of process ``root`` and all its descendants (shared pages split between the
-    processes that map them, so a process tree's figure is what it holds in all; 0 for a process that is gone)."""
+def process_tree(root: int) -> list[int]:
+    """Process ``root`` and all its descendants (by the parent ids in ``/proc``)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    total, todo = 0, [root]
+    tree, todo = [], [root]
     while todo:
         pid = todo.pop()
+        tree.append(pid)
         todo.extend(children.get(pid, ()))
+    return tree
+
+
+def pss_mib(pids: list[int]) -> float:
+    """The summed proportional set size (MiB) of ``pids`` (shared pages split between the processes that map them,
+    so a process tree's figure is what it holds in all; 0 for a process that is gone)."""
+    total = 0
+    for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
@@ -441,9 +451,12 @@ def measure(args: argparse.Namespace, key: str, out: Path) -> tuple[list[float],
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(child.stdout or ()), daemon=True)
     reader.start()
-    peak, deadline = 0.0, time.monotonic() + args.child_timeout
+    peak, deadline, tree, polls = 0.0, time.monotonic() + args.child_timeout, [child.pid], 0
     while child.poll() is None:
-        peak = max(peak, tree_pss_mib(child.pid))
+        if polls % 8 == 0:  # the tree every 2 s: walking /proc costs more than reading the memory of a few processes
+            tree = process_tree(child.pid)
+        polls += 1
+        peak = max(peak, pss_mib(tree))
         if time.monotonic() > deadline:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()

@@ -173,7 +173,10 @@ class RayPool(VirtualClients):
         if self._started_ray:
             with warnings.catch_warnings():  # Ray's notice about a future default of accelerator variables
                 warnings.simplefilter("ignore", FutureWarning)
-                ray.init(address=address, include_dashboard=False, configure_logging=False)
+                if address is None:  # a local instance: no dashboard, Ray leaves the process's logging alone
+                    ray.init(include_dashboard=False, configure_logging=False)
+                else:  # a cluster (or Ray Client, which takes no other arguments)
+                    ray.init(address=address)
         env = {"OMP_NUM_THREADS": str(threads)}
         if address is None:  # this machine: the actors import what this process imports (a cluster's own paths stay)
             env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
