@@ -49,6 +49,7 @@ from fedcore.errors import ConfigError, FedcoreError, TransportError
 from fedcore.messages import Failure, Reply, ServerMessage, bound_text, payload_arrays
 from fedcore.tensors import decode, encode, read_metadata
 from simulations.procpool import (
+    START_TIMEOUT_S,
     ClientTasks,
     Payload,
     Serve,
@@ -134,8 +135,8 @@ class RayPool(VirtualClients):
         threads: torch threads of each actor (1: bit for bit the in-process history on one thread).
         num_cpus, num_gpus: Ray resources each actor holds (fractions allowed, e.g. ``num_gpus=0.25``: four actors
             share a GPU).
-        address: the Ray cluster to join (``"auto"``, ``"ray://head:10001"``); None: the Ray instance this process
-            already started, else a new local one.
+        address: the Ray cluster to join (``"auto"``, ``"ray://head:10001"``); None: a new local Ray instance.
+            A process that already started Ray (``ray.init``) keeps its instance, and the pool leaves it running.
         state_dir: the virtual clients' persistent state directory, shared by the actors (on a cluster: a path
             every node sees); None when no client keeps state.
         attackers: the attacking clients (a label attack in ``tasks.attack`` alters their training labels).
@@ -361,12 +362,19 @@ class RayPool(VirtualClients):
         """Wait until every actor has built its task factory (the constructor does).
 
         Raises:
-            TransportError: an actor could not start (its error in the message).
+            TransportError: an actor could not start (its error in the message), or not within
+                :data:`~simulations.procpool.START_TIMEOUT_S` (the cluster lacks the free resources).
         """
         ray = self._ray
         live = [a for a in self._actors if a is not None]
         try:
-            ray.get([a.handle.pid.remote() for a in live])
+            ray.get([a.handle.pid.remote() for a in live], timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            need = f"num_cpus={self._options['num_cpus']}, num_gpus={self._options['num_gpus']}"
+            raise TransportError(
+                f"{len(live)} Ray actors ({need} each) did not start within {START_TIMEOUT_S:.0f} s: the cluster has "
+                f"{ray.available_resources()} free; lower workers or the resources per actor"
+            ) from None
         except ray.exceptions.RayError as exc:
             reason = bound_text(str(exc))
             raise TransportError(f"a simulation actor could not start: {reason}") from None
