@@ -218,7 +218,8 @@ class OutputConfig:
             raise ConfigError("output.dir is empty; give a directory for the run's results (e.g. runs/my-run)")
 
 
-BackendName = Literal["inprocess", "batched", "process"]
+BackendName = Literal["inprocess", "batched", "process", "ray"]
+BACKEND_NAMES = ("inprocess", "batched", "process", "ray")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,26 +233,50 @@ class BackendConfig:
             model has no buffers and no randomness; the same history as inprocess up to float rounding, within
             1e-5; other recipes are refused before the first round) or process (worker processes fed from one
             queue, :mod:`simulations.procpool`; the same history as inprocess bit for bit when each trains on as
-            many torch threads, 1 per worker).
+            many torch threads, 1 per worker) or ray (Ray actors fed from one queue, on this machine or a Ray
+            cluster, :mod:`simulations.raypool`; the same history as process; needs ``pip install 'fedcore[ray]'``).
         batch_clients: batched: at most this many clients are trained together (memory grows with it: the
             stacked parameters, gradients and momentum of that many models); 0 chooses: on the CPU as many as keep
             the largest stacked parameter within 16 MiB (the 2NN: 26), on a GPU all of a round's clients.
-        workers: process: the number of worker processes (default: the cores this process may use).
+        workers: process: the number of worker processes (default: the cores this process may use); ray: the
+            number of actors (default: as many as the cluster's CPUs, or GPUs, hold at num_cpus, num_gpus each).
+        ray_address: ray: the Ray cluster to join (``auto``, ``ray://head:10001``); unset: a local Ray instance
+            (``ray.init()``). The cluster's nodes need fedcore, the task's module and its data at the same paths.
+        num_cpus, num_gpus: ray: the resources each actor holds (fractions allowed: ``num_gpus = 0.25`` puts four
+            actors on one GPU).
     """
 
     backend: BackendName = "inprocess"
     batch_clients: int = 0
     workers: int | None = None
+    ray_address: str | None = None
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.backend not in ("inprocess", "batched", "process"):
-            raise ConfigError(f"unknown simulation backend {self.backend!r}; choose inprocess, batched or process")
+        if self.backend not in BACKEND_NAMES:
+            raise ConfigError(f"unknown simulation backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
         if self.batch_clients < 0:
             raise ConfigError(f"batch_clients must be >= 0 (0: all of a round's clients), got {self.batch_clients}")
         if self.workers is not None and not 1 <= self.workers <= 4096:
             raise ConfigError(f"workers must be in 1..4096 (or unset: one per core), got {self.workers}")
-        if self.workers is not None and self.backend != "process":
-            raise ConfigError("workers sets the process backend's worker count; add backend = 'process' to use it")
+        if self.workers is not None and self.backend not in ("process", "ray"):
+            raise ConfigError(
+                "workers sets the process or ray backend's worker count; add backend = 'process' (or 'ray') to use it"
+            )
+        ray_options = (self.ray_address is not None, self.num_cpus != 1.0, self.num_gpus != 0.0)
+        if any(ray_options) and self.backend != "ray":
+            raise ConfigError("ray_address, num_cpus and num_gpus are the ray backend's; add backend = 'ray'")
+        if not (0 <= self.num_cpus <= 1024 and 0 <= self.num_gpus <= 64 and self.num_cpus + self.num_gpus > 0):
+            raise ConfigError(
+                f"num_cpus must be in 0..1024 and num_gpus in 0..64, not both 0; got {self.num_cpus}, {self.num_gpus}"
+            )
+        if self.ray_address is not None and not self.ray_address.strip():
+            raise ConfigError("ray_address is empty; give the cluster's address (auto, ray://host:10001) or unset it")
+        if self.backend == "ray":
+            from simulations.raypool import import_ray
+
+            import_ray()  # refused now, not in the first round
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -55,6 +55,9 @@ from simulations.config import DEMO_TASK, SimulationConfig
 from simulations.devices import SimulatedDevices, simulation_selector, slow_clients
 from simulations.inmemory import InMemoryPool
 from simulations.procpool import ClientTasks, ProcessPool
+
+if TYPE_CHECKING:
+    from simulations.raypool import RayPool
 from simulations.tasks import demo_task
 
 log = logging.getLogger("fedcore.simulation")
@@ -222,8 +225,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
 
         check_batchable(clients.task(ids[0]), strategy)  # refused before the first round, not in one
         backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients)
-    process: ProcessPool | None = None
-    if config.simulation.backend == "process":
+    process: ProcessPool | RayPool | None = None
+    if config.simulation.backend in ("process", "ray"):
         tasks = ClientTasks(
             factory=DEMO_TASK if demo else config.task.factory,
             options=options,
@@ -234,8 +237,23 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
             label_attack_classes=classes,
             max_tasks=MAX_TASKS,
         )
-        workers = config.simulation.workers
-        backend = process = ProcessPool(ids, tasks, workers=workers, state_dir=state.root, attackers=attackers)
+        sim = config.simulation
+        if sim.backend == "ray":
+            from simulations.raypool import RayPool
+
+            process = RayPool(
+                ids,
+                tasks,
+                workers=sim.workers,
+                num_cpus=sim.num_cpus,
+                num_gpus=sim.num_gpus,
+                address=sim.ray_address,
+                state_dir=state.root,
+                attackers=attackers,
+            )
+        else:
+            process = ProcessPool(ids, tasks, workers=sim.workers, state_dir=state.root, attackers=attackers)
+        backend = process
     pool: ClientPool = AttackedPool(backend, attackers, config.attack, seed=config.seed)
     if config.devices.timed or config.strategy.selection == "oort":  # oort reads durations: simulated, reproducible
         pool = SimulatedDevices(pool, slow_clients(ids, config.devices.slow_fraction, seed=config.seed), config.devices)

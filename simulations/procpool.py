@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, TypeVar
 
 from fedcore.errors import ConfigError, FedcoreError, TransportError
 from fedcore.messages import (
@@ -130,6 +130,99 @@ class ClientTasks:
         if self.num_partitions < 1 or self.max_tasks < 1 or self.label_attack_classes < 0:
             raise ConfigError("num_partitions and max_tasks must be >= 1, label_attack_classes >= 0")
 
+    def worker_spec(self, *, threads: int, state_dir: str | None) -> dict[str, Any]:
+        """What :func:`client_service` takes: these fields as JSON values, plus the worker's torch ``threads`` and
+        the clients' state directory (None: no client keeps state)."""
+        return {
+            "factory": self.factory,
+            "options": dict(self.options),
+            "num_partitions": self.num_partitions,
+            "seed": self.seed,
+            "data_dir": self.data_dir,
+            "attack": dict(self.attack),
+            "label_attack_classes": self.label_attack_classes,
+            "max_tasks": self.max_tasks,
+            "threads": threads,
+            "state_dir": state_dir,
+        }
+
+
+class VirtualClients:
+    """What the pools of workers (:class:`ProcessPool`, :class:`simulations.raypool.RayPool`) share: the virtual
+    clients' ids (client ``client_ids[i]`` gets partition ``i``), all always available, and the attacking ones.
+
+    Raises:
+        ConfigError: repeated client ids.
+    """
+
+    kind = "pool"
+    """The pool's name in messages."""
+
+    def __init__(self, client_ids: Sequence[str], attackers: frozenset[str]) -> None:
+        if len(set(client_ids)) != len(client_ids):
+            raise ConfigError(f"client ids must be unique; {len(client_ids) - len(set(client_ids))} repeat")
+        self._ids = list(client_ids)
+        self._index = {cid: i for i, cid in enumerate(self._ids)}
+        self._attackers = attackers
+        self._affinity = StageAffinity()
+        self._closed = False
+
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
+        """Hand the instructions to the workers and yield each reply as it comes (one per client, in the order the
+        workers finish); a client whose task raised, or whose worker died, yields a Failure.
+
+        Raises:
+            TransportError: the pool is closed.
+        """
+        if self._closed:
+            raise TransportError(f"the {self.kind} is closed; make a new one")
+        shared = self._affinity.split(instructions, self._slots())
+        try:
+            yield from self._schedule(instructions, shared, timeout_s)
+        finally:
+            self._end_run()
+
+    def close(self) -> None:
+        """End the workers and free what the pool holds. Idempotent."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _slots(self) -> Sequence[Any]:
+        """The workers, each with a ``pinned`` queue (None where one died and none took its place)."""
+        raise NotImplementedError
+
+    def _schedule(
+        self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
+    ) -> Iterator[Reply]:
+        """Run every client: the ``shared`` queue and the workers' ``pinned`` ones."""
+        raise NotImplementedError
+
+    def _end_run(self) -> None:
+        """Wait for the tasks still in flight (the caller stopped early), drop their results and the run's inputs."""
+        raise NotImplementedError
+
+    def available(self) -> list[str]:
+        """All virtual clients are always available."""
+        return list(self._ids)
+
+    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
+        """Return all clients, or raise :class:`~fedcore.errors.RoundFailed` if there are fewer than ``num_clients``."""
+        return all_virtual_clients(self._ids, num_clients)
+
+    def _envelope(self, client_id: str, timeout_s: float | None) -> dict[str, Any]:
+        """What a worker needs besides the instruction to run ``client_id`` (see :func:`client_service`)."""
+        return {
+            "client": client_id,
+            "partition": self._index[client_id],
+            "attacker": client_id in self._attackers,
+            "timeout_s": timeout_s,
+        }
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # framing: [u32 envelope length][envelope JSON][u32 header length][header bytes]
@@ -203,7 +296,7 @@ class _Worker:
     pinned: deque[str] = field(default_factory=deque)
 
 
-class ProcessPool:
+class ProcessPool(VirtualClients):
     """A :class:`~server.pool.ClientPool` whose virtual clients train in worker processes (see the module
     docstring).
 
@@ -224,6 +317,8 @@ class ProcessPool:
             that cannot be imported).
     """
 
+    kind = "process pool"
+
     def __init__(
         self,
         client_ids: Sequence[str],
@@ -235,34 +330,19 @@ class ProcessPool:
         attackers: frozenset[str] = frozenset(),
         shm_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        if len(set(client_ids)) != len(client_ids):
-            raise ConfigError(f"client ids must be unique; {len(client_ids) - len(set(client_ids))} repeat")
+        super().__init__(client_ids, attackers)
         count = default_workers() if workers is None else workers
         if count < 1 or threads < 1:
             raise ConfigError(f"workers and threads must be >= 1, got workers={count}, threads={threads}")
-        self._ids = list(client_ids)
-        self._index = {cid: i for i, cid in enumerate(self._ids)}
-        self._attackers = attackers
-        self._spec = {
-            "factory": tasks.factory,
-            "options": dict(tasks.options),
-            "num_partitions": tasks.num_partitions,
-            "seed": tasks.seed,
-            "data_dir": tasks.data_dir,
-            "attack": dict(tasks.attack),
-            "label_attack_classes": tasks.label_attack_classes,
-            "max_tasks": tasks.max_tasks,
-            "threads": threads,
-            "state_dir": None if state_dir is None else str(Path(state_dir).resolve()),
-        }
+        self._spec = tasks.worker_spec(
+            threads=threads, state_dir=None if state_dir is None else str(Path(state_dir).resolve())
+        )
         root = Path(shm_dir) if shm_dir is not None else (SHM_ROOT if SHM_ROOT.is_dir() else None)
         remove_stale_dirs(root or Path(tempfile.gettempdir()))
         self._dir = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=root))
         self._workers: list[_Worker | None] = [None] * count
         self._seq = 0
-        self._affinity: dict[str, int] = {}
-        self._affinity_round = -1
-        self._closed = False
+        self._files: dict[tuple[object, ...], tuple[str, int, NamedArrays]] = {}  # this run's inputs
         self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._dir)
         try:
             for i in range(count):
@@ -288,61 +368,19 @@ class ProcessPool:
         """The process ids of the live workers."""
         return [w.process.pid for w in self._workers if w is not None]
 
-    def available(self) -> list[str]:
-        """All virtual clients are always available."""
-        return list(self._ids)
-
-    def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
-        """Return all clients, or raise :class:`~fedcore.errors.RoundFailed` if there are fewer than ``num_clients``."""
-        return all_virtual_clients(self._ids, num_clients)
-
-    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
-        """Hand the instructions to the workers and yield each reply as it comes (one per client, in the order the
-        workers finish); a client whose task raised, or whose worker died, yields a Failure.
-
-        Raises:
-            TransportError: the pool is closed.
-        """
-        if self._closed:
-            raise TransportError("the process pool is closed; make a new one")
-        shared: deque[str] = deque()
-        for client_id, instruction in instructions.items():
-            if instruction.round != self._affinity_round:
-                self._affinity, self._affinity_round = {}, instruction.round
-            pinned = self._affinity.get(client_id)
-            worker = self._workers[pinned] if pinned is not None else None
-            if worker is not None:
-                worker.pinned.append(client_id)
-            else:
-                shared.append(client_id)
-        files: dict[tuple[object, ...], tuple[str, int, NamedArrays]] = {}
-        try:
-            yield from self._schedule(instructions, shared, files, timeout_s)
-        finally:
-            self._drain()
-            for name, _, _ in files.values():
-                (self._dir / name).unlink(missing_ok=True)
-
     def close(self) -> None:
         """End the workers (killing those that do not exit within :data:`STOP_TIMEOUT_S`) and remove the
         shared-memory directory. Idempotent."""
         self._closed = True
         self._finalizer()
 
-    def __enter__(self) -> ProcessPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- scheduling -----------------------------------------------------------------------------------------
 
+    def _slots(self) -> Sequence[_Worker | None]:
+        return self._workers
+
     def _schedule(
-        self,
-        instructions: Mapping[str, ServerMessage],
-        shared: deque[str],
-        files: dict[tuple[object, ...], tuple[str, int, NamedArrays]],
-        timeout_s: float | None,
+        self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
     ) -> Iterator[Reply]:
         while True:
             for worker in self._workers:
@@ -351,7 +389,7 @@ class ProcessPool:
                 queue = worker.pinned if worker.pinned else shared
                 if queue:
                     client_id = queue.popleft()
-                    failure = self._dispatch(worker, client_id, instructions[client_id], files, timeout_s)
+                    failure = self._dispatch(worker, client_id, instructions[client_id], timeout_s)
                     if failure is not None:
                         yield failure
             live = [w for w in self._workers if w is not None]
@@ -383,7 +421,6 @@ class ProcessPool:
         worker: _Worker,
         client_id: str,
         instruction: ServerMessage,
-        files: dict[tuple[object, ...], tuple[str, int, NamedArrays]],
         timeout_s: float | None,
     ) -> Failure | None:
         from fedcore.wire import task_header
@@ -393,6 +430,7 @@ class ProcessPool:
             name, size = "", 0
             if arrays:
                 key = (*(id(a) for a in arrays.values()), *sorted(metadata.items()))
+                files = self._files
                 if key not in files:
                     self._seq += 1
                     name = f"in-{self._seq}.safetensors"
@@ -408,25 +446,14 @@ class ProcessPool:
                 "give the pool more room (e.g. docker run --shm-size) or another directory (shm_dir)"
             ) from exc
         self._seq += 1
-        envelope = {
-            "seq": self._seq,
-            "client": client_id,
-            "partition": self._index[client_id],
-            "attacker": client_id in self._attackers,
-            "payload": name,
-            "timeout_s": timeout_s,
-        }
-        if isinstance(instruction, StageIns):
-            self._affinity[client_id] = worker.index
+        envelope = {"seq": self._seq, "payload": name, **self._envelope(client_id, timeout_s)}
+        self._affinity.pin(client_id, instruction, worker.index)
         worker.task = (self._seq, client_id, instruction)
         with contextlib.suppress(OSError):  # the worker died: its result pipe reports end of file, failing this client
             _write_message(worker.commands, envelope, header)
         return None
 
     def _receive(self, worker: _Worker, shared: deque[str]) -> Iterator[Reply]:
-        from fedcore.proto.v1 import fedcore_pb2 as pb
-        from fedcore.wire import reply_from_header
-
         try:
             message = _read_message(worker.results)
         except TransportError as exc:
@@ -455,22 +482,15 @@ class ProcessPool:
             raise TransportError(f"worker {worker.index} answered a task it was not given ({envelope.get('seq')})")
         _, client_id, instruction = task
         name = envelope.get("payload") or ""
-        try:
-            parameters: NamedArrays | None = None
-            metadata: dict[str, str] = {}
-            if name:
-                path = self._dir / Path(name).name
-                try:
-                    parameters, metadata = open_safetensors(path, round=instruction.round, client_id=client_id)
-                finally:
-                    path.unlink(missing_ok=True)  # the mapping stays valid; the memory goes with the arrays
-            reply = reply_from_header(
-                pb.ResultHeader.FromString(header), client_id=client_id, parameters=parameters, metadata=metadata
-            )
-        except (FedcoreError, OSError) as exc:
-            reason = exc.message if isinstance(exc, FedcoreError) else str(exc)
-            reply = Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason)
-        yield _with_stage_of(reply, instruction)
+
+        def load() -> Payload:
+            path = self._dir / Path(name).name
+            try:
+                return open_safetensors(path, round=instruction.round, client_id=client_id)
+            finally:
+                path.unlink(missing_ok=True)  # the mapping stays valid; the memory goes with the arrays
+
+        yield decode_reply(header, client_id, instruction, load if name else None)
 
     def _replace(self, worker: _Worker, shared: deque[str], problem: str) -> Iterator[Failure]:
         """Fail the client ``worker`` was running, move its pinned clients out, and start a replacement."""
@@ -487,9 +507,7 @@ class ProcessPool:
                     "its update is lost (out of memory, or a crash in native code?); a new worker takes its place"
                 ),
             )
-        for client_id, index in list(self._affinity.items()):  # their state machines died with the worker
-            if index == worker.index:
-                del self._affinity[client_id]
+        self._affinity.forget(worker.index)  # their state machines died with the worker
         shared.extend(worker.pinned)
         log.warning(
             "simulation worker %d (pid %d) %s (%s); starting another", worker.index, worker.process.pid, problem, status
@@ -500,8 +518,7 @@ class ProcessPool:
         except OSError as exc:
             log.error("cannot start a replacement worker: %s", exc)
 
-    def _drain(self) -> None:
-        """Wait for the tasks still in flight (the caller stopped early) and drop their results."""
+    def _end_run(self) -> None:
         for worker in self._workers:
             if worker is None:
                 continue
@@ -509,6 +526,9 @@ class ProcessPool:
             if worker.task is not None:
                 for _ in self._receive(worker, deque()):
                     pass
+        for name, _, _ in self._files.values():
+            (self._dir / name).unlink(missing_ok=True)
+        self._files = {}
 
     # -- processes ------------------------------------------------------------------------------------------
 
@@ -576,11 +596,63 @@ class ProcessPool:
         _stop(worker, timeout_s=0.0)
 
 
-def _with_stage_of(reply: Reply, instruction: ServerMessage) -> Reply:
-    """A failure keeps the stage of the instruction it answers (the header carries it too)."""
+def decode_reply(
+    header: bytes, client_id: str, instruction: ServerMessage, load: Callable[[], Payload] | None
+) -> Reply:
+    """The reply of a worker (see :func:`client_service`) to ``instruction``: its ``ResultHeader`` bytes and, from
+    ``load()``, its tensors (None: it sent none). A header or tensors that cannot be read fail the client (a
+    Failure with the reason), never the pool; a failure keeps the stage of the instruction it answers."""
+    from fedcore.proto.v1 import fedcore_pb2 as pb
+    from fedcore.wire import reply_from_header
+
+    try:
+        parameters, metadata = load() if load is not None else (None, {})
+        reply = reply_from_header(
+            pb.ResultHeader.FromString(header), client_id=client_id, parameters=parameters, metadata=metadata
+        )
+    except (FedcoreError, OSError) as exc:
+        reason = exc.message if isinstance(exc, FedcoreError) else str(exc)
+        reply = Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason)
     if isinstance(reply, Failure) and reply.stage != instruction.stage:
         return Failure(client_id=reply.client_id, round=reply.round, stage=instruction.stage, reason=reply.reason)
     return reply
+
+
+class StageAffinity:
+    """Which worker holds each client's round protocol state machines this round.
+
+    Clients of a multi-stage round protocol (SecAgg+) keep their state in the worker that answered their first
+    stage message of the round; every later message of that client in that round goes to the same worker. A pool
+    keeps one of these and asks it, for each batch of instructions, which clients any worker may take.
+    """
+
+    def __init__(self) -> None:
+        self._round = -1
+        self._worker: dict[str, int] = {}
+
+    def split(self, instructions: Mapping[str, ServerMessage], workers: Sequence[Any]) -> deque[str]:
+        """Append each client pinned to a live worker to that worker's ``pinned`` queue (``workers[i]`` is worker
+        ``i`` or None) and return the others, in order: the shared queue. A new round forgets the pins."""
+        shared: deque[str] = deque()
+        for client_id, instruction in instructions.items():
+            if instruction.round != self._round:
+                self._worker, self._round = {}, instruction.round
+            index = self._worker.get(client_id)
+            worker = workers[index] if index is not None else None
+            if worker is not None:
+                worker.pinned.append(client_id)
+            else:
+                shared.append(client_id)
+        return shared
+
+    def pin(self, client_id: str, instruction: ServerMessage, worker: int) -> None:
+        """``worker`` takes ``instruction``: a stage message pins the client to it for the round."""
+        if isinstance(instruction, StageIns):
+            self._worker[client_id] = worker
+
+    def forget(self, worker: int) -> None:
+        """``worker`` died: its clients' state machines died with it."""
+        self._worker = {c: i for c, i in self._worker.items() if i != worker}
 
 
 def _exit_status(process: subprocess.Popen[bytes]) -> str:
@@ -677,7 +749,35 @@ def _worker_main(commands: int, results: int) -> int:
         _write_message(results, reply_envelope, reply_header)
 
 
-def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes], tuple[dict[str, Any], bytes]]:
+Payload = tuple[NamedArrays, dict[str, str]]
+"""Tensors and their header metadata, as :func:`fedcore.messages.payload_arrays` gives them."""
+
+
+Stored = TypeVar("Stored")
+Serve = Callable[
+    [Mapping[str, Any], bytes, object, Callable[[int, str], Payload] | None, Callable[[Payload], Stored]],
+    tuple[bytes, Stored | None],
+]
+"""What :func:`client_service` returns (see there)."""
+
+
+def client_service(spec: Mapping[str, Any]) -> Serve[Stored]:
+    """The worker side of a pool of worker processes (this module's, and :mod:`simulations.raypool`'s actors):
+    builds the task factory once and returns ``serve``, which runs one client's instruction.
+
+    ``spec`` is the pool's :class:`ClientTasks` as a mapping plus ``threads`` (torch threads) and ``state_dir``.
+    ``serve(envelope, header, key, load, store)`` takes the envelope (``client``, ``partition``, ``attacker``,
+    ``timeout_s``), the instruction's protobuf ``TaskHeader`` bytes, a hashable ``key`` naming its tensors (the
+    same key and header as the previous call: the instruction already decoded is reused, one model check per
+    round), ``load(round, client_id)`` giving those tensors (None: the instruction has none) and ``store``, which
+    keeps an update's tensors where the pool reads them (a file, bytes in Ray's object store). It returns the
+    ``ResultHeader`` bytes and what ``store`` returned (None: no tensors). A client whose task raises, or whose
+    tensors cannot be loaded or stored, answers a Failure; ``serve`` itself does not raise.
+
+    Raises:
+        ConfigError, ImportError...: the task factory cannot be loaded (the pool reports it as a worker that could
+            not start).
+    """
     import torch
 
     from client.state import ClientStateStore
@@ -690,8 +790,6 @@ def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes
 
     torch.set_num_threads(int(spec["threads"]))
     factory = load_task_factory(spec["factory"])
-    directory = Path(spec["dir"])
-    worker = int(spec["index"])
     options = {str(k): str(v) for k, v in spec["options"].items()}
     data_dir = spec["data_dir"]
     attack = from_mapping(AttackConfig, spec["attack"], where="attack")
@@ -715,40 +813,63 @@ def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes
 
     state = ClientStateStore(spec["state_dir"]) if spec["state_dir"] is not None else None
     pool = InMemoryPool((), make_task, state=state, max_tasks=int(spec["max_tasks"]))
-    last: tuple[tuple[str, bytes], ServerMessage] | None = None
-    count = 0
+    last: tuple[tuple[object, bytes], ServerMessage] | None = None
 
-    def serve(envelope: Mapping[str, Any], header: bytes) -> tuple[dict[str, Any], bytes]:
-        nonlocal last, count
+    def serve(
+        envelope: Mapping[str, Any],
+        header: bytes,
+        key: object,
+        load: Callable[[int, str], Payload] | None,
+        store: Callable[[Payload], Stored],
+    ) -> tuple[bytes, Stored | None]:
+        nonlocal last
         client_id = str(envelope["client"])
         current["partition"], current["attacker"] = envelope["partition"], bool(envelope["attacker"])
-        name = str(envelope["payload"] or "")
-        key = (name, header)
         parsed = pb.TaskHeader.FromString(header)
-        out = ""
+        out: Stored | None = None
         try:
-            if last is not None and last[0] == key:
+            if last is not None and last[0] == (key, header):
                 instruction = last[1]  # every client of a round: one instruction, one model check
             else:
-                arrays: NamedArrays = {}
-                metadata: dict[str, str] = {}
-                if name:
-                    arrays, metadata = open_safetensors(directory / name, round=parsed.round, client_id=client_id)
+                arrays, metadata = load(parsed.round, client_id) if load is not None else ({}, {})
                 instruction = instruction_from_header(parsed, arrays, metadata)
-                last = (key, instruction)
+                last = ((key, header), instruction)
             reply = next(iter(pool.run({client_id: instruction}, timeout_s=envelope.get("timeout_s"))))
             if isinstance(reply, FitRes | StageRes):
                 arrays, metadata = payload_arrays(reply)
                 if arrays:
-                    count += 1
-                    out = f"out-{worker}-{count}.safetensors"
-                    save_payload(directory / out, arrays, metadata, durable=False)
+                    out = store((arrays, metadata))
         except Exception as exc:  # the client fails, the worker goes on
             stage = {pb.STAGE_FIT: Stage.FIT, pb.STAGE_EVALUATE: Stage.EVALUATE}.get(parsed.stage, Stage.PROTOCOL)
             reason = exc.message if isinstance(exc, FedcoreError) else f"{type(exc).__name__}: {exc}"
-            reply, out = Failure(client_id=client_id, round=parsed.round, stage=stage, reason=reason), ""
-        message = result_header(reply, session="", task_id="")
-        return {"seq": envelope["seq"], "payload": out}, message.SerializeToString()
+            reply, out = Failure(client_id=client_id, round=parsed.round, stage=stage, reason=reason), None
+        return result_header(reply, session="", task_id="").SerializeToString(), out
+
+    return serve
+
+
+def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes], tuple[dict[str, Any], bytes]]:
+    """:func:`client_service` over this pool's shared-memory files: an update goes to ``out-<worker>-<n>``."""
+    service: Serve[str] = client_service(spec)
+    directory = Path(spec["dir"])
+    worker = int(spec["index"])
+    count = 0
+
+    def store(payload: Payload) -> str:
+        nonlocal count
+        count += 1
+        name = f"out-{worker}-{count}.safetensors"
+        save_payload(directory / name, *payload, durable=False)
+        return name
+
+    def serve(envelope: Mapping[str, Any], header: bytes) -> tuple[dict[str, Any], bytes]:
+        name = str(envelope["payload"] or "")
+
+        def load(round: int, client_id: str) -> Payload:
+            return open_safetensors(directory / name, round=round, client_id=client_id)
+
+        reply_header, out = service(envelope, header, name, load if name else None, store)
+        return {"seq": envelope["seq"], "payload": out or ""}, reply_header
 
     return serve
 

@@ -156,32 +156,38 @@ def test_simulate_with_the_process_backend_gives_the_in_process_history_bit_for_
     tmp_path: Path, recipe: Path | None, overrides: list[str]
 ) -> None:
     """FedAvgM on digits, and SecAgg+ (its stages keep each client on one worker for the round)."""
+    before = set(Path("/dev/shm").glob(f"{DIR_PREFIX}{os.getpid()}-*"))
+    assert_same_history_as_in_process(tmp_path, recipe, overrides, "process")
+    assert set(Path("/dev/shm").glob(f"{DIR_PREFIX}{os.getpid()}-*")) == before  # the run's pool cleaned up
+
+
+def assert_same_history_as_in_process(tmp_path: Path, recipe: Path | None, overrides: list[str], backend: str) -> None:
+    """Two rounds of ``recipe`` in process on one thread and with ``backend`` on 2 workers of one thread each: the
+    same final model file, byte for byte, and the same history but for wall times."""
     from simulations.config import load_recipe
     from simulations.harness import run_simulation
 
     common = [*overrides, "rounds=2", "evaluate_every=1", "output.progress=false", "output.plot=false"]
-    before = set(Path("/dev/shm").glob(f"{DIR_PREFIX}{os.getpid()}-*"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker: the same float order
     try:
         local = run_simulation(load_recipe(recipe, [*common, f"output.dir='{tmp_path / 'a'}'"]), echo=lambda _: None)
     finally:
         torch.set_num_threads(threads)
-    process = [*common, f"output.dir='{tmp_path / 'b'}'", "simulation.backend='process'", "simulation.workers=2"]
-    remote = run_simulation(load_recipe(recipe, process), echo=lambda _: None)
+    other = [*common, f"output.dir='{tmp_path / 'b'}'", f"simulation.backend='{backend}'", "simulation.workers=2"]
+    remote = run_simulation(load_recipe(recipe, other), echo=lambda _: None)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     timing = {"seconds", "fit_seconds"}
     columns = [c for c in local.history.columns if c not in timing]
     pd.testing.assert_frame_equal(local.history[columns], remote.history[columns])
     assert list(local.history["failures"]) == [0, 0, 0] and local.history["clients"].iloc[-1] >= 4
-    assert set(Path("/dev/shm").glob(f"{DIR_PREFIX}{os.getpid()}-*")) == before  # the run's pool cleaned up
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["simulation.backend='ray'"], "'ray' is not one of 'inprocess', 'batched', 'process'"),
-        (["simulation.workers=2"], "add backend = 'process'"),
+        (["simulation.backend='gpu'"], "'gpu' is not one of 'inprocess', 'batched', 'process', 'ray'"),
+        (["simulation.workers=2"], r"add backend = 'process' \(or 'ray'\)"),
         (["simulation.backend='process'", "simulation.workers=0"], "workers must be in 1..4096"),
     ],
 )

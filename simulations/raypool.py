@@ -1,0 +1,380 @@
+"""The Ray backend: virtual clients trained by Ray actors, on this machine or on an existing Ray cluster.
+
+:class:`RayPool` is a :class:`server.pool.ClientPool` built like the process pool (:mod:`simulations.procpool`),
+with Ray for processes and transport. Each worker is one Ray actor started once per run: it builds the task factory
+once, keeps one model for all the clients it trains and runs client after client, through the same worker code as
+a process-pool worker (:func:`simulations.procpool.client_service`). Nothing crosses a process boundary as a pickled
+torch object:
+
+- tensors (the global model, each update) travel as safetensors bytes (:func:`fedcore.tensors.encode`) held by Ray's
+  object store as uint8 arrays: the global model is put once per round and read by every actor (zero copy on the
+  same node), an update is returned by its actor and decoded by the pool;
+- everything else travels as the gRPC path's protobuf headers (:func:`fedcore.wire.task_header`,
+  :func:`fedcore.wire.result_header`) plus a small envelope (client id, partition id).
+
+The same conversions serve the gRPC path and the process pool, so the pool gives the in-process history bit for bit
+as long as each actor trains with the same number of torch threads (``threads``, 1 by default).
+
+Scheduling is a dynamic queue: each actor holds at most :data:`QUEUE_DEPTH` clients (the one it trains and the
+next, so it never waits for the driver between two clients) and gets the next client of the round's queue when one
+is done, so a slow client delays only its own actor. Clients of a multi-stage round protocol (SecAgg+) stay on the
+actor that answered their first stage message of the round (:class:`simulations.procpool.StageAffinity`).
+
+Failures: a client whose task raises fails as in the in-memory pool. An actor that dies (a crash in native code,
+killed for memory, its node lost) fails the client it was running with a reason that says so; the clients queued
+behind it on that actor had not started (an actor runs its calls in order) and go back to the queue; a new actor
+takes its place. :meth:`RayPool.close` kills the actors and, when the pool started Ray itself, shuts Ray down.
+
+Ray (``pip install 'fedcore[ray]'``) is imported only when a pool is made. With ``address=None`` the pool joins the
+Ray instance this process already started, or starts a local one (``ray.init()``); with an address
+(``"ray://head:10001"``, ``"auto"``) it joins that cluster, whose nodes must have fedcore, the task factory's module
+and the task's data at the same paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from fedcore.errors import ConfigError, FedcoreError, TransportError
+from fedcore.messages import Failure, Reply, ServerMessage, bound_text, payload_arrays
+from fedcore.tensors import decode, encode, read_metadata
+from simulations.procpool import (
+    START_TIMEOUT_S,
+    ClientTasks,
+    Payload,
+    Serve,
+    VirtualClients,
+    client_service,
+    decode_reply,
+)
+
+log = logging.getLogger("fedcore.simulation")
+
+QUEUE_DEPTH = 2
+"""Clients handed to one actor at a time: the one it trains and the next (Ray's round trip to the driver, about
+1-2 ms, is then not spent idle between two clients)."""
+INSTALL_HINT = "pip install 'fedcore[ray]'"
+
+
+def import_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        ConfigError: Ray is not installed (the message says how to install it).
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            f"the ray simulation backend needs Ray, which is not installed ({exc}); {INSTALL_HINT}, or choose "
+            "backend = 'process' for every core of one machine"
+        ) from None
+    return ray
+
+
+def _to_bytes(payload: Payload) -> np.ndarray:
+    """Safetensors bytes of ``payload`` as a uint8 array (Ray keeps arrays in its object store without a copy)."""
+    return np.frombuffer(encode(*payload), dtype=np.uint8)
+
+
+def _from_bytes(data: np.ndarray, round: int, client_id: str) -> Payload:
+    """The tensors and metadata of safetensors bytes (copied out of Ray's read-only object store).
+
+    Raises:
+        PayloadError: truncated or corrupted bytes.
+    """
+    view = np.ascontiguousarray(data, dtype=np.uint8).data
+    arrays = decode(view, allow_nonfinite=True, round=round, client_id=client_id)  # the server checks values
+    return arrays, read_metadata(view)
+
+
+class _ClientActor:
+    """A Ray actor's body: one :func:`simulations.procpool.client_service` for its lifetime."""
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        self._serve: Serve[np.ndarray] = client_service(spec)
+
+    def run(
+        self, envelope: Mapping[str, Any], header: bytes, key: str, model: np.ndarray | None
+    ) -> tuple[bytes, np.ndarray | None]:
+        """Train one client: ``model`` is the instruction's safetensors bytes (None: it has no tensors)."""
+        load = partial(_from_bytes, model) if model is not None else None
+        return self._serve(envelope, header, key, load, _to_bytes)
+
+    def pid(self) -> int:
+        """The actor's process id."""
+        return os.getpid()
+
+
+@dataclass
+class _Actor:
+    index: int
+    handle: Any
+    inflight: deque[tuple[Any, str, ServerMessage]] = field(default_factory=deque)  # (result ref, client, ins)
+    pinned: deque[str] = field(default_factory=deque)
+
+
+class RayPool(VirtualClients):
+    """A :class:`~server.pool.ClientPool` whose virtual clients train in Ray actors (see the module docstring).
+
+    Args:
+        client_ids: the virtual clients' ids; client ``client_ids[i]`` gets partition ``i``.
+        tasks: how actors build a client's task (:class:`simulations.procpool.ClientTasks`).
+        workers: the number of actors (default: as many as the cluster's CPUs hold at ``num_cpus`` each, or its
+            GPUs at ``num_gpus`` each when that is fewer).
+        threads: torch threads of each actor (1: bit for bit the in-process history on one thread).
+        num_cpus, num_gpus: Ray resources each actor holds (fractions allowed, e.g. ``num_gpus=0.25``: four actors
+            share a GPU).
+        address: the Ray cluster to join (``"auto"``, ``"ray://head:10001"``); None: a new local Ray instance.
+            A process that already started Ray (``ray.init``) keeps its instance, and the pool leaves it running.
+        state_dir: the virtual clients' persistent state directory, shared by the actors (on a cluster: a path
+            every node sees); None when no client keeps state.
+        attackers: the attacking clients (a label attack in ``tasks.attack`` alters their training labels).
+
+    Raises:
+        ConfigError: Ray is not installed, repeated client ids, workers or threads < 1, negative resources, or a
+            cluster whose resources hold no actor of this size.
+        TransportError: an actor could not start (the message gives its error, e.g. a task factory that cannot be
+            imported on the cluster).
+    """
+
+    kind = "Ray pool"
+
+    def __init__(
+        self,
+        client_ids: Sequence[str],
+        tasks: ClientTasks,
+        *,
+        workers: int | None = None,
+        threads: int = 1,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        address: str | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        attackers: frozenset[str] = frozenset(),
+    ) -> None:
+        super().__init__(client_ids, attackers)
+        if threads < 1 or (workers is not None and workers < 1):
+            raise ConfigError(f"workers and threads must be >= 1, got workers={workers}, threads={threads}")
+        if not (num_cpus >= 0 and num_gpus >= 0 and num_cpus + num_gpus > 0):
+            raise ConfigError(f"num_cpus and num_gpus must be >= 0 and not both 0, got {num_cpus} and {num_gpus}")
+        ray = self._ray = import_ray()
+        self._spec = tasks.worker_spec(threads=threads, state_dir=None if state_dir is None else os.fspath(state_dir))
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            with warnings.catch_warnings():  # Ray's notice about a future default of accelerator variables
+                warnings.simplefilter("ignore", FutureWarning)
+                if address is None:  # a local instance: no dashboard, Ray leaves the process's logging alone
+                    ray.init(include_dashboard=False, configure_logging=False)
+                else:  # a cluster (or Ray Client, which takes no other arguments)
+                    ray.init(address=address)
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if address is None:  # this machine: the actors import what this process imports (a cluster's own paths stay)
+            env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        self._options: dict[str, Any] = {
+            "num_cpus": num_cpus,
+            "num_gpus": num_gpus,
+            "max_restarts": 0,  # a dead actor fails its client and is replaced by the pool, not restarted by Ray
+            "runtime_env": {"env_vars": env},
+        }
+        self._actor_class = ray.remote(_ClientActor)
+        self._models: dict[tuple[object, ...], tuple[Any, str, int]] = {}  # this run's global models in Ray
+        self._actors: list[_Actor | None] = []
+        try:
+            count = workers if workers is not None else self._fitting_workers(num_cpus, num_gpus)
+            self._actors = [self._spawn(i) for i in range(count)]
+            self.wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fitting_workers(self, num_cpus: float, num_gpus: float) -> int:
+        resources = self._ray.cluster_resources()
+        counts = [int(resources.get(name, 0.0) / need) for name, need in (("CPU", num_cpus), ("GPU", num_gpus)) if need]
+        if min(counts) < 1:
+            raise ConfigError(
+                f"the Ray cluster has {resources.get('CPU', 0.0)} CPUs and {resources.get('GPU', 0.0)} GPUs: not "
+                f"enough for one actor of num_cpus={num_cpus}, num_gpus={num_gpus}; lower them"
+            )
+        return min(counts)
+
+    # -- ClientPool ----------------------------------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        """The number of actors."""
+        return len(self._actors)
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the live actors (on their nodes)."""
+        return [int(p) for p in self._ray.get([a.handle.pid.remote() for a in self._actors if a is not None])]
+
+    def close(self) -> None:
+        """Kill the actors and, when this pool started Ray, shut it down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for actor in self._actors:
+            if actor is not None:
+                self._ray.kill(actor.handle, no_restart=True)
+        self._actors = [None] * len(self._actors)
+        if self._started_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+
+    # -- scheduling -----------------------------------------------------------------------------------------
+
+    def _slots(self) -> Sequence[_Actor | None]:
+        return self._actors
+
+    def _schedule(
+        self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
+    ) -> Iterator[Reply]:
+        ray = self._ray
+        while True:
+            for actor in self._actors:
+                while actor is not None and len(actor.inflight) < QUEUE_DEPTH:
+                    queue = actor.pinned if actor.pinned else shared
+                    if not queue:
+                        break
+                    client_id = queue.popleft()
+                    failure = self._dispatch(actor, client_id, instructions[client_id], timeout_s)
+                    if failure is not None:
+                        yield failure
+            live = [a for a in self._actors if a is not None]
+            refs = {ref: actor for actor in live for ref, _, _ in actor.inflight}
+            if not refs:
+                if not live:
+                    for client_id in shared:
+                        instruction = instructions[client_id]
+                        reason = "no Ray actor is left to run this client (they died and could not be replaced)"
+                        yield Failure(
+                            client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason
+                        )
+                return
+            ready, _ = ray.wait(list(refs), num_returns=1)
+            yield from self._receive(refs[ready[0]], ready[0], shared)
+
+    def _dispatch(
+        self,
+        actor: _Actor,
+        client_id: str,
+        instruction: ServerMessage,
+        timeout_s: float | None,
+    ) -> Failure | None:
+        from fedcore.wire import task_header
+
+        try:
+            arrays, metadata = payload_arrays(instruction)
+            model, key, size = None, "", 0
+            if arrays:
+                ident = (*(id(a) for a in arrays.values()), *sorted(metadata.items()))
+                models = self._models
+                if ident not in models:  # once per round: every actor reads the same object
+                    data = _to_bytes((arrays, metadata))
+                    models[ident] = (self._ray.put(data), f"{instruction.round}-{len(models)}", data.size)
+                model, key, size = models[ident]
+            header = task_header(instruction, task_id="", payload_bytes=size).SerializeToString()
+        except FedcoreError as exc:
+            return Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
+        envelope = self._envelope(client_id, timeout_s)
+        self._affinity.pin(client_id, instruction, actor.index)
+        ref = actor.handle.run.remote(envelope, header, key, model)
+        actor.inflight.append((ref, client_id, instruction))
+        return None
+
+    def _receive(self, actor: _Actor, ready: Any, shared: deque[str]) -> Iterator[Reply]:
+        """The replies of ``actor``'s calls up to ``ready`` (an actor answers in order)."""
+        ray = self._ray
+        while actor.inflight:
+            ref, client_id, instruction = actor.inflight.popleft()
+            try:
+                header, data = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                yield self._replace(actor, client_id, instruction, exc, shared)
+                return
+            except ray.exceptions.RayError as exc:  # e.g. the object was lost with its node
+                reason = f"the Ray call for this client failed: {bound_text(str(exc))}"
+                yield Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason)
+            else:
+                load = partial(_from_bytes, data, instruction.round, client_id) if data is not None else None
+                yield decode_reply(header, client_id, instruction, load)
+            if ref == ready:
+                return
+
+    def _replace(
+        self, actor: _Actor, client_id: str, instruction: ServerMessage, exc: Exception, shared: deque[str]
+    ) -> Failure:
+        """Fail the client ``actor`` was running, put its queued and pinned clients back, start a replacement.
+
+        Raises:
+            TransportError: the actor died while starting (a replacement that cannot start would be replaced
+                forever).
+        """
+        if isinstance(exc, self._ray.exceptions.RayActorError) and exc.actor_init_failed:
+            raise TransportError(f"a simulation actor could not start: {bound_text(str(exc))}")
+        cause = bound_text(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        log.warning("Ray actor %d died (%s); starting another", actor.index, cause)
+        self._affinity.forget(actor.index)  # their state machines died with the actor
+        shared.extendleft(reversed([c for _, c, _ in actor.inflight]))  # not started: an actor runs calls in order
+        shared.extend(actor.pinned)
+        self._ray.kill(actor.handle, no_restart=True)
+        self._actors[actor.index] = None
+        try:
+            self._actors[actor.index] = self._spawn(actor.index)
+        except Exception as error:
+            log.error("cannot start a replacement Ray actor: %s", error)
+        return Failure(
+            client_id=client_id,
+            round=instruction.round,
+            stage=instruction.stage,
+            reason=(
+                f"the Ray actor running this client died ({type(exc).__name__}: {cause}); its update is lost (out "
+                "of memory, or a crash in native code?); a new actor takes its place"
+            ),
+        )
+
+    def _end_run(self) -> None:
+        for actor in self._actors:
+            if actor is None:
+                continue
+            actor.pinned.clear()
+            if actor.inflight:
+                self._ray.wait([ref for ref, _, _ in actor.inflight], num_returns=len(actor.inflight))
+                actor.inflight.clear()
+        self._models = {}  # Ray frees an object when no reference is left
+
+    # -- actors ---------------------------------------------------------------------------------------------
+
+    def _spawn(self, index: int) -> _Actor:
+        return _Actor(index, self._actor_class.options(**self._options).remote(self._spec))
+
+    def wait_until_ready(self) -> None:
+        """Wait until every actor has built its task factory (the constructor does).
+
+        Raises:
+            TransportError: an actor could not start (its error in the message), or not within
+                :data:`~simulations.procpool.START_TIMEOUT_S` (the cluster lacks the free resources).
+        """
+        ray = self._ray
+        live = [a for a in self._actors if a is not None]
+        try:
+            ray.get([a.handle.pid.remote() for a in live], timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            need = f"num_cpus={self._options['num_cpus']}, num_gpus={self._options['num_gpus']}"
+            raise TransportError(
+                f"{len(live)} Ray actors ({need} each) did not start within {START_TIMEOUT_S:.0f} s: the cluster has "
+                f"{ray.available_resources()} free; lower workers or the resources per actor"
+            ) from None
+        except ray.exceptions.RayError as exc:
+            reason = bound_text(str(exc))
+            raise TransportError(f"a simulation actor could not start: {reason}") from None

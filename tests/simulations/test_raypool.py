@@ -1,0 +1,93 @@
+"""The Ray backend: the in-process history bit for bit, a killed actor fails only its client (a real local Ray)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedcore.errors import ConfigError
+from fedcore.messages import Failure, FitIns, FitRes
+from fedcore.task import FitConfig, initial_parameters
+from simulations.procpool import ClientTasks
+from tests.simulations.procpool_tasks import linear
+from tests.simulations.test_procpool import DIGITS, SECAGG, assert_same_history_as_in_process
+
+TINY = "tests.simulations.procpool_tasks:tiny_task"
+IDS = [f"client-{i}" for i in range(8)]
+
+
+def test_without_ray_the_backend_is_refused_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from simulations.config import load_recipe
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives: ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'fedcore\[ray\]'"):
+        load_recipe(None, ["simulation.backend='ray'"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["simulation.num_gpus=0.5"], "add backend = 'ray'"),
+        (["simulation.ray_address='auto'"], "add backend = 'ray'"),
+        (["simulation.backend='ray'", "simulation.num_cpus=0"], "not both 0"),
+        (["simulation.backend='ray'", "simulation.num_cpus=-1"], "num_cpus must be in 0..1024"),
+    ],
+)
+def test_ray_options_are_checked_before_the_run(overrides: list[str], message: str) -> None:
+    from simulations.config import load_recipe
+
+    pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'fedcore[ray]'")
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(None, overrides)
+
+
+@pytest.fixture(scope="module")
+def ray_instance() -> Iterator[None]:
+    """One local Ray for the module: 2 CPUs, a small object store, no dashboard."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'fedcore[ray]'")
+    with warnings.catch_warnings():  # Ray's notice about a future default of accelerator variables
+        warnings.simplefilter("ignore", FutureWarning)
+        ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _fit(clients: list[str], round: int = 1) -> dict[str, FitIns]:
+    parameters = initial_parameters(linear, 0)
+    ins = FitIns(round=round, parameters=parameters, config=FitConfig(local_epochs=1, batch_size=5, lr=0.1), seed=0)
+    return {cid: ins for cid in clients}
+
+
+@pytest.mark.slow
+def test_a_killed_actor_fails_only_its_client_and_is_replaced(ray_instance: None) -> None:
+    from simulations.raypool import RayPool
+
+    tasks = ClientTasks(factory=TINY, options={"crash": "client-2"}, num_partitions=len(IDS), seed=0)
+    with RayPool(IDS, tasks, workers=2) as pool:
+        before = set(pool.worker_pids())
+        replies = {r.client_id: r for r in pool.run(_fit(["client-1", "client-2", "client-3", "client-4", "client-5"]))}
+        assert sorted(replies) == ["client-1", "client-2", "client-3", "client-4", "client-5"]
+        failure = replies["client-2"]
+        assert isinstance(failure, Failure) and "actor running this client died" in failure.reason, failure
+        assert all(isinstance(replies[c], FitRes) for c in ("client-1", "client-3", "client-4", "client-5"))
+        after = set(pool.worker_pids())
+        assert len(after) == 2 and len(before - after) == 1  # the dead actor was replaced
+        again = {r.client_id: r for r in pool.run(_fit(IDS[3:], round=2))}  # both actors train, the new one too
+        assert all(isinstance(r, FitRes) for r in again.values()) and len(again) == 5
+        pids = {r.metrics["pid"] for r in again.values() if isinstance(r, FitRes)}
+        assert pids <= after and len(pids) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "overrides"), [(None, DIGITS), (SECAGG, [])], ids=["fedavgm", "secagg"])
+def test_simulate_with_the_ray_backend_gives_the_in_process_history_bit_for_bit(
+    ray_instance: None, tmp_path: Path, recipe: Path | None, overrides: list[str]
+) -> None:
+    """FedAvgM on digits, and SecAgg+ (its stages keep each client on one actor for the round)."""
+    assert_same_history_as_in_process(tmp_path, recipe, overrides, "ray")
