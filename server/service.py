@@ -192,11 +192,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The handler of a unary RPC registered as a request stream: credentials, then the request, then
         ``method``. ``session_call``: the call needs the session in its metadata (all but Join)."""
 
-        name = getattr(method, "__name__", "call")
-
         def handle(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            name = getattr(method, "__name__", "call")
             if not session_call:
-                return self._join_call(requests, context)
+                return self._join_call(requests, context, method)
             with self._session_call(context) as session:
                 request = self._read_request(requests, context, name)
                 self._check_request_session(request.session, session, context)
@@ -234,7 +233,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     guard.progress()
                     yield chunk
 
-    def _join_call(self, requests: Iterator[pb.JoinRequest], context: grpc.ServicerContext) -> pb.JoinReply:
+    def _join_call(
+        self, requests: Iterator[pb.JoinRequest], context: grpc.ServicerContext, method: Callable[..., Any]
+    ) -> Any:
         client_id, token = _metadata(context, CLIENT_ID_KEY), _metadata(context, TOKEN_KEY)
         authenticated = bool(client_id and self._auth.tokens)
         if authenticated:
@@ -250,8 +251,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             slots.release()
         if client_id and request.client_id != client_id:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the client id in the metadata and the request differ")
-        # the metadata's token passed for this very client id: Join need not hash it again
-        return self._join(request, context, token_checked=authenticated)
+        return method(request, context)
 
     def _joins_of(self, client_id: str) -> Slots:
         with self._client_joins_lock:
@@ -330,10 +330,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # ------------------------------------------------------------------ calls
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:  # noqa: N802 - name fixed by the gRPC service
-        return self._join(request, context, token_checked=False)
-
-    def _join(self, request: pb.JoinRequest, context: grpc.ServicerContext, *, token_checked: bool) -> pb.JoinReply:
-        """Join; ``token_checked``: the call's metadata token was already checked for ``request.client_id``."""
         client_id = request.client_id
         if not client_id or len(client_id) > 256 or not client_id.isprintable():
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "client_id must be 1..256 printable characters")
@@ -341,7 +337,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._refuse(
                 context, "revoked client", grpc.StatusCode.PERMISSION_DENIED, f"client {client_id!r} is revoked"
             )
-        if self._auth.tokens and not token_checked:
+        if self._auth.tokens:
             self._check_token(client_id, _metadata(context, TOKEN_KEY) or request.token, context)
         if self._auth.require_client_cert:
             name = _peer_common_name(context)
