@@ -126,7 +126,7 @@ def read_trace(path: Path) -> Availability:
     """
     intervals: dict[str, list[tuple[int, int]]] = {}
     try:
-        with path.open(newline="") as fh:
+        with path.open(newline="", encoding="utf-8") as fh:
             reader = csv.reader(fh)
             header = next(reader, None)
             if header is None or [h.strip() for h in header] != ["client", "from_round", "to_round"]:
@@ -147,6 +147,11 @@ def read_trace(path: Path) -> Availability:
                 intervals.setdefault(cid, []).append((start, end))
     except OSError as exc:
         raise ConfigError(f"cannot read availability_file {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:  # a binary or UTF-16 file given by mistake
+        raise ConfigError(
+            f"availability_file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); it must be a CSV "
+            "file with the header client,from_round,to_round"
+        ) from None
 
     def online(client_id: str, round: int) -> bool:
         spans = intervals.get(client_id)

@@ -38,6 +38,9 @@ def test_csv_trace_by_hand(tmp_path: Path) -> None:
             read_trace(path)
     with pytest.raises(ConfigError, match="cannot read"):
         read_trace(tmp_path / "missing.csv")
+    path.write_bytes(b"\xff\xfec\x00l\x00")  # UTF-16 (a spreadsheet's "Unicode text" export)
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        read_trace(path)
 
 
 def test_diurnal_trace_by_hand() -> None:
