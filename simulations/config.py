@@ -16,7 +16,7 @@ from typing import Any, Literal
 from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.convergence import StopRules
 from fedcore.errors import ConfigError
-from fedcore.selection import check_private_selection
+from fedcore.selection import SIZE_ATTRIBUTE, check_private_selection
 from fedcore.strategy import SamplingConfig, StrategyConfig
 from fedcore.task import FitConfig
 from privacy.dp.config import PrivacyConfig
@@ -189,6 +189,11 @@ class BackendConfig:
             raise ConfigError(f"workers must be in 1..4096 (or unset: one per core), got {self.workers}")
         if self.workers is not None and self.backend != "process":
             raise ConfigError("workers sets the process backend's worker count; add backend = 'process' to use it")
+        if self.batch_clients and self.backend != "batched":
+            raise ConfigError(
+                "batch_clients caps the batched backend's clients trained together; add backend = 'batched' to use "
+                "it, or leave it out"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +245,14 @@ class SimulationConfig:
         check_private_selection(
             self.strategy.selection, client_dp=self.privacy.enabled, trace=self.devices.availability != "always"
         )
+        stratify_by = self.strategy.selector.stratify_by
+        if self.strategy.selection == "stratified" and stratify_by != SIZE_ATTRIBUTE:
+            # virtual clients declare no attributes: every client would land in one stratum (uniform selection)
+            raise ConfigError(
+                f"strategy.selector.stratify_by = {stratify_by!r}: in simulation the clients' only attribute is "
+                f"{SIZE_ATTRIBUTE!r} (their dataset-size bucket); stratify by {SIZE_ATTRIBUTE!r}, or deploy daemons "
+                f"that declare {stratify_by!r} (fedcore client start --attribute {stratify_by}=VALUE)"
+            )
         self.stop_rules()  # their own checks, now
         if self.sampling.min_fit_clients > self.data.num_clients:
             raise ConfigError(

@@ -127,8 +127,8 @@ def partition_sizes(config: SimulationConfig, ids: list[str]) -> dict[str, int]:
     """
     if config.task.factory != DEMO_TASK:
         raise ConfigError(
-            "stratified selection by 'size' needs the demo task's partition; with a custom task stratify by an "
-            "attribute of its own, or use another selection"
+            "stratified selection by 'size' needs the demo task's partition (a custom task's clients' sizes are not "
+            "known before they train, and virtual clients have no other attribute); use another selection"
         )
     from simulations.tasks import prepare_data
 

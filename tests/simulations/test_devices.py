@@ -129,6 +129,15 @@ def test_stratified_by_size_in_simulation_takes_each_bucket_in_proportion() -> N
     assert uniform.policy == "uniform" and uniform.availability is None
 
 
+def test_stratifying_virtual_clients_by_an_attribute_they_lack_is_refused() -> None:
+    # virtual clients carry only 'size': any other attribute put every client in one stratum, silently uniform
+    with pytest.raises(ConfigError, match=r"stratify_by = 'region': in simulation the clients' only attribute"):
+        load_recipe(None, ["strategy.selection='stratified'", "strategy.selector.stratify_by='region'"])
+    assert load_recipe(None, ["strategy.selection='stratified'"]).strategy.selector.stratify_by == "size"
+    # the other policies ignore the stratified policy's parameter, so one recipe can compare them
+    assert load_recipe(None, ["strategy.selector.stratify_by='region'"]).strategy.selection == "uniform"
+
+
 def test_client_level_dp_is_refused_with_a_selection_that_is_not_uniform() -> None:
     with pytest.raises(ConfigError, match="selection 'oort' chooses by other rules"):
         load_recipe(None, ["privacy.dp='central'", "strategy.selection='oort'"])

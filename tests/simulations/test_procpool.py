@@ -183,6 +183,8 @@ def test_simulate_with_the_process_backend_gives_the_in_process_history_bit_for_
         (["simulation.backend='ray'"], "'ray' is not one of 'inprocess', 'batched', 'process'"),
         (["simulation.workers=2"], "add backend = 'process'"),
         (["simulation.backend='process'", "simulation.workers=0"], "workers must be in 1..4096"),
+        (["simulation.batch_clients=4"], "add backend = 'batched'"),  # was silently ignored by inprocess
+        (["simulation.backend='process'", "simulation.batch_clients=4"], "add backend = 'batched'"),
     ],
 )
 def test_backend_options_are_checked_before_the_run(overrides: list[str], message: str) -> None:
@@ -192,3 +194,6 @@ def test_backend_options_are_checked_before_the_run(overrides: list[str], messag
     with pytest.raises(ConfigError, match=message):
         load_recipe(None, overrides)
     assert load_recipe(None, ["simulation.backend='process'"]).simulation.workers is None  # one per core
+    assert (
+        load_recipe(None, ["simulation.backend='batched'", "simulation.batch_clients=4"]).simulation.batch_clients == 4
+    )
