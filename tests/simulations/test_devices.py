@@ -32,6 +32,12 @@ def test_csv_trace_by_hand(tmp_path: Path) -> None:
     config = DevicesConfig(availability="csv", availability_file=path)
     trace = availability_trace(config, ["c0", "c1", "c2"], seed=0)
     assert trace is not None and not trace("c0", 3)
+    with pytest.raises(ConfigError, match=r"names none of the run's clients \(it lists 'c0', 'c1'\)"):
+        availability_trace(config, ["client-000", "client-001"], seed=0)  # ids of another naming: silently ignored
+    path.write_text("client,from_round,to_round\n")
+    assert read_trace(path)("c0", 1)  # no rows: everyone online, but a run refuses such a file
+    with pytest.raises(ConfigError, match="it lists no client"):
+        availability_trace(config, ["c0", "c1"], seed=0)
     for text, problem in (("client,round\nc0,1\n", "header"), ("client,from_round,to_round\nc0,3,2\n", "line 2")):
         path.write_text(text)
         with pytest.raises(ConfigError, match=problem):
