@@ -253,7 +253,11 @@ class SimulationConfig:
                 f"{SIZE_ATTRIBUTE!r} (their dataset-size bucket); stratify by {SIZE_ATTRIBUTE!r}, or deploy daemons "
                 f"that declare {stratify_by!r} (fedcore client start --attribute {stratify_by}=VALUE)"
             )
-        self.stop_rules()  # their own checks, now
+        self.stop_rules().check_measurable(  # their own checks, now, and whether any round has an accuracy
+            evaluated=self.task.server_evaluation or self.sampling.fraction_evaluate > 0,
+            remedy="turn the server's evaluation back on (drop --no-server-evaluation) or let clients evaluate "
+            "(sampling.fraction_evaluate > 0, --fraction-evaluate)",
+        )
         if self.sampling.min_fit_clients > self.data.num_clients:
             raise ConfigError(
                 f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="
