@@ -41,6 +41,7 @@ from fedcore.task import (
     Task,
     TaskContext,
     TaskFactory,
+    build_server_task,
     central_evaluation,
     initial_parameters,
     load_task_factory,
@@ -202,7 +203,11 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         )
         return factory(context)
 
-    server_task = factory(TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options))
+    server_task = build_server_task(
+        factory,
+        TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options),
+        spec=config.task.factory,
+    )
     strategy = apply_dp(
         build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
     )
