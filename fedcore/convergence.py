@@ -107,6 +107,28 @@ class StopRules:
         if not 0 <= self.min_delta < 1:
             raise ConfigError(f"min_delta must be in [0, 1), got {self.min_delta}")
 
+    def check_measurable(self, *, evaluated: bool, remedy: str) -> None:
+        """Refuse rules that could never fire: a target or a patience in a run that evaluates nothing (no round
+        would have an accuracy, so the run would go to its last round as if neither were set).
+
+        Args:
+            evaluated: whether any round gets an accuracy (central evaluation, or federated evaluation).
+            remedy: how to turn an evaluation on, for the message (the caller's own option names).
+
+        Raises:
+            ConfigError: ``target_accuracy`` or ``patience`` set and ``evaluated`` false.
+        """
+        rules = [
+            name for name, value in (("target_accuracy", self.target_accuracy), ("patience", self.patience)) if value
+        ]
+        if rules and not evaluated:
+            raise ConfigError(
+                f"{' and '.join(rules)} {'read' if len(rules) > 1 else 'reads'} each evaluated round's accuracy, "
+                "but this run evaluates none, so "
+                f"{'they' if len(rules) > 1 else 'it'} would never stop it; {remedy}, or leave "
+                f"{' and '.join(rules)} unset"
+            )
+
 
 @dataclass(frozen=True)
 class Stop:

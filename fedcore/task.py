@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ from typing import Literal, Protocol, cast, runtime_checkable
 import torch
 
 from fedcore.config import scalar_fields
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, FedcoreError
 from fedcore.seeding import derive_seed
 from fedcore.tensors import NamedArrays, from_state_dict, to_state_dict
 
@@ -267,6 +268,38 @@ def load_task_factory(spec: str) -> TaskFactory:
     if factory is None or not callable(factory):
         raise ConfigError(f"{module_name!r} has no callable {attr!r}; a task factory takes a TaskContext")
     return factory
+
+
+def build_server_task(factory: TaskFactory, context: TaskContext, *, spec: str) -> Task:
+    """The server's task: ``factory(context)``, with what it raises or returns wrong made a clear error (the
+    factory's own traceback goes to the ``fedcore.task`` log at DEBUG, shown by ``fedcore -v``).
+
+    Args:
+        factory: the task factory (:func:`load_task_factory` of ``spec``).
+        context: the server's context (``role="server"``).
+        spec: the factory's ``module:attr``, for the message.
+
+    Raises:
+        ConfigError: the factory raised (not a fedcore error, which passes through), or returned no
+            :class:`Task` (no ``build_model``, e.g. ``--task`` names a function that is not a task factory).
+    """
+    try:
+        task = factory(context)
+    except FedcoreError:
+        raise
+    except Exception as exc:  # a bug in the user's factory, or a callable that is not one
+        logging.getLogger("fedcore.task").debug("the task factory %s raised", spec, exc_info=True)
+        raise ConfigError(
+            f"the task factory {spec!r} raised {type(exc).__name__} building the server's task: "
+            f"{str(exc)[:300]}; --task must name a function taking a TaskContext and returning a Task "
+            "(fedcore -v shows the traceback)"
+        ) from None
+    if not callable(getattr(task, "build_model", None)):
+        raise ConfigError(
+            f"the task factory {spec!r} returned a {type(task).__name__}, not a Task (it has no build_model); "
+            "--task must name a function taking a TaskContext and returning a Task"
+        )
+    return task
 
 
 def initial_parameters(model_fn: Callable[[], torch.nn.Module], seed: int) -> NamedArrays:

@@ -343,6 +343,20 @@ def init_certs(
         if not cid or "/" in cid or cid.startswith(".") or not cid.isprintable() or " " in cid:
             raise ConfigError(f"client id {cid!r} cannot be used (no spaces, slashes or leading dots)")
     hosts = [parse_host(host, what="--host (a DNS name or IP address, no port)") for host in hosts]
+    tokens_path = out / "tokens.txt"
+    tokens: dict[str, str] = {}
+    if tokens_path.exists():
+        try:
+            kept = tokens_path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:  # not ours: refuse rather than overwrite it
+            raise ConfigError(
+                f"{str(tokens_path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); it is not a tokens "
+                "file fedcore wrote: move it away or choose another --out"
+            ) from None
+        for line in kept:
+            parts = line.split()
+            if len(parts) == 2 and not line.startswith("#"):
+                tokens[parts[0]] = parts[1]
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     ca_pem, ca_key = out / "ca.pem", out / "ca.key"
@@ -363,13 +377,6 @@ def init_certs(
     _write(out / "server.pem", server.cert_pem, private=False)
     _write(out / "server.key", server.key_pem, private=True)
     written += [out / "server.pem", out / "server.key"]
-    tokens_path = out / "tokens.txt"
-    tokens: dict[str, str] = {}
-    if tokens_path.exists():
-        for line in tokens_path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 2 and not line.startswith("#"):
-                tokens[parts[0]] = parts[1]
     for cid in clients:
         ident = issue(ca, cid, client=True)
         _write(out / "clients" / f"{cid}.pem", ident.cert_pem, private=False)

@@ -33,6 +33,7 @@ from fedcore.strategy import Strategy, build_strategy
 from fedcore.task import (
     Task,
     TaskContext,
+    build_server_task,
     central_evaluation,
     initial_parameters,
     load_task_factory,
@@ -259,8 +260,10 @@ def _open_run(
     server_task = None
     if config.task is not None:
         factory = load_task_factory(config.task)
-        server_task = factory(
-            TaskContext(role="server", seed=config.seed, data_dir=config.data_dir, options=dict(config.task_options))
+        server_task = build_server_task(
+            factory,
+            TaskContext(role="server", seed=config.seed, data_dir=config.data_dir, options=dict(config.task_options)),
+            spec=config.task,
         )
     _memory_line(echo, "before the model")
     resumed = store.resume(mapped=True)

@@ -251,6 +251,11 @@ class ServerConfig:
             apply_dp(build_strategy(self.strategy, self.train, self.sampling), self.privacy)
         if self.task is None and self.initial is None:
             raise ConfigError("give the server a task (--task module:attr) or an initial model (--initial FILE)")
+        self.round.round_config(seed=self.seed).stop.check_measurable(
+            evaluated=(self.round.evaluate and self.task is not None) or self.sampling.fraction_evaluate > 0,
+            remedy="evaluate on the server (a --task with held-out data, without --no-evaluate) or on the clients "
+            "(sampling.fraction_evaluate > 0, --fraction-evaluate)",
+        )
         if self.strategy.weighting == "server" and self.task is None:
             raise ConfigError(
                 "weighting 'server' weighs each update by the server's evaluation of it on held-out data: give the "

@@ -101,9 +101,14 @@ def load_tokens(path: Path) -> dict[str, str]:
         ConfigError: the file is missing, holds no token, a line is malformed or a client id repeats.
     """
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"cannot read the tokens file {str(path)!r}: {exc}") from exc
+    except UnicodeDecodeError as exc:  # a binary or UTF-16 file given by mistake
+        raise ConfigError(
+            f"the tokens file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); it must hold "
+            "'client_id token' lines, as `fedcore certs init --clients N` writes them"
+        ) from None
     tokens: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip()

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.convergence import StopRules
 from fedcore.errors import ConfigError
-from fedcore.selection import check_private_selection
+from fedcore.selection import SIZE_ATTRIBUTE, check_private_selection
 from fedcore.strategy import SamplingConfig, StrategyConfig
 from fedcore.task import FitConfig
 from privacy.dp.config import PrivacyConfig
@@ -264,6 +264,11 @@ class BackendConfig:
             raise ConfigError(
                 "workers sets the process or ray backend's worker count; add backend = 'process' (or 'ray') to use it"
             )
+        if self.batch_clients and self.backend != "batched":
+            raise ConfigError(
+                "batch_clients caps the batched backend's clients trained together; add backend = 'batched' to use "
+                "it, or leave it out"
+            )
         ray_options = (self.ray_address is not None, self.num_cpus != 1.0, self.num_gpus != 0.0)
         if any(ray_options) and self.backend != "ray":
             raise ConfigError("ray_address, num_cpus and num_gpus are the ray backend's; add backend = 'ray'")
@@ -328,7 +333,19 @@ class SimulationConfig:
         check_private_selection(
             self.strategy.selection, client_dp=self.privacy.enabled, trace=self.devices.availability != "always"
         )
-        self.stop_rules()  # their own checks, now
+        stratify_by = self.strategy.selector.stratify_by
+        if self.strategy.selection == "stratified" and stratify_by != SIZE_ATTRIBUTE:
+            # virtual clients declare no attributes: every client would land in one stratum (uniform selection)
+            raise ConfigError(
+                f"strategy.selector.stratify_by = {stratify_by!r}: in simulation the clients' only attribute is "
+                f"{SIZE_ATTRIBUTE!r} (their dataset-size bucket); stratify by {SIZE_ATTRIBUTE!r}, or deploy daemons "
+                f"that declare {stratify_by!r} (fedcore client start --attribute {stratify_by}=VALUE)"
+            )
+        self.stop_rules().check_measurable(  # their own checks, now, and whether any round has an accuracy
+            evaluated=self.task.server_evaluation or self.sampling.fraction_evaluate > 0,
+            remedy="turn the server's evaluation back on (drop --no-server-evaluation) or let clients evaluate "
+            "(sampling.fraction_evaluate > 0, --fraction-evaluate)",
+        )
         if self.task.factory == DEMO_TASK:
             check_model_for_dataset(self.data.dataset, self.model.name)
         if self.sampling.min_fit_clients > self.data.num_clients:

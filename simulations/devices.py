@@ -117,16 +117,21 @@ def diurnal(phases: Mapping[str, float], *, online_fraction: float, period: int)
     return online
 
 
-def read_trace(path: Path) -> Availability:
+def read_trace(path: Path, client_ids: Sequence[str] | None = None) -> Availability:
     """The availability trace of a CSV file with the header ``client,from_round,to_round`` (see the module).
 
+    Args:
+        path: the CSV file.
+        client_ids: the run's client ids; when given, the file must name at least one of them (a trace of other
+            ids, e.g. ``0,1,2`` for ``client-000, ...``, or of no rows would leave every client always online).
+
     Raises:
-        ConfigError: the file cannot be read, lacks the header, or a row is not ``id,int,int`` with
-            1 <= from_round <= to_round (the message names the line).
+        ConfigError: the file cannot be read or is not UTF-8, lacks the header, a row is not ``id,int,int`` with
+            1 <= from_round <= to_round (the message names the line), or it names none of ``client_ids``.
     """
     intervals: dict[str, list[tuple[int, int]]] = {}
     try:
-        with path.open(newline="") as fh:
+        with path.open(newline="", encoding="utf-8") as fh:
             reader = csv.reader(fh)
             header = next(reader, None)
             if header is None or [h.strip() for h in header] != ["client", "from_round", "to_round"]:
@@ -147,6 +152,19 @@ def read_trace(path: Path) -> Availability:
                 intervals.setdefault(cid, []).append((start, end))
     except OSError as exc:
         raise ConfigError(f"cannot read availability_file {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:  # a binary or UTF-16 file given by mistake
+        raise ConfigError(
+            f"availability_file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); it must be a CSV "
+            "file with the header client,from_round,to_round"
+        ) from None
+
+    if client_ids is not None and not intervals.keys() & set(client_ids):
+        listed = ", ".join(repr(cid) for cid in sorted(intervals)[:3]) or "no client"
+        raise ConfigError(
+            f"availability_file {str(path)!r} names none of the run's clients (it lists {listed}), so every client "
+            f"would be always online; its client column must hold the virtual clients' ids "
+            f"({client_ids[0]!r}..{client_ids[-1]!r}), or use availability = 'always'"
+        )
 
     def online(client_id: str, round: int) -> bool:
         spans = intervals.get(client_id)
@@ -159,13 +177,13 @@ def availability_trace(config: DevicesConfig, client_ids: Sequence[str], *, seed
     """The trace ``config`` describes for ``client_ids`` (None: ``always``).
 
     Raises:
-        ConfigError: an unreadable or malformed CSV trace.
+        ConfigError: an unreadable or malformed CSV trace, or one that names none of ``client_ids``.
     """
     if config.availability == "diurnal":
         phases = diurnal_phases(client_ids, seed=seed)
         return diurnal(phases, online_fraction=config.online_fraction, period=config.period)
     if config.availability == "csv" and config.availability_file is not None:
-        return read_trace(config.availability_file)
+        return read_trace(config.availability_file, client_ids)
     return None
 
 

@@ -41,6 +41,7 @@ from fedcore.task import (
     Task,
     TaskContext,
     TaskFactory,
+    build_server_task,
     central_evaluation,
     initial_parameters,
     load_task_factory,
@@ -130,8 +131,8 @@ def partition_sizes(config: SimulationConfig, ids: list[str]) -> dict[str, int]:
     """
     if config.task.factory != DEMO_TASK:
         raise ConfigError(
-            "stratified selection by 'size' needs the demo task's partition; with a custom task stratify by an "
-            "attribute of its own, or use another selection"
+            "stratified selection by 'size' needs the demo task's partition (a custom task's clients' sizes are not "
+            "known before they train, and virtual clients have no other attribute); use another selection"
         )
     from simulations.tasks import prepare_data
 
@@ -205,7 +206,11 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         )
         return factory(context)
 
-    server_task = factory(TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options))
+    server_task = build_server_task(
+        factory,
+        TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options),
+        spec=config.task.factory,
+    )
     strategy = apply_dp(
         build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
     )

@@ -109,7 +109,8 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
     Args:
         strategy: the strategy to privatize: its sampling, fit settings and server optimizer are kept.
         config: the privacy settings.
-        population: N when ``config.population`` is 0 (a simulation passes its number of clients).
+        population: N when ``config.population`` is 0 (a simulation passes its number of clients; a
+            ``config.population`` other than it is refused).
 
     Returns:
         With ``dp``: the strategy with ``weighting="uniform"``, a :class:`~privacy.dp.aggregator.DPFedAvgAggregator`
@@ -144,6 +145,13 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
         strategy = replace(strategy, mods=(sgd, *strategy.mods))
     if not config.enabled:
         return strategy
+    if config.population and population and config.population != population:
+        # the sampling rate m / N must use the N rounds sample from: a larger one under-reports epsilon
+        raise ConfigError(
+            f"privacy.population = {config.population}, but the rounds sample from {population} clients (the "
+            f"accountant's sampling rate would be wrong, and epsilon with it); leave privacy.population unset "
+            f"(--population) to use {population}"
+        )
     n = config.population or population or 0
     if n < 1:
         raise ConfigError(

@@ -130,7 +130,8 @@ def update_noise_multiplier(noise_multiplier: float, clipped_count_stddev: float
     if 2 * sigma_b <= z:
         raise ConfigError(
             f"adaptive clipping with noise multiplier {z} needs the clipped count's noise standard deviation > z / 2 "
-            f"= {z / 2}, got {sigma_b}; Andrew et al. suggest about (clients per round) / 20"
+            f"= {z / 2}, got {sigma_b}; raise privacy.clipped_count_stddev (--clipped-count-stddev) above {z / 2} "
+            "(Andrew et al. suggest about clients per round / 20) or lower the noise multiplier"
         )
     return (z**-2 - (2 * sigma_b) ** -2) ** -0.5
 

@@ -31,9 +31,35 @@ def test_the_server_refuses_an_empty_tokens_file_before_creating_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "tokens.txt").write_text("")
+    _refused_at_start(tmp_path, "holds no 'client_id token' line", capsys)
+
+
+def _refused_at_start(tmp_path: Path, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fedcore server start --tokens-file tmp_path/tokens.txt`` exits 2 with ``message``, creating no state."""
     state = tmp_path / "state"
     code = main(["server", "start", "--insecure", "--task", "simulations.tasks:demo_task", "--address",
                  "127.0.0.1:0", "--state-dir", str(state), "--tokens-file", str(tmp_path / "tokens.txt")])  # fmt: skip
     assert code == 2
-    assert "holds no 'client_id token' line" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
     assert not state.exists()
+
+
+def test_a_binary_tokens_file_is_a_clear_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a UTF-16 export (its byte-order mark 0xff 0xfe) or a key file given by mistake
+    (tmp_path / "tokens.txt").write_bytes(b"\xff\xfec\x00l\x00i\x00")
+    with pytest.raises(ConfigError, match=r"tokens file '.*tokens\.txt' is not UTF-8 text"):
+        load_tokens(tmp_path / "tokens.txt")
+    _refused_at_start(tmp_path, "is not UTF-8 text", capsys)
+
+
+def test_certs_init_refuses_to_overwrite_a_binary_tokens_file(tmp_path: Path) -> None:
+    from privacy.tls import init_certs
+
+    junk = b"\xff\xfec\x00l\x00i\x00"
+    (tmp_path / "tokens.txt").write_bytes(junk)
+    with pytest.raises(ConfigError, match=r"tokens\.txt' is not UTF-8 text"):
+        init_certs(tmp_path, clients=["client-000"])
+    assert (tmp_path / "tokens.txt").read_bytes() == junk
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.txt"]  # refused before any key was written

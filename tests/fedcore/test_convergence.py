@@ -86,3 +86,12 @@ def test_no_target_no_report_and_bad_rules_are_refused() -> None:
     for bad in ({"target_accuracy": 0.0}, {"target_accuracy": 1.5}, {"patience": 0}, {"min_delta": -0.1}):
         with pytest.raises(ConfigError):
             StopRules(**bad)  # type: ignore[arg-type]
+
+
+def test_rules_that_no_evaluated_round_could_fire_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^target_accuracy reads each evaluated round's accuracy.*; REMEDY, or"):
+        StopRules(target_accuracy=0.9).check_measurable(evaluated=False, remedy="REMEDY")
+    with pytest.raises(ConfigError, match="target_accuracy and patience read"):
+        StopRules(target_accuracy=0.9, patience=3).check_measurable(evaluated=False, remedy="REMEDY")
+    StopRules(patience=3).check_measurable(evaluated=True, remedy="REMEDY")
+    StopRules(min_delta=0.1).check_measurable(evaluated=False, remedy="REMEDY")  # min_delta alone stops nothing

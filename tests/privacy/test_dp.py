@@ -160,8 +160,8 @@ def test_adaptive_clipping_follows_the_hand_computed_sequence() -> None:
 def test_adaptive_noise_split() -> None:
     """z = 1, sigma_b = 1: z_delta = (1 - 1/4)^(-1/2) = 2 / sqrt(3)."""
     assert update_noise_multiplier(1.0, 1.0) == pytest.approx(2 / math.sqrt(3), rel=1e-15)
-    with pytest.raises(ConfigError, match="> z / 2"):
-        update_noise_multiplier(2.0, 1.0)
+    with pytest.raises(ConfigError, match=r"> z / 2.*raise privacy\.clipped_count_stddev \(--clipped-count-stddev\)"):
+        update_noise_multiplier(2.0, 1.0)  # the message names the option to change
 
 
 def test_adaptive_aggregator_moves_the_norm_for_the_next_round() -> None:
@@ -287,6 +287,11 @@ def test_apply_dp_composes_the_strategy() -> None:
     check_mods(distributed.mods)  # what a client does when the instruction arrives
     with pytest.raises(ConfigError, match="population"):
         apply_dp(base, PrivacyConfig(dp="central"))
+    # a simulation knows N: another privacy.population would give the accountant a wrong sampling rate
+    with pytest.raises(ConfigError, match=r"privacy.population = 1000, but the rounds sample from 100 clients"):
+        apply_dp(base, PrivacyConfig(dp="central", population=1000), population=100)
+    agreeing = apply_dp(base, PrivacyConfig(dp="central", population=100), population=100)
+    assert isinstance(agreeing.aggregator, DPFedAvgAggregator) and agreeing.aggregator.sampling_rate == 10 / 100
     scaffold = build_strategy(StrategyConfig(name="scaffold"), FitConfig(), sampling)
     with pytest.raises(ConfigError, match="tensor groups"):
         apply_dp(scaffold, PrivacyConfig(dp="central"), population=100)

@@ -17,7 +17,7 @@ from fedcore.seeding import numpy_rng
 from fedcore.strategy import StrategyConfig
 from fedcore.supervised import SupervisedTask
 from fedcore.task import initial_parameters
-from server.config import ServerConfig, TlsSettings
+from server.config import RoundSettings, ServerConfig, TlsSettings
 from simulations.attacks import noisy_labels
 from simulations.config import load_recipe
 from simulations.harness import VALIDATION_EXAMPLES, plot_history, run_simulation, validation_evaluation
@@ -90,6 +90,20 @@ def test_the_options_are_flags_of_both_commands_and_server_weighting_needs_a_tas
         )
     with pytest.raises(ConfigError, match="target_accuracy"):
         load_recipe(None, ["target_accuracy=1.5"])
+    # a stop rule in a run that evaluates nothing would never fire: refused by both commands' configs
+    with pytest.raises(ConfigError, match=r"patience reads .*\(drop --no-server-evaluation\)"):
+        load_recipe(None, ["patience=2", "task.server_evaluation=false"])
+    assert load_recipe(None, ["patience=2", "task.server_evaluation=false", "sampling.fraction_evaluate=0.5"])
+    with pytest.raises(ConfigError, match=r"target_accuracy reads .* without --no-evaluate"):
+        ServerConfig(
+            task="simulations.tasks:demo_task",
+            tls=TlsSettings(insecure=True),
+            round=RoundSettings(evaluate=False, target_accuracy=0.9),
+        )
+    with pytest.raises(ConfigError, match="target_accuracy reads"):  # an initial model alone: nothing to evaluate
+        ServerConfig(
+            initial=Path("model.safetensors"), tls=TlsSettings(insecure=True), round=RoundSettings(target_accuracy=0.9)
+        )
 
 
 def test_the_simulations_validation_data_is_a_seeded_subset_of_the_test_split() -> None:

@@ -32,12 +32,21 @@ def test_csv_trace_by_hand(tmp_path: Path) -> None:
     config = DevicesConfig(availability="csv", availability_file=path)
     trace = availability_trace(config, ["c0", "c1", "c2"], seed=0)
     assert trace is not None and not trace("c0", 3)
+    with pytest.raises(ConfigError, match=r"names none of the run's clients \(it lists 'c0', 'c1'\)"):
+        availability_trace(config, ["client-000", "client-001"], seed=0)  # ids of another naming: silently ignored
+    path.write_text("client,from_round,to_round\n")
+    assert read_trace(path)("c0", 1)  # no rows: everyone online, but a run refuses such a file
+    with pytest.raises(ConfigError, match="it lists no client"):
+        availability_trace(config, ["c0", "c1"], seed=0)
     for text, problem in (("client,round\nc0,1\n", "header"), ("client,from_round,to_round\nc0,3,2\n", "line 2")):
         path.write_text(text)
         with pytest.raises(ConfigError, match=problem):
             read_trace(path)
     with pytest.raises(ConfigError, match="cannot read"):
         read_trace(tmp_path / "missing.csv")
+    path.write_bytes(b"\xff\xfec\x00l\x00")  # UTF-16 (a spreadsheet's "Unicode text" export)
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        read_trace(path)
 
 
 def test_diurnal_trace_by_hand() -> None:
@@ -124,6 +133,15 @@ def test_stratified_by_size_in_simulation_takes_each_bucket_in_proportion() -> N
     # other policies do not need the sizes
     uniform = simulation_selector(Selector(), DevicesConfig(), ids, seed=0, sizes=lambda: {})
     assert uniform.policy == "uniform" and uniform.availability is None
+
+
+def test_stratifying_virtual_clients_by_an_attribute_they_lack_is_refused() -> None:
+    # virtual clients carry only 'size': any other attribute put every client in one stratum, silently uniform
+    with pytest.raises(ConfigError, match=r"stratify_by = 'region': in simulation the clients' only attribute"):
+        load_recipe(None, ["strategy.selection='stratified'", "strategy.selector.stratify_by='region'"])
+    assert load_recipe(None, ["strategy.selection='stratified'"]).strategy.selector.stratify_by == "size"
+    # the other policies ignore the stratified policy's parameter, so one recipe can compare them
+    assert load_recipe(None, ["strategy.selector.stratify_by='region'"]).strategy.selection == "uniform"
 
 
 def test_client_level_dp_is_refused_with_a_selection_that_is_not_uniform() -> None:

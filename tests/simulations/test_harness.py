@@ -11,8 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
+from fedcore.cli import main
+from fedcore.errors import ConfigError
 from fedcore.supervised import SupervisedTask
-from fedcore.task import TaskContext
+from fedcore.task import TaskContext, build_server_task
 from fedcore.tensors import decode
 from simulations.config import load_recipe
 from simulations.harness import run_simulation
@@ -133,3 +135,23 @@ def test_simulate_runs_a_users_own_task_factory(tmp_path: Path) -> None:
     assert list(result.history["clients"]) == [0, 4, 4, 4, 4, 4]
     assert result.history["test_accuracy"].iloc[-1] > 0.9  # the classes are linearly separable
     assert list(result.final.parameters) == ["weight", "bias"]
+
+
+def _broken_factory(context: TaskContext) -> SupervisedTask:
+    raise FileNotFoundError(f"no data for {context.role}")
+
+
+def test_a_task_factory_that_raises_or_returns_no_task_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    context = TaskContext(role="server", seed=0)
+    with pytest.raises(
+        ConfigError, match=r"'m:f' raised FileNotFoundError building the server's task: no data for server"
+    ):
+        build_server_task(_broken_factory, context, spec="m:f")
+    with pytest.raises(ConfigError, match=r"'m:f' returned a str, not a Task"):
+        build_server_task(lambda _: "not a task", context, spec="m:f")  # type: ignore[arg-type,return-value]
+    # `--task os:getcwd` names a callable that is no factory: was a TypeError traceback
+    code = main(["simulate", "--task", "os:getcwd", "--rounds", "1", "--clients", "4", "--out", str(tmp_path / "o")])
+    assert code == 2
+    assert "the task factory 'os:getcwd' raised TypeError" in capsys.readouterr().err

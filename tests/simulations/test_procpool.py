@@ -189,6 +189,8 @@ def assert_same_history_as_in_process(tmp_path: Path, recipe: Path | None, overr
         (["simulation.backend='gpu'"], "'gpu' is not one of 'inprocess', 'batched', 'process', 'ray'"),
         (["simulation.workers=2"], r"add backend = 'process' \(or 'ray'\)"),
         (["simulation.backend='process'", "simulation.workers=0"], "workers must be in 1..4096"),
+        (["simulation.batch_clients=4"], "add backend = 'batched'"),  # was silently ignored by inprocess
+        (["simulation.backend='process'", "simulation.batch_clients=4"], "add backend = 'batched'"),
     ],
 )
 def test_backend_options_are_checked_before_the_run(overrides: list[str], message: str) -> None:
@@ -198,3 +200,6 @@ def test_backend_options_are_checked_before_the_run(overrides: list[str], messag
     with pytest.raises(ConfigError, match=message):
         load_recipe(None, overrides)
     assert load_recipe(None, ["simulation.backend='process'"]).simulation.workers is None  # one per core
+    assert (
+        load_recipe(None, ["simulation.backend='batched'", "simulation.batch_clients=4"]).simulation.batch_clients == 4
+    )
