@@ -106,7 +106,8 @@ def codec_rows(repeat: int, threads: int, fraction: float) -> list[dict[str, obj
     return rows
 
 
-def accuracy(method: str, rounds: int, fraction: float, out: Path) -> tuple[float, float]:
+def accuracy(method: str, rounds: int, fraction: float, out: Path, extra: list[str]) -> tuple[float, float, int]:
+    """Test accuracy after the last round, wall seconds, and the run's total bytes up (every fit reply)."""
     from simulations.harness import run_simulation
 
     overrides = [
@@ -116,12 +117,12 @@ def accuracy(method: str, rounds: int, fraction: float, out: Path) -> tuple[floa
         "output.progress=false",
     ]
     if method != "none":
-        overrides += [f"strategy.compression='{method}'", f"strategy.topk_fraction={fraction}"]
+        overrides += [f"strategy.compression='{method}'", f"strategy.topk_fraction={fraction}", *extra]
     config = load_recipe(ROOT / "simulations" / "recipes" / "default.toml", overrides)
     started = time.perf_counter()
     result = run_simulation(config, echo=lambda line: None)
     last = result.history.iloc[-1]
-    return float(last["test_accuracy"]), time.perf_counter() - started
+    return float(last["test_accuracy"]), time.perf_counter() - started, int(result.history["bytes_up"].sum())
 
 
 def main() -> None:
@@ -129,6 +130,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="rounds of the default recipe per run (0: skip)")
     parser.add_argument("--methods", default="none,int8,topk", help="comma-separated methods for the accuracy runs")
     parser.add_argument("--fraction", type=float, default=0.01, help="top-k fraction")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for the compressed runs, e.g. strategy.topk_scope='model' (repeatable)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="codec timing runs per method (best is shown)")
     parser.add_argument("--threads", type=int, default=1, help="fold threads of the streaming mean")
     parser.add_argument("--out", type=Path, default=None, help="where the simulations write (default: a temp dir)")
@@ -148,10 +156,14 @@ def main() -> None:
     print(f"\ndefault recipe, {args.rounds} rounds, seed 0: test accuracy after the last round")
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
-        results = {m: accuracy(m, args.rounds, args.fraction, out) for m in methods}
-    base = results.get("none", (float("nan"), 0.0))[0]
-    for method, (acc, seconds) in results.items():
-        print(f"{method:>9} accuracy {acc:.4f} ({100 * (acc - base):+.2f} points vs none) in {seconds:.0f} s")
+        results = {m: accuracy(m, args.rounds, args.fraction, out, args.set) for m in methods}
+    base, base_bytes = results.get("none", (float("nan"), 0.0, 0))[0::2]
+    for method, (acc, seconds, sent) in results.items():
+        ratio = f" ({base_bytes / sent:.1f}x fewer than none)" if base_bytes and method != "none" else ""
+        print(
+            f"{method:>9} accuracy {acc:.4f} ({100 * (acc - base):+.2f} points vs none) in {seconds:.0f} s; "
+            f"{sent:,} bytes up in all{ratio}"
+        )
 
 
 if __name__ == "__main__":
