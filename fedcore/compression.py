@@ -12,7 +12,8 @@ method        what travels per floating tensor of n elements               bytes
 ``int8``      the update stochastically quantized to 255 levels per block   1 + 4 / block (block 512: 3.97x fewer bytes)
               of ``block`` elements: int8 levels, one float32 scale each
 ``topk``      the ``k = ceil(fraction * n)`` entries of largest magnitude   8k / n (fraction 0.01: 0.08, 50x fewer)
-              of the update plus the client's error-feedback residual:
+              of the update plus the client's error-feedback residual
+              (per tensor, or over the whole update: ``scope``):
               float values and int32 indices
 ============  ==========================================================  ===========================================
 
@@ -33,10 +34,19 @@ Methods and the papers followed:
   Levels are written as int8 (no Elias coding: fixed width keeps decoding a block a slice). The uniforms come from
   a generator keyed by (seed, round, client id), so a run is reproducible and simulation and gRPC agree bit for bit.
 - ``topk``: top-k sparsification with error feedback (Stich et al. 2018, "Sparsified SGD with Memory"; Lin et al.
-  2018, "Deep Gradient Compression", without DGC's momentum correction and warm-up): per tensor the client adds the
-  residual kept from its earlier rounds, sends the k entries of largest magnitude of the sum, and keeps the rest as
-  the new residual, in its persistent state (:class:`client.state.ClientStateStore`, group ``topk-residual``), so
-  nothing it trained is lost, only delayed. k is chosen per tensor (at least 1), as DGC does per layer. The residual
+  2018, "Deep Gradient Compression", without DGC's momentum correction: the clients train with plain local SGD and
+  the server's momentum acts on the aggregate): the client adds the residual kept from its earlier rounds to its
+  update, sends the k entries of largest magnitude of the sum, and keeps the rest as the new residual, in its
+  persistent state (:class:`client.state.ClientStateStore`, group ``topk-residual``), so nothing it trained is lost,
+  only delayed. ``scope = "tensor"`` chooses k per tensor (at least 1), as DGC does per layer; ``scope = "model"``
+  chooses ``ceil(fraction * N)`` over all N floating entries of the update together, the top-k operator of Stich
+  et al.'s analysis applied to the whole update (Dutta et al. 2020, "On the Discrepancy between the Theoretical
+  Analysis and Practical Implementations of Compressed Communication for Distributed Deep Learning", compare the
+  two): the same bytes, spent where the update is largest. On the default recipe's CNN the k entries keep 25-29% of
+  a first-round update's squared norm per tensor and 42-50% over the model (``bench/compression.py --energy 3``),
+  the convolutions and the output layer getting a larger share than their 1%. ``warmup_rounds`` adds DGC's
+  exponential sparsity warm-up over the first rounds of the run (:func:`warmup_fraction`): early updates, the
+  largest, travel nearly dense, at the price of those rounds' bytes. The residual
   is stored durably before the reply is sent, together with the residual the round started from: a round that is run
   again (the server restarted and lost its replies) starts from that one, so a repeated round counts once (as
   SCAFFOLD's control variates). A client whose update the server rejects keeps its new residual.
@@ -44,16 +54,17 @@ Methods and the papers followed:
   on the client.
 
 On the wire the reply's tensors keep the model's names: ``float16`` / ``bfloat16`` / ``int8`` send one tensor of the
-model's shape (dtype float16, uint16, int8), ``topk`` the k values (the tensor's dtype) as the tensor. Side data
+model's shape (dtype float16, uint16, int8), ``topk`` the tensor's k values (the tensor's dtype; with scope ``model``
+any k from 0 up, the k of all tensors adding up to ``ceil(fraction * N)``) as the tensor. Side data
 travels as a tensor group the server consumes: ``compress-scale`` (int8: float32 scales, ``ceil(n / block)`` per
 tensor) and ``compress-index`` (topk: strictly increasing int32 indices into the flattened tensor, int64 beyond 2^31
 elements).
 
 Server side (:meth:`CompressionMod.decode`, reached through :func:`fedcore.mods.decode_reply` in the round loop):
-the encoded reply is validated completely before anything of it is used (names, dtypes and lengths, indices in range
-and increasing, scales and values finite and scales >= 0), then it becomes a reply whose parameters are a
-:class:`DecodedUpdate`: the model's names, shapes and dtypes, each tensor decoded block by block as it is read (the
-global model plus the decoded update, rounded to the model's dtype). The streaming mean
+the encoded reply is validated completely before anything of it is used (names, dtypes and lengths, the round's
+top-k count, indices in range and increasing, scales and values finite and scales >= 0), then it becomes a reply
+whose parameters are a :class:`DecodedUpdate`: the model's names, shapes and dtypes, each tensor decoded block by
+block as it is read (the global model plus the decoded update, rounded to the model's dtype). The streaming mean
 (:class:`~fedcore.aggregation.WeightedMean`) reads it in blocks of 2^18 elements, checks each decoded block is finite
 (an overflow is rejected like any NaN) and folds it, so a compressed update never exists densified beyond a block.
 The whole-update aggregators (median, Krum, norm bounding, DP) would densify it, so a strategy refuses compression
