@@ -9,8 +9,9 @@
 Part 1, per method, for one client update of the default recipe's CNN (the FedAvg paper's, 1,663,370 float32
 parameters; the update is N(0, 1e-3) noise, the speed of the codecs does not depend on the values):
 
-- bytes per update: the safetensors payload a gRPC push carries (tensors, tensor groups and header; the same bytes
-  ``tests/deploy/test_compression_grpc.py`` counts on a real upload), and the ratio to the uncompressed update;
+- bytes per update (``topk/model``: ``topk_scope = "model"``): the safetensors payload a gRPC push carries
+  (tensors, tensor groups and header; the same bytes ``tests/deploy/test_compression_grpc.py`` counts on a real
+  upload), and the ratio to the uncompressed update;
 - encode MB/s: the client mod (``CompressionMod.__call__`` after training) over the float32 update's size;
 - decode MB/s: the server's decode plus the streaming mean's fold (``WeightedMean.add`` of the lazily decoded
   update, its two block passes: finite check and fold), against the same fold of the plain float32 update (the
@@ -80,9 +81,10 @@ def codec_rows(repeat: int, threads: int, fraction: float) -> list[dict[str, obj
         from client.state import ClientStateStore
 
         store = ClientStateStore(tmp)
-        for method in METHODS:
+        for method in (*METHODS, "topk/model"):
             plain = FitRes(client_id="c", round=1, parameters=trained, num_examples=1)
-            mod = None if method == "none" else CompressionMod(method=method, fraction=fraction)
+            name, _, scope = method.partition("/")
+            mod = None if method == "none" else CompressionMod(method=name, fraction=fraction, scope=scope or "tensor")
             encode_s, decode_s = [], []
             reply = plain
             for _ in range(repeat):
