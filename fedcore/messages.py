@@ -308,11 +308,21 @@ def with_payload(reply: Reply, arrays: NamedArrays) -> Reply:
 
 
 def packed_nbytes(message: ServerMessage | Reply) -> int:
-    """The bytes of a message's tensors as the in-memory pool hands them over: the ``nbytes`` of its payload
-    (:func:`payload_of`) plus those of a fit message's tensor groups; no header. An int8 or float16 tensor counts
-    its own size, so a compressed update is smaller here too."""
+    """The bytes of a message's content as the in-memory pool hands it over: the ``nbytes`` of its payload
+    (:func:`payload_of`) plus those of a fit message's tensor groups, and a stage message's fields
+    (:func:`stage_field_bytes`); no header. An int8 or float16 tensor counts its own size, so a compressed update
+    is smaller here too."""
     groups = message.groups if isinstance(message, FitIns | FitRes) else {}
-    return num_bytes(payload_of(message)) + sum(num_bytes(arrays) for arrays in groups.values())
+    fields = stage_field_bytes(message.fields) if isinstance(message, StageIns | StageRes) else 0
+    return num_bytes(payload_of(message)) + sum(num_bytes(arrays) for arrays in groups.values()) + fields
+
+
+def stage_field_bytes(fields: Mapping[str, StageValue]) -> int:
+    """The bytes of a stage message's field values (SecAgg+'s keys, encrypted shares, seeds): a bytes value its
+    length, an int 8 (64 bits), a text its UTF-8 length; names not counted."""
+    return sum(
+        len(v) if isinstance(v, bytes) else 8 if isinstance(v, int) else len(v.encode()) for v in fields.values()
+    )
 
 
 def bound_text(text: str, limit: int = 1000) -> str:

@@ -242,7 +242,11 @@ class StrategyConfig:
             ``float16`` or ``bfloat16`` (casts), ``int8`` (QSGD stochastic quantization, Alistarh et al. 2017),
             ``topk`` (top-k sparsification with error feedback, Stich et al. 2018). Needs the ``mean`` aggregator
             and no secure aggregation.
-        topk_fraction: the fraction of each tensor's entries a ``topk`` client sends, in (0, 1].
+        topk_fraction: the fraction of the update's entries a ``topk`` client sends, in (0, 1].
+        topk_scope: where ``topk`` chooses them: ``tensor`` (that fraction of each tensor, layer-wise) or ``model``
+            (that fraction of the whole update, by magnitude over all tensors together).
+        topk_warmup_rounds: rounds of DGC's exponential sparsity warm-up (Lin et al. 2018) at the start of the run,
+            from dense down to ``topk_fraction`` (:func:`fedcore.compression.warmup_fraction`); 0 (none) .. 1000.
         quantization_block: elements per scale of ``int8`` quantization, 16..1048576.
         selection: how the clients of a round are chosen (:mod:`fedcore.selection`): ``uniform`` (FedAvg),
             ``stratified`` (by a client attribute), ``power-of-choice`` (Cho et al. 2020, highest last loss of d
@@ -274,6 +278,8 @@ class StrategyConfig:
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     compression: Literal["none", "float16", "bfloat16", "int8", "topk"] = "none"
     topk_fraction: float = 0.01
+    topk_scope: Literal["tensor", "model"] = "tensor"
+    topk_warmup_rounds: int = 0
     quantization_block: int = 512
     selection: Literal["uniform", "stratified", "power-of-choice", "oort"] = "uniform"
     selector: SelectionConfig = field(default_factory=SelectionConfig)
@@ -347,7 +353,13 @@ def compression_mod(config: StrategyConfig) -> ModSpec | None:
         return None
     spec = ModSpec(
         "compress",
-        {"method": config.compression, "fraction": config.topk_fraction, "block": config.quantization_block},
+        {
+            "method": config.compression,
+            "fraction": config.topk_fraction,
+            "block": config.quantization_block,
+            "scope": config.topk_scope,
+            "warmup_rounds": config.topk_warmup_rounds,
+        },
     )
     check_mods((spec,))
     return spec

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from fedcore.errors import ConfigError
-from fedcore.messages import Reply, ServerMessage, payload_arrays
+from fedcore.messages import Reply, ServerMessage, StageIns, StageRes, payload_arrays
 from fedcore.payload import DEFAULT_CHUNK_BYTES
 from fedcore.tensors import num_bytes, safetensors_header
+from fedcore.wire import stage_message_to_pb
 from server.metrics import ServerMetrics
 from server.sessions import ClientIdInUse, SessionRegistry, TooManyCalls
 from server.task_board import Delivery, Task, TaskBoard
@@ -126,12 +127,18 @@ class GrpcClientPool:
         """Hand each client its instruction and yield one reply or Failure per client as they arrive."""
         return self.board.run(instructions, timeout_s=timeout_s, connected=self.sessions.connected)
 
-    def payload_bytes(self, message: ServerMessage) -> int:
+    def payload_bytes(self, message: ServerMessage | StageRes) -> int:
         """The bytes of ``message``'s payload on the wire (:class:`server.pool.PayloadMeasure`): the safetensors
         header and the tensors' data (a fit instruction's tensor groups included), as :meth:`run` writes it to one
-        file per exchange and streams it to each client."""
+        file per exchange and streams it to each client. A stage message adds its protocol, name and fields as
+        the task header or the pushed result's header encodes them (``StageMessage``, protobuf); a stage reply
+        without tensors pushes no payload."""
         arrays, metadata = payload_arrays(message)
-        return len(safetensors_header(arrays, metadata)) + num_bytes(arrays)
+        payload = len(safetensors_header(arrays, metadata)) + num_bytes(arrays)
+        if isinstance(message, StageIns | StageRes):
+            stage = stage_message_to_pb(message).ByteSize()
+            return stage + (payload if isinstance(message, StageIns) or arrays else 0)
+        return payload
 
     # ------------------------------------------------------------- service side
     def join(self, client_id: str, *, previous_session: str = "") -> str:

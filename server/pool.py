@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from fedcore.messages import Reply, ServerMessage
+from fedcore.messages import FitRes, Reply, ServerMessage, StageRes, packed_nbytes
 
 
 class ClientPool(Protocol):
@@ -45,9 +45,29 @@ class PayloadMeasure(Protocol):
     tensors). The round loop counts a round's bytes sent with it (``RoundRecord.bytes_down``); a pool without it
     counts the tensors' ``nbytes`` (:func:`fedcore.messages.packed_nbytes`)."""
 
-    def payload_bytes(self, message: ServerMessage) -> int:
-        """The bytes of ``message``'s payload as this pool sends it to one client."""
+    def payload_bytes(self, message: ServerMessage | StageRes) -> int:
+        """The bytes of ``message``'s payload as this pool sends it to one client (a stage reply's: as a client
+        sends it)."""
         ...
+
+
+def sent_bytes(pool: ClientPool, message: ServerMessage) -> int:
+    """The bytes of ``message``'s payload as ``pool`` sends it to one client (:class:`PayloadMeasure`: over gRPC the
+    safetensors header and the tensors, and a stage message's encoded fields), else its content's bytes
+    (:func:`fedcore.messages.packed_nbytes`: the tensors, a stage message's field values)."""
+    return pool.payload_bytes(message) if isinstance(pool, PayloadMeasure) else packed_nbytes(message)
+
+
+def received_bytes(pool: ClientPool, reply: Reply) -> int:
+    """The bytes of ``reply`` as it came: a fit result's :attr:`~fedcore.messages.FitRes.payload_bytes` (else
+    :func:`~fedcore.messages.packed_nbytes`), a stage reply's fields and tensors as ``pool`` measures them
+    (:class:`PayloadMeasure`, else :func:`~fedcore.messages.packed_nbytes`); 0 for an evaluation result (a few
+    scalars in its header) or a failure."""
+    if isinstance(reply, FitRes):
+        return reply.payload_bytes if reply.payload_bytes is not None else packed_nbytes(reply)
+    if isinstance(reply, StageRes):
+        return pool.payload_bytes(reply) if isinstance(pool, PayloadMeasure) else packed_nbytes(reply)
+    return 0
 
 
 class PoolWrapper:

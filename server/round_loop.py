@@ -40,7 +40,6 @@ from fedcore.messages import (
     Instruction,
     Stage,
     bounded_repr,
-    packed_nbytes,
 )
 from fedcore.mods import decode_reply, server_inverses
 from fedcore.selection import ClientObservation, observation
@@ -48,7 +47,7 @@ from fedcore.stages import Phase
 from fedcore.strategy import Strategy
 from fedcore.task import EvalResult
 from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, spec_of
-from server.pool import ClientPool, PayloadMeasure
+from server.pool import ClientPool, received_bytes, sent_bytes
 from server.stages import ProtocolRun, start_protocol
 
 log = logging.getLogger("fedcore.server")
@@ -175,13 +174,15 @@ class RoundRecord:
             selector's state.
         simulated_seconds: a simulation's simulated duration of the round (synchronous: its slowest accepted
             client's simulated device time), the history column ``simulated_seconds``; None outside simulation.
-        bytes_up: the bytes of the fit replies received in the round (every attempt; accepted and rejected
-            updates alike), as the pool measured them (:attr:`fedcore.messages.FitRes.payload_bytes`, before any
-            decoding).
-        bytes_down: the bytes of the fit instructions' payload (the global model and the tensor groups) times the
-            fit instructions sent (every attempt), as the pool measures them (:class:`server.pool.PayloadMeasure`;
-            else :func:`fedcore.messages.packed_nbytes`). A round protocol's stage messages and the evaluation
-            exchange are not counted.
+        bytes_up: the payload bytes received in the round (:func:`server.pool.received_bytes`): the fit replies
+            (every attempt; accepted and rejected updates alike), as the pool measured them
+            (:attr:`fedcore.messages.FitRes.payload_bytes`, before any decoding), and a round protocol's stage
+            replies that carry tensors (SecAgg+'s); evaluation results carry no payload.
+        bytes_down: the payload bytes sent in the round (:func:`server.pool.sent_bytes`): each fit instruction's
+            (the global model and the tensor groups; every attempt), each stage instruction of a round protocol
+            (SecAgg+'s keys, shares and unmasking requests), and each federated evaluation instruction's (the
+            model), as the pool measures them (:class:`server.pool.PayloadMeasure`: over gRPC the safetensors
+            header and data; else :func:`fedcore.messages.packed_nbytes`, the tensors' bytes).
         update_norm: the L2 norm of the global model's change in the round, over the trainable parameters
             (:func:`fedcore.convergence.update_norm`); None for round 0.
         stop: the stop rule that ended the run after this round (:class:`fedcore.convergence.Stop`), else None;
@@ -521,7 +522,7 @@ def _fit_round(
         observations: list[ClientObservation] = []
         protocol_run, instructions = _stages_before_fit(pool, strategy, config, rnd, attempt, instructions, failures)
         if instructions:  # every fit instruction of a round carries the same payload (model and groups)
-            bytes_down += len(instructions) * _sent_bytes(pool, next(iter(instructions.values())))
+            bytes_down += len(instructions) * sent_bytes(pool, next(iter(instructions.values())))
         for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
             if isinstance(reply, Failure):
                 log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
@@ -531,7 +532,7 @@ def _fit_round(
                 log.warning("round %d: discarding an unexpected reply %r", rnd, type(reply).__name__)
                 continue
             client_id, num_examples, fit_metrics = reply.client_id, reply.num_examples, reply.metrics
-            bytes_up += reply.payload_bytes if reply.payload_bytes is not None else packed_nbytes(reply)
+            bytes_up += received_bytes(pool, reply)
             try:
                 # the one place a reply is decoded to the model's spec: lazily, block by block as it is folded
                 reply = decode_reply(inverses, reply, reference=state.parameters, round=rnd)
@@ -594,6 +595,10 @@ def _fit_round(
                 ) from exc
             log.warning("round %d attempt %d failed (%s); retrying with a fresh selection", rnd, attempt, exc)
             continue
+        finally:  # the attempt's stage traffic, whether it failed or not
+            if protocol_run is not None:
+                bytes_down += protocol_run.bytes_down
+                bytes_up += protocol_run.bytes_up
         strategy.selection.observe(rnd, observations)  # the one feedback of a finished round to the selector
         train_metrics = weighted_metrics(metric_rows)
         _log_left_out(rnd, "fit", train_metrics.left_out)
@@ -658,12 +663,6 @@ def _evaluation_of(validate_fn: EvaluateFn | None, reply: FitRes, rnd: int) -> C
     if validate_fn is None:
         return None
     return functools.partial(validate_fn, reply.parameters, rnd)
-
-
-def _sent_bytes(pool: ClientPool, instruction: Instruction) -> int:
-    """The bytes of ``instruction``'s payload as ``pool`` sends it (:class:`server.pool.PayloadMeasure`), else its
-    tensors' bytes (:func:`fedcore.messages.packed_nbytes`)."""
-    return pool.payload_bytes(instruction) if isinstance(pool, PayloadMeasure) else packed_nbytes(instruction)
 
 
 def _stages_before_fit(
@@ -781,8 +780,11 @@ def _evaluate_round(
         }
         rows: list[tuple[int, Mapping[str, object]]] = []
         failures = list(record.failures)
+        changes["bytes_down"] = record.bytes_down + len(instructions) * sent_bytes(pool, instructions[selected[0]])
+        bytes_up = record.bytes_up
         try:
             for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
+                bytes_up += received_bytes(pool, reply)
                 if isinstance(reply, EvaluateRes) and reply.round == state.round:
                     reported = dict(reply.metrics) if isinstance(reply.metrics, Mapping) else {}
                     left_out += not isinstance(reply.metrics, Mapping)  # not a metrics dict: one report lost
@@ -800,5 +802,6 @@ def _evaluate_round(
             changes["federated_eval_loss"] = values.pop("loss")
             changes["federated_eval_metrics"] = values
         changes["failures"] = tuple(failures)
+        changes["bytes_up"] = bytes_up
     changes["metrics_left_out"] = left_out
     return replace(record, **changes)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from fedcore.errors import FedcoreError, RoundFailed
 from fedcore.messages import Failure, ServerMessage, Stage, StageIns, StageRes, bound_text
 from fedcore.stages import Exchange, Phase, RoundProtocol, ServerStages
-from server.pool import ClientPool
+from server.pool import ClientPool, received_bytes, sent_bytes
 
 log = logging.getLogger("fedcore.server")
 
@@ -50,6 +50,9 @@ class ProtocolRun:
         alive: the clients still in the round, in selection order.
         dropped: ``stage name -> client ids`` dropped at that stage ("fit" for the fit exchange).
         stopped: why the state machine stopped the round ("" while it goes on).
+        bytes_down, bytes_up: the bytes of the stage instructions sent and of the stage replies received
+            so far (:func:`server.pool.sent_bytes`, :func:`server.pool.received_bytes`); the round loop adds them
+            to the round's ``bytes_down`` and ``bytes_up``.
     """
 
     protocol: str
@@ -59,6 +62,8 @@ class ProtocolRun:
     alive: list[str]
     dropped: dict[str, list[str]] = field(default_factory=dict)
     stopped: str = ""
+    bytes_down: int = 0
+    bytes_up: int = 0
 
     def run_phase(self, pool: ClientPool, phase: Phase, default_deadline_s: float | None) -> list[Failure]:
         """Run the exchanges of ``phase`` until the state machine has no more (or stops the round); returns the
@@ -106,9 +111,11 @@ class ProtocolRun:
         deadline = exchange.deadline_s if exchange.deadline_s is not None else default_deadline_s
         replies: dict[str, StageRes] = {}
         dropped: dict[str, str] = {}
+        self.bytes_down += sum(sent_bytes(pool, ins) for ins in sent.values())
         try:
             for reply in pool.run(sent, timeout_s=deadline):
                 client_id = reply.client_id
+                self.bytes_up += received_bytes(pool, reply)
                 if client_id not in sent or client_id in replies or client_id in dropped:
                     log.warning("round %d stage %s: discarding an unexpected reply", self.round, name)
                 elif isinstance(reply, Failure):

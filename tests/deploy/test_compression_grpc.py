@@ -43,12 +43,20 @@ def make_task(cid: str) -> SupervisedTask:
     )
 
 
+# entire-model top-k with one warm-up round: 10% of the 16,448 entries in round 1, 1% (165) in round 2, split over
+# the weight and the bias as their magnitudes fall (a tensor may send none: an empty tensor on the wire)
+MODEL_WIDE = {"method": "topk", "fraction": 0.01, "scope": "model", "warmup_rounds": 1}
+
+
 def strategy(method: str | None) -> Strategy:
-    mods = () if method is None else (ModSpec("compress", {"method": method, "fraction": 0.01}),)
+    params = MODEL_WIDE if method == "topk-model" else {"method": method, "fraction": 0.01}
+    mods = () if method is None else (ModSpec("compress", params),)
     return Strategy(fit=FIT, sampling=SAMPLING, mods=mods)
 
 
 def simulated(tmp: Path, method: str | None) -> ServerState:
+    """The in-memory run; its client state (one store for every method, as the daemons keep one state directory:
+    top-k model-wide starts from the residuals plain top-k left) in ``tmp``."""
     pool = InMemoryPool(IDS, make_task, state=ClientStateStore(tmp / "clients"))
     final, _ = run_rounds(
         pool, strategy(method), initial_parameters(model_fn, SEED), RoundConfig(num_rounds=ROUNDS, seed=SEED)
@@ -61,7 +69,7 @@ def test_compressed_updates_shrink_on_the_wire_and_equal_the_simulation(tmp_path
     h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=5.0)
     try:
         with daemon_threads(h, IDS, make_task, state_root=tmp_path):  # the daemons run the mods each round declares
-            for method in (None, "int8", "topk"):
+            for method in (None, "int8", "topk", "topk-model"):
                 before = h.metrics.registry.get_sample_value("fedcore_bytes_in_total") or 0.0
                 config = RoundConfig(num_rounds=ROUNDS, seed=SEED, round_timeout_s=60)
                 final, records = run_rounds(h.pool, strategy(method), initial_parameters(model_fn, SEED), config)
@@ -69,7 +77,7 @@ def test_compressed_updates_shrink_on_the_wire_and_equal_the_simulation(tmp_path
                 after = h.metrics.registry.get_sample_value("fedcore_bytes_in_total")
                 assert after is not None
                 received[method] = after - before
-                reference = simulated(tmp_path / f"sim-{method}", method)
+                reference = simulated(tmp_path / "sim", method)
                 for name, value in reference.parameters.items():
                     np.testing.assert_array_equal(final.parameters[name], value, err_msg=f"{method}: {name}")
     finally:
@@ -82,3 +90,5 @@ def test_compressed_updates_shrink_on_the_wire_and_equal_the_simulation(tmp_path
     # top-k 1%: 165 float32 values + 165 int32 indices per update (1,320 bytes) + the header
     assert received[None] / received["topk"] >= 25
     assert received["topk"] / updates < 3000
+    # model-wide with warm-up: (1,645 + 165) values and indices per client over the two rounds (14,480 bytes)
+    assert 14_480 * len(IDS) < received["topk-model"] < (14_480 + 2 * 1000) * len(IDS)

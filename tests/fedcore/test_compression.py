@@ -25,6 +25,7 @@ from fedcore.compression import (
     quantize_int8,
     top_k,
     topk_count,
+    warmup_fraction,
 )
 from fedcore.errors import ClientTaskError, ConfigError, NonFiniteError, PayloadError
 from fedcore.messages import FitIns, FitRes, ModParam, ModSpec
@@ -166,6 +167,68 @@ def test_topk_keeps_the_rest_as_residual_and_a_repeated_round_counts_once(tmp_pa
     )
 
 
+def test_warmup_fractions_fall_geometrically_to_the_target() -> None:
+    # fraction ** (r / (W + 1)) for r <= W: with 1e-4 over 3 rounds 0.1, 0.01, 0.001, then 1e-4 for good
+    got = [warmup_fraction(1e-4, 3, r) for r in (1, 2, 3, 4, 30)]
+    assert got == pytest.approx([0.1, 0.01, 0.001, 1e-4, 1e-4], rel=1e-12)
+    # DGC's own schedule (Lin et al. 2018): 0.1% over 4 rounds gives sparsity 75%, 93.75%, 98.4%, 99.6%
+    dgc = [1 - warmup_fraction(0.001, 4, r) for r in (1, 2, 3, 4, 5)]
+    assert dgc == pytest.approx([0.749, 0.937, 0.984, 0.996, 0.999], abs=3e-3)
+    assert warmup_fraction(0.01, 0, 1) == 0.01 and warmup_fraction(0.01, 2, 0) == pytest.approx(0.01 ** (1 / 3))
+    mod = CompressionMod(method="topk", fraction=0.01, warmup_rounds=1)
+    assert mod.round_fraction(1) == pytest.approx(0.1) and mod.round_fraction(2) == 0.01
+
+
+def test_topk_warmup_sends_more_in_its_rounds_and_the_server_expects_that_count(tmp_path: Path) -> None:
+    store = ClientStateStore(tmp_path)
+    mod = CompressionMod(method="topk", fraction=0.01, warmup_rounds=1)
+    first = encode(mod, trained(), state=store, rnd=1)  # fraction 0.1: ceil(0.1 * 1200) = 120, ceil(0.3) = 1
+    assert first.parameters["w"].shape == (120,) and first.parameters["b"].shape == (1,)
+    update = trained()["w"].astype(np.float64).reshape(-1) - GLOBAL["w"].reshape(-1)
+    assert first.groups[INDEX_GROUP]["w"].tolist() == np.sort(np.argsort(-np.abs(update))[:120]).tolist()
+    np.testing.assert_array_equal(
+        np.delete(dense(mod.decode(first, reference=GLOBAL, round=1))["w"].reshape(-1), first.groups[INDEX_GROUP]["w"]),
+        np.delete(GLOBAL["w"].reshape(-1), first.groups[INDEX_GROUP]["w"]),
+    )
+    with pytest.raises(PayloadError, match="shape \\(12,\\)"):  # round 2 is past the warm-up: 12 entries
+        mod.decode(first, reference=GLOBAL, round=2)
+    assert encode(mod, trained(1), state=store, rnd=2).parameters["w"].shape == (12,)
+
+
+def test_model_scope_chooses_the_largest_entries_over_all_tensors(tmp_path: Path) -> None:
+    # N = 1203 floating entries, k = ceil(0.01 * 1203) = 13 in all: b's two nonzero entries (1.0, -2.0) are the
+    # largest, so w gets the other 11 (per tensor, b would get 1 and w 12)
+    store = ClientStateStore(tmp_path)
+    mod = CompressionMod(method="topk", fraction=0.01, scope="model")
+    y = {**trained(), "b": GLOBAL["b"] + np.array([1.0, -2.0, 0.0], dtype=np.float32)}
+    reply = encode(mod, y, state=store)
+    update = y["w"].astype(np.float64).reshape(-1) - GLOBAL["w"].reshape(-1)
+    chosen = np.sort(np.argsort(-np.abs(update))[:11])
+    assert reply.groups[INDEX_GROUP]["b"].tolist() == [0, 1] and reply.groups[INDEX_GROUP]["b"].dtype == np.int32
+    assert reply.groups[INDEX_GROUP]["w"].tolist() == chosen.tolist()
+    np.testing.assert_array_equal(reply.parameters["b"], [1.0, -2.0])
+    residual = store.entry("c1").get(RESIDUAL)
+    assert residual is not None
+    want = update.copy()
+    want[chosen] = 0
+    np.testing.assert_array_equal(residual["w"].reshape(-1), want.astype(np.float32))
+    np.testing.assert_array_equal(residual["b"], [0.0, 0.0, 0.0])
+    out = dense(mod.decode(reply, reference=GLOBAL, round=1))
+    np.testing.assert_array_equal(out["b"], y["b"])
+    # the server checks the split: any per-tensor lengths, but 13 in all, values and indices of one length
+    index = reply.groups[INDEX_GROUP]
+    short = _tampered(_tampered(reply, INDEX_GROUP, "w", index["w"][:-1]), None, "w", reply.parameters["w"][:-1])
+    bad: list[tuple[FitRes, str]] = [
+        (short, "sends 12 entries in all"),
+        (_tampered(reply, None, "w", reply.parameters["w"][:-1]), "shape \\(11,\\)"),
+        (_tampered(reply, INDEX_GROUP, "b", np.arange(4, dtype=np.int32)), "at most 3"),
+        (_tampered(reply, INDEX_GROUP, "b", np.zeros((2, 1), dtype=np.int32)), "1-D"),
+    ]
+    for tampered, words in bad:
+        with pytest.raises(PayloadError, match=words):
+            mod.decode(tampered, reference=GLOBAL, round=1)
+
+
 def test_topk_needs_client_state() -> None:
     with pytest.raises(ClientTaskError, match="state directory"):
         encode(CompressionMod(method="topk"), trained())
@@ -178,6 +241,9 @@ def test_the_mod_is_registered_and_checks_its_parameters() -> None:
         ({"method": "int8", "block": 3}, "block"),
         ({"method": "topk", "fraction": 0.0}, "fraction"),
         ({"method": "topk", "fraction": 1.5}, "fraction"),
+        ({"method": "topk", "scope": "layer"}, "scope"),
+        ({"method": "topk", "warmup_rounds": 1001}, "warm-up"),
+        ({"method": "topk", "warmup_rounds": True}, "warm-up"),
     ]
     for params, words in cases:
         with pytest.raises(ConfigError, match=words):

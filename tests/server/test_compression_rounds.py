@@ -137,13 +137,22 @@ def test_a_tampered_encoding_is_rejected_and_the_model_is_that_of_the_others(
 def test_the_recipe_option_declares_the_mod_outermost_and_refuses_what_cannot_work() -> None:
     strategy = build_strategy(StrategyConfig(name="scaffold", compression="topk", topk_fraction=0.05), FIT, ALL)
     assert [m.name for m in strategy.mods] == ["compress", "scaffold"]
-    assert strategy.mods[0].params == {"method": "topk", "fraction": 0.05, "block": 512}
+    assert strategy.mods[0].params == {
+        "method": "topk",
+        "fraction": 0.05,
+        "block": 512,
+        "scope": "tensor",
+        "warmup_rounds": 0,
+    }
     assert build_strategy(StrategyConfig(), FIT, ALL).mods == ()
     for kwargs, words in (
         ({"compression": "int8", "aggregator": "median"}, "aggregator = 'mean'"),
         ({"compression": "int8", "secure_aggregation": True}, "secure_aggregation"),
         ({"compression": "topk", "topk_fraction": 0.0}, "fraction"),
         ({"compression": "int8", "quantization_block": 8}, "block"),
+        ({"compression": "topk", "topk_scope": "layer"}, "scope must be one of tensor, model"),
+        ({"compression": "topk", "topk_warmup_rounds": -1}, "warm-up must be an integer"),
+        ({"compression": "topk", "topk_warmup_rounds": 2.5}, "warm-up must be an integer"),
     ):
         with pytest.raises(ConfigError, match=words):
             StrategyConfig(**kwargs)
@@ -156,3 +165,5 @@ def test_the_recipe_option_declares_the_mod_outermost_and_refuses_what_cannot_wo
         keys = {o.flag: o.key for o in options}
         assert keys["--compression"] == "strategy.compression" and keys["--topk-fraction"] == "strategy.topk_fraction"
         assert keys["--quantization-block"] == "strategy.quantization_block"
+        assert keys["--topk-scope"] == "strategy.topk_scope"
+        assert keys["--topk-warmup-rounds"] == "strategy.topk_warmup_rounds"
