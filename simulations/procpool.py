@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ class ClientTasks:
         }
 
 
-class VirtualClients:
+class VirtualClients(ABC):
     """What the pools of workers (:class:`ProcessPool`, :class:`simulations.raypool.RayPool`) share: the virtual
     clients' ids (client ``client_ids[i]`` gets partition ``i``), all always available, and the attacking ones.
 
@@ -182,9 +183,9 @@ class VirtualClients:
         finally:
             self._end_run()
 
+    @abstractmethod
     def close(self) -> None:
         """End the workers and free what the pool holds. Idempotent."""
-        raise NotImplementedError
 
     def __enter__(self) -> Self:
         return self
@@ -192,19 +193,19 @@ class VirtualClients:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @abstractmethod
     def _slots(self) -> Sequence[Any]:
         """The workers, each with a ``pinned`` queue (None where one died and none took its place)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _schedule(
         self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
     ) -> Iterator[Reply]:
         """Run every client: the ``shared`` queue and the workers' ``pinned`` ones."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _end_run(self) -> None:
         """Wait for the tasks still in flight (the caller stopped early), drop their results and the run's inputs."""
-        raise NotImplementedError
 
     def available(self) -> list[str]:
         """All virtual clients are always available."""
