@@ -135,7 +135,9 @@ class RayPool(VirtualClients):
         threads: torch threads of each actor (1: bit for bit the in-process history on one thread).
         num_cpus, num_gpus: Ray resources each actor holds (fractions allowed, e.g. ``num_gpus=0.25``: four actors
             share a GPU).
-        address: the Ray cluster to join (``"auto"``, ``"ray://head:10001"``); None: a new local Ray instance.
+        address: the Ray cluster to join (``"host:port"``, ``"auto"``, ``"ray://head:10001"``); None: ``ray.init()``,
+            which joins the cluster in ``RAY_ADDRESS`` or the one ``ray start`` last brought up on this machine, and
+            otherwise starts a new local Ray instance.
             A process that already started Ray (``ray.init``) keeps its instance, and the pool leaves it running.
         state_dir: the virtual clients' persistent state directory, shared by the actors (on a cluster: a path
             every node sees); None when no client keeps state.

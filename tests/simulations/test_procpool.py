@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -16,6 +17,9 @@ from fedcore.messages import Failure, FitIns, FitRes
 from fedcore.task import FitConfig, initial_parameters
 from simulations.procpool import DIR_PREFIX, ClientTasks, ProcessPool, remove_stale_dirs
 from tests.simulations.procpool_tasks import linear
+
+if TYPE_CHECKING:
+    from simulations.harness import SimulationResult
 
 TINY = "tests.simulations.procpool_tasks:tiny_task"
 IDS = [f"client-{i}" for i in range(12)]
@@ -161,19 +165,33 @@ def test_simulate_with_the_process_backend_gives_the_in_process_history_bit_for_
     assert set(Path("/dev/shm").glob(f"{DIR_PREFIX}{os.getpid()}-*")) == before  # the run's pool cleaned up
 
 
+def history_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` plus two rounds evaluated after each, no progress bar and no plot: the runs the backends'
+    equality tests compare."""
+    return [*overrides, "rounds=2", "evaluate_every=1", "output.progress=false", "output.plot=false"]
+
+
+def run_in_process_on_one_thread(recipe: Path | None, overrides: list[str]) -> SimulationResult:
+    """``recipe`` with ``overrides`` run in process on one torch thread: the float order of a one-thread worker."""
+    from simulations.config import load_recipe
+    from simulations.harness import run_simulation
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_simulation(load_recipe(recipe, overrides), echo=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_same_history_as_in_process(tmp_path: Path, recipe: Path | None, overrides: list[str], backend: str) -> None:
     """Two rounds of ``recipe`` in process on one thread and with ``backend`` on 2 workers of one thread each: the
     same final model file, byte for byte, and the same history but for wall times."""
     from simulations.config import load_recipe
     from simulations.harness import run_simulation
 
-    common = [*overrides, "rounds=2", "evaluate_every=1", "output.progress=false", "output.plot=false"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each worker: the same float order
-    try:
-        local = run_simulation(load_recipe(recipe, [*common, f"output.dir='{tmp_path / 'a'}'"]), echo=lambda _: None)
-    finally:
-        torch.set_num_threads(threads)
+    common = history_overrides(overrides)
+    local = run_in_process_on_one_thread(recipe, [*common, f"output.dir='{tmp_path / 'a'}'"])
     other = [*common, f"output.dir='{tmp_path / 'b'}'", f"simulation.backend='{backend}'", "simulation.workers=2"]
     remote = run_simulation(load_recipe(recipe, other), echo=lambda _: None)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
