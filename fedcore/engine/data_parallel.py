@@ -1,6 +1,9 @@
 """Data-parallel execution: replicated (DDP) or sharded (FSDP2 ``fully_shard``), with or without tensor
 parallelism, and plain at world size 1.
 
+Under FSDP2 and tensor parallelism the model arrives built on the meta device and is split and sharded there;
+each rank then creates only its shards, filled from the global model (:mod:`fedcore.engine.materialize`).
+
 Each optimizer step takes the global batch (``config.batch_size`` samples, in the single-device order), cuts it
 into ``data_parallel`` contiguous shards (``torch.tensor_split``, so shards differ by at most one sample), and
 each rank cuts its shard into ``grad_accum`` sequential micro-steps. Every micro-step's loss is the *sum* of
@@ -20,8 +23,9 @@ Losses are accumulated on the device: the step has no host-device synchronizatio
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fedcore.engine.batch_stats import check_buffers_agree, synchronize_batch_norm
 from fedcore.engine.layers import LayerChain, compile_layers, model_layers
+from fedcore.engine.materialize import has_meta_tensors, materialize_local
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
 from fedcore.engine.tensor_parallel import TensorParallelPlan, apply_plan
@@ -42,12 +47,20 @@ class DataParallelExecutor:
     """Runs forward/backward for one rank of a data-parallel (or single-process) plan.
 
     Args:
-        model: the full model on ``env.device``, holding the global parameters.
+        model: the full model on ``env.device`` holding the global parameters, or, under FSDP2 or tensor
+            parallelism, the model built on the meta device (:mod:`fedcore.engine.materialize`): it is split and
+            sharded there, and each rank's shards are then created on ``env.device`` from ``global_parameters``.
         plan: the parallel plan (``pipeline == 1``).
         env: this rank's place in the world.
         loss_fn: ``loss_fn(output, target, reduction="sum")``.
         tp_plan: the layers to split when ``plan.tensor_parallel > 1``
             (:func:`~fedcore.engine.tensor_parallel.resolve_plan`).
+        global_parameters: the round's global model in ``state_dict`` names; needed when ``model`` is on the meta
+            device.
+
+    Raises:
+        EngineError: the mesh or plan the parallelism needs is missing, or ``model`` is on the meta device and
+            ``global_parameters`` is not given.
     """
 
     def __init__(
@@ -57,6 +70,8 @@ class DataParallelExecutor:
         env: RankEnv,
         loss_fn: LossFn,
         tp_plan: TensorParallelPlan | None = None,
+        *,
+        global_parameters: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
@@ -91,7 +106,11 @@ class DataParallelExecutor:
                 if any(p.requires_grad for p in layer.parameters()):
                     fully_shard(layer, mesh=env.dp_mesh)
             self._fsdp = fully_shard(module, mesh=env.dp_mesh)
-        elif plan.dp_enabled and not self._sum_over_dp:
+        if has_meta_tensors(model):  # built on the meta device: storage for this rank's shards only, now
+            if global_parameters is None:
+                raise EngineError("the model is on the meta device and no global parameters were given", rank=env.rank)
+            materialize_local(model, global_parameters, env.device)
+        if plan.dp_enabled and not plan.sharded and not self._sum_over_dp:
             device_ids = [env.device.index] if env.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(
                 module,

@@ -101,7 +101,7 @@ def train_rank(
     if plan.pp_enabled:
         executor = PipelineExecutor(model, plan, env, loss_fn, tp_plan)
     else:
-        executor = DataParallelExecutor(model, plan, env, loss_fn, tp_plan)
+        executor = DataParallelExecutor(model, plan, env, loss_fn, tp_plan, global_parameters=global_parameters)
     trained = executor.trained_parameters()
     optimizer = make_optimizer([p for _, p in trained], config, env.device)
     x, y = _data_on(env.device, x, y)
@@ -145,12 +145,23 @@ def train_rank(
 def _build_model(
     task: EngineTask, global_parameters: Mapping[str, np.ndarray], plan: ParallelPlan, env: RankEnv
 ) -> nn.Module:
-    """The model on ``env.device`` holding the global parameters; a pipeline rank builds it on the meta device and
-    gives storage only to the tensors that are not another rank's (:mod:`fedcore.engine.materialize`)."""
-    if plan.pp_enabled:
+    """The model for this rank (:mod:`fedcore.engine.materialize`).
+
+    A rank of a parallel plan builds it on the meta device (no storage, no random initialization): a pipeline rank
+    gives storage only to the tensors that are not another rank's, a DDP rank to the whole replica, both filled
+    from the global parameters; under FSDP2 or tensor parallelism the model is returned still on the meta device,
+    and the executor gives storage to each rank's shards once it has split the model. A plan of all ones, or a
+    model that cannot be built on the meta device (:func:`can_build_on_meta`), is built with real storage and
+    loaded with the global parameters.
+    """
+    if not plan.is_single_process:
         model = build_on_meta(task.build_model)
         if can_build_on_meta(model):
-            materialize(model, global_parameters, env.device, skip=other_ranks_state_names(model, plan, env.pp_index))
+            if plan.pp_enabled:
+                skip = other_ranks_state_names(model, plan, env.pp_index)
+                materialize(model, global_parameters, env.device, skip=skip)
+            elif not (plan.fsdp_enabled or plan.tp_enabled):
+                materialize(model, global_parameters, env.device)
             return model
     model = task.build_model()
     model.load_state_dict(to_state_dict(global_parameters), strict=True)
