@@ -14,11 +14,12 @@ then creates on its device, filled from the global parameters, depends on the pl
   (``nn.Module.to_empty``, as torchtitan does) and copies into each the part of the global value it holds. A
   sharded rank therefore never holds a full-size copy of a sharded parameter on its device.
 
-A model larger than one device then trains over shards or stages that each fit. Tied weights stay tied. A
-module with a non-persistent buffer cannot be built this way, since the buffer's value is made in ``__init__``
-and is not in the global parameters: :func:`can_build_on_meta` says so, and the engine then builds the whole
-model with real storage, as a single device does. A plan of all ones (in-process training) builds the model
-with real storage too, so that its use of the global random generator is the single-device one.
+A model larger than one device then trains over shards or stages that each fit. Tied weights stay tied. A module
+with a non-persistent buffer cannot be built this way, since the buffer's value is made in ``__init__`` and is not
+in the global parameters (:func:`can_build_on_meta`), nor can one whose constructor needs real values
+(:func:`meta_model`); the engine then builds the whole model with real storage, as a single device does. A plan of
+all ones (in-process training) builds the model with real storage too, so that its use of the global random
+generator is the single-device one.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
     """``build()`` under ``torch.device("meta")``: the module tree with shapes and dtypes, no storage."""
     with torch.device("meta"):
         return build()
+
+
+def meta_model(build: Callable[[], nn.Module]) -> nn.Module | None:
+    """``build()`` on the meta device (:func:`build_on_meta`), or None when the model cannot be built there: the
+    constructor needs real values (it raises on meta tensors, e.g. at ``.item()``) or the model has a
+    non-persistent buffer (:func:`can_build_on_meta`). The caller then builds it with real storage."""
+    try:
+        model = build_on_meta(build)
+    except Exception:  # a constructor that needs real tensors; a real build raises its real error, if any
+        return None
+    return model if can_build_on_meta(model) else None
 
 
 def materialize(

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fedcore.engine.data_parallel import DataParallelExecutor
 from fedcore.engine.loader import DEVICE_DATA_BYTES, Batch, BatchLoader, Rows
-from fedcore.engine.materialize import build_on_meta, can_build_on_meta, materialize
+from fedcore.engine.materialize import materialize, meta_model
 from fedcore.engine.pipeline import PipelineExecutor, other_ranks_state_names
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv
@@ -160,18 +160,17 @@ def _build_model(
     gives storage only to the tensors that are not another rank's, a DDP rank to the whole replica, both filled
     from the global parameters; under FSDP2 or tensor parallelism the model is returned still on the meta device,
     and the executor gives storage to each rank's shards once it has split the model. A plan of all ones, or a
-    model that cannot be built on the meta device (:func:`can_build_on_meta`), is built with real storage and
-    loaded with the global parameters.
+    model that cannot be built on the meta device (:func:`~fedcore.engine.materialize.meta_model`), is built with
+    real storage and loaded with the global parameters.
     """
-    if not plan.is_single_process:
-        model = build_on_meta(task.build_model)
-        if can_build_on_meta(model):
-            if plan.pp_enabled:
-                skip = other_ranks_state_names(model, plan, env.pp_index)
-                materialize(model, global_parameters, env.device, skip=skip)
-            elif not (plan.fsdp_enabled or plan.tp_enabled):
-                materialize(model, global_parameters, env.device)
-            return model
+    model = None if plan.is_single_process else meta_model(task.build_model)
+    if model is not None:
+        if plan.pp_enabled:
+            skip = other_ranks_state_names(model, plan, env.pp_index)
+            materialize(model, global_parameters, env.device, skip=skip)
+        elif not (plan.fsdp_enabled or plan.tp_enabled):
+            materialize(model, global_parameters, env.device)
+        return model
     model = task.build_model()
     model.load_state_dict(to_state_dict(global_parameters), strict=True)
     return model.to(env.device)

@@ -32,6 +32,7 @@ from fedcore.engine.materialize import (
     has_meta_tensors,
     materialize,
     materialize_local,
+    meta_model,
 )
 from fedcore.engine.pipeline import other_ranks_state_names
 from fedcore.task import FitConfig, TaskContext
@@ -79,6 +80,19 @@ class _WithCache(nn.Module):
 def test_a_non_persistent_buffer_keeps_the_model_off_the_meta_device() -> None:
     assert can_build_on_meta(tiny_gpt())
     assert not can_build_on_meta(_WithCache())
+    assert meta_model(_WithCache) is None
+
+
+def _needs_values() -> nn.Module:
+    model = nn.Linear(3, 2)
+    model.bias.requires_grad_(float(model.weight.abs().sum().item()) < 0)  # .item() fails on meta tensors
+    return model
+
+
+def test_a_constructor_that_needs_real_values_keeps_the_model_off_the_meta_device() -> None:
+    assert meta_model(_needs_values) is None
+    model = meta_model(tiny_gpt)
+    assert model is not None and all(t.is_meta for t in model.state_dict().values())
 
 
 def test_materialize_local_fills_every_tensor_and_keeps_ties() -> None:
