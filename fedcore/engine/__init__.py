@@ -4,8 +4,10 @@ A client hands :func:`train_with_plan` its task factory, the global model and a 
 back the updated model (global names and dtypes) and the training result. A plan of all ones trains
 in-process; any other plan runs ``data_parallel * pipeline * tensor_parallel`` worker processes on
 torch.distributed (gloo on CPU, NCCL on CUDA). Tensor parallelism: :mod:`fedcore.engine.tensor_parallel`; the
-transformer blocks that declare their splits: :mod:`fedcore.engine.transformer`. See the README section
-"Training large models on a client".
+transformer blocks that declare their splits: :mod:`fedcore.engine.transformer`. Ranks build the model on the
+meta device and create only the stages or shards they hold (:mod:`fedcore.engine.materialize`); batches come
+from a prefetching loader that overlaps host work and copies with GPU work (:mod:`fedcore.engine.loader`). See
+the README section "Training large models on a client".
 
 Every plan trains the model that single-device training gives, or is refused with a ``ConfigError`` before any
 worker starts; never a silently different model. For modules with batch statistics (BatchNorm; InstanceNorm

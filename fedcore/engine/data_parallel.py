@@ -1,12 +1,16 @@
 """Data-parallel execution: replicated (DDP) or sharded (FSDP2 ``fully_shard``), with or without tensor
 parallelism, and plain at world size 1.
 
-Each optimizer step takes the global batch (``config.batch_size`` samples, in the single-device order), cuts it
-into ``data_parallel`` contiguous shards (``torch.tensor_split``, so shards differ by at most one sample), and
-each rank cuts its shard into ``grad_accum`` sequential micro-steps. Every micro-step's loss is the *sum* of
-per-sample losses scaled by ``data_parallel / len(batch)``; DDP and FSDP2 average gradients over the ranks, so
-the gradient is exactly the batch mean that a single device computes, whatever the shard sizes. BatchNorm
-layers compute their statistics over the global batch (:func:`~fedcore.engine.batch_stats.synchronize_batch_norm`).
+Under FSDP2 and tensor parallelism the model arrives built on the meta device and is split and sharded there;
+each rank then creates only its shards, filled from the global model (:mod:`fedcore.engine.materialize`).
+
+Each optimizer step takes the global batch (``config.batch_size`` samples, in the single-device order), cut into
+``data_parallel`` contiguous shards (``torch.tensor_split``'s cut, so shards differ by at most one sample); each
+rank's loader (:mod:`fedcore.engine.loader`) gathers only its own shard, and the rank cuts it into ``grad_accum``
+sequential micro-steps. Every micro-step's loss is the *sum* of per-sample losses scaled by ``data_parallel /
+len(batch)``; DDP and FSDP2 average gradients over the ranks, so the gradient is exactly the batch mean that a
+single device computes, whatever the shard sizes. BatchNorm layers compute their statistics over the global batch
+(:func:`~fedcore.engine.batch_stats.synchronize_batch_norm`).
 
 With tensor parallelism (:mod:`fedcore.engine.tensor_parallel`) the plan's layers are split over the ``tp`` mesh
 dimension first; every rank of a tensor-parallel group processes the same shard of the batch. Sharded data
@@ -20,8 +24,9 @@ Losses are accumulated on the device: the step has no host-device synchronizatio
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fedcore.engine.batch_stats import check_buffers_agree, synchronize_batch_norm
 from fedcore.engine.layers import LayerChain, compile_layers, model_layers
+from fedcore.engine.loader import Batch, Rows, part
+from fedcore.engine.materialize import has_meta_tensors, materialize_local
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
 from fedcore.engine.tensor_parallel import TensorParallelPlan, apply_plan
@@ -42,12 +49,20 @@ class DataParallelExecutor:
     """Runs forward/backward for one rank of a data-parallel (or single-process) plan.
 
     Args:
-        model: the full model on ``env.device``, holding the global parameters.
+        model: the full model on ``env.device`` holding the global parameters, or, under FSDP2 or tensor
+            parallelism, the model built on the meta device (:mod:`fedcore.engine.materialize`): it is split and
+            sharded there, and each rank's shards are then created on ``env.device`` from ``global_parameters``.
         plan: the parallel plan (``pipeline == 1``).
         env: this rank's place in the world.
         loss_fn: ``loss_fn(output, target, reduction="sum")``.
         tp_plan: the layers to split when ``plan.tensor_parallel > 1``
             (:func:`~fedcore.engine.tensor_parallel.resolve_plan`).
+        global_parameters: the round's global model in ``state_dict`` names; needed when ``model`` is on the meta
+            device.
+
+    Raises:
+        EngineError: the mesh or plan the parallelism needs is missing, or ``model`` is on the meta device and
+            ``global_parameters`` is not given.
     """
 
     def __init__(
@@ -57,6 +72,8 @@ class DataParallelExecutor:
         env: RankEnv,
         loss_fn: LossFn,
         tp_plan: TensorParallelPlan | None = None,
+        *,
+        global_parameters: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
@@ -91,7 +108,11 @@ class DataParallelExecutor:
                 if any(p.requires_grad for p in layer.parameters()):
                     fully_shard(layer, mesh=env.dp_mesh)
             self._fsdp = fully_shard(module, mesh=env.dp_mesh)
-        elif plan.dp_enabled and not self._sum_over_dp:
+        if has_meta_tensors(model):  # built on the meta device: storage for this rank's shards only, now
+            if global_parameters is None:
+                raise EngineError("the model is on the meta device and no global parameters were given", rank=env.rank)
+            materialize_local(model, global_parameters, env.device)
+        if plan.dp_enabled and not plan.sharded and not self._sum_over_dp:
             device_ids = [env.device.index] if env.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(
                 module,
@@ -106,24 +127,29 @@ class DataParallelExecutor:
         """``(global name, parameter)`` for the parameters this rank updates (sharded ones as DTensors)."""
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Accumulate this rank's gradients for one global batch ``(x, y)``.
+    def batch_rows(self, size: int) -> Rows:
+        """The rows of a global batch of ``size`` samples this rank reads: its data-parallel shard (contiguous,
+        ``torch.tensor_split``'s cut); the ranks of a tensor-parallel group read the same shard."""
+        return Rows(*part(size, self.plan.data_parallel, self.env.dp_index))
+
+    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """Accumulate this rank's gradients for one global batch, of which ``batch`` holds this rank's shard
+        (:meth:`batch_rows`) on the device.
 
         Returns:
             ``(sum of per-sample losses over the samples this rank processed, a float32 scalar on the device;
             their number)``.
         """
-        n = len(x)
-        shard = torch.tensor_split(torch.arange(n), self.plan.data_parallel)[self.env.dp_index]
+        x, y = batch.x, batch.y
+        if x is None or y is None:
+            raise EngineError("a data-parallel rank needs the inputs and the targets of its shard", rank=self.env.rank)
         # DDP and FSDP2 average the ranks' gradients; sum_gradients adds them
-        scale = (1.0 if self._sum_over_dp else self.plan.data_parallel) / n
-        chunks = torch.tensor_split(shard, self.plan.grad_accum)
+        scale = (1.0 if self._sum_over_dp else self.plan.data_parallel) / batch.size
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
-            start, stop = (int(chunk[0]), int(chunk[-1]) + 1) if len(chunk) else (0, 0)  # contiguous: a view
-            xb = x[start:stop].to(self.env.device, non_blocking=True)
-            yb = y[start:stop].to(self.env.device, non_blocking=True)
+        for i in range(self.plan.grad_accum):
+            last = i == self.plan.grad_accum - 1
+            start, stop = part(batch.rows, self.plan.grad_accum, i)  # contiguous: views of the shard
+            xb, yb = x[start:stop], y[start:stop]
             try:
                 with self._sync(last), autocast(self.plan, self.env.device):
                     loss = self.loss_fn(self.module(xb), yb, reduction="sum")
@@ -137,7 +163,7 @@ class DataParallelExecutor:
             unused = [name for name, p in self.trained_parameters() if p.grad is None]
             if unused:
                 raise _unused_parameters_error(f"parameters {unused[:10]} got no gradient")
-        return loss_sum, len(shard)
+        return loss_sum, batch.rows
 
     def _sync(self, sync: bool) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient reduction on all but the last micro-step of a batch."""

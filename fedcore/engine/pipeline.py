@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from fedcore.engine.batch_stats import check_buffers_agree, preserved_buffers, synchronize_batch_norm
 from fedcore.engine.data_parallel import sum_gradients
 from fedcore.engine.layers import LayerChain, compile_layers, split_stages, stage_state_names
+from fedcore.engine.loader import Batch, Rows, part
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv, autocast
 from fedcore.engine.schedules import Schedule, rank_of_stage, stages_of_rank
@@ -184,28 +185,37 @@ class PipelineExecutor:
             steps.append((kind, tail, 1, tail))
         return steps
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Accumulate this rank's stage gradients for one global batch ``(x, y)``.
+    def batch_rows(self, size: int) -> Rows:
+        """The rows of a global batch of ``size`` samples this rank reads: its replica's shard, the inputs only
+        when it holds the first stage and the targets only when it holds the last."""
+        start, stop = part(size, self.plan.data_parallel, self.env.dp_index)
+        return Rows(start, stop, inputs=self.first, targets=self.last)
+
+    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """Accumulate this rank's stage gradients for one global batch, of which ``batch`` holds this replica's
+        shard (:meth:`batch_rows`) on the device.
 
         Returns:
             ``(sum of per-sample losses as a float32 scalar on the device, samples)`` on the rank holding the last
             stage; ``(0, 0)`` elsewhere.
         """
-        n = len(x)
+        n = batch.size
         self._scale = 1.0 / n
-        shard = torch.tensor_split(torch.arange(n), self.plan.data_parallel)[self.env.dp_index]
+        if (self.first and batch.x is None) or (self.last and batch.y is None):
+            raise EngineError("a pipeline rank got no inputs for its first stage or no targets for its last",
+                              rank=self.env.rank)  # fmt: skip
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
         seen = 0
-        for chunk in torch.tensor_split(shard, self.plan.grad_accum):
-            start = 0
-            for kind, microbatches, size, samples in self._steps(len(chunk)):
-                idx = chunk[start : start + samples]
+        for i in range(self.plan.grad_accum):
+            start, stop = part(batch.rows, self.plan.grad_accum, i)
+            for kind, microbatches, size, samples in self._steps(stop - start):
+                rows = slice(start, start + samples)
                 start += samples
                 schedule = self._schedule(kind, microbatches, size)
-                args = (x[idx].to(self.env.device),) if self.first else ()
-                if self.last:
+                args = (batch.x[rows],) if batch.x is not None and self.first else ()
+                if self.last and batch.y is not None:
                     losses: list[torch.Tensor] = []
-                    schedule.step(*args, target=y[idx].to(self.env.device), losses=losses, return_outputs=False)
+                    schedule.step(*args, target=batch.y[rows], losses=losses, return_outputs=False)
                     loss_sum += torch.stack([loss.detach().float() for loss in losses]).sum() * n
                     seen += samples
                 else:
@@ -227,7 +237,8 @@ class PipelineExecutor:
 
         Split tensors are gathered within each tensor-parallel group first; then the pipeline ranks of replica 0
         with ``tp_index == 0`` send their stages' tensors to rank 0 (plain tensor point-to-point, in
-        ``state_dict`` order, which every rank knows because every rank built the full model).
+        ``state_dict`` order, which every rank knows: every rank built the whole module tree, on the meta device
+        outside its own stages).
 
         Raises:
             ConfigError: a buffer of this rank's stages differs between the data-parallel replicas

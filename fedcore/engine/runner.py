@@ -8,9 +8,10 @@ sharded, pipeline, tensor parallel), and each executor computes exactly the batc
 
 On CUDA the optimizer step is fused (``torch.optim.SGD(fused=True)``: one kernel for every parameter) unless
 parameters are DTensors (tensor parallel, FSDP2), which take the multi-tensor (``foreach``) path; losses stay on
-the device, so a step has no host-device synchronization: the epoch's loss is read once, at its end. The
-training data moves to the device once when it is small (:data:`DEVICE_DATA_BYTES`); otherwise each batch is
-gathered into pinned memory and copied asynchronously.
+the device, so a step has no host-device synchronization: the epoch's loss is read once, at its end. Batches
+come from :class:`~fedcore.engine.loader.BatchLoader`: each rank gathers only the rows its executor reads; small
+training data move to the device once, larger data are gathered into pinned memory and copied on a side stream,
+the next batch prepared while the current step computes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fedcore.engine.data_parallel import DataParallelExecutor
-from fedcore.engine.materialize import build_on_meta, can_build_on_meta, materialize
+from fedcore.engine.loader import DEVICE_DATA_BYTES, Batch, BatchLoader, Rows
+from fedcore.engine.materialize import materialize, meta_model
 from fedcore.engine.pipeline import PipelineExecutor, other_ranks_state_names
 from fedcore.engine.plan import ParallelPlan
 from fedcore.engine.runtime import RankEnv
@@ -42,7 +44,9 @@ class Executor(Protocol):
 
     def trained_parameters(self) -> list[tuple[str, nn.Parameter]]: ...
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]: ...
+    def batch_rows(self, size: int) -> Rows: ...
+
+    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, int]: ...
 
     def finish_gradients(self) -> None: ...
 
@@ -75,6 +79,8 @@ def train_rank(
     round: int,
     client_id: str,
     on_step: Callable[[int], None] | None = None,
+    prefetch: bool = True,
+    device_data_bytes: int = DEVICE_DATA_BYTES,
 ) -> RankResult:
     """Train this rank's part of the model for one round under ``plan``.
 
@@ -84,6 +90,10 @@ def train_rank(
     Args:
         on_step: called with the number of optimizer steps taken after each step has been queued (the device
             may still be running it); a benchmark records CUDA events there. It must not synchronize.
+        prefetch: prepare the next batch while a step computes (:class:`~fedcore.engine.loader.BatchLoader`); the
+            batches, and so the result, are the same without it.
+        device_data_bytes: on CUDA, training data up to this size move to the device once; larger data are
+            copied batch by batch from pinned memory on a side stream.
 
     Returns:
         A :class:`RankResult`; ``state`` is set on rank 0 only.
@@ -101,10 +111,10 @@ def train_rank(
     if plan.pp_enabled:
         executor = PipelineExecutor(model, plan, env, loss_fn, tp_plan)
     else:
-        executor = DataParallelExecutor(model, plan, env, loss_fn, tp_plan)
+        executor = DataParallelExecutor(model, plan, env, loss_fn, tp_plan, global_parameters=global_parameters)
     trained = executor.trained_parameters()
     optimizer = make_optimizer([p for _, p in trained], config, env.device)
-    x, y = _data_on(env.device, x, y)
+    loader = BatchLoader(x, y, env.device, rows=executor.batch_rows, prefetch=prefetch, device_bytes=device_data_bytes)
     anchors = _proximal_anchors(trained, global_parameters, env) if config.mu > 0 else []
     generator = torch.Generator().manual_seed(derive_seed(seed, round, client_id))
     n = len(x)
@@ -112,13 +122,12 @@ def train_rank(
     steps = 0
     train_loss = float("nan")
     for _ in range(config.local_epochs if n else 0):
-        order = torch.randperm(n, generator=generator).to(x.device)
+        order = torch.randperm(n, generator=generator)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         seen = 0
-        for start in range(0, n, config.batch_size):
-            idx = order[start : start + config.batch_size]
+        for batch in loader.epoch(order, config.batch_size):
             optimizer.zero_grad(set_to_none=True)
-            batch_loss, batch_seen = executor.forward_backward(_gather(x, idx), _gather(y, idx))
+            batch_loss, batch_seen = executor.forward_backward(batch)
             executor.finish_gradients()
             for param, anchor in anchors:
                 prox = (param.detach() - anchor) * config.mu
@@ -145,39 +154,26 @@ def train_rank(
 def _build_model(
     task: EngineTask, global_parameters: Mapping[str, np.ndarray], plan: ParallelPlan, env: RankEnv
 ) -> nn.Module:
-    """The model on ``env.device`` holding the global parameters; a pipeline rank builds it on the meta device and
-    gives storage only to the tensors that are not another rank's (:mod:`fedcore.engine.materialize`)."""
-    if plan.pp_enabled:
-        model = build_on_meta(task.build_model)
-        if can_build_on_meta(model):
-            materialize(model, global_parameters, env.device, skip=other_ranks_state_names(model, plan, env.pp_index))
-            return model
+    """The model for this rank (:mod:`fedcore.engine.materialize`).
+
+    A rank of a parallel plan builds it on the meta device (no storage, no random initialization): a pipeline rank
+    gives storage only to the tensors that are not another rank's, a DDP rank to the whole replica, both filled
+    from the global parameters; under FSDP2 or tensor parallelism the model is returned still on the meta device,
+    and the executor gives storage to each rank's shards once it has split the model. A plan of all ones, or a
+    model that cannot be built on the meta device (:func:`~fedcore.engine.materialize.meta_model`), is built with
+    real storage and loaded with the global parameters.
+    """
+    model = None if plan.is_single_process else meta_model(task.build_model)
+    if model is not None:
+        if plan.pp_enabled:
+            skip = other_ranks_state_names(model, plan, env.pp_index)
+            materialize(model, global_parameters, env.device, skip=skip)
+        elif not (plan.fsdp_enabled or plan.tp_enabled):
+            materialize(model, global_parameters, env.device)
+        return model
     model = task.build_model()
     model.load_state_dict(to_state_dict(global_parameters), strict=True)
     return model.to(env.device)
-
-
-DEVICE_DATA_BYTES = 1 << 30
-"""Training data up to this size (inputs plus targets) moves to a CUDA device once; larger data stays on the
-CPU, pinned, and each batch is copied asynchronously."""
-
-
-def _data_on(device: torch.device, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training tensors where batches are cut from: on ``device`` when it is CUDA and they are small, pinned
-    CPU memory when they are large, unchanged on the CPU."""
-    if device.type != "cuda":
-        return x, y
-    if x.nbytes + y.nbytes <= DEVICE_DATA_BYTES:
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    return x.pin_memory(), y.pin_memory()
-
-
-def _gather(data: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of ``data``; from pinned memory into pinned memory, so that the copy to the GPU is async."""
-    if not data.is_pinned():
-        return data.index_select(0, idx)
-    out = torch.empty((len(idx), *data.shape[1:]), dtype=data.dtype, pin_memory=True)
-    return torch.index_select(data, 0, idx, out=out)
 
 
 def make_optimizer(params: list[nn.Parameter], config: FitConfig, device: torch.device) -> torch.optim.SGD:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -295,15 +296,23 @@ def _gpt_fn(ctx: TaskContext) -> Callable[[], nn.Module]:
     return model_fn if probe is None else lambda: _probed(model_fn(), probe)
 
 
+def _note(path: str, text: str) -> None:
+    """Append ``"<RANK> <text>"`` (``-`` outside a worker) as one line to ``path``."""
+    with open(path, "a") as f:
+        f.write(f"{os.environ.get('RANK', '-')} {text}\n")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _probed(model: nn.Sequential, path: str) -> nn.Sequential:
     """Append ``"<RANK> <rows of blocks.0.attn.q's weight held by this rank>"`` to ``path`` at every forward."""
     layer = model.get_submodule("blocks.0.attn.q")
 
     def record(module: nn.Module, args: object) -> None:
-        weight = module.weight
-        rows = weight.to_local().shape[0] if isinstance(weight, DTensor) else weight.shape[0]
-        with open(path, "a") as f:
-            f.write(f"{os.environ.get('RANK', '-')} {rows}\n")
+        _note(path, str(_local(module.weight).shape[0]))
 
     layer.register_forward_pre_hook(record)
     return model
@@ -323,3 +332,56 @@ class HeadsOnlyPlanTask(SupervisedTask):
 def heads_only_task(ctx: TaskContext) -> HeadsOnlyPlanTask:
     """:func:`gpt_task` with the task's own plan (:class:`HeadsOnlyPlanTask`)."""
     return HeadsOnlyPlanTask(model_fn=_gpt_fn(ctx), train_data=_tokens(ctx), loss_fn=lm_loss)
+
+
+class InitProbeLinear(nn.Linear):
+    """An ``nn.Linear`` that appends ``"<RANK> init meta|real"`` to ``path`` each time it initializes its weights
+    (``reset_parameters``): ``real`` is a full-size random initialization with storage, ``meta`` one on the meta
+    device (no storage, no cost)."""
+
+    def __init__(self, in_features: int, out_features: int, path: str) -> None:
+        object.__setattr__(self, "_probe_path", path)  # reset_parameters runs inside nn.Linear.__init__
+        super().__init__(in_features, out_features)
+
+    def reset_parameters(self) -> None:
+        _note(self._probe_path, f"init {'meta' if self.weight.is_meta else 'real'}")
+        super().reset_parameters()
+
+
+def probe_mlp(path: str, *, real: bool = False) -> nn.Sequential:
+    """``FEATURES -> 16 -> 16 -> CLASSES + 1`` of :class:`InitProbeLinear` (the last layer's 5 rows shard unevenly
+    over 2 ranks). Its first forward on each rank appends ``"<RANK> numel <json {name: local numel}>"`` to ``path``:
+    the elements each parameter holds on that rank (a DTensor's local shard). ``real`` adds a non-persistent buffer,
+    which keeps the engine from building the model on the meta device."""
+    model = nn.Sequential(
+        InitProbeLinear(FEATURES, 16, path),
+        nn.Tanh(),
+        InitProbeLinear(16, 16, path),
+        nn.Tanh(),
+        InitProbeLinear(16, CLASSES + 1, path),
+    )
+    if real:
+        model.register_buffer("scratch", torch.zeros(1), persistent=False)
+    recorded: list[bool] = []
+
+    def record(module: nn.Module, args: object, output: object) -> None:
+        if recorded:
+            return
+        recorded.append(True)
+        _note(path, f"numel {json.dumps({name: _local(p).numel() for name, p in module.named_parameters()})}")
+
+    model.register_forward_hook(record)
+    return model
+
+
+class ProbeTask(SupervisedTask):
+    """:func:`probe_mlp` on :func:`_data`, with a tensor-parallel plan: layer "0" column-wise, "2" row-wise."""
+
+    def tensor_parallel_plan(self, model: nn.Module, degree: int) -> dict[str, object]:
+        return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def probe_task(ctx: TaskContext) -> ProbeTask:
+    """See :class:`ProbeTask`; options ``probe`` (the file) and ``real`` ("1": not buildable on the meta device)."""
+    path, real = ctx.options["probe"], ctx.options.get("real") == "1"
+    return ProbeTask(model_fn=lambda: probe_mlp(path, real=real), train_data=_data(ctx))
