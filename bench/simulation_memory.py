@@ -92,6 +92,8 @@ import bench.simulation_memory
 from bench.simulation import warm_up
 config = load_recipe(None, json.loads(sys.argv[1]))
 warm_up()  # the aggregation kernels' compilation (numba, LLVM: a fixed ~100 MiB) is not the model's memory
+import torch
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # its first use imports torch._dynamo: ~24 MiB, once
 base = status('VmRSS')
 result = run_simulation(config, echo=lambda _: None)
 print('memory', json.dumps({'base': base, 'peak': status('VmHWM'), 'rounds': int(result.final.round)}))
