@@ -50,9 +50,9 @@ from server.round_loop import (
     EvaluateFn,
     RoundRecord,
     ServerState,
-    glibc_function,
     initial_state,
     resident_mib,
+    return_large_blocks_to_the_os,
     run_rounds,
 )
 from server.service import AuthPolicy, CoordinatorService, build_server, load_tokens
@@ -101,7 +101,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
     credentials = server_credentials(config)  # TLS files checked before anything is created
     tokens = load_tokens(config.auth.tokens_file) if config.auth.tokens_file is not None else {}
-    _return_large_blocks_to_the_os()
+    return_large_blocks_to_the_os()
     metrics = _serve_metrics(config, echo)  # before the state directory: a port in use leaves nothing behind
     try:
         store = StateStore(config.state_dir)
@@ -303,21 +303,6 @@ def _fresh_state(
     _memory_line(echo, "with the model in memory")
     # held as clean file pages, like every later round's model (mapped from its checkpoint)
     return replace(store.map_initial(state), trainable=trainable)
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-
-def _return_large_blocks_to_the_os() -> None:
-    """Make glibc serve every allocation of 1 MiB or more with its own mapping, returned to the OS when freed.
-
-    The server allocates and frees many 4 MiB payload chunks on many gRPC threads; by default glibc raises its
-    mmap threshold after the first such free and then keeps those chunks in per-thread heaps, where they pile up
-    (measured: ~2x a 256 MiB model of freed-but-resident memory after 20 pushes). No-op without glibc.
-    """
-    mallopt = glibc_function("mallopt")
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 
 
 def _memory_line(echo: Callable[[str], None], stage: str) -> None:

@@ -49,7 +49,15 @@ from fedcore.task import (
 )
 from privacy.dp.config import apply_dp
 from server.pool import ClientPool
-from server.round_loop import EvaluateFn, RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
+from server.round_loop import (
+    EvaluateFn,
+    RoundConfig,
+    RoundRecord,
+    ServerState,
+    initial_state,
+    return_large_blocks_to_the_os,
+    run_rounds,
+)
 from server.state import history_columns, write_history
 from simulations.attacks import LABEL_ATTACKS, AttackedPool, attacked_tasks, choose_attackers, num_classes
 from simulations.config import DEMO_TASK, SimulationConfig
@@ -173,6 +181,9 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         RoundFailed: a round could not reach its quorum.
     """
     started = time.perf_counter()
+    # model-sized tensors and arrays are made and freed with every client: each in its own mapping, handed back
+    # when freed, rather than left resident in glibc's heap
+    return_large_blocks_to_the_os()
     out_dir = Path(config.output.dir)
     if (out_dir / "state.db").exists():  # its history.csv would be replaced by this simulation's
         raise ConfigError(

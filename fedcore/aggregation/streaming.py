@@ -68,16 +68,25 @@ class MeanAggregator:
 
     Attributes:
         threads: fold threads per round (None: see :class:`WeightedMean`).
+        delta: sum the float32 tensors' differences from the round's global model in float32 (1x the model; see
+            :class:`WeightedMean`'s ``reference``) rather than the updates themselves in float64 (2x). The mean
+            then differs from the float64 sum's by at most about one unit in the last place of the result
+            (``tests/fedcore/test_delta_mean.py`` measures it). Off by default: a float32 sum depends on the order
+            the updates are folded in, and the process and Ray backends fold them as they arrive, so their models
+            would no longer equal the in-process backend's bit for bit (the float64 sum of float32 products has
+            29 bits to spare, which the rounding to float32 hides).
     """
 
     threads: int | None = None
     name: str = "mean"
+    delta: bool = False
 
     def start(
         self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
     ) -> WeightedMean:
-        """A :class:`WeightedMean` over ``spec`` (raises ConfigError as it does); ``reference`` is not needed."""
-        return WeightedMean(spec, threads=self.threads)
+        """A :class:`WeightedMean` over ``spec`` (raises ConfigError as it does), summing differences from
+        ``reference`` (the global model) when :attr:`delta` and a reference is given."""
+        return WeightedMean(spec, threads=self.threads, reference=reference if self.delta else None)
 
     def check(self, num_clients: int) -> None:
         """Any number of clients >= 1 can be averaged."""
@@ -86,18 +95,32 @@ class MeanAggregator:
 class WeightedMean:
     """Streaming weighted mean of client updates (FedAvg's aggregation, McMahan et al. 2017).
 
-    ``result() = Σ_k w_k · u_k / Σ_k w_k`` per tensor, computed as a float64 running sum.
+    ``result() = Σ_k w_k · u_k / Σ_k w_k`` per tensor, computed as a float64 running sum; or, for the float32
+    tensors when a ``reference`` is given, as ``r + (Σ_k w_k · (u_k − r)) / Σ_k w_k`` with the sum of differences
+    kept in float32.
 
     Args:
         spec: names, shapes and dtypes of the model's tensors (e.g. ``spec_of(global_params)``). Every update
             must match it exactly. Supported dtypes: floating (float16/32/64), integer and bool.
         threads: how many threads fold an update (the calling thread is one of them); default: the CPUs this
             process may run on; at most 8 and at most one per block. The result does not depend on it, bit for bit.
+        reference: the model the updates started from (the round's global model, ``name -> array`` of ``spec``),
+            or None. Given, each float32 tensor keeps ``D = Σ_k w_k · (u_k − r)`` in float32 (1x, not 2x, the
+            model): each fold computes ``D + w · (u − r)`` in float64 and rounds it once to float32, and the result
+            is ``r + D / Σ w`` computed in float64 and rounded once. The differences are a round of local training,
+            small beside the parameters, so the float32 rounding of ``D`` is relative to them and not to the
+            parameters: the mean is within about one unit in the last place (float32) of the float64 sum's (equal
+            to it for most elements), unlike a float32 sum of the updates themselves (flwr's ``aggregate``), whose
+            error is relative to the parameters. Deterministic as the float64 sum: the same bits whatever the
+            thread count, but not whatever the order of the updates (fold them in a fixed order). Only read, never
+            written; it must stay unchanged until the result is taken.
 
     Raises:
         ConfigError: the spec is empty, has duplicate names or a complex / non-numeric dtype, or ``threads`` < 1.
+        PayloadError: ``reference`` does not match the spec.
 
-    Memory: one float64 array per tensor (2x a float32 model), plus one fixed scratch block per thread; the pages
+    Memory: one float64 array per tensor (2x a float32 model; a float32 one per float32 tensor with a
+    ``reference``: 1x), plus one fixed scratch block per thread; the pages
     of a sum are only allocated when the first update touches them. An update given as read-only file mappings
     (``np.memmap`` with mode ``"r"``, as the server maps spilled updates) has its pages unmapped block by block
     right after they were read, so folding it adds no resident memory however large it is (the file stays the
@@ -106,11 +129,23 @@ class WeightedMean:
     Not thread-safe: one caller at a time per instance (the instance runs its own helper threads).
     """
 
-    def __init__(self, spec: Sequence[TensorSpec], *, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: Sequence[TensorSpec],
+        *,
+        threads: int | None = None,
+        reference: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         spec = check_spec_kinds(spec, "WeightedMean")
         threads = check_threads(threads)
         self._spec = spec
-        self._sums: dict[str, np.ndarray] = {s.name: _zeros64(math.prod(s.shape)) for s in spec}
+        self._reference: dict[str, np.ndarray] = {}  # flat float32 views, for the tensors summed as differences
+        if reference is not None:
+            check_spec(reference, spec)
+            self._reference = {s.name: _flat(reference[s.name]) for s in spec if np.dtype(s.dtype) == np.float32}
+        self._sums: dict[str, np.ndarray] = {
+            s.name: _zeros(math.prod(s.shape), np.float32 if s.name in self._reference else np.float64) for s in spec
+        }
         # work items: (tensor name, start, end), in spec order; a tensor spans ceil(size / _BLOCK) of them
         self._blocks = blocks_of({name: total.size for name, total in self._sums.items()}, _BLOCK)
         floating = {s.name for s in spec if np.dtype(s.dtype).kind == "f"}
@@ -233,7 +268,7 @@ class WeightedMean:
         def divide(worker: int, k: int) -> None:
             name, i, j = self._blocks[k]
             blk = self._scratch[worker][: j - i]
-            np.divide(self._sums[name][i:j], total_weight, out=blk)
+            self._mean_block(name, i, j, total_weight, blk)
             result = flat_out[name]
             if result.dtype.kind in "iub":
                 np.rint(blk, out=blk)
@@ -257,18 +292,30 @@ class WeightedMean:
             total = sums.pop(s.name)
             dtype = np.dtype(s.dtype)
             n = total.size
-            target = total if dtype == np.float64 else total.view(np.uint8)[: n * dtype.itemsize].view(dtype)
+            target = total if dtype == total.dtype else total.view(np.uint8)[: n * dtype.itemsize].view(dtype)
             for i in range(0, n, _BLOCK):
                 j = min(i + _BLOCK, n)
                 blk = blk_all[: j - i]
-                np.divide(total[i:j], total_weight, out=blk)
+                self._mean_block(s.name, i, j, total_weight, blk, sums=total)
                 if dtype.kind in "iub":
                     np.rint(blk, out=blk)
                 np.copyto(target[i:j], blk, casting="unsafe")
             release_tail(total, n * dtype.itemsize)
             out[s.name] = target.reshape(s.shape)
             del total, target
+        self._reference = {}  # the global model is not kept alive by a spent accumulator
         return out
+
+    def _mean_block(
+        self, name: str, i: int, j: int, total_weight: float, out: np.ndarray, *, sums: np.ndarray | None = None
+    ) -> None:
+        """Elements ``i:j`` of tensor ``name``'s mean, in float64, into ``out``: ``sum / Σ w``, or for a tensor
+        summed as differences ``reference + sum / Σ w``."""
+        total = (self._sums[name] if sums is None else sums)[i:j]
+        np.divide(total, total_weight, out=out)
+        reference = self._reference.get(name)
+        if reference is not None:
+            np.add(out, reference[i:j], out=out)
 
     def _check_open(self) -> None:
         if self._released:
@@ -313,7 +360,14 @@ class WeightedMean:
                 # the product is formed in float64 too: a float32 product (faster) errs by 6e-8 of |w·u|, which
                 # cancellation across clients turned into 1e-3 relative error
                 update = flat[name][i:j]
-                if update.dtype in FUSED_DTYPES:
+                reference = self._reference.get(name)
+                if reference is not None:  # D + w·(u − r) in float64, rounded once to float32
+                    part = self._scratch[worker][: j - i]
+                    np.subtract(update, reference[i:j], out=part, dtype=np.float64)
+                    np.multiply(part, w, out=part)
+                    np.add(part, total, out=part)
+                    np.copyto(total, part, casting="same_kind")
+                elif update.dtype in FUSED_DTYPES:
                     fold_block(total, update, w)  # one fused pass: cast, scale, add
                 else:
                     part = self._scratch[worker][: j - i]
@@ -336,18 +390,19 @@ def _flat(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1)
 
 
-def _zeros64(n: int) -> np.ndarray:
-    """A zero float64 vector; a large one in its own private anonymous mapping (pages allocated on first touch).
+def _zeros(n: int, dtype: type[np.floating]) -> np.ndarray:
+    """A zero vector of ``dtype``; a large one in its own private anonymous mapping (pages allocated on first touch).
 
     Private, not mmap's default MAP_SHARED: ``MADV_DONTNEED`` frees private anonymous pages, while shared ones stay
     allocated in shared memory (they only leave the resident set), so
     :func:`~fedcore.aggregation.blocks.release_tail` would free nothing.
     """
-    if n * 8 < _MAPPED_SUM_BYTES:
-        return np.zeros(n, np.float64)
+    size = n * np.dtype(dtype).itemsize
+    if size < _MAPPED_SUM_BYTES:
+        return np.zeros(n, dtype)
     private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    buffer = mmap.mmap(-1, n * 8, flags=private) if private else mmap.mmap(-1, n * 8)
-    return np.frombuffer(buffer, dtype=np.float64, count=n)
+    buffer = mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size)
+    return np.frombuffer(buffer, dtype=dtype, count=n)
 
 
 def _view_payload(
