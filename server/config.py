@@ -23,6 +23,7 @@ from typing import Any
 from fedcore.config import (
     Address,
     apply_overrides,
+    check_creatable_dir,
     check_port,
     from_mapping,
     load_toml,
@@ -297,14 +298,7 @@ def check_server_config(config: ServerConfig) -> None:
     from server.service import load_tokens
     from server.state import load_checkpoint
 
-    state = config.state_dir
-    if state.exists() and not state.is_dir():
-        raise ConfigError(f"state_dir (--state-dir) {str(state)!r} is a file; give a directory (it is created)")
-    parent = next((p for p in (state.absolute(), *state.absolute().parents) if p.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"state_dir (--state-dir) {str(state)!r} cannot be created: {str(parent)!r} is not a writable directory"
-        )
+    check_creatable_dir(config.state_dir, what="state_dir (--state-dir)")
     if config.initial is not None:
         if not config.initial.is_file():
             raise ConfigError(
