@@ -92,6 +92,10 @@ class RoundSettings:
         )
 
 
+MAX_WORKERS = 100_000
+"""The most gRPC server threads ``--max-workers`` may ask for (90,000 daemons; 35 GiB of thread memory)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PoolSettings:
     """The ``[pool]`` table: the client pool, the gRPC threads and the per-call limits (see
@@ -123,6 +127,11 @@ class PoolSettings:
     def __post_init__(self) -> None:
         if self.max_workers < 8:
             raise ConfigError(f"max_workers must be >= 8, got {self.max_workers}")
+        if self.max_workers > MAX_WORKERS:
+            raise ConfigError(
+                f"max_workers must be <= {MAX_WORKERS:,} (about 1.1x the daemons + 40; each waiting long-poll holds "
+                f"a thread of about 0.35 MiB), got {self.max_workers}"
+            )
         self.pool_config(spill_dir=Path("spill"), seed=0)  # the pool's and the service's own checks, now
         self.service_limits()
 

@@ -132,3 +132,11 @@ def test_workers_are_capped_at_the_clients_a_round_instructs(caplog: pytest.LogC
         "processes would never get one"
     ]
     assert worker_count(config()) is not None and worker_count(config()) <= 3  # the default (cores) too
+
+
+def test_a_client_count_beyond_the_cap_is_refused_not_partitioned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 10^20 synthetic devices: making the partition ran for minutes before the cap
+    assert main(_simulate("--clients", str(10**20), "--out", str(tmp_path / "run"))) == 2
+    assert "num_clients must be in 1..1,000,000, got 100000000000000000000" in capsys.readouterr().err
