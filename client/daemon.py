@@ -65,7 +65,7 @@ from fedcore.wire import (
     result_header,
     session_metadata,
 )
-from privacy.tls import CLIENT_FLAGS, load_ca_bundle, load_identity
+from privacy.tls import CLIENT_FLAGS, exposure_warning, load_ca_bundle, load_identity
 
 log = logging.getLogger("fedcore.client")
 
@@ -280,6 +280,11 @@ class ClientDaemon:
         self._rng = random.Random()
         self._credentials = client_credentials(config)  # TLS files checked now, before the first connection
         self._token = config.read_token()
+        secrets = [(config.token_file, "token_file (--token-file)"), (None if config.insecure else config.key, "--key")]
+        for path, what in secrets:
+            warning = exposure_warning(path, what) if path is not None else None
+            if warning is not None:
+                log.warning("%s", warning)
         self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
         self._state = ClientStateStore(config.state_dir)
         # round protocols' client sides: those registered in this process (e.g. by the task's module, imported above)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import re
 import tomllib
 import types
@@ -263,6 +264,24 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}") from None
+
+
+def check_creatable_dir(path: Path, *, what: str) -> None:
+    """Check, without creating anything, that ``path`` is a directory or can be made one: called before a run's
+    setup, so that a directory that cannot be used fails at once and a failure of the setup leaves no directory.
+
+    Args:
+        path: the directory. what: the setting it comes from (``"output.dir (--out)"``), for the message.
+
+    Raises:
+        ConfigError: ``path`` is a file (or another non-directory), or its nearest existing parent is not a
+            writable directory.
+    """
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a file; give a directory (it is created)")
+    parent = next((p for p in (path.absolute(), *path.absolute().parents) if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(path)!r} cannot be created: {str(parent)!r} is not a writable directory")
 
 
 def _parse_scalar(text: str) -> Any:

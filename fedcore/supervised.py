@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -29,7 +30,12 @@ class SupervisedTask:
         train_data: ``(x, y)``: inputs ``(N, ...)`` float32 and targets ``(N,)`` int64, or None (server side).
         test_data: held-out ``(x, y)`` for :meth:`evaluate`, or None (then evaluation falls back to train_data).
         loss_fn: ``loss_fn(output, target, reduction=...)``; cross-entropy by default.
+        fit_metric_names, eval_metric_names: the metrics :meth:`train` and :meth:`evaluate` report
+            (:class:`fedcore.task.DeclaredMetrics`).
     """
+
+    fit_metric_names: ClassVar[tuple[str, ...]] = ("train_loss",)
+    eval_metric_names: ClassVar[tuple[str, ...]] = ("accuracy",)
 
     model_fn: Callable[[], nn.Module]
     train_data: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -171,6 +171,45 @@ class Task(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DeclaredMetrics:
+    """The metric names a task declares it reports, so that a setting that reads one (the weighting metric,
+    :mod:`fedcore.aggregation.weights`) is checked before the first round rather than in it.
+
+    A task declares them with the class attributes ``fit_metric_names`` (the keys of :attr:`TrainResult.metrics`
+    its ``train`` returns) and ``eval_metric_names`` (those of :attr:`EvalResult.metrics` from ``evaluate``), each
+    a tuple of strings; :class:`fedcore.supervised.SupervisedTask` declares ``("train_loss",)`` and
+    ``("accuracy",)``. Read them with :func:`declared_metrics`.
+
+    Attributes:
+        fit: what ``train`` reports, e.g. ``("train_loss",)``.
+        evaluate: what ``evaluate`` reports besides its loss, e.g. ``("accuracy",)``.
+    """
+
+    fit: tuple[str, ...]
+    evaluate: tuple[str, ...]
+
+
+def declared_metrics(task: object) -> DeclaredMetrics | None:
+    """The metric names ``task`` (a task or a task class) declares (see :class:`DeclaredMetrics`), or None when it
+    declares none that can be
+    trusted: no ``fit_metric_names`` / ``eval_metric_names``, names that are not a tuple of strings, or a class that
+    overrides ``train`` or ``evaluate`` below the class that declared the names (its own loop may report others).
+    """
+    cls = task if isinstance(task, type) else type(task)
+    found: list[tuple[str, ...]] = []
+    for attr, method in (("fit_metric_names", "train"), ("eval_metric_names", "evaluate")):
+        names = getattr(cls, attr, None)
+        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+            return None
+        declaring = next(c for c in cls.__mro__ if attr in vars(c))
+        defining = next((c for c in cls.__mro__ if method in vars(c)), None)
+        if defining is not None and defining is not declaring and issubclass(defining, declaring):
+            return None  # train/evaluate overridden below the declaration
+        found.append(names)
+    return DeclaredMetrics(fit=found[0], evaluate=found[1])
+
+
 LossFn = Callable[..., torch.Tensor]
 """``loss_fn(output, target, reduction="mean" | "sum") -> scalar tensor``, like ``nn.functional.cross_entropy``."""
 

@@ -7,7 +7,10 @@
     clients/<id>.pem  <id>.key      one certificate per client, common name = client id (mutual TLS)
     tokens.txt                      "client_id token" lines for the server's tokens_file (random, 256-bit, hex)
 
-Keys are ECDSA P-256; private key files are written with mode 0600.
+Keys are ECDSA P-256; private key files and tokens.txt are written with mode 0600. A secret file the server or a
+daemon reads (a private key, a tokens or token file) that its group or others may read draws a warning with the
+``chmod`` that fixes it (:func:`exposure_warning`), for every such file alike; it is not refused, since a group
+may be exactly who is meant to share it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import datetime
 import ipaddress
 import os
 import secrets
+import shlex
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +76,27 @@ def _read_file(path: Path, flag: str, what: str) -> bytes:
     if not data.strip():
         raise ConfigError(f"{flag} {str(path)!r} is empty; give the {what} file ({_MAKE_THEM})")
     return data
+
+
+def exposure_warning(path: Path, what: str) -> str | None:
+    """A warning for a secret file ``path`` (``what`` names it: "the tokens file (--tokens-file)") whose POSIX
+    mode lets its group or others read or write it, with the ``chmod`` that fixes it; None when only its owner may
+    (mode ``0600`` or stricter), on a system without POSIX modes, or when it cannot be examined (reading it then
+    says why).
+    """
+    if os.name != "posix":
+        return None
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None
+    if not mode & 0o077:
+        return None
+    who = " and ".join(w for w, bits in (("its group", 0o070), ("others", 0o007)) if mode & bits)
+    return (
+        f"{what} {str(path)!r} has mode {mode:04o}: {who} may read it, and with it this secret; make it readable "
+        f"by its owner only: chmod 600 {shlex.quote(str(path))}"
+    )
 
 
 def _is_ca(cert: x509.Certificate) -> bool | None:

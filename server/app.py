@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fedcore.aggregation.weights import check_weight_metric
 from fedcore.config import Address, parse_host
 from fedcore.convergence import Convergence
 from fedcore.errors import ConfigError, PayloadError, StateError
@@ -35,13 +36,14 @@ from fedcore.task import (
     TaskContext,
     build_server_task,
     central_evaluation,
+    declared_metrics,
     initial_parameters,
     load_task_factory,
     trainable_names,
 )
 from fedcore.tensors import check_spec, state_spec
 from privacy.dp.config import apply_dp
-from privacy.tls import SERVER_FLAGS, load_ca_bundle, load_identity
+from privacy.tls import SERVER_FLAGS, exposure_warning, load_ca_bundle, load_identity
 from server.config import ServerConfig, check_server_config
 from server.grpc_pool import GrpcClientPool
 from server.limits import ServiceLimits
@@ -97,21 +99,27 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         RoundFailed: a round missed its quorum too often, or too few clients.
     """
     check_server_config(config)  # every setting, files included, before anything is created or bound
+    for path, what in ((config.auth.tokens_file, "the tokens file (--tokens-file)"), (config.tls.key, "--tls-key")):
+        warning = exposure_warning(path, what) if path is not None else None
+        if warning is not None:
+            echo(f"WARNING: {warning}")
     if config.tls.insecure:
         echo("WARNING: serving without TLS (--insecure): models, updates and tokens travel in plaintext")
     credentials = server_credentials(config)  # TLS files checked before anything is created
     tokens = load_tokens(config.auth.tokens_file) if config.auth.tokens_file is not None else {}
     return_large_blocks_to_the_os()
     metrics = _serve_metrics(config, echo)  # before the state directory: a port in use leaves nothing behind
+    store: StateStore | None = None
     try:
-        store = StateStore(config.state_dir)
+        if (config.state_dir / "state.db").exists():  # a run to resume: its refusals (damaged, of another run)
+            store = StateStore(config.state_dir)  # come before the task's setup, which may load a dataset
+        strategy, server_task = _build_run(config, echo)
+        if store is None:  # a new run's directory is made once its task is built: a bad --task leaves none behind
+            store = StateStore(config.state_dir)
+        initial = _open_run(config, store, strategy, server_task, echo)  # refusals come first, in a moment
     except BaseException:
-        metrics.close()
-        raise
-    try:
-        strategy, server_task, initial = _open_run(config, store, echo)  # refusals come first, in a moment
-    except BaseException:
-        store.close()
+        if store is not None:
+            store.close()
         metrics.close()
         raise
     # the selection's learned state (losses, durations) is rebuilt from the stored rounds, not checkpointed
@@ -250,13 +258,14 @@ def _serve_metrics(config: ServerConfig, echo: Callable[[str], None]) -> ServerM
     return metrics
 
 
-def _open_run(
-    config: ServerConfig, store: StateStore, echo: Callable[[str], None]
-) -> tuple[Strategy, Task | None, ServerState]:
-    """The strategy, the server's task and the state to start from: resumed from the state directory, refused if
-    that holds a run of another strategy or model, or fresh."""
+def _build_run(config: ServerConfig, echo: Callable[[str], None]) -> tuple[Strategy, Task | None]:
+    """The strategy and the server's task (None without ``--task``), built before anything is created on disk.
+
+    Raises:
+        ConfigError: the task factory fails or returns no task; weighting ``server`` names a value the task's
+            evaluation does not give (:func:`fedcore.aggregation.weights.check_weight_metric`).
+    """
     strategy = apply_dp(build_strategy(config.strategy, config.train, config.sampling), config.privacy)
-    store.check_strategy(config.strategy)
     server_task = None
     if config.task is not None:
         factory = load_task_factory(config.task)
@@ -265,10 +274,28 @@ def _open_run(
             TaskContext(role="server", seed=config.seed, data_dir=config.data_dir, options=dict(config.task_options)),
             spec=config.task,
         )
+        if config.strategy.weighting == "server":  # the server's own evaluation: known now. The clients' metrics
+            # (weighting "metric") come from their own tasks, which only their updates show.
+            check_weight_metric(
+                "server", config.strategy.weight_metric, declared_metrics(server_task), report_validation=False
+            )
     _memory_line(echo, "before the model")
+    return strategy, server_task
+
+
+def _open_run(
+    config: ServerConfig,
+    store: StateStore,
+    strategy: Strategy,
+    server_task: Task | None,
+    echo: Callable[[str], None],
+) -> ServerState:
+    """The state to start from: resumed from the state directory, refused if that holds a run of another strategy
+    or model, or fresh."""
+    store.check_strategy(config.strategy)
     resumed = store.resume(mapped=True)
     if resumed is None:
-        return strategy, server_task, _fresh_state(config, server_task, strategy, store, echo)
+        return _fresh_state(config, server_task, strategy, store, echo)
     if server_task is not None:
         with torch.random.fork_rng(devices=[]):
             model = server_task.build_model()
@@ -284,7 +311,7 @@ def _open_run(
                 "of the run being resumed"
             ) from None
     echo(f"resuming after round {resumed.round} from {config.state_dir}")
-    return strategy, server_task, resumed
+    return resumed
 
 
 def _fresh_state(

@@ -23,6 +23,7 @@ from typing import Any
 from fedcore.config import (
     Address,
     apply_overrides,
+    check_creatable_dir,
     check_port,
     from_mapping,
     load_toml,
@@ -91,6 +92,10 @@ class RoundSettings:
         )
 
 
+MAX_WORKERS = 100_000
+"""The most gRPC server threads ``--max-workers`` may ask for (90,000 daemons; 35 GiB of thread memory)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PoolSettings:
     """The ``[pool]`` table: the client pool, the gRPC threads and the per-call limits (see
@@ -122,6 +127,11 @@ class PoolSettings:
     def __post_init__(self) -> None:
         if self.max_workers < 8:
             raise ConfigError(f"max_workers must be >= 8, got {self.max_workers}")
+        if self.max_workers > MAX_WORKERS:
+            raise ConfigError(
+                f"max_workers must be <= {MAX_WORKERS:,} (about 1.1x the daemons + 40; each waiting long-poll holds "
+                f"a thread of about 0.35 MiB), got {self.max_workers}"
+            )
         self.pool_config(spill_dir=Path("spill"), seed=0)  # the pool's and the service's own checks, now
         self.service_limits()
 
@@ -297,14 +307,7 @@ def check_server_config(config: ServerConfig) -> None:
     from server.service import load_tokens
     from server.state import load_checkpoint
 
-    state = config.state_dir
-    if state.exists() and not state.is_dir():
-        raise ConfigError(f"state_dir (--state-dir) {str(state)!r} is a file; give a directory (it is created)")
-    parent = next((p for p in (state.absolute(), *state.absolute().parents) if p.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"state_dir (--state-dir) {str(state)!r} cannot be created: {str(parent)!r} is not a writable directory"
-        )
+    check_creatable_dir(config.state_dir, what="state_dir (--state-dir)")
     if config.initial is not None:
         if not config.initial.is_file():
             raise ConfigError(

@@ -1,6 +1,7 @@
 """Limits on what one call to the coordinator may hold: the settings (:class:`ServiceLimits`), the worker threads
-kept for quick calls, counted slots that never wait, a watchdog that cuts off stalled or overlong calls, and a
-log that says each repeated cause once per interval. :mod:`server.service` applies them to every call."""
+kept for quick calls, counted slots that never wait, token buckets that pace a caller who calls too often
+(:class:`TokenBuckets`), a watchdog that cuts off stalled or overlong calls, and a log that says each repeated
+cause once per interval. :mod:`server.service` applies them to every call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -32,12 +34,31 @@ class ServiceLimits:
             size it for the largest update on the slowest link (8 GiB at 10 MB/s: about 900 s).
         log_every_s: a repeated warning of one cause (a wrong token, a cut-off stream) is logged once per this
             many seconds, with the count of repeats. Seconds, > 0.
+        refusal_burst, refusal_rate: refusals one connection gets answered at once (a wrong token, an unknown
+            session, a call over its session's limits), then at most ``refusal_rate`` a second: a refusal beyond
+            waits its turn (at most ``refusal_max_wait_s``) before it is answered, so a caller that calls again as
+            soon as it is refused is slowed to that pace. An honest daemon is refused this way a few times at most.
+        refusal_max_wait_s: the longest a refusal waits. Seconds, > 0.
+        max_waiting_refusals: refusals waiting at once, over all connections (each holds a worker thread; beyond,
+            refusals are answered at once).
+        pull_burst, pull_rate: pulls one session may make at once, then per second (a daemon pulls once per task
+            or long-poll); beyond, a pull is refused (RESOURCE_EXHAUSTED, with the seconds to wait in the
+            ``fedcore-retry-after-s`` trailing metadata).
+        join_burst, join_rate: the same for the joins of one client id whose credentials passed.
     """
 
     max_unauthenticated_calls: int = 32
     stream_idle_s: float = 60.0
     stream_total_s: float = 1800.0
     log_every_s: float = 60.0
+    refusal_burst: int = 50
+    refusal_rate: float = 20.0
+    refusal_max_wait_s: float = 1.0
+    max_waiting_refusals: int = 64
+    pull_burst: int = 60
+    pull_rate: float = 10.0
+    join_burst: int = 10
+    join_rate: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_unauthenticated_calls < 1:
@@ -50,6 +71,15 @@ class ServiceLimits:
             )
         if not self.log_every_s > 0:
             raise ConfigError(f"log_every_s must be > 0, got {self.log_every_s}")
+        for name in ("refusal", "pull", "join"):
+            burst, rate = getattr(self, f"{name}_burst"), getattr(self, f"{name}_rate")
+            if burst < 1 or not 0 < rate < float("inf"):
+                raise ConfigError(f"{name}_burst must be >= 1 and {name}_rate a number > 0, got {burst} and {rate}")
+        if not 0 < self.refusal_max_wait_s < float("inf") or self.max_waiting_refusals < 0:
+            raise ConfigError(
+                f"refusal_max_wait_s must be a number > 0 and max_waiting_refusals >= 0, got "
+                f"{self.refusal_max_wait_s} and {self.max_waiting_refusals}"
+            )
 
 
 def quick_call_reserve(max_workers: int) -> int:
@@ -104,6 +134,57 @@ class Slots:
     def release(self) -> None:
         with self._lock:
             self._held -= 1
+
+
+class TokenBuckets:
+    """One token bucket per key (a session, a client id, a connection): ``burst`` tokens, refilled at ``rate`` a
+    second. At most ``max_keys`` keys are kept, the least recently used forgotten first (a forgotten key starts
+    full again), so that callers choosing new keys cannot grow it.
+
+    :meth:`take` is the bucket as a limit (a call is allowed or told how long to wait); :meth:`debit` as a pace
+    (every call is allowed, after the wait its turn comes at).
+    """
+
+    def __init__(
+        self, burst: int, rate: float, *, max_keys: int = 4096, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.burst = burst
+        self.rate = rate
+        self._max_keys = max_keys
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # key -> [tokens, time of the last refill]
+
+    def _refilled(self, key: str) -> list[float]:
+        now = self._clock()
+        bucket = self._buckets.pop(key, None)
+        if bucket is None:
+            bucket = [float(self.burst), now]
+        bucket[0] = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.rate)
+        bucket[1] = now
+        self._buckets[key] = bucket
+        while len(self._buckets) > self._max_keys:
+            self._buckets.popitem(last=False)
+        return bucket
+
+    def take(self, key: str) -> float:
+        """Take one token of ``key``'s bucket: 0.0 when there was one, else (none taken) the seconds until there
+        is one."""
+        with self._lock:
+            bucket = self._refilled(key)
+            if bucket[0] >= 1:
+                bucket[0] -= 1
+                return 0.0
+            return (1 - bucket[0]) / self.rate
+
+    def debit(self, key: str, max_wait_s: float) -> float:
+        """Take one token of ``key``'s bucket, into debt when it is empty: the seconds the call should wait for its
+        turn (0.0 while tokens are left), at most ``max_wait_s`` (the debt is capped there, so that a caller that
+        stops is soon answered at once again)."""
+        with self._lock:
+            bucket = self._refilled(key)
+            bucket[0] = max(bucket[0] - 1, -max_wait_s * self.rate)
+            return max(0.0, -bucket[0] / self.rate)
 
 
 class Guard:

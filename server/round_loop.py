@@ -576,8 +576,7 @@ def _fit_round(
             if len(accepted) < config.min_fit_results:
                 raise RoundFailed(
                     f"only {len(accepted)} of {len(selected)} selected clients returned a valid update; the quorum "
-                    f"is {config.min_fit_results}. Failures: "
-                    + "; ".join(f"{f.client_id}: {f.reason}" for f in failures[:5]),
+                    f"is {config.min_fit_results}. Failures: {failure_summary(failures)}",
                     round=rnd,
                 )
             _stages_after_fit(pool, protocol_run, config, accepted, all_failures)
@@ -644,6 +643,22 @@ def _fit_round(
         )
         return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
+def failure_summary(failures: Sequence[Failure], *, reasons: int = 5, ids: int = 3) -> str:
+    """The failures of a round attempt in one line: each distinct reason once (the first ``reasons`` of them, in
+    order of first appearance), after the clients that gave it (the first ``ids``, then how many more), so that a
+    cause every client shares (a weighting metric none reports) reads once, not once per client."""
+    by_reason: dict[str, list[str]] = {}
+    for failure in failures:
+        by_reason.setdefault(failure.reason, []).append(failure.client_id)
+    parts = []
+    for reason, clients in list(by_reason.items())[:reasons]:
+        more = f" and {len(clients) - ids} more" if len(clients) > ids else ""
+        parts.append(f"{', '.join(clients[:ids])}{more}: {reason}")
+    if len(by_reason) > reasons:
+        parts.append(f"{len(by_reason) - reasons} other reason(s)")
+    return "; ".join(parts) or "none reported"
 
 
 def _candidates(strategy: Strategy, available: list[str], needed: int, rnd: int) -> list[str]:

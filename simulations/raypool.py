@@ -131,7 +131,8 @@ class RayPool(VirtualClients):
         client_ids: the virtual clients' ids; client ``client_ids[i]`` gets partition ``i``.
         tasks: how actors build a client's task (:class:`simulations.procpool.ClientTasks`).
         workers: the number of actors (default: as many as the cluster's CPUs hold at ``num_cpus`` each, or its
-            GPUs at ``num_gpus`` each when that is fewer).
+            GPUs at ``num_gpus`` each when that is fewer, at most ``max_workers``).
+        max_workers: the most actors that can have work at once (the clients of a round); caps the default.
         threads: torch threads of each actor (1: bit for bit the in-process history on one thread).
         num_cpus, num_gpus: Ray resources each actor holds (fractions allowed, e.g. ``num_gpus=0.25``: four actors
             share a GPU).
@@ -158,6 +159,7 @@ class RayPool(VirtualClients):
         tasks: ClientTasks,
         *,
         workers: int | None = None,
+        max_workers: int | None = None,
         threads: int = 1,
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
@@ -194,6 +196,7 @@ class RayPool(VirtualClients):
         self._actors: list[_Actor | None] = []
         try:
             count = workers if workers is not None else self._fitting_workers(num_cpus, num_gpus)
+            count = count if max_workers is None else max(1, min(count, max_workers))
             self._actors = [self._spawn(i) for i in range(count)]
             self.wait_until_ready()
         except BaseException:

@@ -43,7 +43,7 @@ from typing import Literal
 
 from fedcore.errors import ConfigError, UpdateRejected
 from fedcore.messages import bound_text
-from fedcore.task import EvalResult
+from fedcore.task import DeclaredMetrics, EvalResult
 
 WEIGHT_RULES = ("examples", "uniform", "metric", "server")
 """The names of the weighting rules (``Strategy.weighting``)."""
@@ -120,10 +120,12 @@ class QualityWeights:
             return None
         return v
 
-    def weight_of(self, value: object, num_examples: int, *, source: str) -> float:
+    def weight_of(
+        self, value: object, num_examples: int, *, source: str, reported: Mapping[str, object] | None = None
+    ) -> float:
         """The weight of an update whose quality value is ``value`` (any object: what a client or an evaluation
-        reported), from a client with ``num_examples`` examples; ``source`` says where the value came from (for
-        the rejection's message).
+        reported), from a client with ``num_examples`` examples; ``source`` says where the value came from and
+        ``reported`` (optional) what the source reported instead, both for the rejection's message.
 
         Raises:
             UpdateRejected: the value is unusable and there is no fallback; the example count is beyond the float
@@ -132,13 +134,67 @@ class QualityWeights:
         v = self._usable(value)
         if v is None:
             if self.fallback is None:
+                got = f"got {bound_text(repr(value), 40)}"
+                if value is None and reported is not None:
+                    names = ", ".join(bound_text(str(k), 40) for k in sorted(map(str, reported))[:20]) or "none"
+                    got = f"it reported: {names}; choose one with --weight-metric"
                 raise UpdateRejected(
                     f"{source} gave no usable {self.metric!r} for quality weighting "
-                    f"(got {bound_text(repr(value), 40)}); set a weighting fallback value to take such updates"
+                    f"({got}); set a weighting fallback value to take such updates"
                 )
             v = self.fallback
         weight = softmax_weight(v, self.temperature) if self.transform == "softmax" else v
         return weight * example_count_weight(num_examples) if self.times_examples else weight
+
+
+RUNNER_FIT_METRICS = ("fit_seconds",)
+"""Fit metrics the client side adds to every update whatever the task (:mod:`client.runner`)."""
+
+
+def weight_metric_names(
+    rule: WeightRule, declared: DeclaredMetrics, *, report_validation: bool, extra: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """The quality values rule ``rule`` can read from a task that reports ``declared``: for ``metric`` the task's
+    fit metrics, :data:`RUNNER_FIT_METRICS`, ``extra`` (e.g. a simulation's ``simulated_seconds``) and, with
+    ``report_validation``, ``val_loss`` and ``val_<name>`` of its evaluation metrics; for ``server`` ``loss`` and
+    the evaluation metrics; nothing for the other rules."""
+    if rule == "metric":
+        validation = ("val_loss", *(f"val_{n}" for n in declared.evaluate)) if report_validation else ()
+        return tuple(dict.fromkeys((*declared.fit, *RUNNER_FIT_METRICS, *extra, *validation)))
+    if rule == "server":
+        return ("loss", *declared.evaluate)
+    return ()
+
+
+def check_weight_metric(
+    rule: WeightRule,
+    metric: str,
+    declared: DeclaredMetrics | None,
+    *,
+    report_validation: bool,
+    extra: tuple[str, ...] = (),
+) -> None:
+    """Refuse, before the first round, a weighting metric the task cannot report (rules ``metric`` and ``server``;
+    the others read no metric). A task that declares no metric names (``declared`` None) is not checked: its
+    updates say in the first round (:meth:`QualityWeights.weight_of` names what they reported instead).
+
+    Raises:
+        ConfigError: ``metric`` is not one of :func:`weight_metric_names`; the message lists them.
+    """
+    if declared is None or rule not in ("metric", "server"):
+        return
+    names = weight_metric_names(rule, declared, report_validation=report_validation, extra=extra)
+    if metric in names:
+        return
+    hint = ""
+    if rule == "metric" and not report_validation and declared.evaluate:
+        validation = ", ".join(("val_loss", *(f"val_{n}" for n in declared.evaluate)))
+        hint = f" ({validation} with train.report_validation = true, --report-validation)"
+    source = "the clients report with their updates" if rule == "metric" else "the server's evaluation gives"
+    raise ConfigError(
+        f"strategy.weight_metric (--weight-metric) {metric!r} is not a value {source}; weighting {rule!r} can use: "
+        f"{', '.join(names)}{hint}"
+    )
 
 
 def update_weight(
@@ -167,20 +223,21 @@ def update_weight(
     if rule == "examples":
         return example_count_weight(num_examples)
     if rule == "metric":
-        value = metrics.get(quality.metric) if isinstance(metrics, Mapping) else None
-        return quality.weight_of(value, num_examples, source="the client")
+        reported = metrics if isinstance(metrics, Mapping) else {}
+        return quality.weight_of(reported.get(quality.metric), num_examples, source="the client", reported=reported)
     if evaluate is None:
         raise ConfigError("weighting 'server' needs the server's evaluation of each update on its validation data")
     try:
         result = evaluate()
         found: object = result.loss if quality.metric == "loss" else result.metrics.get(quality.metric)
+        evaluated: Mapping[str, object] | None = {"loss": result.loss, **result.metrics}
         if result.num_examples <= 0:
-            found = None
+            found, evaluated = None, None
     except Exception as exc:  # an evaluation that fails costs the update its value, never the round
         if quality.fallback is None:
             raise UpdateRejected(
                 f"the server's evaluation of the update failed ({type(exc).__name__}: {bound_text(str(exc), 200)}); "
                 "set a weighting fallback value to take such updates"
             ) from exc
-        found = None
-    return quality.weight_of(found, num_examples, source="the server's evaluation of the update")
+        found, evaluated = None, None
+    return quality.weight_of(found, num_examples, source="the server's evaluation of the update", reported=evaluated)

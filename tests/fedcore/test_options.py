@@ -206,6 +206,7 @@ def test_contradictions_and_missing_files_are_refused_before_anything_is_created
         (["--insecure", "--revoke", ""], "an empty client id cannot be revoked"),
         (["--insecure", "--rounds", "0"], "num_rounds must be >= 1"),
         (["--insecure", "--max-workers", "2"], "max_workers must be >= 8"),
+        (["--insecure", "--max-workers", "100000000"], "max_workers must be <= 100,000"),
     ]
     for extra, message in cases:
         assert main([*base, *extra]) == 2, extra

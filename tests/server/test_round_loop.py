@@ -10,12 +10,12 @@ import torch
 
 from client.runner import run_instruction
 from fedcore.errors import RoundFailed
-from fedcore.messages import FitIns
+from fedcore.messages import Failure, FitIns, Stage
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import EvalResult, FitConfig, Task, TrainContext, TrainResult, initial_parameters
 from fedcore.tensors import NamedArrays
-from server.round_loop import RoundConfig, run_rounds
+from server.round_loop import RoundConfig, failure_summary, run_rounds
 from simulations.datasets import load_digits_dataset
 from simulations.inmemory import InMemoryPool
 from simulations.models import MLP2NN
@@ -216,3 +216,12 @@ def test_on_round_end_may_hand_back_the_state_and_records_need_not_be_kept(
     assert all(isinstance(a, np.memmap) for a in final.parameters.values())  # the loop continued from the files
     for name, array in reference.parameters.items():
         assert np.array_equal(final.parameters[name], array), name  # bit for bit
+
+
+def test_a_rounds_failures_read_each_reason_once() -> None:
+    same = [Failure(client_id=f"c{i}", round=1, stage=Stage.FIT, reason="no 'bogus'") for i in range(5)]
+    other = Failure(client_id="c9", round=1, stage=Stage.FIT, reason="timed out")
+    assert failure_summary([*same[:2], other, *same[2:]]) == "c0, c1, c2 and 2 more: no 'bogus'; c9: timed out"
+    assert failure_summary(same[:1]) == "c0: no 'bogus'"
+    many = [Failure(client_id=f"c{i}", round=1, stage=Stage.FIT, reason=f"r{i}") for i in range(7)]
+    assert failure_summary(many, reasons=2) == "c0: r0; c1: r1; 5 other reason(s)"

@@ -1,0 +1,102 @@
+"""``fedcore server start`` and ``fedcore client start`` refuse what they can before anything is created: a task
+that fails to build leaves no state directory; weighting ``server`` names a value the server's evaluation gives;
+secret files others may read draw a warning with the chmod that fixes it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from client.daemon import ClientDaemon, DaemonConfig
+from fedcore.cli import main
+from privacy.tls import exposure_warning
+
+DEMO = ["--task", "simulations.tasks:demo_task", "--task-option", "dataset=synthetic", "--task-option",
+        "partition=natural", "--task-option", "model=logreg"]  # fmt: skip
+
+
+def _start(state: Path, *flags: str) -> list[str]:
+    return ["server", "start", "--insecure", "--address", "127.0.0.1:0", "--state-dir", str(state), *flags]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--task", "simulations.tasks:demo_task", "--task-option", "dataset=bogus"], "unknown dataset 'bogus'"),
+        ([*DEMO, "--task-option", "num_clients=abc"], "num_clients: expected an integer, got 'abc'"),
+        (["--task", "os:getcwd"], "the task factory 'os:getcwd' raised TypeError"),
+        (
+            [*DEMO, "--weighting", "server", "--weight-metric", "bogus"],
+            "'bogus' is not a value the server's evaluation gives; weighting 'server' can use: loss, accuracy",
+        ),
+    ],
+)
+def test_a_task_that_fails_to_build_leaves_no_state_directory(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state"
+    assert main(_start(state, *flags)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not state.exists()
+
+
+def test_a_client_whose_task_cannot_be_loaded_leaves_no_state_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "client-state"
+    code = main(["client", "start", "--insecure", "--server", "127.0.0.1:1", "--client-id", "c0", "--task",
+                 "nosuch_module:f", "--state-dir", str(state)])  # fmt: skip
+    assert code == 2
+    assert "cannot import task module 'nosuch_module'" in capsys.readouterr().err
+    assert not state.exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "who"), [(0o644, "its group and others"), (0o640, "its group"), (0o604, "others"), (0o600, None)]
+)
+def test_a_secret_file_others_may_read_draws_a_warning_with_the_fix(mode: int, who: str | None, tmp_path: Path) -> None:
+    path = tmp_path / "my tokens.txt"
+    path.write_text("client-000 abc\n")
+    os.chmod(path, mode)
+    warning = exposure_warning(path, "the tokens file (--tokens-file)")
+    if who is None:
+        assert warning is None
+    else:
+        assert warning == (
+            f"the tokens file (--tokens-file) {str(path)!r} has mode {mode:04o}: {who} may read it, and with it this "
+            f"secret; make it readable by its owner only: chmod 600 '{path}'"
+        )
+
+
+def test_the_server_warns_of_a_tokens_file_others_may_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("client-000 abc\n")
+    tokens.chmod(0o644)
+    # the warning comes first; the bad task option then stops the server before it creates anything
+    code = main(_start(tmp_path / "state", "--tokens-file", str(tokens), *DEMO, "--task-option", "num_clients=x"))
+    out = capsys.readouterr().out
+    assert code == 2
+    assert f"WARNING: the tokens file (--tokens-file) {str(tokens)!r} has mode 0644" in out
+    assert f"chmod 600 {tokens}\n" in out
+    tokens.chmod(0o600)
+    assert main(_start(tmp_path / "state", "--tokens-file", str(tokens), *DEMO, "--task-option", "num_clients=x")) == 2
+    assert "WARNING: the tokens file" not in capsys.readouterr().out
+
+
+def test_the_daemon_warns_of_a_token_file_others_may_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    token.chmod(0o640)
+    config = DaemonConfig(server="127.0.0.1:1", client_id="c0", insecure=True, token_file=token)
+    with caplog.at_level(logging.WARNING, logger="fedcore.client"):
+        ClientDaemon(config)
+        token.chmod(0o400)
+        ClientDaemon(config)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"token_file (--token-file) {str(token)!r} has mode 0640: its group may read it, and with it this secret; "
+        f"make it readable by its owner only: chmod 600 {token}"
+    ]

@@ -1,0 +1,142 @@
+"""What a simulation refuses before its first round, and what it leaves behind when it does: an unknown weighting
+metric is named with the ones available before any data is loaded or any output written; a recipe whose task fails
+to build leaves no output directory; the process and ray backends never start more workers than a round can use."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from fedcore.cli import main
+from fedcore.errors import ConfigError, RoundFailed
+from simulations.config import load_recipe
+from simulations.harness import clients_at_once, run_simulation, worker_count
+
+TINY = "tests.simulations.test_harness:tiny_task"  # a plain SupervisedTask: declares train_loss and accuracy
+OWN_LOOP = "tests.simulations.procpool_tasks:tiny_task"  # overrides train (reports a pid too): declares nothing
+
+
+def _simulate(*flags: str) -> list[str]:
+    """``fedcore simulate`` of the synthetic recipe's data for one round, with ``flags``."""
+    return ["simulate", "--dataset", "synthetic", "--partition", "natural", "--clients", "4", "--model", "logreg",
+            "--clients-per-round", "2", "--rounds", "1", "--no-progress", "--no-plot", *flags]  # fmt: skip
+
+
+def test_an_unknown_client_metric_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    code = main(_simulate("--weighting", "metric", "--weight-metric", "bogus", "--out", str(out)))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1  # one line
+    assert "'bogus' is not a value the clients report with their updates" in err
+    assert "weighting 'metric' can use: train_loss, fit_seconds (val_loss, val_accuracy with" in err
+    assert not out.exists()
+
+
+def test_an_unknown_server_evaluation_value_is_refused_with_the_ones_it_gives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    # val_accuracy is a client's validation metric, not a value of the server's evaluation
+    code = main(_simulate("--weighting", "server", "--weight-metric", "val_accuracy", "--out", str(out)))
+    assert code == 2
+    assert "weighting 'server' can use: loss, accuracy\n" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_validation_metrics_and_simulated_durations_count_where_they_are_reported() -> None:
+    base = [f"output.dir='{Path('unused')}'", "data.num_clients=4"]
+    with pytest.raises(ConfigError, match="can use: train_loss, fit_seconds, simulated_seconds"):
+        load_recipe(
+            None, [*base, "strategy.weighting='metric'", "strategy.weight_metric='x'", "devices.slow_fraction=0.5"]
+        )
+    config = load_recipe(
+        None,
+        [*base, "strategy.weighting='metric'", "strategy.weight_metric='val_accuracy'", "train.report_validation=true"],
+    )
+    assert config.strategy.weight_metric == "val_accuracy"
+    assert load_recipe(None, [*base, "strategy.weighting='metric'", "strategy.weight_metric='fit_seconds'"])
+
+
+def _tiny(out: Path, factory: str, *extra: str) -> list[str]:
+    fixed = ["data.num_clients=4", "sampling.min_fit_clients=2", "sampling.fraction_fit=0.5", "rounds=1"]
+    return [
+        f"task.factory='{factory}'",
+        *fixed,
+        "output.progress=false",
+        "output.plot=false",
+        f"output.dir={str(out)!r}",
+        *extra,
+    ]
+
+
+def test_a_custom_tasks_declared_metrics_are_checked_once_it_is_built(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    bad = _tiny(out, TINY, "strategy.weighting='server'", "strategy.weight_metric='f1'")
+    with pytest.raises(ConfigError, match=r"'f1' is not a value the server's evaluation gives; .* loss, accuracy$"):
+        run_simulation(load_recipe(None, bad), echo=lambda _: None)
+    assert not out.exists()
+    # what the task does report trains: weighted by each client's validation accuracy (proportional)
+    good = _tiny(out, TINY, "strategy.weighting='metric'", "strategy.weight_metric='val_accuracy'",
+                 "strategy.weight_transform='proportional'", "train.report_validation=true")  # fmt: skip
+    result = run_simulation(load_recipe(None, good), echo=lambda _: None)
+    assert list(result.history["clients"]) == [0, 2]
+
+
+def test_a_task_that_declares_nothing_fails_round_one_saying_what_its_clients_reported(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = load_recipe(None, _tiny(out, OWN_LOOP, "strategy.weighting='metric'", "strategy.weight_metric='bogus'"))
+    with pytest.raises(RoundFailed) as caught:
+        run_simulation(config, echo=lambda _: None)
+    message = caught.value.message
+    # the clients' shared reason once, after who gave it, with what they reported instead
+    assert message.count("gave no usable 'bogus'") == 1
+    assert (
+        "client-00" in message
+        and "it reported: fit_seconds, pid, train_loss; choose one with --weight-metric" in message
+    )
+
+
+def test_a_task_that_fails_to_build_leaves_no_output_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    code = main(_simulate("--task", "os:getcwd", "--out", str(out)))  # a callable that is no task factory
+    assert code == 2
+    assert "the task factory 'os:getcwd' raised TypeError" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(_simulate("--out", str(tmp_path / "file"), "--task", "os:getcwd")) == 2  # refused as before
+    (tmp_path / "afile").write_text("x")
+    assert main(_simulate("--out", str(tmp_path / "afile"))) == 2
+    assert "output.dir (--out)" in capsys.readouterr().err and (tmp_path / "afile").read_text() == "x"
+
+
+def test_workers_are_capped_at_the_clients_a_round_instructs(caplog: pytest.LogCaptureFixture) -> None:
+    def config(*extra: str):  # type: ignore[no-untyped-def]
+        return load_recipe(None, ["data.num_clients=10", "sampling.fraction_fit=0.3", "sampling.min_fit_clients=2",
+                                  "simulation.backend='process'", *extra])  # fmt: skip
+
+    assert clients_at_once(config()) == 3  # floor(0.3 * 10)
+    assert clients_at_once(config("sampling.fraction_evaluate=0.5")) == 5  # evaluation asks 5 at once
+    assert clients_at_once(config("sampling.min_fit_clients=10", "sampling.fraction_fit=1.0")) == 10
+    with caplog.at_level(logging.WARNING, logger="fedcore.simulation"):
+        assert worker_count(config("simulation.workers=2")) == 2
+        assert not caplog.records
+        assert worker_count(config("simulation.workers=4096")) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "workers = 4096 capped at 3: a round instructs at most 3 of the 10 clients at once, so more worker "
+        "processes would never get one"
+    ]
+    assert worker_count(config()) is not None and worker_count(config()) <= 3  # the default (cores) too
+
+
+def test_a_client_count_beyond_the_cap_is_refused_not_partitioned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 10^20 synthetic devices: making the partition ran for minutes before the cap
+    assert main(_simulate("--clients", str(10**20), "--out", str(tmp_path / "run"))) == 2
+    assert "num_clients must be in 1..1,000,000, got 100000000000000000000" in capsys.readouterr().err
