@@ -25,7 +25,6 @@ SIMULATE_FLAGS = {
     "data.num_clients": "clients",
     "model.name": "model",
     "strategy.name": "strategy",
-    "sampling.min_fit_clients": "clients-per-round",
     "train.local_epochs": "epochs",
     "output.dir": "out",
     "output.progress": "no-progress",

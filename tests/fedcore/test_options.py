@@ -52,7 +52,7 @@ OLD_CLIENT_FLAGS = {
 }  # fmt: skip
 OLD_SIMULATE_FLAGS = {
     "--rounds", "--seed", "--dataset", "--data-dir", "--clients", "--partition", "--alpha", "--model", "--strategy",
-    "--clients-per-round", "--epochs", "--batch-size", "--lr", "--mu", "--out", "--task", "--task-option",
+    "--min-fit-clients", "--epochs", "--batch-size", "--lr", "--mu", "--out", "--task", "--task-option",
     "--no-progress",
 }  # fmt: skip
 
@@ -112,6 +112,15 @@ def test_every_server_setting_is_a_flag_and_the_old_flags_keep_their_keys() -> N
     assert {o.flag for o in client_options()} >= OLD_CLIENT_FLAGS
     assert {o.key for o in client_options()} == {f.name for f in dataclasses.fields(DaemonConfig)} - {"parallel"}
     assert {o.flag for o in simulate_options()} >= OLD_SIMULATE_FLAGS
+
+
+def test_simulate_names_the_minimum_of_clients_a_round_as_the_server_does() -> None:
+    # --clients-per-round set sampling.min_fit_clients, a minimum (fraction_fit 0.1 of 100 clients trained 10
+    # with --clients-per-round 5): the flag is now --min-fit-clients, as fedcore server start and Flower name it.
+    simulate = {o.flag: o.key for o in simulate_options()}
+    server = {o.flag: o.key for o in server_options()}
+    assert simulate["--min-fit-clients"] == server["--min-fit-clients"] == "sampling.min_fit_clients"
+    assert "--clients-per-round" not in simulate
 
 
 def test_flags_come_with_their_fields_help_and_default() -> None:
