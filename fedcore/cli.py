@@ -320,6 +320,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # shares the cores, which is the normal case on a data holder's machine or a CI runner; passive waiting
     # costs little when the machine is idle. Set before torch is imported (sub-commands import it lazily).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # gRPC's C core (grpcio 1.85) logs every failed TLS handshake on stderr at INFO, e.g. "I1202 ...
+    # ssl_transport_security.cc:2563] Handshake failed ... PEER_DID_NOT_RETURN_A_CERTIFICATE" for each attempt of
+    # a client without a certificate; its errors still show at ERROR. It reads GRPC_VERBOSITY when grpc is first
+    # imported, which building the parser does (server and client options), so set it first; the user's wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
