@@ -238,6 +238,8 @@ def _cmd_client_start(args: argparse.Namespace) -> int:
     # --parallel refines the plan of --parallel-config, else of the --config file's [parallel] table
     plan = _parallel_plan(args.parallel_config or (args.config if args.parallel else None), args.parallel)
     config = load_daemon_config(args.config, args.overrides, flags, parallel=plan)
+    if not args.verbose:  # on success the daemon says it joined, each round it trained and the run's end (INFO)
+        logging.getLogger("fedcore.client").setLevel(logging.INFO)
     if config.insecure:
         print("WARNING: connecting without TLS (--insecure): the model and updates travel in plaintext")
     return ClientDaemon(config).run()
