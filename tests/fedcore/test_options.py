@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 from client.daemon import DaemonConfig, load_daemon_config
 from fedcore.cli import build_parser, client_options, main, server_options, simulate_options
 from fedcore.errors import ConfigError
-from fedcore.options import add_options, derive_options, given_values, to_overrides
+from fedcore.options import add_options, derive_options, given_values, plain_text, to_overrides
 from fedcore.strategy import StrategyConfig
 from fedcore.task import FitConfig
 from fedcore.tensors import encode
@@ -264,3 +267,19 @@ def test_the_daemon_reads_a_toml_file_and_flags_override_it(
     monkeypatch.delenv("FEDCORE_TOKEN", raising=False)
     assert main(["client", "start", "--config", str(path), "--partition-id", "3", "--num-partitions", "2"]) == 2
     assert "partition_id (--partition-id) 3 is not in 0..1" in capsys.readouterr().err
+
+
+def test_help_text_has_no_sphinx_markup() -> None:
+    assert plain_text("needs ``pip install -e '.[ray]'``; see :mod:`simulations.raypool`") == (
+        "needs pip install -e '.[ray]'; see simulations.raypool"
+    )
+    assert plain_text(":class:`~server.config.ServerConfig`, :func:`fedcore.task.load_task`, :py:meth:`A.b`") == (
+        "ServerConfig, fedcore.task.load_task, A.b"
+    )
+    assert plain_text(":class:`the pool <simulations.raypool.RayPool>` and `x` stay") == "the pool and `x` stay"
+    (backend,) = [o for o in simulate_options() if o.flag == "--backend"]
+    assert "simulations.raypool" in backend.help and ":mod:" not in backend.help
+    for argv in (["simulate", "--help"], ["server", "start", "--help"], ["client", "start", "--help"]):
+        proc = subprocess.run([sys.executable, "-m", "fedcore.cli", *argv], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "``" not in proc.stdout and not re.search(r":\w+:`", proc.stdout), argv
