@@ -468,7 +468,7 @@ class ClientDaemon:
             check_engine_task(self._task, client_id=self.config.client_id)  # a task with its own loop: refused now
             plan.check_model(self._task.build_model())  # a bad split point fails here, before any round
             self._parallel = ParallelTraining(task_factory=self.config.task, task_context=context, plan=plan)
-        log.info("task ready in %.2f s", time.perf_counter() - started)
+        log.debug("task ready in %.2f s", time.perf_counter() - started)
 
     def _heartbeat_loop(self, stub: pb_grpc.CoordinatorStub) -> None:
         while self._session_ok.is_set() and not self._stop.wait(self._heartbeat_s):
@@ -489,15 +489,20 @@ class ClientDaemon:
 
     def _serve(self, stub: pb_grpc.CoordinatorStub) -> bool:
         """Pull, run and push until the run finishes (True) or the daemon is stopped (False)."""
+        finished = False  # with --stay, the run's end is told once, not at every poll after it
         while not self._stop.is_set():
             pulled = self._pull(stub)
             if pulled is True:
                 if self.config.exit_when_finished:
                     return True
+                if not finished:
+                    log.info("the server finished the run; staying for the next (--stay)")
+                    finished = True
                 self._stop.wait(self.config.poll_s)
                 continue
             if pulled is False:
                 continue
+            finished = False  # a task: a new run started
             task_id, instruction = pulled
             reply = self._execute(instruction)
             self._push(stub, task_id, reply)
@@ -563,7 +568,7 @@ class ClientDaemon:
     def _execute(self, instruction: ServerMessage) -> Reply:
         assert self._task is not None  # set by _prepare_task
         started = time.perf_counter()
-        log.info("round %d %s started", instruction.round, _what(instruction))
+        log.debug("round %d %s started", instruction.round, _what(instruction))
         try:
             reply: Reply
             if isinstance(instruction, StageIns):  # a round protocol's exchange: the round's state machine answers
@@ -595,7 +600,11 @@ class ClientDaemon:
                 stage=instruction.stage,
                 reason=f"{type(exc).__name__}: {exc}",
             )
-        log.info("round %d %s done in %.2f s", instruction.round, _what(instruction), time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if isinstance(reply, FitRes):  # the one INFO line of a round: what was trained, how long it took
+            log.info("round %d trained: %d examples in %.2f s", instruction.round, reply.num_examples, seconds)
+        else:
+            log.debug("round %d %s done in %.2f s", instruction.round, _what(instruction), seconds)
         return reply
 
     def _push(self, stub: pb_grpc.CoordinatorStub, task_id: str, reply: Reply) -> None:
@@ -639,7 +648,7 @@ class ClientDaemon:
                 self._stop.wait(delay)
                 continue
             if answer.accepted:
-                log.info("round %d result accepted%s", reply.round, " (duplicate)" if answer.duplicate else "")
+                log.debug("round %d result accepted%s", reply.round, " (duplicate)" if answer.duplicate else "")
             else:
                 log.warning("round %d result not taken: %s", reply.round, answer.reason)
             return

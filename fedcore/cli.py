@@ -25,7 +25,6 @@ SIMULATE_FLAGS = {
     "data.num_clients": "clients",
     "model.name": "model",
     "strategy.name": "strategy",
-    "sampling.min_fit_clients": "clients-per-round",
     "train.local_epochs": "epochs",
     "output.dir": "out",
     "output.progress": "no-progress",
@@ -239,6 +238,8 @@ def _cmd_client_start(args: argparse.Namespace) -> int:
     # --parallel refines the plan of --parallel-config, else of the --config file's [parallel] table
     plan = _parallel_plan(args.parallel_config or (args.config if args.parallel else None), args.parallel)
     config = load_daemon_config(args.config, args.overrides, flags, parallel=plan)
+    if not args.verbose:  # on success the daemon says it joined, each round it trained and the run's end (INFO)
+        logging.getLogger("fedcore.client").setLevel(logging.INFO)
     if config.insecure:
         print("WARNING: connecting without TLS (--insecure): the model and updates travel in plaintext")
     return ClientDaemon(config).run()
@@ -321,6 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # shares the cores, which is the normal case on a data holder's machine or a CI runner; passive waiting
     # costs little when the machine is idle. Set before torch is imported (sub-commands import it lazily).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # gRPC's C core (grpcio 1.85) logs every failed TLS handshake on stderr at INFO, e.g. "I1202 ...
+    # ssl_transport_security.cc:2563] Handshake failed ... PEER_DID_NOT_RETURN_A_CERTIFICATE" for each attempt of
+    # a client without a certificate; its errors still show at ERROR. It reads GRPC_VERBOSITY when grpc is first
+    # imported, which building the parser does (server and client options), so set it first; the user's wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

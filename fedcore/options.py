@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Collection, Mapping, Sequence
@@ -121,8 +122,31 @@ def _walk(
         if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
             out += _walk(annotation, key + ".", skip, default)
         else:
-            out.append((key, f.name, annotation, default, docs.get(f.name, "")))
+            out.append((key, f.name, annotation, default, plain_text(docs.get(f.name, ""))))
     return out
+
+
+# a Sphinx cross-reference role, :mod:`a.b` (also :py:class:, ~ and "title <target>"); then an inline literal ``x``
+_ROLE = re.compile(r":(?:\w+:)?\w+:`(~?)([^`<]*?)\s*(?:<([^`>]*)>)?`")
+_LITERAL = re.compile(r"``(.+?)``")
+
+
+def _role_text(match: re.Match[str]) -> str:
+    tilde, title, target = match.groups()
+    if target is not None and title:  # :class:`the pool <simulations.raypool.RayPool>`
+        return title
+    name = target if target is not None else title
+    return name.rsplit(".", 1)[-1] if tilde else name  # ~a.b.C shows C, as Sphinx does
+
+
+def plain_text(doc: str) -> str:
+    """A field's docstring text as ``--help`` shows it: Sphinx markup stripped for a terminal.
+
+    ``x`` becomes x; a role such as :mod:`a.b`, :class:`C`, :func:`f` or :py:meth:`C.m` becomes its target
+    (a.b, C, f, C.m), :class:`~a.b.C` its last part (C), and :class:`title <a.b.C>` its title. Other text,
+    single backticks included, is left as it is.
+    """
+    return _LITERAL.sub(r"\1", _ROLE.sub(_role_text, doc))
 
 
 def derive_options(

@@ -232,6 +232,13 @@ class StrategyConfig:
         trim_beta: the fraction trimmed at each end by ``trimmed_mean``, in [0, 0.5).
         multi_krum_m: how many of the best-scored updates ``multi_krum`` averages (unset: n - f).
         norm_bound: the L2 bound on each update's difference from the global model (``norm_bound``; required).
+        sum_dtype: the running sum of the ``mean`` aggregator: ``float64`` (the updates summed in float64, 2x the
+            model; the default) or ``float32`` (the float32 tensors' differences from the round's global model
+            summed in float32, 1x the model: :class:`~fedcore.aggregation.MeanAggregator`'s ``delta``; the mean is
+            within about one float32 unit of the float64 one, but depends on the order the updates are folded in,
+            so the process and Ray backends, which fold them as they arrive, no longer give the in-process model bit
+            for bit). Tensor groups (SCAFFOLD's control variates) keep the float64 sum. The other aggregators, secure
+            aggregation and ``privacy.dp`` keep no such sum: they refuse ``float32``.
         secure_aggregation: aggregate the updates with SecAgg+ (Bell et al. 2020): the server learns only the
             weighted sum of the clients' quantized updates (:mod:`privacy.secagg.rounds`). Needs the ``mean``
             aggregator and a strategy without tensor groups (not scaffold).
@@ -274,6 +281,7 @@ class StrategyConfig:
     trim_beta: float = _DEFAULT_TRIM_BETA
     multi_krum_m: int | None = None
     norm_bound: float | None = None
+    sum_dtype: Literal["float64", "float32"] = "float64"
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     compression: Literal["none", "float16", "bfloat16", "int8", "topk"] = "none"
@@ -306,6 +314,18 @@ class StrategyConfig:
             )
         if self.aggregator == "norm_bound" and self.norm_bound is None:
             raise ConfigError("aggregator norm_bound needs strategy.norm_bound (the L2 bound on each update's change)")
+        if self.sum_dtype not in ("float64", "float32"):
+            raise ConfigError(f"sum_dtype must be 'float64' or 'float32', got {self.sum_dtype!r}")
+        if self.sum_dtype == "float32" and self.aggregator != "mean":
+            raise ConfigError(
+                f"sum_dtype = 'float32' sets the running sum of aggregator 'mean'; {self.aggregator!r} keeps none: "
+                "use sum_dtype = 'float64' (--sum-dtype float64) or aggregator = 'mean'"
+            )
+        if self.sum_dtype == "float32" and self.secure_aggregation:
+            raise ConfigError(
+                "sum_dtype = 'float32' sets the streaming mean's running sum; secure_aggregation sums quantized "
+                "updates in a finite field instead: use sum_dtype = 'float64' (--sum-dtype float64)"
+            )
         build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
         if not isinstance(self.secagg, SecAggConfig):
             raise ConfigError(f"strategy.secagg must be a SecAggConfig table, got {type(self.secagg).__name__}")
@@ -383,7 +403,7 @@ def build_aggregator(config: StrategyConfig) -> Aggregator:
         if config.norm_bound is None:
             raise ConfigError("aggregator norm_bound needs strategy.norm_bound (the L2 bound on each update's change)")
         return NormBoundAggregator(bound=config.norm_bound)
-    return MeanAggregator()
+    return MeanAggregator(delta=config.sum_dtype == "float32")
 
 
 def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingConfig) -> Strategy:

@@ -239,7 +239,8 @@ class BackendConfig:
             1e-5; other recipes are refused before the first round) or process (worker processes fed from one
             queue, :mod:`simulations.procpool`; the same history as inprocess bit for bit when each trains on as
             many torch threads, 1 per worker) or ray (Ray actors fed from one queue, on this machine or a Ray
-            cluster, :mod:`simulations.raypool`; the same history as process; needs ``pip install 'fedcore[ray]'``).
+            cluster, :mod:`simulations.raypool`; the same history as process; needs ``pip install -e '.[ray]'``
+            from a checkout).
         batch_clients: batched: at most this many clients are trained together (memory grows with it: the
             stacked parameters, gradients and momentum of that many models); 0 chooses: on the CPU as many as keep
             the largest stacked parameter within 16 MiB (the 2NN: 26), on a GPU all of a round's clients.

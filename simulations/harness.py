@@ -72,6 +72,12 @@ from simulations.tasks import demo_task
 
 log = logging.getLogger("fedcore.simulation")
 
+FLOAT32_ORDER_NOTICE = (
+    "strategy.sum_dtype = 'float32' with backend %s: updates are summed in the order they arrive, so the history "
+    "is not bit-identical to the in-process backend's (within float32 rounding of it)"
+)
+"""The notice of a float32 running sum on a backend that folds in arrival order (``%s``: the backend)."""
+
 COLUMNS = ("round", "clients", "train_loss", "test_loss", "test_accuracy", "seconds")
 OUTPUT_FILES = ("config.json", "history.csv", "history.png", "model.safetensors")
 CLIENT_STATE_DIR = "client-state"
@@ -285,6 +291,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients)
     process: ProcessPool | RayPool | None = None
     if config.simulation.backend in ("process", "ray"):
+        if config.strategy.sum_dtype == "float32":
+            log.warning(FLOAT32_ORDER_NOTICE, config.simulation.backend)
         tasks = ClientTasks(
             factory=DEMO_TASK if demo else config.task.factory,
             options=options,

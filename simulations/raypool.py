@@ -25,8 +25,8 @@ killed for memory, its node lost) fails the client it was running with a reason 
 behind it on that actor had not started (an actor runs its calls in order) and go back to the queue; a new actor
 takes its place. :meth:`RayPool.close` kills the actors and, when the pool started Ray itself, shuts Ray down.
 
-Ray (``pip install 'fedcore[ray]'``) is imported only when a pool is made. With ``address=None`` the pool joins the
-Ray instance this process already started, or starts a local one (``ray.init()``); with an address
+Ray (``pip install -e '.[ray]'`` from a checkout) is imported only when a pool is made. With ``address=None`` the
+pool joins the Ray instance this process already started, or starts a local one (``ray.init()``); with an address
 (``"ray://head:10001"``, ``"auto"``) it joins that cluster, whose nodes must have fedcore, the task factory's module
 and the task's data at the same paths.
 """
@@ -63,7 +63,7 @@ log = logging.getLogger("fedcore.simulation")
 QUEUE_DEPTH = 2
 """Clients handed to one actor at a time: the one it trains and the next (Ray's round trip to the driver, about
 1-2 ms, is then not spent idle between two clients)."""
-INSTALL_HINT = "pip install 'fedcore[ray]'"
+INSTALL_HINT = "pip install -e '.[ray]' from a checkout, or pip install 'fedcore[ray]'"
 
 
 def import_ray() -> Any:

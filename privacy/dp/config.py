@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from fedcore.aggregation import MeanAggregator
 from fedcore.errors import ConfigError
 from fedcore.messages import ModSpec
 from fedcore.strategy import Strategy
@@ -123,8 +124,9 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
         ConfigError: no population, adaptive clipping in distributed mode without secure aggregation, a strategy
             with tensor groups (e.g. SCAFFOLD: its control variates would
             leave the clients unprotected), a non-mean aggregator (robust rules and DP noise do not compose
-            here), a quality weighting (metric, server), central mode under secure aggregation, or settings the
-            mechanism refuses.
+            here), a float32 running sum (``MeanAggregator(delta=True)``, strategy.sum_dtype: DP-FedAvg's mean
+            replaces it), a quality weighting (metric, server), central mode under secure aggregation, or settings
+            the mechanism refuses.
     """
     if config.dp_sgd:
         if strategy.groups:
@@ -173,6 +175,11 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
         raise ConfigError(
             "under secure aggregation the server never sees an update, so it cannot clip or add noise (central "
             "mode); use privacy.dp = 'distributed' (--dp distributed): each client clips and adds its noise share"
+        )
+    if isinstance(strategy.aggregator, MeanAggregator) and strategy.aggregator.delta:
+        raise ConfigError(
+            "privacy.dp replaces the streaming mean with DP-FedAvg's clipped mean, which sums in float64: "
+            "strategy.sum_dtype = 'float32' cannot apply; use sum_dtype = 'float64' (--sum-dtype float64)"
         )
     if strategy.aggregator.name != "mean" and not secure:
         raise ConfigError(

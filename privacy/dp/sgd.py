@@ -5,7 +5,10 @@ While the task trains (its own loop, with any ``torch.optim`` optimizer, in the 
 ``GradSampleModule`` hooks compute per-example gradients of the model, and before every optimizer step an Opacus
 ``DPOptimizer`` around the task's optimizer clips each example's gradient to ``max_grad_norm``, sums, adds
 ``N(0, (noise_multiplier * max_grad_norm)^2)`` and divides by the batch size (``pre_step``); the task's optimizer
-then steps with that gradient. The task must average its loss over the batch (``reduction="mean"``, the default of
+then steps with that gradient. The noise comes from a generator seeded from the OS (:func:`os_seeded_generator`),
+not from the round's seed, which the server knows, and through Opacus' ``secure_mode`` (each value the sum of four
+Gaussian draws halved, Opacus' defence against the floating-point attacks of arXiv:2107.10138 and
+arXiv:2112.05307). The task must average its loss over the batch (``reduction="mean"``, the default of
 torch's losses).
 
 Accounting: Opacus' RDP accountant, one entry ``(noise_multiplier, q = batch_size / num_examples, steps)`` per
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -103,6 +107,18 @@ def make_private_model(model: torch.nn.Module) -> tuple[torch.nn.Module, list[st
     return fixed, changes
 
 
+def os_seeded_generator(device: torch.device) -> torch.Generator:
+    """A torch generator on ``device`` seeded with 64 bits from the operating system (``os.urandom``), for DP-SGD's
+    noise.
+
+    The noise must not follow from anything the server knows: the round's seed (which keys the client's shuffling
+    and torch's default generator, :func:`fedcore.training.train_supervised`) is chosen and sent by the server, so
+    noise drawn from the default generator could be recomputed and subtracted by the party the noise protects the
+    data from. DP-SGD runs are therefore not bit-reproducible (the rest of a run stays seeded).
+    """
+    return torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little"))
+
+
 def sgd_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     """Opacus' RDP epsilon at ``delta`` for ``history`` entries ``(noise_multiplier, sample_rate, steps)``."""
     if not history:
@@ -170,6 +186,8 @@ class DPSGDMod:
                         noise_multiplier=self.noise_multiplier,
                         max_grad_norm=self.max_grad_norm,
                         expected_batch_size=batch_size,
+                        generator=os_seeded_generator(next(iter(model.parameters())).device),
+                        secure_mode=True,
                     )
             dp.pre_step()
             for p in dp.params:  # consumed: the task's zero_grad does not clear Opacus' per-example gradients

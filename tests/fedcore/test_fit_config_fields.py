@@ -10,6 +10,7 @@ import pytest
 from client.flower import fit_config_dict
 from fedcore.config import ScalarField, field_docs, from_mapping, scalar_fields
 from fedcore.errors import ConfigError
+from fedcore.options import plain_text
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.task import FitConfig
 from fedcore.wire import fit_config_from_pb, fit_config_to_pb
@@ -139,4 +140,5 @@ def test_every_field_is_a_flag_of_simulate_and_server_start() -> None:
         by_key = {o.key: o for o in options}
         for f in scalar_fields(FitConfig):
             option = by_key[f"train.{f.name}"]
-            assert (option.kind, option.default, option.help) == (f.kind, f.default, f.help)
+            # the flag's help is the field's doc with its Sphinx markup stripped for the terminal
+            assert (option.kind, option.default, option.help) == (f.kind, f.default, plain_text(f.help))

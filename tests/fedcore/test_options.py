@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 from client.daemon import DaemonConfig, load_daemon_config
 from fedcore.cli import build_parser, client_options, main, server_options, simulate_options
 from fedcore.errors import ConfigError
-from fedcore.options import add_options, derive_options, given_values, to_overrides
+from fedcore.options import add_options, derive_options, given_values, plain_text, to_overrides
 from fedcore.strategy import StrategyConfig
 from fedcore.task import FitConfig
 from fedcore.tensors import encode
@@ -52,7 +55,7 @@ OLD_CLIENT_FLAGS = {
 }  # fmt: skip
 OLD_SIMULATE_FLAGS = {
     "--rounds", "--seed", "--dataset", "--data-dir", "--clients", "--partition", "--alpha", "--model", "--strategy",
-    "--clients-per-round", "--epochs", "--batch-size", "--lr", "--mu", "--out", "--task", "--task-option",
+    "--min-fit-clients", "--epochs", "--batch-size", "--lr", "--mu", "--out", "--task", "--task-option",
     "--no-progress",
 }  # fmt: skip
 
@@ -112,6 +115,15 @@ def test_every_server_setting_is_a_flag_and_the_old_flags_keep_their_keys() -> N
     assert {o.flag for o in client_options()} >= OLD_CLIENT_FLAGS
     assert {o.key for o in client_options()} == {f.name for f in dataclasses.fields(DaemonConfig)} - {"parallel"}
     assert {o.flag for o in simulate_options()} >= OLD_SIMULATE_FLAGS
+
+
+def test_simulate_names_the_minimum_of_clients_a_round_as_the_server_does() -> None:
+    # --clients-per-round set sampling.min_fit_clients, a minimum (fraction_fit 0.1 of 100 clients trained 10
+    # with --clients-per-round 5): the flag is now --min-fit-clients, as fedcore server start and Flower name it.
+    simulate = {o.flag: o.key for o in simulate_options()}
+    server = {o.flag: o.key for o in server_options()}
+    assert simulate["--min-fit-clients"] == server["--min-fit-clients"] == "sampling.min_fit_clients"
+    assert "--clients-per-round" not in simulate
 
 
 def test_flags_come_with_their_fields_help_and_default() -> None:
@@ -255,3 +267,19 @@ def test_the_daemon_reads_a_toml_file_and_flags_override_it(
     monkeypatch.delenv("FEDCORE_TOKEN", raising=False)
     assert main(["client", "start", "--config", str(path), "--partition-id", "3", "--num-partitions", "2"]) == 2
     assert "partition_id (--partition-id) 3 is not in 0..1" in capsys.readouterr().err
+
+
+def test_help_text_has_no_sphinx_markup() -> None:
+    assert plain_text("needs ``pip install -e '.[ray]'``; see :mod:`simulations.raypool`") == (
+        "needs pip install -e '.[ray]'; see simulations.raypool"
+    )
+    assert plain_text(":class:`~server.config.ServerConfig`, :func:`fedcore.task.load_task`, :py:meth:`A.b`") == (
+        "ServerConfig, fedcore.task.load_task, A.b"
+    )
+    assert plain_text(":class:`the pool <simulations.raypool.RayPool>` and `x` stay") == "the pool and `x` stay"
+    (backend,) = [o for o in simulate_options() if o.flag == "--backend"]
+    assert "simulations.raypool" in backend.help and ":mod:" not in backend.help
+    for argv in (["simulate", "--help"], ["server", "start", "--help"], ["client", "start", "--help"]):
+        proc = subprocess.run([sys.executable, "-m", "fedcore.cli", *argv], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "``" not in proc.stdout and not re.search(r":\w+:`", proc.stdout), argv

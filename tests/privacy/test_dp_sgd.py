@@ -123,3 +123,25 @@ def test_simulation_with_dp_sgd_and_central_dp(tmp_path: Path) -> None:
     sgd = history["train_sgd_epsilon"].iloc[1:]
     assert (sgd > 0).all() and np.isfinite(sgd).all()
     assert (history["epsilon"].iloc[1:] > 0).all()
+
+
+def test_the_noise_does_not_follow_from_the_seed_and_has_the_configured_scale(tmp_path: Path) -> None:
+    """A zero-loss model (every per-example gradient is 0) moves by the noise alone: one step with lr 1 and batch B
+    moves each weight by -N(0, (sigma C)^2) / B. Two runs with the same seed, round and client draw different noise
+    (it is seeded from the OS, not from what the server sends), and over 20,000 weights its std is sigma C / B."""
+    sigma, clip, batch = 2.0, 0.5, 4
+    moves = []
+    for run in range(2):
+        model = nn.Linear(20_000, 1, bias=False)
+        with torch.no_grad():
+            model.weight.zero_()
+        x, y = torch.zeros(batch, 20_000), torch.zeros(batch)
+        torch.manual_seed(0)  # what the client runner does with the round's seed, which the server sends
+        mod = DPSGDMod(noise_multiplier=sigma, max_grad_norm=clip)
+        ctx = ModContext(client_id="a", model=model, state=ClientStateStore(tmp_path / str(run)).entry("a"))
+        reply = fit(model, x, y, mod, ctx, FitConfig(lr=1.0, batch_size=batch, local_epochs=1), 1)
+        moves.append(np.asarray(reply.parameters["weight"], np.float64).ravel())
+    assert not np.array_equal(moves[0], moves[1])
+    for move in moves:
+        assert abs(move.std() / (sigma * clip / batch) - 1) < 0.05  # 20,000 draws: std's relative error ~0.5%
+        assert abs(move.mean()) < 5 * sigma * clip / batch / math.sqrt(move.size)

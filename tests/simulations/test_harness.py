@@ -74,7 +74,7 @@ def test_same_seed_gives_identical_histories(tmp_path: Path, strategy: str) -> N
 @pytest.mark.slow
 def test_cli_simulate_prints_the_final_line_and_writes_the_report(tmp_path: Path) -> None:
     args = [
-        "--dataset", "digits", "--clients", "6", "--model", "2nn", "--rounds", "2", "--clients-per-round", "3",
+        "--dataset", "digits", "--clients", "6", "--model", "2nn", "--rounds", "2", "--min-fit-clients", "3",
         "--set", "data.min_partition_size=5", "--out", str(tmp_path), "--no-progress",
     ]  # fmt: skip
     proc = subprocess.run(

@@ -35,7 +35,7 @@ def ray_head() -> Iterator[str]:
     """A one-node Ray cluster (2 CPUs) started by ``ray start --head --block`` in a short temporary directory (Unix
     socket paths must stay under 108 bytes); terminating the blocking command stops every process it started, so no
     other Ray instance on the machine is touched. Yields the head's ``host:port``."""
-    pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'fedcore[ray]'")
+    pytest.importorskip("ray", reason="the ray extra is not installed: pip install -e '.[ray]'")
     ray_cli = Path(sys.executable).with_name("ray")
     if not ray_cli.exists():
         pytest.skip(f"the ray command is not next to {sys.executable}")

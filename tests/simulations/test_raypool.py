@@ -24,7 +24,9 @@ def test_without_ray_the_backend_is_refused_with_the_install_command(monkeypatch
     from simulations.config import load_recipe
 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives: ImportError
-    with pytest.raises(ConfigError, match=r"pip install 'fedcore\[ray\]'"):
+    with pytest.raises(
+        ConfigError, match=r"; pip install -e '\.\[ray\]' from a checkout, or pip install 'fedcore\[ray\]', or choose"
+    ):
         load_recipe(None, ["simulation.backend='ray'"])
 
 
@@ -40,7 +42,7 @@ def test_without_ray_the_backend_is_refused_with_the_install_command(monkeypatch
 def test_ray_options_are_checked_before_the_run(overrides: list[str], message: str) -> None:
     from simulations.config import load_recipe
 
-    pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'fedcore[ray]'")
+    pytest.importorskip("ray", reason="the ray extra is not installed: pip install -e '.[ray]'")
     with pytest.raises(ConfigError, match=message):
         load_recipe(None, overrides)
 
@@ -48,7 +50,7 @@ def test_ray_options_are_checked_before_the_run(overrides: list[str], message: s
 @pytest.fixture(scope="module")
 def ray_instance() -> Iterator[None]:
     """One local Ray for the module: 2 CPUs, a small object store, no dashboard."""
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'fedcore[ray]'")
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install -e '.[ray]'")
     with warnings.catch_warnings():  # Ray's notice about a future default of accelerator variables
         warnings.simplefilter("ignore", FutureWarning)
         ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, configure_logging=False)

@@ -21,7 +21,7 @@ OWN_LOOP = "tests.simulations.procpool_tasks:tiny_task"  # overrides train (repo
 def _simulate(*flags: str) -> list[str]:
     """``fedcore simulate`` of the synthetic recipe's data for one round, with ``flags``."""
     return ["simulate", "--dataset", "synthetic", "--partition", "natural", "--clients", "4", "--model", "logreg",
-            "--clients-per-round", "2", "--rounds", "1", "--no-progress", "--no-plot", *flags]  # fmt: skip
+            "--min-fit-clients", "2", "--rounds", "1", "--no-progress", "--no-plot", *flags]  # fmt: skip
 
 
 def test_an_unknown_client_metric_is_refused_before_anything_is_written(
