@@ -445,6 +445,12 @@ def release_memory() -> None:
     _trim_heap()
 
 
+_TRIM_AFTER_BYTES = 1 << 20
+"""Replies of at least this many bytes have the heap trimmed right after they are folded (``malloc_trim`` costs
+about 0.1 ms, a fifth of folding a 200,000-parameter update; what smaller replies free is reused by the next one
+and trimmed at the round's end)."""
+
+
 def _trim_heap() -> None:
     trim = glibc_function("malloc_trim")
     if trim is not None:
@@ -549,7 +555,8 @@ def _fit_round(
                 log.warning("round %d: discarding an unexpected reply %r", rnd, type(reply).__name__)
                 continue
             client_id, num_examples, fit_metrics = reply.client_id, reply.num_examples, reply.metrics
-            bytes_up += received_bytes(pool, reply)
+            reply_bytes = received_bytes(pool, reply)
+            bytes_up += reply_bytes
             try:
                 # the one place a reply is decoded to the model's spec: lazily, block by block as it is folded
                 reply = decode_reply(inverses, reply, reference=state.parameters, round=rnd)
@@ -566,7 +573,8 @@ def _fit_round(
                 continue
             finally:
                 del reply  # the update's file mapping goes with it
-                _trim_heap()  # transfer buffers freed while it arrived: back to the OS now, not at round end
+                if reply_bytes >= _TRIM_AFTER_BYTES:
+                    _trim_heap()  # transfer buffers freed while it arrived: back to the OS now, not at round end
             accepted.append(client_id)
             metric_rows.append((num_examples, fit_metrics))
             observations.append(observation(client_id, num_examples, _mapping(fit_metrics)))

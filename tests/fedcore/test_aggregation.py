@@ -230,7 +230,7 @@ def test_threads_give_bit_identical_results() -> None:
     outs = []
     for threads, rep in [(1, 0), (2, 0), (2, 1), (3, 0), (5, 0)]:
         acc = WeightedMean(spec, threads=threads)
-        assert acc.threads == threads
+        assert acc.threads == min(threads, 4)  # 4 blocks' worth of elements: at most 4 threads
         for k, (update, w) in enumerate(clients):
             if (k + rep) % 2:
                 acc.add_bytes(encode(update), w)
@@ -272,6 +272,11 @@ def test_threads_argument_validated() -> None:
         with pytest.raises(ConfigError, match="threads"):
             WeightedMean(spec, threads=bad)  # type: ignore[arg-type]
     assert WeightedMean(spec, threads=4).threads == 1  # never more threads than blocks
+    # many blocks but little work: a model of 200,000 elements in 6 tensors (the 2NN's size) folds on one thread,
+    # as a thread hand-off costs more than the fold; 2 blocks' worth of elements get 2
+    small = spec_of({f"t{k}": np.zeros(streaming._BLOCK // 6 + 1, np.float32) for k in range(6)})
+    assert WeightedMean(small, threads=4).threads == 2
+    assert WeightedMean(spec_of({f"t{k}": np.zeros(1000, np.float32) for k in range(6)}), threads=4).threads == 1
     assert WeightedMean(spec).threads >= 1
 
 

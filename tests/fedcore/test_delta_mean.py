@@ -72,11 +72,15 @@ def test_more_accurate_than_flwr_aggregate() -> None:
     assert ours < 3e-7 < 1e-6 < theirs
 
 
-def test_same_bits_whatever_the_thread_count_and_with_or_without_release() -> None:
+def test_same_bits_whatever_the_thread_count_and_with_or_without_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fedcore.aggregation.streaming as streaming
+
+    monkeypatch.setattr(streaming, "_BLOCK", 1 << 14)  # blocks small enough for 2 threads on this 100k model
     x, updates, weights = round_of(1e-2, clients=8)
     one = fold(updates, weights, x, threads=1)
     two = fold(updates, weights, x, threads=2)
     acc = WeightedMean(spec_of(x), threads=2, reference=x)
+    assert acc.threads == 2
     for u, w in zip(updates, weights, strict=True):
         acc.add(u, float(w))
     kept = acc.result()
