@@ -155,7 +155,7 @@ class WeightedMean:
         # folding a small model (measured, 2-core VM: 200k elements 0.24 ms on one thread, 0.36 ms on two; 1M: 0.97
         # ms, 0.73 ms); many small tensors are many blocks but little work
         elements = sum(total.size for total in self._sums.values())
-        self._threads = min(threads, MAX_THREADS, len(self._blocks), max(1, -(-elements // _BLOCK)))
+        self._threads = min(threads, MAX_THREADS, len(self._blocks), max(1, math.ceil(elements / _BLOCK)))
         self._scratch = [np.empty(min(_BLOCK, max(t.size for t in self._sums.values())), np.float64)]
         self._scratch += [np.empty_like(self._scratch[0]) for _ in range(self._threads - 1)]
         self._total_weight = 0.0

@@ -272,8 +272,8 @@ def test_threads_argument_validated() -> None:
         with pytest.raises(ConfigError, match="threads"):
             WeightedMean(spec, threads=bad)  # type: ignore[arg-type]
     assert WeightedMean(spec, threads=4).threads == 1  # never more threads than blocks
-    # many blocks but little work: a model of 200,000 elements in 6 tensors (the 2NN's size) folds on one thread,
-    # as a thread hand-off costs more than the fold; 2 blocks' worth of elements get 2
+    # many blocks but little work: 6 tensors (6 blocks) of 6,000 elements in all fold on one thread, as a thread
+    # hand-off costs more than the fold; 6 tensors of just over one block's worth of elements in all get 2
     small = spec_of({f"t{k}": np.zeros(streaming._BLOCK // 6 + 1, np.float32) for k in range(6)})
     assert WeightedMean(small, threads=4).threads == 2
     assert WeightedMean(spec_of({f"t{k}": np.zeros(1000, np.float32) for k in range(6)}), threads=4).threads == 1
