@@ -16,6 +16,7 @@ metric can fail a round.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import time
@@ -109,6 +110,13 @@ class ModelCache:
 
     The spec of the model's state and the last global model checked against it are kept, so the same global
     model (one per round, shared by a simulation's clients) is validated once.
+
+    A trained model's state goes out as the update without a copy (:meth:`lend`): the update's arrays share the
+    model's memory. The next :meth:`load` writes the new global model into that memory only where nothing holds
+    the lent arrays any more (the round loop folded the update and dropped it, as the in-memory pool does); a
+    tensor whose update is still held (kept by a robust aggregator, a stage's state, the caller) gets new memory
+    first, so a lent update never changes. While a simulation's client trains, the memory is then the model and
+    its gradients, and after training the update alone, rather than the model and a copy of it beside it.
     """
 
     def __init__(self) -> None:
@@ -119,6 +127,8 @@ class ModelCache:
         self._requires_grad: list[tuple[torch.nn.Parameter, bool]] = []
         self._extra_buffers: list[tuple[torch.nn.Module, str, torch.Tensor | None]] = []
         self._checked: tuple[tuple[str, weakref.ref[np.ndarray]], ...] = ()
+        self._lent: list[tuple[torch.Tensor, weakref.ref[torch.Tensor]]] = []
+        self._released: list[tuple[torch.Tensor, torch.Size]] = []
 
     def load(self, task: Task, parameters: NamedArrays, *, round: int, client_id: str) -> torch.nn.Module:
         """A model of ``task``'s architecture holding ``parameters``: the cached one when it fits, else built.
@@ -137,6 +147,7 @@ class ModelCache:
             self._remember(key, model)
         else:
             self._restore()
+            self._reclaim()
         if not self._is_checked(parameters):
             check_spec(parameters, self._spec, round=round, client_id=client_id)
             # weak references to the arrays themselves: no other arrays can pass for them, and a global model the
@@ -151,7 +162,65 @@ class ModelCache:
     def discard(self) -> None:
         """Drop the cached model (after a failed instruction: the task may have left it changed)."""
         self._key, self._model, self._spec, self._checked = None, None, (), ()
-        self._modes, self._requires_grad, self._extra_buffers = [], [], []
+        self._modes, self._requires_grad, self._extra_buffers, self._lent, self._released = [], [], [], [], []
+
+    def lend(self, model: torch.nn.Module) -> NamedArrays:
+        """``model``'s state as ``state_dict`` name -> numpy array, sharing the model's memory where it can.
+
+        Only the cache's own model lends (any other is copied, as :func:`fedcore.tensors.from_state_dict` does);
+        of its state, the contiguous CPU tensors that are a parameter's or buffer's own memory, which numpy can
+        hold. The arrays stay as they are until nothing refers to them (see the class docstring); a caller may
+        change them in place, which changes nothing but the lent memory.
+
+        Raises:
+            PayloadError: a tensor is bfloat16, which numpy cannot hold.
+        """
+        state = model.state_dict()
+        if model is not self._model:
+            return from_state_dict(state)
+        owners = _own_memory(model, state)
+        arrays: NamedArrays = {}
+        for name, value in state.items():
+            owner = owners[name]
+            array = value.detach().numpy() if owner is not None else None
+            if owner is None or array is None or not isinstance(array.base, torch.Tensor):
+                arrays[name] = from_state_dict({name: value})[name]
+                continue
+            # every array made from this one refers to its base (the tensor numpy holds): while any is alive,
+            # the update is held
+            self._lent.append((owner, weakref.ref(array.base)))
+            arrays[name] = array
+        return arrays
+
+    def release(self) -> None:
+        """Free the cached model's memory until the next :meth:`load` (which gives it new memory first).
+
+        Between rounds of a simulation the model is not needed: without this it would sit beside the server's
+        step (the new global model, the optimizer's state). A lent update that is still held keeps its memory.
+        Only the state's tensors that :meth:`lend` would lend are freed; the model's structure stays.
+        """
+        model = self._model
+        if model is None:
+            return
+        freed: set[int] = {id(owner) for owner, _ in self._released}
+        for owner in _own_memory(model, model.state_dict()).values():
+            if owner is not None and id(owner) not in freed:
+                self._released.append((owner, owner.shape))
+                owner.data = torch.empty(0, dtype=owner.dtype, device=owner.device)
+                freed.add(id(owner))
+
+    def _reclaim(self) -> None:
+        """Before a load: new memory for the released tensors, and for each tensor whose lent array is still held,
+        so that the load cannot change a lent update."""
+        moved: set[int] = set()
+        for owner, shape in self._released:
+            owner.data = torch.empty(shape, dtype=owner.dtype, device=owner.device)
+            moved.add(id(owner))
+        for owner, held in self._lent:
+            if held() is not None and id(owner) not in moved:
+                owner.data = torch.empty_like(owner)
+                moved.add(id(owner))
+        self._lent, self._released = [], []
 
     def _is_checked(self, parameters: NamedArrays) -> bool:
         """Whether ``parameters`` holds exactly the array objects last checked against the spec, by name."""
@@ -191,6 +260,34 @@ class ModelCache:
                     current.copy_(value)
                 else:
                     setattr(module, name, None if value is None else value.clone())
+
+
+def _own_memory(model: torch.nn.Module, state: Mapping[str, object]) -> dict[str, torch.Tensor | None]:
+    """For each entry of ``model``'s ``state`` (its ``state_dict()``), the parameter or buffer whose own memory it
+    is, where an array can share it: a contiguous CPU tensor numpy can hold (not bfloat16, not empty), with the
+    owner's shape, in memory no other parameter or buffer starts at; else None (the entry must be copied)."""
+    owners: dict[int, torch.Tensor] = {}
+    shared: set[int] = set()  # memory two tensors start at (one a view of the other): copied, not lent
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        address = tensor.data_ptr()
+        if address in owners and owners[address] is not tensor:
+            shared.add(address)
+        owners[address] = tensor
+    found: dict[str, torch.Tensor | None] = {}
+    for name, value in state.items():
+        owner = owners.get(value.data_ptr()) if isinstance(value, torch.Tensor) else None
+        ok = (
+            isinstance(value, torch.Tensor)
+            and owner is not None
+            and value.data_ptr() not in shared
+            and value.device.type == "cpu"
+            and value.dtype != torch.bfloat16
+            and value.numel() > 0
+            and value.is_contiguous()
+            and value.shape == owner.shape
+        )
+        found[name] = owner if ok else None
+    return found
 
 
 def _model_key(task: Task) -> object:
@@ -302,7 +399,7 @@ def _run_instruction(
         if isinstance(instruction, FitIns):
             if parallel is not None:
                 return _fit_parallel(task, parallel, instruction, client_id)
-            return _fit(task, model, instruction, client_id)
+            return _fit(task, model, instruction, client_id, models)
         return _evaluate(task, model, instruction, client_id)
     except BaseException as exc:
         if models is not None:
@@ -321,13 +418,14 @@ def _task_error(exc: Exception, instruction: Instruction, client_id: str) -> Cli
     )
 
 
-def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str) -> FitRes:
+def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str, models: ModelCache | None) -> FitRes:
     started = time.perf_counter()
     result = train_task(task, model, ins.config, ins.parameters, seed=ins.seed, round=ins.round, client_id=client_id)
     num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.FIT)
-    for param in model.parameters():  # the gradients are done with: not held beside the update's copy below
+    for param in model.parameters():  # the gradients are done with: not held beside the update
         param.grad = None
-    updated = from_state_dict(model.state_dict())
+    # the cache's own model lends its memory to the update (no copy); any other model's state is copied
+    updated = models.lend(model) if models is not None else from_state_dict(model.state_dict())
     for name, array in updated.items():
         expected = ins.parameters[name].dtype
         if array.dtype != expected:

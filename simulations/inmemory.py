@@ -5,7 +5,8 @@ randomness keyed by (seed, round, client), so the same seed gives the same histo
 share one model object (:class:`client.runner.ModelCache`): it is built once, every instruction overwrites its
 state, and it trains exactly as a model built for the instruction would; a client whose task builds another kind
 of model gets its own (which the runner rejects when it does not fit the global model). Memory stays at one
-model plus the data whatever the number of clients.
+model plus the data whatever the number of clients: the update lends the model's memory rather than copying it
+(:meth:`client.runner.ModelCache.lend`), and between rounds the model's memory is freed.
 
 Stage instructions of a multi-stage round protocol (:class:`~fedcore.messages.StageIns`) go to the clients'
 state machines through one :class:`client.stages.ClientStages` (kept per round and client). Virtual clients
@@ -112,6 +113,9 @@ class InMemoryPool:
             # dropped before the next client trains: the consumer has folded it, and a model-sized update kept
             # here would sit beside the next client's model and the running sum
             del reply
+        # the round's instructions are done: the shared model's memory goes until the next round's first client
+        # (it would sit beside the server's step: the new global model and the optimizer's state)
+        self._models.release()
 
     def _run_one(self, client_id: str, instruction: ServerMessage, timeout_s: float | None) -> Reply:
         """One instruction's reply; a client that raises, or answers a stage late, gives a Failure."""

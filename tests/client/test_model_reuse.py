@@ -175,3 +175,59 @@ def test_the_cache_keeps_no_replaced_global_model_alive() -> None:
     second = {name: array.copy() for name, array in INITIAL.items()}
     models.load(one, second, round=2, client_id="a")
     assert models._is_checked(second) and not models._is_checked(dict(second, extra=np.zeros(1)))
+
+
+def test_an_update_lends_the_models_memory_and_a_held_one_never_changes() -> None:
+    """The cache's model gives its memory to the update (no copy); an update still held when the next client
+    loads gets to keep it, whether through the FitRes or a view of one of its arrays, and equals a fresh model's."""
+    models = ModelCache()
+    held = fit("a", models)
+    model = models._model
+    assert model is not None
+    assert np.shares_memory(held.parameters["fc2.weight"], model.fc2.weight.detach().numpy())
+    before = {name: array.copy() for name, array in held.parameters.items()}
+    view = fit("b", models).parameters["fc1.weight"][2:].reshape(-1)  # the FitRes itself is dropped at once
+    view_before = view.copy()
+    fit("c", models)
+    for name, array in held.parameters.items():
+        assert np.array_equal(array, before[name]), name
+    assert np.array_equal(view, view_before)
+    assert_same(held, fit("a", None))
+
+
+def test_a_dropped_update_gives_its_memory_back_to_the_next_client() -> None:
+    """Once the update is dropped (folded, as the round loop does), the next client trains in the same memory:
+    no model-sized allocation per client; an update still held makes the next client take new memory."""
+    models = ModelCache()
+    reply = fit("b", models)
+    address = reply.parameters["fc1.weight"].ctypes.data
+    del reply
+    kept = fit("c", models)
+    assert kept.parameters["fc1.weight"].ctypes.data == address
+    after = fit("a", models)
+    assert after.parameters["fc1.weight"].ctypes.data != address  # "c"'s update was held
+    assert_same(kept, fit("c", None))
+    assert_same(after, fit("a", None))
+
+
+def test_a_model_that_is_not_the_caches_own_is_copied() -> None:
+    models = ModelCache()
+    model = Net()
+    state = models.lend(model)
+    assert not np.shares_memory(state["fc1.weight"], model.fc1.weight.detach().numpy())
+    assert np.array_equal(state["fc1.weight"], model.fc1.weight.detach().numpy())
+
+
+def test_between_rounds_the_pools_model_holds_no_memory_and_trains_as_before() -> None:
+    pool = InMemoryPool(["a", "b", "c"], task)
+    instructions = {cid: FitIns(round=1, parameters=INITIAL, config=CONFIG, seed=11) for cid in "abc"}
+    first = list(pool.run(instructions))
+    model = pool._models._model
+    assert model is not None
+    assert all(t.numel() == 0 for t in model.state_dict().values())  # released: parameters and buffers
+    assert all(t.numel() == 0 for t in model.parameters())
+    again = list(pool.run(instructions))  # new memory, the same training; the first round's updates unchanged
+    for one, two, cid in zip(first, again, "abc", strict=True):
+        assert isinstance(one, FitRes) and isinstance(two, FitRes)
+        assert_same(one, fit(cid, None))
+        assert_same(two, one)

@@ -1,0 +1,59 @@
+"""Local SGD with the step taken inside backward (large models) equals one optimizer over all parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fedcore.training as training
+from fedcore.task import FitConfig
+from fedcore.training import train_supervised
+
+#: momentum (optimizer state), weight decay, FedProx, uneven batches, two epochs
+CONFIG = FitConfig(local_epochs=2, batch_size=7, lr=0.05, momentum=0.9, weight_decay=1e-3, mu=0.1)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    model[2].bias.requires_grad_(False)  # a frozen parameter is left alone either way
+    return model
+
+
+def train(threshold: int, monkeypatch: pytest.MonkeyPatch) -> tuple[nn.Module, float, list[int]]:
+    """Train ``net()`` with the in-backward step from ``threshold`` elements on; also returns, for each parameter's
+    completed gradient, how many parameters held a gradient at that moment (a hook registered before fedcore's)."""
+    monkeypatch.setattr(training, "STEP_IN_BACKWARD_MIN_ELEMENTS", threshold)
+    model = net()
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(40, 12, generator=gen), torch.randint(0, 4, (40,), generator=gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    global_parameters = {name: p.detach().clone() for name, p in model.named_parameters()}
+    holding: list[int] = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: holding.append(sum(q.grad is not None for q in params)))
+    result = train_supervised(
+        model, x, y, CONFIG, generator=torch.Generator().manual_seed(9), global_parameters=global_parameters
+    )
+    return model, float(result.metrics["train_loss"]), holding
+
+
+def test_the_step_inside_backward_trains_the_same_model_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    whole, whole_loss, whole_holding = train(1 << 40, monkeypatch)
+    fused, fused_loss, fused_holding = train(0, monkeypatch)
+    for (name, a), b in zip(whole.state_dict().items(), fused.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert fused_loss == whole_loss
+    assert not torch.equal(whole[0].weight, net()[0].weight)  # it did train
+    assert torch.equal(whole[2].bias, net()[2].bias)
+    # one optimizer: every gradient exists by the last one's completion; in backward: at most the current one
+    trainable = 5
+    assert max(whole_holding) == trainable and max(fused_holding) == 1
+    assert all(p.grad is None for p in fused.parameters())
+    assert len(fused_holding) == len(whole_holding) == trainable * 2 * 6  # per parameter and step (2 x 6 batches)
+    # fedcore's hooks are gone afterwards: a backward of the user's own leaves its gradients and steps nothing
+    before = [p.detach().clone() for p in fused.parameters()]
+    fused(torch.ones(3, 12)).sum().backward()
+    assert all(p.grad is not None for p in fused.parameters() if p.requires_grad)
+    assert all(torch.equal(p, b) for p, b in zip(fused.parameters(), before, strict=True))
