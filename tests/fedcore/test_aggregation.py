@@ -360,3 +360,19 @@ def test_a_rejected_mapped_update_leaves_the_sum_untouched(tmp_path) -> None:  #
     with pytest.raises(NonFiniteError, match="big"):
         acc.add(mapped, 1.0)
     _assert_same_snapshot(before, _snapshot(acc))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_finite_kernel_finds_every_nan_and_infinity_wherever_it_is(dtype: type) -> None:
+    from fedcore.kernels import all_finite
+
+    rng = np.random.default_rng(0)
+    finite = rng.standard_normal(1000).astype(dtype)
+    largest = np.full(1000, np.finfo(dtype).max, dtype)  # finite values whose plain sum would overflow to inf
+    assert all_finite(finite) and all_finite(largest) and all_finite(finite[:0]) and all_finite(-largest)
+    for bad in (np.nan, np.inf, -np.inf):
+        for position in (0, 1, 7, 8, 9, 500, 998, 999):  # SIMD lanes, the remainder loop, both ends
+            block = finite.copy()
+            block[position] = bad
+            assert not all_finite(block), (bad, position)
+            assert not all_finite(block[position:]) and all_finite(block[position + 1 :])
