@@ -282,13 +282,15 @@ def run_flower(config: SimulationConfig, workers: int) -> tuple[list[float], dic
     return seconds, final
 
 
-def run_pfl(config: SimulationConfig) -> tuple[list[float], dict[str, np.ndarray]]:
+def run_pfl(config: SimulationConfig, threads: int = 1) -> tuple[list[float], dict[str, np.ndarray]]:
     """The workload through pfl-research (Apple's simulator, ``pfl`` 0.6, one process): ``FederatedAveraging`` with
     ``SimulatedBackend`` over a ``FederatedDataset`` of the same IID shards (its own ``minimize_reuse`` sampling of
     the same number of clients a round), ``PyTorchModel`` of the same model with local SGD (E, B, lr; pfl's datasets
     are not shuffled) and central SGD of learning rate 1 (FedAvg's plain average). A round's seconds run from one
     central iteration's end to the next's (the first from the start of training). Runs in the interpreter of
-    ``--pfl-python`` (a virtualenv with ``pip install pfl==0.6.0``, whose pins would clash with this project's)."""
+    ``--pfl-python`` (a virtualenv with ``pip install pfl==0.6.0``, whose pins would clash with this project's), on
+    ``threads`` torch threads (``--pfl-threads N`` adds a row on N, beside ``--batched-threads N``'s)."""
+    torch.set_num_threads(threads)
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
     from pfl.callback.base import TrainingProcessCallback
@@ -371,13 +373,16 @@ def systems_of(args: argparse.Namespace) -> dict[str, tuple[str, Run | None]]:
     rows[f"fedcore Ray x{workers}"] = ("ray", partial(run_fedcore, backend="ray", workers=workers))
     rows[f"Flower {_version('flwr')} (Ray) x{workers}"] = ("flower", partial(run_flower, workers=workers))
     rows["pfl-research 0.6"] = ("pfl", run_pfl)
+    if args.pfl_threads > 1:
+        rows[f"pfl-research 0.6, {args.pfl_threads} thr"] = ("pfl-threads", partial(run_pfl, threads=args.pfl_threads))
     missing = {
         "ray": None if have_ray else bench,
         "flower": None if have_flwr else bench,
         "pfl": None
-        if args.child == "pfl" or args.pfl_python
+        if args.child in ("pfl", "pfl-threads") or args.pfl_python
         else "skipped: --pfl-python PATH (a venv with pfl==0.6.0)",
     }
+    missing["pfl-threads"] = missing["pfl"]
     return {name: (missing.get(key) or key, None if missing.get(key) else run) for name, (key, run) in rows.items()}
 
 
@@ -442,7 +447,7 @@ def measure(args: argparse.Namespace, key: str, out: Path) -> tuple[list[float],
     """Run system ``key`` in a child process under ``--child-timeout`` (its whole process group killed then),
     sampling its process tree's memory every 0.25 s: (seconds of each round, CPU s/round of the child's own
     process, peak PSS MiB of the tree, problem or "")."""
-    python = args.pfl_python if key == "pfl" else sys.executable
+    python = args.pfl_python if key in ("pfl", "pfl-threads") else sys.executable
     command = [python, __file__, *(args.argv), "--child", key, "--child-out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     child = subprocess.Popen(
@@ -489,8 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=int, default=0, help="also run 1,000 and this many synthetic clients")
     parser.add_argument("--child-timeout", type=float, default=900.0, help="seconds each system's run may take")
     parser.add_argument(
-        "--only", default="", help="comma-separated rows to run: plain,inprocess,batched,process,ray,flower,pfl"
+        "--only",
+        default="",
+        help="comma-separated rows to run: plain,inprocess,batched,batched-threads,process,ray,flower,pfl,pfl-threads",
     )
+    parser.add_argument("--pfl-threads", type=int, default=0, help="also run pfl-research on N torch threads")
     parser.add_argument("--pfl-python", default=None, help="python of a virtualenv with pfl 0.6 (a pfl-research row)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
