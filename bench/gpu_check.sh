@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The engine's GPU check: a few minutes on one GPU (about 5 on an H200), run whenever a GPU is at hand.
+# The GPU check: a few minutes on one GPU (about 7 on an H200), run whenever a GPU is at hand.
 #
 #   bench/gpu_check.sh [OUT_DIR]          # default ./gpu-check-out
 #
+# 0. fedcore simulate on the GPU (bench/simulation_gpu.py): client updates/s of issue 12's workload at 100 and
+#    1,000 clients a round, in-process and batched, and their models against the CPU's (FedProx, SCAFFOLD, FedAvgM
+#    with local momentum too); about 2 minutes;
 # 1. the CUDA equivalence tests (tests/engine/test_cuda.py): engine vs single-device CPU training in fp32,
 #    with torch.compile, and in bf16 autocast within the tolerance stated there; 2-GPU plans when 2 are visible;
 #    and the prefetching loader's CUDA path (tests/engine/test_loader.py: pinned batches copied on a side stream
@@ -11,7 +14,7 @@
 #    and the engine, eager and compiled; tokens/s, TFLOP/s, MFU, peak memory (plus dp2/tp2 with 2+ GPUs);
 # 3. a short federated round with the engine on CUDA (the Shakespeare example: 2 clients, 1 round, bf16).
 #
-# Everything goes to OUT_DIR/gpu-check.txt (and the bench's figures to OUT_DIR/engine_gpu.json). Each step has
+# Everything goes to OUT_DIR/gpu-check.txt (and the benches' figures to OUT_DIR/simulation_gpu.json, engine_gpu.json). Each step has
 # its own time limit; the script runs every step even if one fails, and exits 1 if any did.
 # PYTHON overrides the interpreter (default: .venv/bin/python when present, else python3).
 set -u -o pipefail
@@ -47,6 +50,7 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     exit 1
 fi
 
+step "simulation on cuda" 300 "$PYTHON" bench/simulation_gpu.py --json "$OUT/simulation_gpu.json"
 step "cuda equivalence tests" 300 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_cuda.py
 step "prefetching loader on cuda" 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_loader.py
 step "throughput bench" 600 "$PYTHON" bench/engine_gpu.py --plans dp2,tp2 --json "$OUT/engine_gpu.json"

@@ -117,9 +117,15 @@ class ModelCache:
     tensor whose update is still held (kept by a robust aggregator, a stage's state, the caller) gets new memory
     first, so a lent update never changes. While a simulation's client trains, the memory is then the model and
     its gradients, and after training the update alone, rather than the model and a copy of it beside it.
+
+    Args:
+        device: where the models it builds go (``model.to(device)`` once, when built); None leaves them where
+            the task builds them (the CPU). The global model is copied onto it at each load; an update of a
+            model on another device than the CPU is copied back (only CPU memory can be lent).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self._device = torch.device(device) if device is not None else None
         self._key: object = None
         self._model: torch.nn.Module | None = None
         self._spec: tuple[TensorSpec, ...] = ()
@@ -141,6 +147,8 @@ class ModelCache:
         if model is None or key is None or key != self._key:
             self.discard()
             model = _build(task)
+            if self._device is not None:
+                model.to(self._device)
             if key is None:  # cannot be told apart from other tasks' models: not kept
                 load_parameters(model, parameters, round=round, client_id=client_id)
                 return model

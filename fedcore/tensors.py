@@ -452,7 +452,9 @@ def from_state_dict(state: Mapping[str, object]) -> NamedArrays:
             raise PayloadError(
                 f"tensor {name!r} is bfloat16, which numpy cannot represent; keep master weights in float32"
             )
-        arrays[name] = value.detach().cpu().numpy().copy()
+        array = value.detach().cpu().numpy()
+        # a tensor on another device was copied by .cpu() already; a CPU tensor's array still shares its memory
+        arrays[name] = array.copy() if value.device.type == "cpu" else np.require(array, requirements="C")
     return arrays
 
 

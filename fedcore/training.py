@@ -110,11 +110,12 @@ def proximal_term(model: nn.Module, global_parameters: Mapping[str, torch.Tensor
 
     FedProx adds ``mu / 2`` times this to the local loss (Li et al. 2020, eq. 2).
     """
-    total = torch.zeros((), dtype=torch.float32)
+    total: torch.Tensor | None = None
     for name, param in model.named_parameters():
         if param.requires_grad:
-            total = total + (param - global_parameters[name].detach()).pow(2).sum()
-    return total
+            term = (param - global_parameters[name].detach()).pow(2).sum()
+            total = term if total is None else total + term
+    return total if total is not None else torch.zeros((), dtype=torch.float32)
 
 
 def train_supervised(
@@ -212,9 +213,13 @@ def _sgd_epochs(
     model.train()
     steps = 0
     epoch_loss = 0.0
+    # on an accelerator the loss is summed there, in float64 as float() and Python's sum would (the same value):
+    # reading it every step would wait for the device every step
+    on_cpu = x.device.type == "cpu"
     for _ in range(config.local_epochs):
         order = torch.randperm(n, generator=generator).to(x.device)
-        loss_sum, seen = 0.0, 0
+        loss_sum: float | torch.Tensor = 0.0
+        seen = 0
         for start in range(0, n, config.batch_size):
             idx = order[start : start + config.batch_size]
             # index_select, not x[idx]: the same rows, without advanced indexing's cost (0.5 ms a batch of 10
@@ -229,12 +234,15 @@ def _sgd_epochs(
             total.backward()
             if not fused:
                 optimizer.step()
-            loss_sum += float(loss.detach()) * len(idx)
+            if on_cpu:
+                loss_sum += float(loss.detach()) * len(idx)
+            else:
+                loss_sum = loss_sum + loss.detach().double() * len(idx)
             seen += len(idx)
             steps += 1
             if config.max_steps is not None and steps >= config.max_steps:
                 break
-        epoch_loss = loss_sum / max(seen, 1)
+        epoch_loss = float(loss_sum) / max(seen, 1)
         if config.max_steps is not None and steps >= config.max_steps:
             break
     return TrainResult(num_examples=n, metrics={"train_loss": epoch_loss})

@@ -9,9 +9,12 @@ A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[samplin
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import torch
 
 from fedcore.aggregation.weights import check_weight_metric
 from fedcore.config import apply_overrides, from_mapping, load_toml
@@ -223,6 +226,8 @@ class OutputConfig:
             raise ConfigError("output.dir is empty; give a directory for the run's results (e.g. runs/my-run)")
 
 
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
 BackendName = Literal["inprocess", "batched", "process", "ray"]
 BACKEND_NAMES = ("inprocess", "batched", "process", "ray")
 
@@ -250,6 +255,15 @@ class BackendConfig:
             (``ray.init()``). The cluster's nodes need fedcore, the task's module and its data at the same paths.
         num_cpus, num_gpus: ray: the resources each actor holds (fractions allowed: ``num_gpus = 0.25`` puts four
             actors on one GPU).
+        device: inprocess and batched: where the clients train, ``auto`` (the default: the first CUDA GPU when
+            torch sees one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``. A client's data goes to the device
+            once, when its task is built (a ``SupervisedTask``'s tensors; another task gets the model there and
+            moves its own data, to ``next(model.parameters()).device``); its update comes back to the CPU, where
+            the round loop aggregates it. A GPU's floats differ from the CPU's in the last bits, so a history is
+            reproducible on the same device, not across devices. process: the workers train on the CPU unless
+            given ``cuda`` or ``cuda:N`` (then every worker on that GPU, each with a CUDA context of its own).
+            ray: the actors train on the GPU Ray gives each when ``num_gpus > 0`` (``auto`` or ``cuda``), else
+            on the CPU.
     """
 
     backend: BackendName = "inprocess"
@@ -258,6 +272,7 @@ class BackendConfig:
     ray_address: str | None = None
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
@@ -284,10 +299,67 @@ class BackendConfig:
             )
         if self.ray_address is not None and not self.ray_address.strip():
             raise ConfigError("ray_address is empty; give the cluster's address (auto, ray://host:10001) or unset it")
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N = 0, 1, ...), got {self.device!r}")
+        if self.backend == "ray" and self.device.startswith("cuda:"):
+            raise ConfigError(
+                f"device = {self.device!r}: Ray gives each actor its GPU; use device = 'cuda' (or 'auto') with num_gpus"
+            )
+        if self.backend == "ray" and self.device == "cuda" and self.num_gpus == 0:
+            raise ConfigError(
+                "device = 'cuda' with backend 'ray': an actor sees a GPU only when it holds one; give num_gpus "
+                "(e.g. 0.25: four actors a GPU)"
+            )
         if self.backend == "ray":
             from simulations.raypool import import_ray
 
             import_ray()  # refused now, not in the first round
+
+
+def training_device(config: BackendConfig) -> torch.device:
+    """The device the virtual clients train on (``[simulation] device``, see :class:`BackendConfig`).
+
+    Returns:
+        ``cpu`` for the process and ray backends and for ``auto`` without a CUDA GPU; else ``cuda:N``.
+
+    Raises:
+        ConfigError: a CUDA device was asked for but torch sees none (a CPU build of torch, no driver, or
+            ``CUDA_VISIBLE_DEVICES`` empty), or ``cuda:N`` names a GPU past the last one.
+    """
+    if config.backend in ("process", "ray") or config.device == "cpu":
+        return torch.device("cpu")
+    if config.device == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return _cuda(config.device)
+
+
+def worker_device(config: BackendConfig) -> str | None:
+    """Where the process backend's workers or the ray backend's actors train (see :class:`BackendConfig`'s
+    ``device``): ``cuda``/``cuda:N``, or None for the CPU (and for the other backends).
+
+    Raises:
+        ConfigError: the process backend was given a CUDA device that torch does not see here.
+    """
+    if config.backend == "process" and config.device.startswith("cuda"):
+        return str(_cuda(config.device))
+    if config.backend == "ray" and config.num_gpus > 0 and config.device in ("auto", "cuda"):
+        return "cuda"  # the actor's own GPU, checked in the actor (a cluster's nodes are not this machine)
+    return None
+
+
+def _cuda(device: str) -> torch.device:
+    """The CUDA device ``device`` (``cuda`` or ``cuda:N``) names, checked against the GPUs torch sees."""
+    if not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+        raise ConfigError(
+            f"device = {device!r} but torch sees no CUDA GPU (torch {torch.__version__} is {build}); use "
+            "device = 'cpu' or 'auto', or a CUDA build of torch on a machine with a GPU"
+        )
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(f"device = {device!r} but torch sees {count} GPU(s): cuda:0..cuda:{count - 1}")
+    return torch.device("cuda", index)
 
 
 @dataclass(frozen=True, kw_only=True)

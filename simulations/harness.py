@@ -61,7 +61,7 @@ from server.round_loop import (
 )
 from server.state import history_columns, write_history
 from simulations.attacks import LABEL_ATTACKS, AttackedPool, attacked_tasks, choose_attackers, num_classes
-from simulations.config import DEMO_TASK, SimulationConfig
+from simulations.config import DEMO_TASK, SimulationConfig, training_device, worker_device
 from simulations.devices import SimulatedDevices, simulation_selector, slow_clients
 from simulations.inmemory import InMemoryPool
 from simulations.procpool import ClientTasks, ProcessPool
@@ -286,13 +286,16 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
         classes = num_classes(server_task) if config.attack.kind in LABEL_ATTACKS else 0
         client_task = attacked_tasks(make_task, attackers, config.attack, classes, seed=config.seed)
     state = ClientStateStore(out_dir / CLIENT_STATE_DIR)
-    clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS)
+    device = training_device(config.simulation)  # a missing GPU refused before the first round, not in one
+    if device.type != "cpu":
+        log.info("the clients train on %s (%s)", device, torch.cuda.get_device_name(device))
+    clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS, device=device)
     backend: ClientPool = clients
     if config.simulation.backend == "batched":
         from simulations.batched import BatchedPool, check_batchable
 
         check_batchable(clients.task(ids[0]), strategy)  # refused before the first round, not in one
-        backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients)
+        backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients, device=device)
     process: ProcessPool | RayPool | None = None
     if config.simulation.backend in ("process", "ray"):
         if config.strategy.sum_dtype == "float32":
@@ -306,7 +309,10 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
             attack=to_mapping(config.attack),
             label_attack_classes=classes,
             max_tasks=MAX_TASKS,
+            device=worker_device(config.simulation),
         )
+        if tasks.device is not None:
+            log.info("the %s backend's workers train on %s", config.simulation.backend, tasks.device)
         sim = config.simulation
         workers = worker_count(config)
         if sim.backend == "ray":

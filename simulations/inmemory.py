@@ -23,11 +23,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
+import torch
+
 from client.runner import ModelCache, ParallelTraining, run_instruction
 from client.stages import ClientStages
 from client.state import ClientStateStore
 from fedcore.errors import ConfigError, FedcoreError, RoundFailed
 from fedcore.messages import Failure, FitRes, Reply, ServerMessage, StageIns, packed_nbytes
+from fedcore.supervised import SupervisedTask
 from fedcore.task import Task
 
 log = logging.getLogger("fedcore.simulation")
@@ -47,6 +50,47 @@ def all_virtual_clients(client_ids: Sequence[str], num_clients: int) -> list[str
     return list(client_ids)
 
 
+def on_device(
+    task: Task, device: torch.device, moved: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> Task:
+    """``task`` with its data on ``device``: a :class:`~fedcore.supervised.SupervisedTask`'s ``train_data`` and
+    ``test_data`` tensors copied there (``dataclasses.replace``); any other task as it is (it gets the model on the
+    device and moves its own data).
+
+    Args:
+        moved: copies already made, by the source tensor's ``id`` (source kept alive beside its copy), of which
+            the last :data:`MOVED_KEPT` are kept: tensors that tasks share, such as one test set that every
+            client evaluates on, go to the device once rather than once per client.
+    """
+    if not isinstance(task, SupervisedTask):
+        return task
+
+    def to(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == device:
+            return tensor
+        if moved is None:
+            return tensor.to(device)
+        entry = moved.get(id(tensor))
+        if entry is not None and entry[0] is tensor:
+            moved.move_to_end(id(tensor))
+            return entry[1]
+        copy = tensor.to(device)
+        moved[id(tensor)] = (tensor, copy)
+        while len(moved) > MOVED_KEPT:
+            moved.popitem(last=False)
+        return copy
+
+    def pair(data: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if data is None else (to(data[0]), to(data[1]))
+
+    return replace(task, train_data=pair(task.train_data), test_data=pair(task.test_data))
+
+
+MOVED_KEPT = 8
+"""How many tensors :func:`on_device` remembers having copied (a client's own shard is copied once anyway; a
+shared test set stays among the last few copied while tasks keep referring to it)."""
+
+
 class InMemoryPool:
     """A :class:`server.pool.ClientPool` whose clients are :class:`~fedcore.task.Task` objects in this process.
 
@@ -61,6 +105,9 @@ class InMemoryPool:
         max_tasks: keep at most this many clients' tasks built, dropping the least recently used (None: keep
             every task built, e.g. when clients share a dataset in memory and a task is a cheap view of it; a
             bound keeps memory flat when tasks make their own data, e.g. generated on demand).
+        device: where the clients train (None or the CPU: where the tasks put their data and models). Another
+            device gets the shared model (:class:`client.runner.ModelCache`) and, once per task built, a
+            :class:`~fedcore.supervised.SupervisedTask`'s training and test tensors (:func:`on_device`).
     """
 
     def __init__(
@@ -71,6 +118,7 @@ class InMemoryPool:
         state: ClientStateStore | None = None,
         stages: ClientStages | None = None,
         max_tasks: int | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if max_tasks is not None and max_tasks < 1:
             raise ConfigError(f"max_tasks must be >= 1 or None, got {max_tasks}")
@@ -82,7 +130,9 @@ class InMemoryPool:
         self._max_tasks = max_tasks
         self._parallel = parallel
         self._state = state
-        self._models = ModelCache()
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._models = ModelCache(self._device if self._device.type != "cpu" else None)
+        self._moved: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._stages = stages if stages is not None else ClientStages()
 
     def available(self) -> list[str]:
@@ -97,7 +147,10 @@ class InMemoryPool:
         """The task of ``client_id`` (built on first use, and again after ``max_tasks`` others were used)."""
         task = self._tasks.get(client_id)
         if task is None:
-            task = self._tasks[client_id] = self._make_task(client_id)
+            task = self._make_task(client_id)
+            if self._device.type != "cpu":
+                task = on_device(task, self._device, self._moved)
+            self._tasks[client_id] = task
             if self._max_tasks is not None and len(self._tasks) > self._max_tasks:
                 self._tasks.popitem(last=False)
         elif self._max_tasks is not None:

@@ -113,6 +113,10 @@ class ClientTasks:
             (:func:`simulations.attacks.attacked_tasks`).
         label_attack_classes: the number of classes a label attack draws from.
         max_tasks: how many clients' tasks a worker keeps built (least recently used first out).
+        device: where each worker trains its clients (``cpu``, ``cuda``, ``cuda:N``; None: the CPU), as the
+            in-process pool does on a device (:class:`~simulations.inmemory.InMemoryPool`'s ``device``). A Ray
+            actor's ``cuda`` is the GPU Ray gave it (Ray sets ``CUDA_VISIBLE_DEVICES`` for an actor of
+            ``num_gpus > 0``).
     """
 
     factory: str
@@ -123,6 +127,7 @@ class ClientTasks:
     attack: Mapping[str, Any] = field(default_factory=dict)
     label_attack_classes: int = 0
     max_tasks: int = 256
+    device: str | None = None
 
     def __post_init__(self) -> None:
         module, sep, attr = self.factory.partition(":")
@@ -143,6 +148,7 @@ class ClientTasks:
             "attack": dict(self.attack),
             "label_attack_classes": self.label_attack_classes,
             "max_tasks": self.max_tasks,
+            "device": self.device,
             "threads": threads,
             "state_dir": state_dir,
         }
@@ -813,7 +819,7 @@ def client_service(spec: Mapping[str, Any]) -> Serve[Stored]:
         return factory(context)
 
     state = ClientStateStore(spec["state_dir"]) if spec["state_dir"] is not None else None
-    pool = InMemoryPool((), make_task, state=state, max_tasks=int(spec["max_tasks"]))
+    pool = InMemoryPool((), make_task, state=state, max_tasks=int(spec["max_tasks"]), device=spec.get("device"))
     last: tuple[tuple[object, bytes], ServerMessage] | None = None
 
     def serve(

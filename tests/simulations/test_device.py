@@ -1,0 +1,171 @@
+"""``[simulation] device``: the values a recipe may give, the device each backend resolves them to on this machine
+(the process workers' and Ray actors' too), a GPU asked for where torch sees none refused before anything is
+written, and what goes to the device (the shared model, each task's tensors once, a test set shared by the clients'
+tasks once for all; a process worker's own pool). The CUDA runs themselves are bench/simulation_gpu.py's
+(bench/gpu_check.sh), which needs a GPU; here the meta device stands in where only the placement is checked."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from client.runner import ModelCache
+from fedcore.cli import main
+from fedcore.errors import ConfigError
+from fedcore.messages import Failure, FitRes
+from fedcore.supervised import SupervisedTask
+from fedcore.tensors import from_state_dict
+from simulations.config import BackendConfig, training_device, worker_device
+from simulations.inmemory import MOVED_KEPT, on_device
+from tests.simulations.test_setup_refusals import _simulate
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda:", "cuda:-1", "CUDA", "cuda:0 ", "mps", ""])
+def test_a_device_that_is_not_auto_cpu_or_cuda_is_refused_with_the_forms_it_takes(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"device must be auto, cpu, cuda or cuda:N"):
+        BackendConfig(device=value)
+
+
+def test_the_process_workers_train_on_the_cpu_unless_given_a_gpu() -> None:
+    assert training_device(BackendConfig(backend="process", device="cuda")) == torch.device("cpu")  # the driver's
+    assert worker_device(BackendConfig(backend="process")) is None
+    assert worker_device(BackendConfig(backend="process", device="cpu")) is None
+    if CUDA:
+        assert worker_device(BackendConfig(backend="process", device="cuda")) == "cuda:0"
+    else:
+        with pytest.raises(ConfigError, match="device = 'cuda:0' but torch sees no CUDA GPU"):
+            worker_device(BackendConfig(backend="process", device="cuda:0"))
+
+
+def test_ray_actors_train_on_the_gpu_they_hold() -> None:
+    pytest.importorskip("ray")
+    assert worker_device(BackendConfig(backend="ray")) is None
+    assert worker_device(BackendConfig(backend="ray", num_gpus=0.25)) == "cuda"  # auto: the actor's own GPU
+    assert worker_device(BackendConfig(backend="ray", num_gpus=0.25, device="cuda")) == "cuda"
+    assert worker_device(BackendConfig(backend="ray", num_gpus=0.25, device="cpu")) is None
+    with pytest.raises(ConfigError, match="an actor sees a GPU only when it holds one; give num_gpus"):
+        BackendConfig(backend="ray", device="cuda")
+    with pytest.raises(ConfigError, match="Ray gives each actor its GPU; use device = 'cuda'"):
+        BackendConfig(backend="ray", num_gpus=1, device="cuda:1")
+
+
+def test_a_process_worker_trains_on_the_device_it_is_given() -> None:
+    """The worker's own pool gets the device: on the meta device (which holds no numbers) its client's training
+    fails, saying so, where on the CPU it trains."""
+    from simulations.procpool import ClientTasks, ProcessPool
+    from tests.simulations.test_procpool import IDS, TINY, _fit
+
+    for device, expected in (("meta", "cannot be called on meta tensors"), (None, None)):
+        tasks = ClientTasks(factory=TINY, num_partitions=len(IDS), seed=0, device=device)
+        with ProcessPool(IDS, tasks, workers=1) as pool:
+            (reply,) = list(pool.run(_fit(["client-1"])))
+        if expected is None:
+            assert isinstance(reply, FitRes)
+        else:
+            assert isinstance(reply, Failure) and expected in reply.reason, reply
+
+
+def test_auto_is_the_first_gpu_when_torch_sees_one_and_else_the_cpu() -> None:
+    expected = torch.device("cuda", 0) if CUDA else torch.device("cpu")
+    assert training_device(BackendConfig()) == expected
+    assert training_device(BackendConfig(backend="batched")) == expected
+    assert training_device(BackendConfig(device="cpu")) == torch.device("cpu")
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal where torch sees no GPU")
+def test_a_gpu_where_torch_sees_none_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ConfigError, match=f"device = '{device}' but torch sees no CUDA GPU"):
+            training_device(BackendConfig(device=device))
+    out = tmp_path / "run"
+    assert main(_simulate("--device", "cuda", "--out", str(out))) == 2
+    err = capsys.readouterr().err
+    assert "device = 'cuda' but torch sees no CUDA GPU" in err and "use device = 'cpu' or 'auto'" in err
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_gpu_past_the_last_one_is_refused() -> None:
+    count = torch.cuda.device_count()
+    with pytest.raises(ConfigError, match=f"torch sees {count} GPU"):
+        training_device(BackendConfig(device=f"cuda:{count}"))
+
+
+def test_an_explicit_cpu_run_is_the_default_run_here(tmp_path: Path) -> None:
+    """On a machine without a GPU, ``--device cpu`` and the default ``auto`` train the same model bit for bit."""
+    if CUDA:
+        pytest.skip("auto is the GPU here")
+    models = []
+    for device in ("cpu", "auto"):
+        out = tmp_path / device
+        assert main(_simulate("--device", device, "--rounds", "2", "--out", str(out))) == 0
+        models.append((out / "model.safetensors").read_bytes())
+    assert models[0] == models[1]
+
+
+def _task(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor]) -> SupervisedTask:
+    return SupervisedTask(model_fn=lambda: nn.Linear(3, 2), train_data=train, test_data=test)
+
+
+def test_each_tasks_tensors_go_to_the_device_once_and_a_shared_test_set_once_for_all() -> None:
+    meta = torch.device("meta")
+    test = (torch.randn(50, 3), torch.randint(0, 2, (50,)))
+    moved: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+    shards = [(torch.randn(n, 3), torch.randint(0, 2, (n,))) for n in (4, 7, 0)]
+    tasks = [on_device(_task(shard, test), meta, moved) for shard in shards]
+    for task, (x, y) in zip(tasks, shards, strict=True):
+        assert task.train_data is not None and task.test_data is not None
+        tx, ty = task.train_data
+        assert (tx.device, tx.shape, tx.dtype, ty.device, ty.shape, ty.dtype) == (
+            meta,
+            x.shape,
+            x.dtype,
+            meta,
+            y.shape,
+            y.dtype,
+        )
+        assert task.test_data[0].device == meta and task.test_data[0].shape == (50, 3)
+    # one copy of the test set for the three tasks (the same tensors), kept while the shards' copies age out
+    assert tasks[0].test_data is not None and tasks[2].test_data is not None
+    assert tasks[0].test_data[0] is tasks[2].test_data[0] and tasks[0].test_data[1] is tasks[2].test_data[1]
+    for _ in range(MOVED_KEPT):
+        on_device(_task((torch.randn(2, 3), torch.zeros(2, dtype=torch.long)), test), meta, moved)
+    assert len(moved) == MOVED_KEPT and id(test[0]) in moved and id(shards[0][0]) not in moved
+    # the source tensors are not changed, and a task already on the device is left as it is
+    assert shards[0][0].device.type == "cpu"
+    cpu_task = _task(shards[0], test)
+    same = on_device(cpu_task, torch.device("cpu"), moved)
+    assert same.train_data is not None and same.train_data[0] is shards[0][0]
+
+
+def test_a_task_that_is_not_supervised_is_left_to_move_its_own_data() -> None:
+    class OwnTask:
+        def build_model(self) -> nn.Module:
+            return nn.Linear(3, 2)
+
+    task = OwnTask()
+    assert on_device(task, torch.device("meta")) is task  # type: ignore[arg-type]
+
+
+def test_the_model_cache_builds_its_model_on_the_device_once() -> None:
+    task = _task(
+        (torch.randn(4, 3), torch.zeros(4, dtype=torch.long)), (torch.randn(2, 3), torch.zeros(2, dtype=torch.long))
+    )
+    arrays = from_state_dict(nn.Linear(3, 2).state_dict())
+    cache = ModelCache(device="meta")
+    with pytest.warns(UserWarning, match="meta parameter"):  # loading into meta tensors copies nothing
+        first = cache.load(task, arrays, round=1, client_id="a")
+        second = cache.load(task, arrays, round=2, client_id="b")
+    assert second is first and {p.device.type for p in first.parameters()} == {"meta"}
+    on_cpu = ModelCache().load(task, arrays, round=1, client_id="a")
+    assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+    np.testing.assert_array_equal(on_cpu.weight.detach().numpy(), arrays["weight"])
