@@ -270,10 +270,18 @@ def evaluate_supervised(
     n = len(x)
     if n == 0:
         return EvalResult(loss=float("nan"), num_examples=0, metrics={})
-    loss_sum, correct = 0.0, 0
+    on_cpu = x.device.type == "cpu"  # elsewhere summed on the device (the same float64 sum), read once at the end
+    loss_sum: float | torch.Tensor = 0.0
+    correct: int | torch.Tensor = 0
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         out = model(xb)
-        loss_sum += float(loss_fn(out, yb, reduction="sum"))
-        correct += int((out.argmax(dim=1) == yb).sum())
-    return EvalResult(loss=loss_sum / n, num_examples=n, metrics={"accuracy": correct / n})
+        batch_loss = loss_fn(out, yb, reduction="sum")
+        hits = (out.argmax(dim=1) == yb).sum()
+        if on_cpu:
+            loss_sum += float(batch_loss)
+            correct += int(hits)
+        else:
+            loss_sum = loss_sum + batch_loss.double()
+            correct = correct + hits
+    return EvalResult(loss=float(loss_sum) / n, num_examples=n, metrics={"accuracy": int(correct) / n})

@@ -180,7 +180,7 @@ def noisy_labels(y: torch.Tensor, classes: int, rate: float, rng: np.random.Gene
     (which may be the label itself): symmetric label noise. ``y``: int64 labels, shape ``(N,)``; a new tensor."""
     replace = rng.random(len(y)) < rate
     random = rng.integers(0, classes, size=len(y))
-    return torch.from_numpy(np.where(replace, random, y.numpy()).astype(np.int64))
+    return torch.from_numpy(np.where(replace, random, y.cpu().numpy()).astype(np.int64)).to(y.device)
 
 
 def attacked_tasks(

@@ -185,7 +185,7 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> None:
     trial = _Batched(model, task.loss_fn)
     params = {n: p.detach().unsqueeze(0) for n, p in trial.trainable.items()}
     try:
-        trial.grad(params, x[None, :2], y[None, :2])
+        trial.grad(params, x[None, :2].cpu(), y[None, :2].cpu())  # the trial model is on the CPU, x may not be
     except RuntimeError as exc:
         raise ConfigError(
             f"batched clients could not vmap the model's training step ({type(exc).__name__}: "
@@ -215,6 +215,11 @@ class _Batched:
             return loss, loss.detach()
 
         self._grad = vmap(grad(client_loss, has_aux=True), in_dims=(0, None, 0, 0), randomness="error")
+
+    def to(self, device: torch.device) -> None:
+        """Keep the frozen parameters on ``device``, where the stacked ones and the data are (the model itself
+        stays where it was built: only its structure is called)."""
+        self.frozen = {n: t.to(device) for n, t in self.frozen.items()}
 
     def grad(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
@@ -370,6 +375,7 @@ def train_clients(
     plans = [_schedule(n, config) for n in sizes]
     num_steps = max((steps for _, steps in plans), default=0)
     batched = _Batched(model, loss_fn)
+    batched.to(device)
     names = list(batched.trainable)
     count = len(shards)
     params = {n: global_parameters[n].to(device).expand(count, *global_parameters[n].shape).clone() for n in names}

@@ -169,3 +169,16 @@ def test_the_model_cache_builds_its_model_on_the_device_once() -> None:
     on_cpu = ModelCache().load(task, arrays, round=1, client_id="a")
     assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
     np.testing.assert_array_equal(on_cpu.weight.detach().numpy(), arrays["weight"])
+
+
+def test_the_batched_step_keeps_frozen_parameters_on_the_device_and_the_model_where_it_was_built() -> None:
+    """``train_clients`` moves the frozen parameters to the device of the stacked ones (passed beside them to
+    ``functional_call``); the model itself, which only lends its structure, stays on the CPU."""
+    from simulations.batched import _Batched
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    batched = _Batched(model, nn.functional.cross_entropy)
+    batched.to(torch.device("meta"))
+    assert {t.device.type for t in batched.frozen.values()} == {"meta"} and list(batched.frozen) == ["0.weight"]
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
