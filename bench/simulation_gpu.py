@@ -42,8 +42,14 @@ from simulations.harness import run_simulation  # noqa: E402
 
 
 def run(config: SimulationConfig, backend: str, device: str) -> tuple[list[float], float, dict[str, np.ndarray], float]:
-    """One simulation: (seconds of each round, the call's wall seconds, the final model, its test accuracy)."""
-    config = replace(config, simulation=replace(config.simulation, backend=backend, device=device))  # type: ignore[arg-type]
+    """One simulation: (seconds of each round, the call's wall seconds, the final model, its test accuracy). Each
+    run writes to its own directory under the recipe's, so no run starts from another's client state (SCAFFOLD's
+    control variates)."""
+    config = replace(
+        config,
+        simulation=replace(config.simulation, backend=backend, device=device),  # type: ignore[arg-type]
+        output=replace(config.output, dir=config.output.dir / f"{backend}-{device.replace(':', '')}"),
+    )
     started = time.perf_counter()
     result = run_simulation(config, echo=lambda _line: None)
     wall = time.perf_counter() - started
@@ -153,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 if difference > args.tolerance:
                     problems.append(f"{backend} at {per_round} a round differs from in-process by {difference:.2e}")
             if not args.no_cpu_check and reference is not None and per_round == args.per_round[0]:
-                cpu_config = replace(config, output=replace(config.output, dir=Path(tmp) / "cpu"))
-                _, _, on_cpu, cpu_accuracy = run(cpu_config, args.backends[0], "cpu")
+                _, _, on_cpu, cpu_accuracy = run(config, args.backends[0], "cpu")
                 difference = largest_difference(reference, on_cpu)
                 print(
                     f"the same rounds on the CPU ({args.backends[0]}): |model on {args.device} - on cpu| "
