@@ -264,6 +264,11 @@ class BackendConfig:
             given ``cuda`` or ``cuda:N`` (then every worker on that GPU, each with a CUDA context of its own).
             ray: the actors train on the GPU Ray gives each when ``num_gpus > 0`` (``auto`` or ``cuda``), else
             on the CPU.
+        threads: inprocess and batched: torch threads for the run's training (default: torch's own, one per
+            core; the process and ray backends train on one thread a worker). A small model trains as fast on one
+            thread, and on cores busy with other work each thread past the free ones makes every small step wait
+            for a descheduled thread (issue 12's workload on this project's 2-core VM: 0.72 s a round on 1 thread
+            and 0.69 on 2 when idle; 0.77 and 3.33 beside one other busy process).
     """
 
     backend: BackendName = "inprocess"
@@ -273,6 +278,7 @@ class BackendConfig:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     device: str = "auto"
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
@@ -299,6 +305,13 @@ class BackendConfig:
             )
         if self.ray_address is not None and not self.ray_address.strip():
             raise ConfigError("ray_address is empty; give the cluster's address (auto, ray://host:10001) or unset it")
+        if self.threads is not None and not 1 <= self.threads <= 1024:
+            raise ConfigError(f"threads must be in 1..1024 (or unset: one per core), got {self.threads}")
+        if self.threads is not None and self.backend in ("process", "ray"):
+            raise ConfigError(
+                f"threads sets the in-process and batched backends' torch threads; backend {self.backend!r} trains "
+                "on one thread a worker (set workers instead)"
+            )
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N = 0, 1, ...), got {self.device!r}")
         if self.backend == "ray" and self.device.startswith("cuda:"):

@@ -219,7 +219,8 @@ def prepare_output(out_dir: Path, config: SimulationConfig) -> None:
 
 
 def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = print) -> SimulationResult:
-    """Run the simulation ``config`` describes and write its report.
+    """Run the simulation ``config`` describes and write its report, on ``[simulation] threads`` torch threads
+    when set (the caller's thread count is restored after).
 
     Args:
         config: the recipe.
@@ -233,6 +234,18 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
             output.dir that is a server's state directory).
         RoundFailed: a round could not reach its quorum.
     """
+    threads = config.simulation.threads
+    if threads is None:
+        return _run_simulation(config, echo)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run_simulation(config, echo)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> SimulationResult:
     started = time.perf_counter()
     # model-sized tensors and arrays are made and freed with every client: each in its own mapping, handed back
     # when freed, rather than left resident in glibc's heap. Not for batched clients, which allocate a few

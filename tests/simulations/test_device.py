@@ -2,11 +2,13 @@
 (the process workers' and Ray actors' too), a GPU asked for where torch sees none refused before anything is
 written, and what goes to the device (the shared model, each task's tensors once, a test set shared by the clients'
 tasks once for all; a process worker's own pool). The CUDA runs themselves are bench/simulation_gpu.py's
-(bench/gpu_check.sh), which needs a GPU; here the meta device stands in where only the placement is checked."""
+(bench/gpu_check.sh), which needs a GPU; here the meta device stands in where only the placement is checked. Also
+``[simulation] threads``: the clients train on that many torch threads, and the caller's count comes back."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +21,12 @@ from fedcore.cli import main
 from fedcore.errors import ConfigError
 from fedcore.messages import Failure, FitRes
 from fedcore.supervised import SupervisedTask
+from fedcore.task import FitConfig, TaskContext, TrainContext, TrainResult
 from fedcore.tensors import from_state_dict
-from simulations.config import BackendConfig, training_device, worker_device
+from simulations.config import BackendConfig, load_recipe, training_device, worker_device
+from simulations.harness import run_simulation
 from simulations.inmemory import MOVED_KEPT, on_device
+from tests.simulations.test_harness import tiny_task
 from tests.simulations.test_setup_refusals import _simulate
 
 CUDA = torch.cuda.is_available()
@@ -182,3 +187,34 @@ def test_the_batched_step_keeps_frozen_parameters_on_the_device_and_the_model_wh
     batched.to(torch.device("meta"))
     assert {t.device.type for t in batched.frozen.values()} == {"meta"} and list(batched.frozen) == ["0.weight"]
     assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+SEEN_THREADS: list[int] = []
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _ThreadsTask(SupervisedTask):
+    """tiny_task's task, noting the torch threads each client trains on."""
+
+    def train(self, model: nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        SEEN_THREADS.append(torch.get_num_threads())
+        return super().train(model, config, context)
+
+
+def threads_task(ctx: TaskContext) -> SupervisedTask:
+    task = tiny_task(ctx)
+    return _ThreadsTask(model_fn=task.model_fn, train_data=task.train_data, test_data=task.test_data)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_clients_train_on_the_threads_given_and_the_callers_count_comes_back(tmp_path: Path, threads: int) -> None:
+    before = torch.get_num_threads()
+    SEEN_THREADS.clear()
+    overrides = [f"task.factory='{__name__}:threads_task'", "data.num_clients=4", "sampling.min_fit_clients=4"]
+    overrides += ["rounds=2", "output.progress=false", f"output.dir={str(tmp_path)!r}", f"simulation.threads={threads}"]
+    run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+    assert [threads] * 8 == SEEN_THREADS and torch.get_num_threads() == before
+    with pytest.raises(ConfigError, match="backend 'process' trains on one thread a worker"):
+        BackendConfig(backend="process", threads=2)
+    with pytest.raises(ConfigError, match=r"threads must be in 1\.\.1024"):
+        BackendConfig(threads=0)
