@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Gets a checkout ready for bench/gpu_check.sh on a GPU machine that has PyTorch but no network and not all of
-# fedcore's dependencies (the workplace's H200 image: Python 3.12 with torch, numba, pandas, grpcio, safetensors;
-# without cryptography, dp-accounting, opacus, mlxtend). Run it here, where pip reaches the package index:
+# fedcore's dependencies: the workplace's H200 image (Python 3.12) holds torch, numpy, numba, pandas, scipy,
+# scikit-learn, matplotlib, tqdm, grpcio, protobuf, prometheus-client, safetensors, absl-py, attrs, wrapt and
+# opt-einsum (its package list in the device tool's KINDS.md), but not cryptography (with cffi, pycparser),
+# dp-accounting (with dm-tree), opacus or mlxtend. Run it here, where pip reaches the package index, after
+# `make .venv/.installed-test` (it fetches the versions that .venv holds):
 #
 #   bench/gpu_prepare.sh
 #

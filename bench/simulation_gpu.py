@@ -97,16 +97,20 @@ def check_variants(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
-    parser.add_argument("--per-round", type=int, nargs="+", default=[100, 1000], help="clients a round")
-    parser.add_argument("--backends", nargs="+", default=["inprocess", "batched"], choices=["inprocess", "batched"])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--clients", type=int, default=1000)
-    parser.add_argument("--model", default="2nn", choices=["2nn", "cnn", "logreg"])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    parser.add_argument("--per-round", type=int, nargs="+", default=[100, 1000], help="clients a round, each a run")
+    parser.add_argument(
+        "--backends", nargs="+", default=["inprocess", "batched"], choices=["inprocess", "batched"], help="the runs"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of each run (the first is left out)")
+    parser.add_argument("--clients", type=int, default=1000, help="virtual clients (Fashion-MNIST split IID)")
+    parser.add_argument("--model", default="2nn", choices=["2nn", "cnn", "logreg"], help="the model")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest |difference| of the final models")
     parser.add_argument("--no-cpu-check", action="store_true", help="skip the same rounds on the CPU")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"no CUDA device is visible to torch {torch.__version__}: nothing to measure (--device cpu runs it here)")
