@@ -76,6 +76,11 @@ CPU_STACK_BYTES = 16 << 20
 so its gradient) within this many bytes: each step's gradients are fresh allocations, and blocks this small are
 reused from glibc's heap, where larger ones are new mappings whose pages fault in at every step (measured on the
 2NN, 100 clients of 60: 130,000 page faults a round at 100 together, 30,000 at 20; about 20% of the time)."""
+GPU_STACK_FRACTION = 0.5
+"""On a GPU, clients are trained together by default as many as keep their stacked models, three copies of each
+(parameters, gradients, momentum), within this fraction of the GPU's free memory when the round starts (all of a
+round's clients for a small model: 1,000 2NNs take 2.4 GB; 20M-parameter models, 240 MB each, about 290 at a time
+on an empty H200); the rest of it is left to the activations and the data."""
 _ADVICE = "; run it with [simulation] backend = 'inprocess' (--backend inprocess)"
 
 
@@ -514,7 +519,7 @@ class BatchedPool(PoolWrapper):
     Args:
         pool: the in-process pool of the same clients (their tasks, evaluation, stages).
         batch_clients: train at most this many clients together (0: on the CPU as many as keep the largest stacked
-            parameter within :data:`CPU_STACK_BYTES`, on an accelerator all of a round's clients).
+            parameter within :data:`CPU_STACK_BYTES`, on a CUDA GPU as many as fit its free memory, :func:`gpu_batch`).
         device: where to train the batches (default: the CPU).
 
     Raises:
@@ -543,13 +548,20 @@ class BatchedPool(PoolWrapper):
             yield from self._fit(items[begin : begin + size])
 
     def _auto_batch(self, client_id: str, count: int) -> int:
-        """How many clients to train together when ``batch_clients`` is 0: all of them on an accelerator; on the
-        CPU, as many as keep the largest stacked parameter within :data:`CPU_STACK_BYTES`."""
+        """How many clients to train together when ``batch_clients`` is 0: on the CPU, as many as keep the largest
+        stacked parameter within :data:`CPU_STACK_BYTES`; on a CUDA GPU, as many as :func:`gpu_batch` fits in its
+        free memory; on another accelerator all of them."""
         task = self._pool.task(client_id)
         device = torch.device(self._device) if self._device is not None else torch.device("cpu")
-        if device.type != "cpu" or not isinstance(task, SupervisedTask):
+        if not isinstance(task, SupervisedTask):
             return count
-        largest = max((p.numel() * p.element_size() for p in self._model(task).parameters()), default=1)
+        parameters = list(self._model(task).parameters())
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return gpu_batch(count, sum(p.numel() * p.element_size() for p in parameters), free)
+        if device.type != "cpu":
+            return count
+        largest = max((p.numel() * p.element_size() for p in parameters), default=1)
         return max(1, min(count, CPU_STACK_BYTES // max(largest, 1)))
 
     def _model(self, task: SupervisedTask) -> nn.Module:
@@ -632,6 +644,14 @@ class BatchedPool(PoolWrapper):
             )
             replies[cid] = replace(reply, payload_bytes=packed_nbytes(reply))  # as the in-process pool measures it
         return replies
+
+
+def gpu_batch(count: int, model_bytes: int, free_bytes: int) -> int:
+    """How many of ``count`` clients a GPU with ``free_bytes`` free trains together: as many as keep three stacked
+    copies of a model of ``model_bytes`` (parameters, gradients, momentum) within :data:`GPU_STACK_FRACTION` of
+    the free memory, at least 1 and at most ``count``."""
+    fits = int(GPU_STACK_FRACTION * free_bytes) // max(3 * model_bytes, 1)
+    return max(1, min(count, fits))
 
 
 def _tensors(arrays: NamedArrays) -> dict[str, torch.Tensor]:

@@ -248,7 +248,8 @@ class BackendConfig:
             from a checkout).
         batch_clients: batched: at most this many clients are trained together (memory grows with it: the
             stacked parameters, gradients and momentum of that many models); 0 chooses: on the CPU as many as keep
-            the largest stacked parameter within 16 MiB (the 2NN: 26), on a GPU all of a round's clients.
+            the largest stacked parameter within 16 MiB (the 2NN: 26), on a GPU as many as keep three stacked
+            copies of the model within half its free memory (all of a round's 2NNs).
         workers: process: the number of worker processes (default: the cores this process may use); ray: the
             number of actors (default: as many as the cluster's CPUs, or GPUs, hold at num_cpus, num_gpus each).
         ray_address: ray: the Ray cluster to join (``auto``, ``ray://head:10001``); unset: a local Ray instance

@@ -218,3 +218,15 @@ def test_the_clients_train_on_the_threads_given_and_the_callers_count_comes_back
         BackendConfig(backend="process", threads=2)
     with pytest.raises(ConfigError, match=r"threads must be in 1\.\.1024"):
         BackendConfig(threads=0)
+
+
+def test_a_gpu_batch_fits_three_stacked_models_in_half_the_free_memory() -> None:
+    from simulations.batched import GPU_STACK_FRACTION, gpu_batch
+
+    two_nn = 199_210 * 4  # bytes of the 2NN's float32 parameters
+    assert GPU_STACK_FRACTION == 0.5
+    assert gpu_batch(1000, two_nn, 130 << 30) == 1000  # all of a round's 2NNs on an H200
+    big = 20_000_000 * 4
+    assert gpu_batch(1000, big, 130 << 30) == (65 << 30) // (3 * big) == 290
+    assert gpu_batch(1000, big, 100 << 20) == 1  # never fewer than one
+    assert gpu_batch(7, 0, 0) == 1 and gpu_batch(7, two_nn, 1 << 40) == 7
