@@ -110,12 +110,11 @@ def proximal_term(model: nn.Module, global_parameters: Mapping[str, torch.Tensor
 
     FedProx adds ``mu / 2`` times this to the local loss (Li et al. 2020, eq. 2).
     """
-    total: torch.Tensor | None = None
+    total = torch.zeros((), dtype=torch.float32)  # 0-dim: adds to a parameter's sum on any device
     for name, param in model.named_parameters():
         if param.requires_grad:
-            term = (param - global_parameters[name].detach()).pow(2).sum()
-            total = term if total is None else total + term
-    return total if total is not None else torch.zeros((), dtype=torch.float32)
+            total = total + (param - global_parameters[name].detach()).pow(2).sum()
+    return total
 
 
 def train_supervised(
@@ -213,8 +212,6 @@ def _sgd_epochs(
     model.train()
     steps = 0
     epoch_loss = 0.0
-    # on an accelerator the loss is summed there, in float64 as float() and Python's sum would (the same value):
-    # reading it every step would wait for the device every step
     on_cpu = x.device.type == "cpu"
     for _ in range(config.local_epochs):
         order = torch.randperm(n, generator=generator).to(x.device)
@@ -234,10 +231,7 @@ def _sgd_epochs(
             total.backward()
             if not fused:
                 optimizer.step()
-            if on_cpu:
-                loss_sum += float(loss.detach()) * len(idx)
-            else:
-                loss_sum = loss_sum + loss.detach().double() * len(idx)
+            loss_sum = _add(loss_sum, loss.detach(), len(idx), on_cpu)
             seen += len(idx)
             steps += 1
             if config.max_steps is not None and steps >= config.max_steps:
@@ -270,18 +264,21 @@ def evaluate_supervised(
     n = len(x)
     if n == 0:
         return EvalResult(loss=float("nan"), num_examples=0, metrics={})
-    on_cpu = x.device.type == "cpu"  # elsewhere summed on the device (the same float64 sum), read once at the end
+    on_cpu = x.device.type == "cpu"
     loss_sum: float | torch.Tensor = 0.0
-    correct: int | torch.Tensor = 0
+    correct: float | torch.Tensor = 0.0  # a count, exact in float64
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         out = model(xb)
-        batch_loss = loss_fn(out, yb, reduction="sum")
-        hits = (out.argmax(dim=1) == yb).sum()
-        if on_cpu:
-            loss_sum += float(batch_loss)
-            correct += int(hits)
-        else:
-            loss_sum = loss_sum + batch_loss.double()
-            correct = correct + hits
+        loss_sum = _add(loss_sum, loss_fn(out, yb, reduction="sum"), 1, on_cpu)
+        correct = _add(correct, (out.argmax(dim=1) == yb).sum(), 1, on_cpu)
     return EvalResult(loss=float(loss_sum) / n, num_examples=n, metrics={"accuracy": int(correct) / n})
+
+
+def _add(total: float | torch.Tensor, value: torch.Tensor, scale: int, on_cpu: bool) -> float | torch.Tensor:
+    """``total + value * scale`` in float64, ``value`` a scalar tensor: on the CPU as a Python float; on an
+    accelerator as a tensor there, the same float64 arithmetic, so that a loop reads its sum once at the end
+    rather than waiting for the device at every step."""
+    if on_cpu:
+        return total + float(value) * scale
+    return total + value.double() * scale

@@ -251,7 +251,8 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
     # when freed, rather than left resident in glibc's heap. Not for batched clients, which allocate a few
     # stacks of at most CPU_STACK_BYTES per batch and step: as new mappings their pages would fault in again at
     # every batch (measured on issue 12's workload, 2 threads: 0.115 s a round with mappings, 0.095 without);
-    # glibc's heap reuses them and the round's end trims it (release_memory)
+    # glibc's heap reuses them and the round's end trims it (release_memory). The threshold is process-wide and
+    # stays once set: a batched run after another backend's in the same process keeps it
     if config.simulation.backend != "batched":
         return_large_blocks_to_the_os()
     out_dir = Path(config.output.dir)

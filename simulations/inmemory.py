@@ -64,20 +64,19 @@ def on_device(
     """
     if not isinstance(task, SupervisedTask):
         return task
+    copies = moved if moved is not None else OrderedDict()
 
     def to(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device == device:
             return tensor
-        if moved is None:
-            return tensor.to(device)
-        entry = moved.get(id(tensor))
+        entry = copies.get(id(tensor))
         if entry is not None and entry[0] is tensor:
-            moved.move_to_end(id(tensor))
+            copies.move_to_end(id(tensor))
             return entry[1]
         copy = tensor.to(device)
-        moved[id(tensor)] = (tensor, copy)
-        while len(moved) > MOVED_KEPT:
-            moved.popitem(last=False)
+        copies[id(tensor)] = (tensor, copy)
+        while len(copies) > MOVED_KEPT:
+            copies.popitem(last=False)
         return copy
 
     def pair(data: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -131,6 +130,7 @@ class InMemoryPool:
         self._parallel = parallel
         self._state = state
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # on the CPU the models stay where the tasks build them (a task may put its own on a GPU)
         self._models = ModelCache(self._device if self._device.type != "cpu" else None)
         self._moved: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._stages = stages if stages is not None else ClientStages()

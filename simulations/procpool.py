@@ -819,7 +819,7 @@ def client_service(spec: Mapping[str, Any]) -> Serve[Stored]:
         return factory(context)
 
     state = ClientStateStore(spec["state_dir"]) if spec["state_dir"] is not None else None
-    pool = InMemoryPool((), make_task, state=state, max_tasks=int(spec["max_tasks"]), device=spec.get("device"))
+    pool = InMemoryPool((), make_task, state=state, max_tasks=int(spec["max_tasks"]), device=spec["device"])
     last: tuple[tuple[object, bytes], ServerMessage] | None = None
 
     def serve(
