@@ -287,6 +287,44 @@ ServerMessage = FitIns | EvaluateIns | StageIns
 Reply = FitRes | EvaluateRes | StageRes | Failure
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class FitBatchRes:
+    """The fit results of several clients trained together, their updates already combined into one weighted sum.
+
+    A pool that trains a round's clients as one computation (:class:`simulations.batched.BatchedPool`) sends it in
+    place of one :class:`FitRes` per client when the round's aggregation is a plain weighted mean: the stacked
+    updates are summed where they were trained (one matrix-vector product per tensor), and the round loop folds the
+    sum once (:meth:`fedcore.aggregation.WeightedMean.add_sum`) instead of every update on its own. It never
+    crosses a process or trust boundary: a client over a network always sends its own :class:`FitRes`.
+
+    Attributes:
+        round: the round.
+        results: each client's result without its update (``parameters`` empty): id, example count, metrics and
+            ``payload_bytes`` (what its update would have cost as a :class:`FitRes`), in the order of ``weights``.
+        weights: each client's aggregation weight, as :meth:`fedcore.strategy.Strategy.weight` gives it for that
+            client's result (finite, >= 0).
+        weighted_sum: ``name -> float64 array`` of the model's shapes: ``sum_k weights[k] * update_k``, summed in
+            float64.
+    """
+
+    round: int
+    results: tuple[FitRes, ...]
+    weights: tuple[float, ...]
+    weighted_sum: NamedArrays
+
+    def __post_init__(self) -> None:
+        if len(self.results) != len(self.weights):
+            raise PayloadError(
+                f"a batch of {len(self.results)} results carries {len(self.weights)} weights; give one weight per "
+                "result",
+                round=self.round,
+            )
+
+
+PoolReply = Reply | FitBatchRes
+"""What a pool yields to the round loop: one client's reply, or a pre-summed batch of fit results."""
+
+
 def payload_of(message: ServerMessage | Reply) -> NamedArrays:
     """The tensors that travel as a message's payload: the model of a fit or evaluate instruction, the update of
     a fit result, a stage message's tensors; none for an evaluation result or a failure."""

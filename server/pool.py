@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from fedcore.messages import FitRes, Reply, ServerMessage, StageRes, packed_nbytes
+from fedcore.messages import FitBatchRes, FitRes, PoolReply, ServerMessage, StageRes, packed_nbytes
 
 
 class ClientPool(Protocol):
@@ -28,13 +28,15 @@ class ClientPool(Protocol):
         """
         ...
 
-    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[PoolReply]:
         """Send each client its instruction (a fit or evaluate instruction, or a round protocol's stage) and yield
         replies as they arrive.
 
         Yields exactly one reply per client in ``instructions``: its result, or a :class:`~fedcore.messages.Failure`
         (the client raised, disconnected, or did not answer within ``timeout_s``). Replies that arrive after the
-        deadline are dropped by the pool, never yielded later.
+        deadline are dropped by the pool, never yielded later. A pool that trains clients together may instead
+        answer several fit instructions with one :class:`~fedcore.messages.FitBatchRes` (their updates already
+        summed), when it was set up for a round loop whose aggregation takes one.
         """
         ...
 
@@ -58,11 +60,14 @@ def sent_bytes(pool: ClientPool, message: ServerMessage) -> int:
     return pool.payload_bytes(message) if isinstance(pool, PayloadMeasure) else packed_nbytes(message)
 
 
-def received_bytes(pool: ClientPool, reply: Reply) -> int:
+def received_bytes(pool: ClientPool, reply: PoolReply) -> int:
     """The bytes of ``reply`` as it came: a fit result's :attr:`~fedcore.messages.FitRes.payload_bytes` (else
-    :func:`~fedcore.messages.packed_nbytes`), a stage reply's fields and tensors as ``pool`` measures them
-    (:class:`PayloadMeasure`, else :func:`~fedcore.messages.packed_nbytes`); 0 for an evaluation result (a few
-    scalars in its header) or a failure."""
+    :func:`~fedcore.messages.packed_nbytes`), a batch's the sum of its results' (what each update would have cost on
+    its own), a stage reply's fields and tensors as ``pool`` measures them (:class:`PayloadMeasure`, else
+    :func:`~fedcore.messages.packed_nbytes`); 0 for an evaluation result (a few scalars in its header) or a
+    failure."""
+    if isinstance(reply, FitBatchRes):
+        return sum(received_bytes(pool, result) for result in reply.results)
     if isinstance(reply, FitRes):
         return reply.payload_bytes if reply.payload_bytes is not None else packed_nbytes(reply)
     if isinstance(reply, StageRes):
@@ -91,7 +96,7 @@ class PoolWrapper:
         """As the wrapped pool."""
         return self._pool.wait_for(num_clients, timeout_s)
 
-    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[PoolReply]:
         """The wrapped pool's replies."""
         return self._pool.run(instructions, timeout_s=timeout_s)
 

@@ -28,13 +28,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast, runtime_checkable
 
-from fedcore.aggregation import example_weight, metric_value, weighted_metrics
+from fedcore.aggregation import Accumulator, SumAccumulator, example_weight, metric_value, weighted_metrics
 from fedcore.convergence import Convergence, Stop, StopRules, stop_columns, update_norm
 from fedcore.errors import BudgetExhausted, ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import (
     EvaluateIns,
     EvaluateRes,
     Failure,
+    FitBatchRes,
     FitIns,
     FitRes,
     Instruction,
@@ -547,6 +548,16 @@ def _fit_round(
         if instructions:  # every fit instruction of a round carries the same payload (model and groups)
             bytes_down += len(instructions) * sent_bytes(pool, next(iter(instructions.values())))
         for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
+            if isinstance(reply, FitBatchRes):  # several clients' updates, already summed where they were trained
+                bytes_up += received_bytes(pool, reply)
+                members = _fold_batch(reply, accumulator, strategy, instructions, rnd, failures)
+                accepted.extend(result.client_id for result in members)
+                metric_rows.extend((result.num_examples, result.metrics) for result in members)
+                observations.extend(
+                    observation(result.client_id, result.num_examples, _mapping(result.metrics)) for result in members
+                )
+                del reply
+                continue
             if isinstance(reply, Failure):
                 log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
                 failures.append(reply)
@@ -651,6 +662,53 @@ def _fit_round(
         )
         return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
+def _fold_batch(
+    batch: FitBatchRes,
+    accumulator: Accumulator,
+    strategy: Strategy,
+    instructions: Mapping[str, Instruction],
+    rnd: int,
+    failures: list[Failure],
+) -> list[FitRes]:
+    """Fold a pre-summed batch of updates (:class:`~fedcore.messages.FitBatchRes`) into ``accumulator``; return its
+    results, or none with a failure for each of its clients when the batch is rejected (its sum or a weight cannot be
+    used: nothing of it is kept).
+
+    Raises:
+        ConfigError: the round's aggregation cannot take a sum (not a :class:`~fedcore.aggregation.SumAccumulator`,
+            or the strategy exchanges tensor groups): the pool must send each update on its own.
+    """
+    if not isinstance(accumulator, SumAccumulator) or strategy.groups:
+        raise ConfigError(
+            f"round {rnd}: the client pool sent {len(batch.results)} updates already summed, but strategy "
+            f"{strategy.name!r} aggregates with {type(accumulator).__name__}"
+            + (f" and tensor groups ({', '.join(sorted(strategy.groups))})" if strategy.groups else "")
+            + ", which needs each update on its own; run the pool without pre-summing (the batched simulation "
+            "pre-sums only for a plain weighted mean)",
+            round=rnd,
+        )
+    ids = [result.client_id for result in batch.results]
+    try:
+        if batch.round != rnd or any(result.round != rnd for result in batch.results):
+            raise UpdateRejected(f"the batch belongs to round {batch.round}, not this round {rnd}")
+        if unknown := [cid for cid in ids if cid not in instructions]:
+            raise UpdateRejected(f"the batch holds clients that were not instructed: {bounded_repr(unknown)}")
+        if len(set(ids)) != len(ids):
+            raise UpdateRejected("the batch holds a client twice")
+        for result in batch.results:
+            count = result.num_examples
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+                raise UpdateRejected(
+                    f"the example count {bounded_repr(count)} is not an integer >= 0", client_id=result.client_id
+                )
+        accumulator.add_sum(batch.weighted_sum, batch.weights, client_ids=ids, round=rnd)
+    except FedcoreError as exc:
+        log.warning("round %d: rejected a batch of %d updates: %s", rnd, len(ids), exc)
+        failures.extend(Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(exc)) for cid in ids)
+        return []
+    return list(batch.results)
 
 
 def failure_summary(failures: Sequence[Failure], *, reasons: int = 5, ids: int = 3) -> str:

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fedcore.errors import FedcoreError, RoundFailed
-from fedcore.messages import Failure, ServerMessage, Stage, StageIns, StageRes, bound_text
+from fedcore.messages import Failure, FitBatchRes, ServerMessage, Stage, StageIns, StageRes, bound_text
 from fedcore.stages import Exchange, Phase, RoundProtocol, ServerStages
 from server.pool import ClientPool, received_bytes, sent_bytes
 
@@ -114,6 +114,9 @@ class ProtocolRun:
         self.bytes_down += sum(sent_bytes(pool, ins) for ins in sent.values())
         try:
             for reply in pool.run(sent, timeout_s=deadline):
+                if isinstance(reply, FitBatchRes):  # only ever an answer to fit instructions
+                    log.warning("round %d stage %s: discarding a batch of fit results", self.round, name)
+                    continue
                 client_id = reply.client_id
                 self.bytes_up += received_bytes(pool, reply)
                 if client_id not in sent or client_id in replies or client_id in dropped:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fedcore.errors import ConfigError
-from fedcore.messages import FitIns, FitRes, Reply, ServerMessage
+from fedcore.messages import FitBatchRes, FitIns, FitRes, PoolReply, ServerMessage
 from fedcore.seeding import numpy_rng
 from fedcore.supervised import SupervisedTask
 from fedcore.task import Task
@@ -45,6 +45,8 @@ log = logging.getLogger("fedcore.simulation")
 ATTACK_NAMES = ("none", "sign_flip", "scale", "gaussian", "label_flip", "label_noise")
 LABEL_ATTACKS = ("label_flip", "label_noise")
 """The attacks that alter an attacker's training labels (they need the number of classes)."""
+REWRITE_ATTACKS = ("sign_flip", "scale", "gaussian")
+"""The model-poisoning attacks: they rewrite an attacker's update on its way to the server (:class:`AttackedPool`)."""
 _DEFAULT_SCALE = {"sign_flip": 1.0, "scale": 10.0}
 
 
@@ -147,10 +149,24 @@ class AttackedPool(PoolWrapper):
         self._config = config
         self._seed = seed
 
-    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
-        """The honest pool's replies, an attacker's fit result replaced by its poisoned update."""
-        rewrites = self._config.kind in ("sign_flip", "scale", "gaussian")
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[PoolReply]:
+        """The honest pool's replies, an attacker's fit result replaced by its poisoned update.
+
+        Raises:
+            ConfigError: a model-poisoning attacker's update came already summed into a batch
+                (:class:`~fedcore.messages.FitBatchRes`), where it cannot be rewritten; such a run must train without
+                pre-summing (:func:`simulations.batched.presum_weight`'s caller leaves it off).
+        """
+        rewrites = self._config.kind in REWRITE_ATTACKS
         for reply in self._pool.run(instructions, timeout_s=timeout_s):
+            if isinstance(reply, FitBatchRes):
+                if rewrites and (hidden := [r.client_id for r in reply.results if r.client_id in self._attackers]):
+                    raise ConfigError(
+                        f"round {reply.round}: the update of attacker {hidden[0]!r} came summed into a batch, where "
+                        f"the {self._config.kind} attack cannot rewrite it; run the batched clients without pre-summing"
+                    )
+                yield reply
+                continue
             instruction = instructions.get(reply.client_id)
             attacker = isinstance(reply, FitRes) and reply.client_id in self._attackers
             if rewrites and attacker and isinstance(reply, FitRes) and isinstance(instruction, FitIns):

@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,19 +56,40 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedcore.errors import ClientTaskError, ConfigError, FedcoreError
-from fedcore.messages import Failure, FitIns, FitRes, Reply, ServerMessage, Stage, packed_nbytes
+from fedcore.aggregation import MeanAggregator
+from fedcore.aggregation.blocks import check_weight
+from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, NonFiniteError
+from fedcore.kernels import FUSED_DTYPES, all_finite, fold_block
+from fedcore.messages import (
+    Failure,
+    FitBatchRes,
+    FitIns,
+    FitRes,
+    PoolReply,
+    Reply,
+    ServerMessage,
+    Stage,
+    packed_nbytes,
+)
 from fedcore.seeding import derive_seed
 from fedcore.strategy import Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, LossFn, Task
-from fedcore.tensors import NamedArrays, check_spec, state_spec
+from fedcore.tensors import NamedArrays, check_spec, num_bytes, state_spec
 from server.pool import PoolWrapper
 from simulations.inmemory import InMemoryPool
 
 log = logging.getLogger("fedcore.simulation")
 
-__all__ = ["BatchedPool", "ClientShard", "ClientUpdate", "check_batchable", "train_clients"]
+__all__ = [
+    "BatchedPool",
+    "ClientShard",
+    "ClientUpdate",
+    "TrainedClients",
+    "check_batchable",
+    "presum_weight",
+    "train_stack",
+]
 
 _RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 CPU_STACK_BYTES = 16 << 20
@@ -332,7 +353,7 @@ def _batch_size(n: int, per_epoch: int, step: int, batch_size: int) -> int:
     return batch_size if within < per_epoch - 1 else n - (per_epoch - 1) * batch_size
 
 
-def train_clients(
+def train_stack(
     model: nn.Module,
     global_parameters: Mapping[str, torch.Tensor],
     clients: Sequence[ClientShard],
@@ -342,9 +363,11 @@ def train_clients(
     round: int,
     loss_fn: LossFn = nn.functional.cross_entropy,
     device: torch.device | str | None = None,
-) -> list[ClientUpdate]:
+) -> TrainedClients:
     """Train ``clients`` together for one round, each from ``global_parameters``, as
-    :func:`fedcore.training.train_supervised` trains each alone (see the module docstring).
+    :func:`fedcore.training.train_supervised` trains each alone (see the module docstring), and keep the trained
+    models stacked where they were trained: :meth:`TrainedClients.updates` gives each client's, and
+    :meth:`TrainedClients.weighted_sum` their weighted sum without taking them apart.
 
     Args:
         model: a model of the clients' architecture (checked with :func:`check_model`); its parameter values are
@@ -357,7 +380,7 @@ def train_clients(
         device: where to train (default: the CPU); the results come back on the CPU.
 
     Returns:
-        One :class:`ClientUpdate` per client, in the order of ``clients``.
+        The trained clients (:class:`TrainedClients`), in the order of ``clients``.
 
     Raises:
         ClientTaskError: a client's ``x`` and ``y`` differ in length, or the clients' inputs differ in trailing
@@ -416,7 +439,17 @@ def train_clients(
                     _sgd_step(views, grads, buffers, reference, config, first=step == 0)
                 losses[start:end, step] = step_losses
                 start = end
-    return _updates(clients, order, params, global_parameters, batched, losses.cpu(), sizes, plans, config)
+    return TrainedClients(
+        clients=clients,
+        order=order,
+        params=params,
+        global_parameters=global_parameters,
+        canonical=batched.canonical,
+        losses=losses.cpu(),
+        sizes=sizes,
+        plans=plans,
+        config=config,
+    )
 
 
 def _batch_index(
@@ -424,23 +457,40 @@ def _batch_index(
 ) -> torch.Tensor:
     """``(clients, steps, batch_size)`` int64: the rows of the concatenated data each client's batch takes at each
     step (a partial batch padded with row 0, never read), drawn as :func:`fedcore.training.train_supervised`
-    draws them: one ``randperm`` per epoch begun, from the client's generator."""
+    draws them: one ``randperm`` per epoch begun, from the client's generator.
+
+    Only the draws are made client by client (the generators must be the one-by-one loop's); the index is then laid
+    out for all clients at once: step ``t`` of a client with ``n`` samples and ``p`` batches an epoch takes
+    positions ``(t mod p) * batch_size + j`` of its permutation for epoch ``t div p``.
+    """
     num_steps = max((steps for _, steps in plans), default=0)
     batch = config.batch_size
     index = torch.zeros(len(shards), num_steps, batch, dtype=torch.int64)
-    offset = 0
-    for row, (shard, (per_epoch, steps)) in enumerate(zip(shards, plans, strict=True)):
+    draws: list[torch.Tensor] = []
+    sizes = np.zeros(len(shards), dtype=np.int64)
+    per_epoch = np.ones(len(shards), dtype=np.int64)
+    steps = np.zeros(len(shards), dtype=np.int64)
+    for row, (shard, (epoch_batches, client_steps)) in enumerate(zip(shards, plans, strict=True)):
         n = len(shard.x)
         if n == 0:
             continue
         generator = torch.Generator().manual_seed(derive_seed(seed, round, shard.client_id))
-        epochs = math.ceil(steps / per_epoch)
-        padded = torch.zeros(epochs, per_epoch * batch, dtype=torch.int64)
-        for epoch in range(epochs):
-            padded[epoch, :n] = torch.randperm(n, generator=generator) + offset
-        index[row, :steps] = padded.view(epochs * per_epoch, batch)[:steps]
-        offset += n
-    return index
+        draws.extend(torch.randperm(n, generator=generator) for _ in range(math.ceil(client_steps / epoch_batches)))
+        sizes[row], per_epoch[row], steps[row] = n, epoch_batches, client_steps
+    if not draws:
+        return index
+    epochs = -(-steps // per_epoch)  # ceil; 0 for a client without data
+    offsets = np.cumsum(sizes) - sizes  # each client's first row in the concatenated data
+    starts = np.cumsum(epochs * sizes) - epochs * sizes  # each client's first draw in ``drawn``
+    drawn = torch.cat(draws).numpy()
+    t = np.arange(num_steps)[None, :, None]
+    j = np.arange(batch)[None, None, :]
+    count, per = sizes[:, None, None], per_epoch[:, None, None]
+    position = (t % per) * batch + j
+    taken = (t < steps[:, None, None]) & (position < count)
+    source = np.where(taken, starts[:, None, None] + (t // per) * count + position, 0)
+    rows = np.where(taken, drawn[source] + offsets[:, None, None], 0)
+    return torch.from_numpy(rows.astype(np.int64))
 
 
 def _sgd_step(
@@ -470,74 +520,196 @@ def _sgd_step(
         param.add_(g, alpha=-config.lr)
 
 
-def _updates(
-    clients: Sequence[ClientShard],
-    order: Sequence[int],
-    params: Mapping[str, torch.Tensor],
-    global_parameters: Mapping[str, torch.Tensor],
-    batched: _Batched,
-    losses: torch.Tensor,
-    sizes: Sequence[int],
-    plans: Sequence[tuple[int, int]],
-    config: FitConfig,
-) -> list[ClientUpdate]:
-    """The clients' results in the order they were given; ``train_loss`` summed in float64 step by step as the
-    one-by-one loop sums it (``loss * batch`` over the last epoch begun, over the samples seen in it)."""
-    cpu = {n: p.cpu() for n, p in params.items()}
-    values = losses.double().numpy()
-    updates: list[ClientUpdate | None] = [None] * len(clients)
-    for row, position in enumerate(order):
-        n, (per_epoch, steps) = sizes[row], plans[row]
-        state = {}
-        for name, canonical in batched.canonical.items():
-            state[name] = cpu[canonical][row] if canonical in cpu else global_parameters[canonical].cpu()
-        metrics: dict[str, float] = {}
-        if n:
+SUM_CHUNK_BYTES = 64 << 20
+"""The weighted sum of stacked updates casts at most this many bytes of them to float64 at a time (a chunk of
+clients): one matrix-vector product per chunk and tensor, without a float64 copy of the whole stack."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainedClients:
+    """A batch of clients after :func:`train_stack`: their models stacked along a leading client dimension, where
+    they were trained.
+
+    Attributes:
+        clients: the clients, in the order given.
+        order: ``order[row]`` is the position in ``clients`` of the stack's ``row`` (largest clients first).
+        params: trainable parameter name -> ``(clients, *shape)`` tensor, rows in ``order``.
+        global_parameters: the round's global model (state-dict name -> tensor), the value of what is not trained.
+        canonical: state-dict name -> the parameter name it shares storage with (tied weights).
+        losses: ``(clients, steps)`` float32 on the CPU: each row's mean loss at each step, rows in ``order``.
+        sizes, plans: each row's sample count and ``(batches per epoch, steps)``.
+        config: the round's training settings.
+    """
+
+    clients: Sequence[ClientShard]
+    order: Sequence[int]
+    params: Mapping[str, torch.Tensor]
+    global_parameters: Mapping[str, torch.Tensor]
+    canonical: Mapping[str, str]
+    losses: torch.Tensor
+    sizes: Sequence[int]
+    plans: Sequence[tuple[int, int]]
+    config: FitConfig
+
+    def metrics(self) -> list[dict[str, float]]:
+        """Each client's metrics, in the order of :attr:`clients`: ``train_loss`` summed in float64 step by step as
+        the one-by-one loop sums it (``loss * batch`` over the last epoch begun, over the samples seen in it);
+        none for a client without data."""
+        values = self.losses.double().numpy()
+        metrics: list[dict[str, float]] = [{} for _ in self.clients]
+        for row, position in enumerate(self.order):
+            n, (per_epoch, steps) = self.sizes[row], self.plans[row]
+            if not n:
+                continue
             last_epoch_start = ((steps - 1) // per_epoch) * per_epoch
             loss_sum, seen = 0.0, 0
             for step in range(last_epoch_start, steps):
-                size = _batch_size(n, per_epoch, step, config.batch_size)
+                size = _batch_size(n, per_epoch, step, self.config.batch_size)
                 loss_sum += float(values[row, step]) * size
                 seen += size
-            metrics["train_loss"] = loss_sum / max(seen, 1)
-        updates[position] = ClientUpdate(parameters=state, num_examples=n, metrics=metrics)
-    return [u for u in updates if u is not None]
+            metrics[position]["train_loss"] = loss_sum / max(seen, 1)
+        return metrics
+
+    def updates(self) -> list[ClientUpdate]:
+        """Each client's result, in the order of :attr:`clients`, its parameters on the CPU (views into one CPU
+        copy of the stack; a parameter that is not trained is the global one)."""
+        cpu = {n: p.cpu() for n, p in self.params.items()}
+        metrics = self.metrics()
+        updates: list[ClientUpdate | None] = [None] * len(self.clients)
+        for row, position in enumerate(self.order):
+            state = {}
+            for name, canonical in self.canonical.items():
+                state[name] = cpu[canonical][row] if canonical in cpu else self.global_parameters[canonical].cpu()
+            updates[position] = ClientUpdate(parameters=state, num_examples=self.sizes[row], metrics=metrics[position])
+        return [u for u in updates if u is not None]
+
+    def finite(self, positions: Sequence[int]) -> list[bool]:
+        """Whether the trained parameters of the clients at ``positions`` (in :attr:`clients`) are all finite, in
+        that order: on the CPU by the aggregator's own kernel (:func:`fedcore.kernels.all_finite`, a pass over each
+        row), on a device by one reduction per stacked tensor."""
+        row_of = {position: row for row, position in enumerate(self.order)}
+        rows = [row_of[position] for position in positions]
+        flags = [True] * len(rows)
+        if not rows:
+            return flags
+        for stacked in self.params.values():
+            flat = stacked.detach().flatten(1)
+            if _on_cpu_fused(stacked):
+                values = flat.numpy()
+                verdict = [bool(all_finite(values[row])) for row in rows]
+            else:
+                index = torch.tensor(rows, dtype=torch.int64, device=flat.device)
+                verdict = torch.isfinite(flat.index_select(0, index)).all(dim=1).tolist()
+            flags = [ok and bool(v) for ok, v in zip(flags, verdict, strict=True)]
+        return flags
+
+    def weighted_sum(self, weights: Sequence[float]) -> dict[str, np.ndarray]:
+        """``Σ_k weights[k] · update_k`` per state-dict tensor, float64 on the CPU, over the clients with a weight
+        > 0 (``weights`` in the order of :attr:`clients`; give 0 to leave a client out, e.g. one whose update is not
+        finite: its values are never read). Each client's parameters are cast to float64 and the products summed in
+        float64, as :meth:`fedcore.aggregation.WeightedMean.add` sums updates one by one: on the CPU by the same
+        kernel (:func:`fedcore.kernels.fold_block`) in the order of :attr:`clients`, so that a round trained as one
+        batch sums to the very bits of one-by-one folding; on a device by one matrix-vector product per chunk of
+        :data:`SUM_CHUNK_BYTES` (another order: relative differences of about 1e-16), and only the sum leaves the
+        device. A parameter that is not trained adds ``(Σ_k weights[k]) · global``.
+
+        Raises:
+            ClientTaskError: ``weights`` is not one per client.
+        """
+        if len(weights) != len(self.clients):
+            raise ClientTaskError(f"{len(weights)} weights for a batch of {len(self.clients)} clients; give one each")
+        row_of = {position: row for row, position in enumerate(self.order)}
+        taken = [(row_of[position], float(w)) for position, w in enumerate(weights) if w > 0]  # in client order
+        sums = {name: _weighted_rows(stacked, taken) for name, stacked in self.params.items()}
+        total = 0.0
+        for _, w in taken:
+            total += w
+        result: dict[str, np.ndarray] = {}
+        for name, canonical in self.canonical.items():
+            if canonical in sums:
+                result[name] = sums[canonical]
+            else:
+                result[name] = self.global_parameters[canonical].cpu().double().mul(total).numpy()
+        return result
+
+
+def _on_cpu_fused(stacked: torch.Tensor) -> bool:
+    """Whether a stacked tensor is on the CPU in a dtype the aggregator's numba kernels take."""
+    return stacked.device.type == "cpu" and np.dtype(str(stacked.dtype).removeprefix("torch.")) in FUSED_DTYPES
+
+
+def _weighted_rows(stacked: torch.Tensor, taken: Sequence[tuple[int, float]]) -> np.ndarray:
+    """``Σ w · stacked[row]`` over ``taken`` (``(row, w)`` pairs, in the order summed), float64 on the CPU."""
+    flat = stacked.detach().flatten(1)
+    if _on_cpu_fused(stacked):
+        rows = flat.numpy()
+        out = np.zeros(rows.shape[1], dtype=np.float64)
+        for row, w in taken:
+            fold_block(out, rows[row], w)
+        return out.reshape(stacked.shape[1:])
+    index = torch.tensor([row for row, _ in taken], dtype=torch.int64, device=flat.device)
+    w64 = torch.tensor([w for _, w in taken], dtype=torch.float64, device=flat.device)
+    total = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
+    chunk = max(1, SUM_CHUNK_BYTES // max(flat.shape[1] * 8, 1))
+    for begin in range(0, len(taken), chunk):
+        part = flat.index_select(0, index[begin : begin + chunk]).double()
+        total.addmv_(part.t(), w64[begin : begin + chunk])
+    return total.view(stacked.shape[1:]).cpu().numpy()
 
 
 Key = tuple[Any, ...]
 
 
 class BatchedPool(PoolWrapper):
-    """A :class:`server.pool.ClientPool` that trains a round's fit instructions as batches (:func:`train_clients`)
+    """A :class:`server.pool.ClientPool` that trains a round's fit instructions as batches (:func:`train_stack`)
     and runs everything else (evaluation, protocol stages) through the in-process pool it wraps.
 
-    Replies come in the order of the instructions, as the in-process pool yields them, so the round loop folds the
-    updates in the same order. A client whose data is unusable (``x`` and ``y`` of different lengths) fails alone,
-    as it would in-process; a batch that fails fails each of its clients with the reason. Each reply's
-    ``fit_seconds`` is its batch's wall time divided among the batch's clients.
+    Without ``weigh``, replies come one per client in the order of the instructions, as the in-process pool yields
+    them, so the round loop folds the updates in the same order. With ``weigh`` (:func:`presum_weight`: the round's
+    aggregation is a plain weighted mean), each batch's updates are summed where they were trained
+    (:meth:`TrainedClients.weighted_sum`, weights ``weigh(result)``) and the batch comes as one
+    :class:`~fedcore.messages.FitBatchRes`, which the round loop folds once: only the sum leaves the device, and no
+    per-client copy, reply or fold is made (the mean differs from one-by-one folding only by the float64 rounding
+    of the sum's order). A client whose update is not finite, or whose weight ``weigh`` refuses, is left out of the
+    sum and fails alone with the reason, as the round loop would reject it.
+
+    A client whose data is unusable (``x`` and ``y`` of different lengths) fails alone, as it would in-process; a
+    batch that fails fails each of its clients with the reason. Each result's ``fit_seconds`` is its batch's wall
+    time divided among the batch's clients.
 
     Args:
         pool: the in-process pool of the same clients (their tasks, evaluation, stages).
         batch_clients: train at most this many clients together (0: on the CPU as many as keep the largest stacked
             parameter within :data:`CPU_STACK_BYTES`, on a CUDA GPU as many as fit its free memory, :func:`gpu_batch`).
         device: where to train the batches (default: the CPU).
+        weigh: a client's aggregation weight from its result (without its update), to pre-sum each batch; None:
+            one reply per client.
 
     Raises:
         ConfigError: (from :meth:`run`) a fit instruction carries client mods or tensor groups, or a client's task
             is not batchable (:func:`check_batchable`).
     """
 
-    def __init__(self, pool: InMemoryPool, *, batch_clients: int = 0, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        pool: InMemoryPool,
+        *,
+        batch_clients: int = 0,
+        device: torch.device | str | None = None,
+        weigh: Callable[[FitRes], float] | None = None,
+    ) -> None:
         if batch_clients < 0:
             raise ConfigError(f"batch_clients must be >= 0 (0: all of a round's clients), got {batch_clients}")
         super().__init__(pool)
         self._pool: InMemoryPool = pool
         self._batch_clients = batch_clients
         self._device = device
+        self._weigh = weigh
         self._models: dict[Key, nn.Module] = {}
 
-    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
-        """Fit instructions: trained in batches, one reply per client in instruction order. Anything else (or a
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[PoolReply]:
+        """Fit instructions: trained in batches; one reply per client in instruction order, or with ``weigh`` a
+        :class:`~fedcore.messages.FitBatchRes` per batch and a failure per client left out. Anything else (or a
         mix): the in-process pool's replies."""
         if not instructions or not all(isinstance(ins, FitIns) for ins in instructions.values()):
             yield from self._pool.run(instructions, timeout_s=timeout_s)
@@ -574,7 +746,7 @@ class BatchedPool(PoolWrapper):
             self._models[key] = model
         return model
 
-    def _fit(self, items: Sequence[tuple[str, FitIns]]) -> Iterator[Reply]:
+    def _fit(self, items: Sequence[tuple[str, FitIns]]) -> Iterator[PoolReply]:
         replies: dict[str, Reply] = {}
         groups: dict[Key, list[tuple[str, FitIns, SupervisedTask]]] = {}
         for cid, ins in items:
@@ -598,12 +770,22 @@ class BatchedPool(PoolWrapper):
                 continue
             key = (task.model_fn, task.loss_fn, id(ins.parameters), ins.config, ins.seed, ins.round)
             groups.setdefault(key, []).append((cid, ins, task))
+        batches: list[FitBatchRes] = []
         for members in groups.values():
-            replies.update(self._train_group(members))
+            per_client, batch = self._train_group(members)
+            replies.update(per_client)
+            if batch is not None:
+                batches.append(batch)
+        yield from batches
         for cid, _ in items:
-            yield replies[cid]
+            if cid in replies:
+                yield replies[cid]
 
-    def _train_group(self, members: Sequence[tuple[str, FitIns, SupervisedTask]]) -> dict[str, Reply]:
+    def _train_group(
+        self, members: Sequence[tuple[str, FitIns, SupervisedTask]]
+    ) -> tuple[dict[str, Reply], FitBatchRes | None]:
+        """Train one group (same model, instruction settings and global model): its per-client replies, and with
+        ``weigh`` the batch of those whose updates were summed."""
         _, ins, task = members[0]
         started = time.perf_counter()
         try:
@@ -611,7 +793,7 @@ class BatchedPool(PoolWrapper):
             check_spec(ins.parameters, state_spec(model.state_dict()), round=ins.round)
             global_parameters = _tensors(ins.parameters)
             shards = [ClientShard(cid, *member_task.training_data()) for cid, _, member_task in members]
-            updates = train_clients(
+            trained = train_stack(
                 model,
                 global_parameters,
                 shards,
@@ -621,16 +803,22 @@ class BatchedPool(PoolWrapper):
                 loss_fn=task.loss_fn,
                 device=self._device,
             )
+            if self._weigh is not None:
+                return self._presummed(members, trained, started, self._weigh)
+            updates = trained.updates()
         except ConfigError:
             raise
         except FedcoreError as exc:
-            return {
+            failed = {
                 cid: Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=str(exc)) for cid, *_ in members
             }
+            return dict(failed), None
         except Exception as exc:  # a bug in user code (model, loss) fails the batch's clients, not the simulation
             log.exception("a batch of %d clients raised", len(members))
             reason = f"{type(exc).__name__}: {exc}"
-            return {cid: Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=reason) for cid, *_ in members}
+            return {
+                cid: Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=reason) for cid, *_ in members
+            }, None
         seconds = (time.perf_counter() - started) / len(members)
         replies: dict[str, Reply] = {}
         for (cid, member_ins, _), update in zip(members, updates, strict=True):
@@ -643,7 +831,87 @@ class BatchedPool(PoolWrapper):
                 metrics={**update.metrics, "fit_seconds": seconds},
             )
             replies[cid] = replace(reply, payload_bytes=packed_nbytes(reply))  # as the in-process pool measures it
-        return replies
+        return replies, None
+
+    @staticmethod
+    def _presummed(
+        members: Sequence[tuple[str, FitIns, SupervisedTask]],
+        trained: TrainedClients,
+        started: float,
+        weigh: Callable[[FitRes], float],
+    ) -> tuple[dict[str, Reply], FitBatchRes | None]:
+        """The batch's sum (:meth:`TrainedClients.weighted_sum`) with each client's result, and a failure for each
+        client left out of it: a weight that ``weigh`` refuses, an update that is not finite.
+
+        The clients' updates are checked for NaN and Inf through their sum, one model's worth of values: only a sum
+        that is not finite has each update of it checked (and the sum formed again without those that fail), as are
+        the updates of weight 0, which the sum does not read.
+        """
+        rnd = members[0][1].round
+        update_bytes = num_bytes(members[0][1].parameters)  # an update is the model's size (packed_nbytes of a FitRes)
+        seconds = (time.perf_counter() - started) / len(members)
+        failed: dict[str, Reply] = {}
+        results: dict[int, FitRes] = {}  # by position in the batch
+        weights: list[float] = [0.0] * len(members)  # 0 for those left out
+        for position, ((cid, _, _), shard, client_metrics) in enumerate(
+            zip(members, trained.clients, trained.metrics(), strict=True)
+        ):
+            result = FitRes(
+                client_id=cid,
+                round=rnd,
+                parameters={},
+                num_examples=len(shard.x),
+                metrics={**client_metrics, "fit_seconds": seconds},
+                payload_bytes=update_bytes,
+            )
+            try:
+                weights[position] = check_weight(weigh(result), client_id=cid, round=rnd)
+            except FedcoreError as exc:
+                failed[cid] = Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(exc))
+                continue
+            results[position] = result
+
+        def reject(positions: Sequence[int]) -> None:
+            for position, ok in zip(positions, trained.finite(positions), strict=True):
+                if not ok:
+                    cid = members[position][0]
+                    error = NonFiniteError("the trained model holds NaN or Inf", round=rnd, client_id=cid, stage="fit")
+                    failed[cid] = Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(error))
+                    del results[position]
+                    weights[position] = 0.0
+
+        reject([position for position in results if weights[position] == 0.0])
+        weighted_sum = trained.weighted_sum(weights)
+        if not all(bool(np.isfinite(total).all()) for total in weighted_sum.values()):
+            reject(list(results))
+            weighted_sum = trained.weighted_sum(weights)
+        if not results:
+            return failed, None
+        batch = FitBatchRes(
+            round=rnd,
+            results=tuple(results.values()),
+            weights=tuple(weights[position] for position in results),
+            weighted_sum=weighted_sum,
+        )
+        return failed, batch
+
+
+def presum_weight(strategy: Strategy) -> Callable[[FitRes], float] | None:
+    """The weight function a :class:`BatchedPool` pre-sums each batch's updates with under ``strategy``, or None
+    when the round's aggregation needs each update on its own.
+
+    Pre-summing is exact only for a rule linear in the updates whose weight a client's result gives without its
+    update: the plain weighted mean (:class:`~fedcore.aggregation.MeanAggregator`, not a robust rule, DP-FedAvg's
+    clipping or SecAgg+, which replace it), without tensor groups or client mods, weighted by example count,
+    uniformly or by a reported metric (:meth:`~fedcore.strategy.Strategy.weight`); not by the server's evaluation
+    of each update (``weighting = "server"``). A simulation whose attackers rewrite their updates must not pre-sum
+    either (the harness checks that).
+    """
+    if type(strategy.aggregator) is not MeanAggregator or strategy.groups or strategy.mods:
+        return None
+    if strategy.weighting == "server":
+        return None
+    return strategy.weight
 
 
 def gpu_batch(count: int, model_bytes: int, free_bytes: int) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from fedcore.errors import ConfigError
-from fedcore.messages import FitIns, FitRes, Reply, ServerMessage
+from fedcore.messages import FitBatchRes, FitIns, FitRes, PoolReply, ServerMessage
 from fedcore.seeding import numpy_rng
 from fedcore.selection import SIZE_ATTRIBUTE, Availability, Selector, size_buckets
 from server.pool import ClientPool, PoolWrapper
@@ -225,19 +225,27 @@ class SimulatedDevices(PoolWrapper):
         self._slow = slow
         self._config = config
 
-    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
-        """The wrapped pool's replies, each fit result with its ``simulated_seconds``."""
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[PoolReply]:
+        """The wrapped pool's replies, each fit result (those of a batch too) with its ``simulated_seconds``."""
         for reply in self._pool.run(instructions, timeout_s=timeout_s):
-            instruction = instructions.get(reply.client_id)
-            if isinstance(reply, FitRes) and isinstance(instruction, FitIns):
-                factor = self._config.slowdown if reply.client_id in self._slow else 1.0
-                seconds = fit_seconds(
-                    factor,
-                    self._config.step_seconds,
-                    instruction.config.local_epochs,
-                    instruction.config.batch_size,
-                    int(reply.num_examples),
-                )
-                reply = dataclasses.replace(reply, metrics={**reply.metrics, "simulated_seconds": seconds})
+            if isinstance(reply, FitBatchRes):
+                timed = tuple(self._timed(result, instructions) for result in reply.results)
+                reply = dataclasses.replace(reply, results=timed)
+            elif isinstance(reply, FitRes):
+                reply = self._timed(reply, instructions)
             yield reply
             del reply  # not kept while the next client trains (a model-sized update)
+
+    def _timed(self, reply: FitRes, instructions: Mapping[str, ServerMessage]) -> FitRes:
+        instruction = instructions.get(reply.client_id)
+        if not isinstance(instruction, FitIns):
+            return reply
+        factor = self._config.slowdown if reply.client_id in self._slow else 1.0
+        seconds = fit_seconds(
+            factor,
+            self._config.step_seconds,
+            instruction.config.local_epochs,
+            instruction.config.batch_size,
+            int(reply.num_examples),
+        )
+        return dataclasses.replace(reply, metrics={**reply.metrics, "simulated_seconds": seconds})

@@ -60,7 +60,14 @@ from server.round_loop import (
     run_rounds,
 )
 from server.state import history_columns, write_history
-from simulations.attacks import LABEL_ATTACKS, AttackedPool, attacked_tasks, choose_attackers, num_classes
+from simulations.attacks import (
+    LABEL_ATTACKS,
+    REWRITE_ATTACKS,
+    AttackedPool,
+    attacked_tasks,
+    choose_attackers,
+    num_classes,
+)
 from simulations.config import DEMO_TASK, SimulationConfig, training_device, worker_device
 from simulations.devices import SimulatedDevices, simulation_selector, slow_clients
 from simulations.inmemory import InMemoryPool
@@ -306,10 +313,13 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
     clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS, device=device)
     backend: ClientPool = clients
     if config.simulation.backend == "batched":
-        from simulations.batched import BatchedPool, check_batchable
+        from simulations.batched import BatchedPool, check_batchable, presum_weight
 
         check_batchable(clients.task(ids[0]), strategy)  # refused before the first round, not in one
-        backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients, device=device)
+        # each batch's updates summed where they were trained, unless an attacker's update must be rewritten first
+        rewritten = bool(attackers) and config.attack.kind in REWRITE_ATTACKS
+        weigh = None if rewritten else presum_weight(strategy)
+        backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients, device=device, weigh=weigh)
     process: ProcessPool | RayPool | None = None
     if config.simulation.backend in ("process", "ray"):
         if config.strategy.sum_dtype == "float32":

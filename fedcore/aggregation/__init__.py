@@ -3,7 +3,7 @@
 Pure math apart from I/O (STYLE.md §1); strategies and the server call it. One module per part:
 
 - :mod:`~fedcore.aggregation.protocol`: the seam, :class:`Aggregator` (carried by the strategy) and the
-  :class:`Accumulator` it starts each round.
+  :class:`Accumulator` it starts each round (:class:`SumAccumulator`: one that also takes a batch's weighted sum).
 - :mod:`~fedcore.aggregation.streaming`: the streaming weighted mean (:class:`WeightedMean`, FedAvg's rule, the
   default :class:`MeanAggregator`): memory O(model) however many clients report.
 - :mod:`~fedcore.aggregation.robust`: coordinate-wise median and trimmed mean, Krum / Multi-Krum (reading whole
@@ -14,7 +14,7 @@ Pure math apart from I/O (STYLE.md §1); strategies and the server call it. One 
 """
 
 from fedcore.aggregation.metrics import MetricAverages, example_weight, metric_value, weighted_average, weighted_metrics
-from fedcore.aggregation.protocol import Accumulator, Aggregator, BlockArray
+from fedcore.aggregation.protocol import Accumulator, Aggregator, BlockArray, SumAccumulator
 from fedcore.aggregation.robust import (
     KrumAggregator,
     MedianAggregator,
@@ -34,6 +34,7 @@ __all__ = [
     "MetricAverages",
     "NormBoundAggregator",
     "SpilledUpdates",
+    "SumAccumulator",
     "TrimmedMeanAggregator",
     "WeightedMean",
     "example_weight",

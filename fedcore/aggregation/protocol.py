@@ -76,6 +76,31 @@ class Accumulator(Protocol):
 
 
 @runtime_checkable
+class SumAccumulator(Accumulator, Protocol):
+    """An :class:`Accumulator` that also takes several clients' updates already combined into their weighted sum
+    (:class:`~fedcore.messages.FitBatchRes`, from a pool that trains clients together). Only a rule that is linear
+    in the updates can: the weighted mean (:class:`~fedcore.aggregation.WeightedMean`). Robust rules, clipping and
+    secure aggregation need each update on its own, and the round loop refuses a batch for them.
+    """
+
+    def add_sum(
+        self,
+        weighted_sum: Mapping[str, np.ndarray],
+        weights: Sequence[float],
+        *,
+        client_ids: Sequence[str] | None = None,
+        round: int | None = None,
+    ) -> None:
+        """Validate and take in ``Σ_k weights[k] · update_k`` (``name -> float64 array`` of the spec's shapes) as
+        if each update had been added with its weight.
+
+        Raises:
+            UpdateRejected, PayloadError, NonFiniteError: the sum or a weight cannot be used; nothing is kept.
+        """
+        ...
+
+
+@runtime_checkable
 class Aggregator(Protocol):
     """How a round's updates become one: the strategy carries it and the round loop folds every update through
     the :class:`Accumulator` it starts for the round (DESIGN.md, "Round protocol seams").

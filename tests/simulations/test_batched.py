@@ -18,7 +18,7 @@ from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TrainResult
 from fedcore.tensors import from_state_dict
 from fedcore.training import train_supervised
-from simulations.batched import BatchedPool, ClientShard, check_batchable, train_clients
+from simulations.batched import BatchedPool, ClientShard, check_batchable, train_stack
 from simulations.config import load_recipe
 from simulations.harness import run_simulation
 from simulations.inmemory import InMemoryPool
@@ -97,7 +97,7 @@ def test_batched_clients_equal_one_by_one_training(
     torch.manual_seed(1)
     start = model_fn().state_dict()
     clients = shards(sizes, shape)
-    updates = train_clients(model_fn(), start, clients, config, seed=SEED, round=ROUND)
+    updates = train_stack(model_fn(), start, clients, config, seed=SEED, round=ROUND).updates()
     expected = one_by_one(model_fn, clients, config, start)
     assert [u.num_examples for u in updates] == sizes
     for update, (state, result), n in zip(updates, expected, sizes, strict=True):

@@ -173,7 +173,7 @@ def test_the_model_cache_builds_its_model_on_the_device_once() -> None:
 
 
 def test_the_batched_step_keeps_frozen_parameters_on_the_device_and_the_model_where_it_was_built() -> None:
-    """``train_clients`` moves the frozen parameters to the device of the stacked ones (passed beside them to
+    """``train_stack`` moves the frozen parameters to the device of the stacked ones (passed beside them to
     ``functional_call``); the model itself, which only lends its structure, stays on the CPU."""
     from simulations.batched import _Batched
 

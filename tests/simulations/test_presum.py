@@ -1,0 +1,241 @@
+"""Batched clients whose updates are summed where they were trained (FitBatchRes) against one reply per client: the
+same mean (bit for bit when a round is one batch), the same history, a diverged client failing alone, and no
+pre-summing where the aggregation needs each update."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedcore.aggregation import WeightedMean
+from fedcore.errors import ConfigError, PayloadError
+from fedcore.messages import Failure, FitBatchRes, FitIns, FitRes, PoolReply
+from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
+from fedcore.supervised import SupervisedTask
+from fedcore.task import FitConfig
+from fedcore.tensors import NamedArrays, from_state_dict, spec_of
+from server.round_loop import RoundConfig, RoundRecord, run_rounds
+from simulations.attacks import AttackConfig, AttackedPool
+from simulations.batched import BatchedPool, presum_weight
+from simulations.config import load_recipe
+from simulations.devices import DevicesConfig, SimulatedDevices
+from simulations.harness import run_simulation
+from simulations.inmemory import InMemoryPool
+from simulations.models import MLP2NN
+
+SEED = 11
+FIT = FitConfig(local_epochs=2, batch_size=4, lr=0.1)
+SIZES = {"a": 13, "b": 4, "c": 9, "d": 0, "e": 13, "f": 6, "g": 1}
+
+
+def model_fn() -> torch.nn.Module:
+    return MLP2NN(num_inputs=12, num_classes=3, hidden=8)
+
+
+def client_data(cid: str, *, diverge: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(ord(cid))
+    x = torch.randn(SIZES[cid], 12, generator=generator)
+    if diverge:
+        x[0, 0] = float("nan")  # its first step's gradient is NaN: so is every parameter it trains
+    return x, torch.randint(0, 3, (SIZES[cid],), generator=generator)
+
+
+def pool(diverging: str | None = None) -> InMemoryPool:
+    tasks = {
+        cid: SupervisedTask(model_fn=model_fn, train_data=client_data(cid, diverge=cid == diverging)) for cid in SIZES
+    }
+    return InMemoryPool(list(SIZES), tasks.__getitem__)
+
+
+def start() -> NamedArrays:
+    torch.manual_seed(3)
+    return from_state_dict(model_fn().state_dict())
+
+
+def fedavg(**options: object) -> Strategy:
+    return build_strategy(
+        StrategyConfig(**{"name": "fedavg", **options}),  # type: ignore[arg-type]
+        FIT,
+        SamplingConfig(fraction_fit=1.0, min_fit_clients=2),
+    )
+
+
+def fold(replies: list[PoolReply], weights: dict[str, float], spec: NamedArrays) -> WeightedMean:
+    acc = WeightedMean(spec_of(spec))
+    for reply in replies:
+        if isinstance(reply, FitBatchRes):
+            acc.add_sum(reply.weighted_sum, reply.weights, client_ids=[r.client_id for r in reply.results])
+        elif isinstance(reply, FitRes):
+            acc.add(reply.parameters, weights[reply.client_id], client_id=reply.client_id)
+    return acc
+
+
+@pytest.mark.parametrize("batch_clients", [0, 3])
+def test_a_presummed_batch_gives_the_mean_of_one_reply_per_client(batch_clients: int) -> None:
+    parameters = start()
+    instructions = {cid: FitIns(round=2, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
+    weigh = fedavg().weight
+    single = list(BatchedPool(pool(), batch_clients=batch_clients).run(instructions))
+    summed = list(BatchedPool(pool(), batch_clients=batch_clients, weigh=weigh).run(instructions))
+    assert all(isinstance(r, FitRes) for r in single)
+    batches = [r for r in summed if isinstance(r, FitBatchRes)]
+    assert len(batches) == (1 if batch_clients == 0 else 3) and len(summed) == len(batches)  # nothing else
+    results = {r.client_id: r for batch in batches for r in batch.results}
+    assert sorted(results) == sorted(SIZES)
+    for reply in single:
+        assert isinstance(reply, FitRes)
+        got = results[reply.client_id]
+        assert got.parameters == {} and got.num_examples == reply.num_examples == SIZES[reply.client_id]
+        assert got.payload_bytes == reply.payload_bytes  # the bytes_up column counts the same
+        assert got.metrics.keys() == reply.metrics.keys()
+        if "train_loss" in reply.metrics:
+            assert got.metrics["train_loss"] == reply.metrics["train_loss"]
+    for batch in batches:
+        assert batch.weights == tuple(float(r.num_examples) for r in batch.results)  # FedAvg: by example count
+    weights = {cid: float(n) for cid, n in SIZES.items()}
+    want, got_mean = fold(single, weights, parameters).result(), fold(summed, weights, parameters).result()
+    for name, value in want.items():
+        if batch_clients == 0:  # one batch, summed by the same kernel in the same order: the very bits
+            np.testing.assert_array_equal(got_mean[name], value)
+        else:  # three partial sums added: float64 rounding in another order
+            np.testing.assert_allclose(got_mean[name], value, rtol=1e-6, atol=1e-7)
+        assert np.abs(value - parameters[name]).max() > 1e-3  # they trained
+
+
+def test_a_diverged_client_fails_alone_and_the_others_are_summed() -> None:
+    parameters = start()
+    instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
+    summed = list(BatchedPool(pool(diverging="c"), weigh=fedavg().weight).run(instructions))
+    batch = next(r for r in summed if isinstance(r, FitBatchRes))
+    failures = [r for r in summed if isinstance(r, Failure)]
+    assert [f.client_id for f in failures] == ["c"] and "NaN or Inf" in failures[0].reason
+    assert "c" not in [r.client_id for r in batch.results]
+    # the others' mean, as the round loop forms it when it rejects c's update from a reply of its own
+    single = list(BatchedPool(pool(diverging="c"), batch_clients=0).run(instructions))
+    honest = [r for r in single if isinstance(r, FitRes) and r.client_id != "c"]
+    bad = next(r for r in single if isinstance(r, FitRes) and r.client_id == "c")
+    assert not all(np.isfinite(v).all() for v in bad.parameters.values())
+    weights = {cid: float(n) for cid, n in SIZES.items()}
+    want = fold(list(honest), weights, parameters).result()
+    got = fold([batch], weights, parameters).result()
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-7)
+
+
+def run(weigh: bool, strategy: Strategy, rounds: int = 3) -> tuple[NamedArrays, list[RoundRecord]]:
+    batched = BatchedPool(pool(), weigh=presum_weight(strategy) if weigh else None)
+    config = RoundConfig(num_rounds=rounds, seed=SEED, evaluate_every=rounds)
+    state, records = run_rounds(batched, strategy, start(), config)
+    return state.parameters, records
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [fedavg(), fedavg(weighting="uniform"), fedavg(name="fedavgm", server_momentum=0.9)],
+    ids=["examples", "uniform", "fedavgm"],
+)
+def test_the_round_loop_gives_the_same_history_with_presummed_batches(strategy: Strategy) -> None:
+    single_model, single = run(False, strategy)
+    summed_model, summed = run(True, strategy)
+    for a, b in zip(single[1:], summed[1:], strict=True):
+        assert a.accepted == b.accepted and a.failures == b.failures == ()
+        assert a.train_metrics["train_loss"] == b.train_metrics["train_loss"]  # fit_seconds: wall time
+        assert a.bytes_up == b.bytes_up and a.bytes_down == b.bytes_down
+        assert [o.num_examples for o in a.observations] == [o.num_examples for o in b.observations]
+        assert a.update_norm == b.update_norm
+    for name, value in single_model.items():  # each round is one batch on the CPU: the very bits
+        np.testing.assert_array_equal(summed_model[name], value)
+
+
+def test_no_presumming_where_the_aggregation_needs_each_update() -> None:
+    assert presum_weight(fedavg()) is not None
+    assert presum_weight(fedavg(weighting="metric", weight_metric="train_loss")) is not None
+    for options in (
+        {"aggregator": "median"},
+        {"aggregator": "trimmed_mean"},
+        {"aggregator": "norm_bound", "norm_bound": 1.0},
+        {"name": "scaffold"},
+        {"weighting": "server", "weight_metric": "loss"},
+    ):
+        assert presum_weight(fedavg(**options)) is None, options
+
+
+def test_the_round_loop_refuses_a_batch_for_an_aggregator_that_needs_each_update() -> None:
+    strategy = dataclasses.replace(fedavg(), aggregator=fedavg(aggregator="median").aggregator)
+    batched = BatchedPool(pool(), weigh=fedavg().weight)  # told to pre-sum regardless
+    with pytest.raises(ConfigError, match="already summed"):
+        run_rounds(batched, strategy, start(), RoundConfig(num_rounds=1, seed=SEED))
+
+
+def test_a_rewriting_attacker_is_never_summed_unseen() -> None:
+    parameters = start()
+    instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
+    summed = BatchedPool(pool(), weigh=fedavg().weight)
+    attacked = AttackedPool(summed, frozenset({"b"}), AttackConfig(kind="sign_flip", fraction=0.2), seed=SEED)
+    with pytest.raises(ConfigError, match="cannot rewrite"):
+        list(attacked.run(instructions, timeout_s=None))
+    label_attack = AttackedPool(summed, frozenset({"b"}), AttackConfig(kind="label_flip", fraction=0.2), seed=SEED)
+    assert isinstance(next(iter(label_attack.run(instructions, timeout_s=None))), FitBatchRes)
+
+
+def test_simulated_devices_time_each_result_of_a_batch() -> None:
+    parameters = start()
+    instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
+    config = DevicesConfig(slow_fraction=0.5, slowdown=4.0, step_seconds=0.5)
+    timed = SimulatedDevices(BatchedPool(pool(), weigh=fedavg().weight), frozenset({"a"}), config)
+    batch = next(iter(timed.run(instructions, timeout_s=None)))
+    assert isinstance(batch, FitBatchRes)
+    seconds = {r.client_id: r.metrics["simulated_seconds"] for r in batch.results}
+    # E=2 epochs of ceil(n / 4) steps of 0.5 s, the slow client 4x: a has 13 samples, e 13, g 1
+    assert seconds["a"] == pytest.approx(4.0 * 2 * 4 * 0.5) and seconds["e"] == pytest.approx(2 * 4 * 0.5)
+    assert seconds["g"] == pytest.approx(2 * 1 * 0.5)
+
+
+def test_a_batched_simulation_with_a_model_poisoning_attack_still_runs(tmp_path: Path) -> None:
+    overrides = [
+        "data.dataset=digits",
+        "data.num_clients=8",
+        "model.name=2nn",
+        "sampling.fraction_fit=1.0",
+        "rounds=1",
+        "evaluate_every=1",
+        "strategy.name=fedavg",
+        "simulation.backend=batched",
+        "attack.kind=sign_flip",
+        "attack.fraction=0.25",
+        "output.progress=false",
+        "output.plot=false",
+        f"output.dir={str(tmp_path)!r}",
+    ]
+    result = run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+    assert list(result.history["clients"]) == [0, 8]
+
+
+def test_a_batch_must_carry_one_weight_per_result() -> None:
+    result = FitRes(client_id="a", round=1, parameters={}, num_examples=3)
+    with pytest.raises(PayloadError, match="one weight per result"):
+        FitBatchRes(round=1, results=(result,), weights=(1.0, 2.0), weighted_sum={})
+
+
+def test_the_device_path_sums_and_checks_as_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the sum is a float64 matrix-vector product per chunk of clients and the check a reduction per stacked
+    tensor; here they run on the CPU in place of numba's kernels, with chunks of two clients."""
+    import simulations.batched as batched
+
+    parameters = start()
+    instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
+    kernels = list(BatchedPool(pool(diverging="c"), weigh=fedavg().weight).run(instructions))
+    monkeypatch.setattr(batched, "_on_cpu_fused", lambda _stacked: False)
+    monkeypatch.setattr(batched, "SUM_CHUNK_BYTES", 2 * 8 * 12 * 8)  # the first layer's rows: two clients a chunk
+    device = list(BatchedPool(pool(diverging="c"), weigh=fedavg().weight).run(instructions))
+    assert [type(r) for r in device] == [type(r) for r in kernels] == [FitBatchRes, Failure]
+    want, got = kernels[0], device[0]
+    assert isinstance(want, FitBatchRes) and isinstance(got, FitBatchRes)
+    assert [r.client_id for r in got.results] == [r.client_id for r in want.results] and got.weights == want.weights
+    for name, value in want.weighted_sum.items():
+        assert got.weighted_sum[name].dtype == np.float64
+        np.testing.assert_allclose(got.weighted_sum[name], value, rtol=1e-12, atol=1e-12)
