@@ -304,13 +304,17 @@ class FitBatchRes:
         weights: each client's aggregation weight, as :meth:`fedcore.strategy.Strategy.weight` gives it for that
             client's result (finite, >= 0).
         weighted_sum: ``name -> float64 array`` of the model's shapes: ``sum_k weights[k] * update_k``, summed in
-            float64.
+            float64 (unread when ``results`` is empty).
+        rejected_bytes: the bytes of the updates of the batch's clients that were left out of the sum (not finite,
+            weight refused; each also sent as a :class:`Failure`): counted as received, as the round loop counts an
+            update it receives and then rejects.
     """
 
     round: int
     results: tuple[FitRes, ...]
     weights: tuple[float, ...]
     weighted_sum: NamedArrays
+    rejected_bytes: int = 0
 
     def __post_init__(self) -> None:
         if len(self.results) != len(self.weights):

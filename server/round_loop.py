@@ -690,6 +690,8 @@ def _fold_batch(
             round=rnd,
         )
     ids = [result.client_id for result in batch.results]
+    if not ids:  # every client of the batch was left out: their failures came on their own
+        return []
     try:
         if batch.round != rnd or any(result.round != rnd for result in batch.results):
             raise UpdateRejected(f"the batch belongs to round {batch.round}, not this round {rnd}")

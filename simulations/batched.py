@@ -141,7 +141,7 @@ def check_model(model: nn.Module) -> None:
 
     Raises:
         ConfigError: the model has buffers (BatchNorm running statistics and the like), a dropout module with
-            ``p > 0``, or a parameter that is not floating point.
+            ``p > 0``, a parameter that is not floating point, or one module under two names (``self.b = self.a``).
     """
     name = type(model).__name__
     buffers = [n for n, _ in model.named_buffers()]
@@ -159,6 +159,15 @@ def check_model(model: nn.Module) -> None:
     for pname, param in model.named_parameters():
         if not param.is_floating_point():
             raise ConfigError(f"parameter {pname!r} of {name} is {param.dtype}, not floating point" + _ADVICE)
+    places: dict[int, list[str]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        places.setdefault(id(module), []).append(mname)
+    if shared := next((names for names in places.values() if len(names) > 1), None):
+        raise ConfigError(
+            f"batched clients cannot train {name}, which holds one module under several names ({shared[0]!r} and "
+            f"{shared[1]!r}): torch.func.functional_call would leave a batched tensor in it; tie the parameters "
+            "instead (b.weight = a.weight)" + _ADVICE
+        )
 
 
 def check_batchable(task: Task, strategy: Strategy | None = None) -> None:
@@ -520,6 +529,8 @@ def _sgd_step(
         param.add_(g, alpha=-config.lr)
 
 
+BATCHED_METRICS = ("train_loss", "fit_seconds")
+"""The metrics a batched client's result reports (``train_loss`` only for a client with data)."""
 SUM_CHUNK_BYTES = 64 << 20
 """The weighted sum of stacked updates casts at most this many bytes of them to float64 at a time (a chunk of
 clients): one matrix-vector product per chunk and tensor, without a float64 copy of the whole stack."""
@@ -593,7 +604,7 @@ class TrainedClients:
         if not rows:
             return flags
         for stacked in self.params.values():
-            flat = stacked.detach().flatten(1)
+            flat = stacked.detach().reshape(stacked.shape[0], -1)
             if _on_cpu_fused(stacked):
                 values = flat.numpy()
                 verdict = [bool(all_finite(values[row])) for row in rows]
@@ -640,7 +651,7 @@ def _on_cpu_fused(stacked: torch.Tensor) -> bool:
 
 def _weighted_rows(stacked: torch.Tensor, taken: Sequence[tuple[int, float]]) -> np.ndarray:
     """``Σ w · stacked[row]`` over ``taken`` (``(row, w)`` pairs, in the order summed), float64 on the CPU."""
-    flat = stacked.detach().flatten(1)
+    flat = stacked.detach().reshape(stacked.shape[0], -1)
     if _on_cpu_fused(stacked):
         rows = flat.numpy()
         out = np.zeros(rows.shape[1], dtype=np.float64)
@@ -839,9 +850,10 @@ class BatchedPool(PoolWrapper):
         trained: TrainedClients,
         started: float,
         weigh: Callable[[FitRes], float],
-    ) -> tuple[dict[str, Reply], FitBatchRes | None]:
+    ) -> tuple[dict[str, Reply], FitBatchRes]:
         """The batch's sum (:meth:`TrainedClients.weighted_sum`) with each client's result, and a failure for each
-        client left out of it: a weight that ``weigh`` refuses, an update that is not finite.
+        client left out of it: a weight that ``weigh`` refuses, an update that is not finite (the batch then counts
+        their updates' bytes, as the round loop counts a reply it rejects; it has no result when all are left out).
 
         The clients' updates are checked for NaN and Inf through their sum, one model's worth of values: only a sum
         that is not finite has each update of it checked (and the sum formed again without those that fail), as are
@@ -885,13 +897,12 @@ class BatchedPool(PoolWrapper):
         if not all(bool(np.isfinite(total).all()) for total in weighted_sum.values()):
             reject(list(results))
             weighted_sum = trained.weighted_sum(weights)
-        if not results:
-            return failed, None
         batch = FitBatchRes(
             round=rnd,
             results=tuple(results.values()),
             weights=tuple(weights[position] for position in results),
             weighted_sum=weighted_sum,
+            rejected_bytes=update_bytes * len(failed),  # uploaded, then refused: counted as one by one
         )
         return failed, batch
 
@@ -903,14 +914,17 @@ def presum_weight(strategy: Strategy) -> Callable[[FitRes], float] | None:
     Pre-summing is exact only for a rule linear in the updates whose weight a client's result gives without its
     update: the plain weighted mean (:class:`~fedcore.aggregation.MeanAggregator`, not a robust rule, DP-FedAvg's
     clipping or SecAgg+, which replace it), without tensor groups or client mods, weighted by example count,
-    uniformly or by a reported metric (:meth:`~fedcore.strategy.Strategy.weight`); not by the server's evaluation
-    of each update (``weighting = "server"``). A simulation whose attackers rewrite their updates must not pre-sum
-    either (the harness checks that).
+    uniformly or by a metric this pool reports itself (:data:`BATCHED_METRICS`; a metric a wrapping pool adds, such
+    as ``simulated_seconds``, comes too late); not by the server's evaluation of each update (``weighting =
+    "server"``). A simulation whose attackers rewrite their updates must not pre-sum either (the harness checks
+    that).
     """
     if type(strategy.aggregator) is not MeanAggregator or strategy.groups or strategy.mods:
         return None
     if strategy.weighting == "server":
         return None
+    if strategy.weighting == "metric" and strategy.quality.metric not in BATCHED_METRICS:
+        return None  # e.g. simulated_seconds: a pool wrapped around this one adds it after the weights were taken
     return strategy.weight
 
 

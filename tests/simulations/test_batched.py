@@ -242,3 +242,29 @@ def test_the_fused_path_takes_only_a_plain_perceptron() -> None:
 
     assert _LinearChain.detect(Residual(), sample) is None
     assert _LinearChain.detect(SmallCNN(), torch.randn(2, 1, 8, 8)) is None
+
+
+def test_a_module_held_under_two_names_is_refused() -> None:
+    """functional_call on a module registered twice (``self.b = self.a``) leaves a batched tensor in it, which broke
+    the cached model's next use; tied parameters (``b.weight = a.weight``) are trained."""
+
+    class SharedModule(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(12, 12)
+            self.b = self.a
+            self.head = nn.Linear(12, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    class TiedWeight(SharedModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Linear(12, 12)
+            self.b.weight = self.a.weight
+
+    data = (torch.randn(8, 12), torch.randint(0, 3, (8,)))
+    with pytest.raises(ConfigError, match="one module under several names \\('a' and 'b'\\)"):
+        check_batchable(SupervisedTask(model_fn=SharedModule, train_data=data))
+    check_batchable(SupervisedTask(model_fn=TiedWeight, train_data=data))

@@ -239,3 +239,69 @@ def test_the_device_path_sums_and_checks_as_the_cpu_kernels(monkeypatch: pytest.
     for name, value in want.weighted_sum.items():
         assert got.weighted_sum[name].dtype == np.float64
         np.testing.assert_allclose(got.weighted_sum[name], value, rtol=1e-12, atol=1e-12)
+
+
+class WithTemperature(torch.nn.Module):
+    """The 2NN with a learned scalar temperature: a 0-dim parameter, stacked as ``(clients,)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = model_fn()
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) / self.temperature
+
+
+def test_a_scalar_parameter_is_summed_like_the_others() -> None:
+    tasks = {cid: SupervisedTask(model_fn=WithTemperature, train_data=client_data(cid)) for cid in SIZES}
+    torch.manual_seed(3)
+    parameters = from_state_dict(WithTemperature().state_dict())
+    instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
+    single = list(BatchedPool(InMemoryPool(list(SIZES), tasks.__getitem__)).run(instructions))
+    summed = list(BatchedPool(InMemoryPool(list(SIZES), tasks.__getitem__), weigh=fedavg().weight).run(instructions))
+    assert [type(r) for r in summed] == [FitBatchRes]
+    weights = {cid: float(n) for cid, n in SIZES.items()}
+    want, got = fold(single, weights, parameters).result(), fold(summed, weights, parameters).result()
+    assert want["temperature"].shape == () and want["temperature"] != parameters["temperature"]  # it trained
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_weighting_by_a_metric_a_wrapper_adds_is_not_presummed(tmp_path: Path) -> None:
+    """simulated_seconds comes from SimulatedDevices, around the batched pool: weights taken inside the pool would
+    not see it, so such a run keeps one reply per client and trains as in-process."""
+    assert presum_weight(fedavg(weighting="metric", weight_metric="simulated_seconds")) is None
+    overrides = [
+        "data.dataset=digits",
+        "data.num_clients=6",
+        "model.name=2nn",
+        "sampling.fraction_fit=1.0",
+        "rounds=1",
+        "evaluate_every=1",
+        "strategy.name=fedavg",
+        "strategy.weighting=metric",
+        "strategy.weight_metric=simulated_seconds",
+        "strategy.weight_transform=proportional",
+        "devices.simulate_time=true",
+        "simulation.backend=batched",
+        "output.progress=false",
+        "output.plot=false",
+        f"output.dir={str(tmp_path)!r}",
+    ]
+    result = run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+    assert list(result.history["clients"]) == [0, 6]
+
+
+def test_a_rejected_update_counts_its_bytes_as_one_by_one() -> None:
+    """The round loop counts an update's bytes when it arrives, before it rejects it; a batch counts those of the
+    updates it left out (here a diverged client's) the same way."""
+    strategy = fedavg()
+    records = {}
+    for weigh in (None, strategy.weight):
+        batched = BatchedPool(pool(diverging="c"), weigh=weigh)
+        _, records[weigh is None] = run_rounds(batched, strategy, start(), RoundConfig(num_rounds=1, seed=SEED))
+    single, summed = records[True][-1], records[False][-1]
+    assert [f.client_id for f in single.failures] == [f.client_id for f in summed.failures] == ["c"]
+    assert single.accepted == summed.accepted and single.bytes_up == summed.bytes_up
+    assert single.bytes_up == len(SIZES) * sum(v.nbytes for v in start().values())
