@@ -10,6 +10,8 @@
 #    with torch.compile, and in bf16 autocast within the tolerance stated there; 2-GPU plans when 2 are visible;
 #    and the prefetching loader's CUDA path (tests/engine/test_loader.py: pinned batches copied on a side stream
 #    equal the CPU batches, survive a lagging compute stream, and train bit for bit as device-resident data);
+#    and batched clients on the GPU (tests/simulations/test_presum.py, test_device.py: a batch's updates summed on
+#    the device against one-by-one folding);
 # 2. the throughput bench (bench/engine_gpu.py): GPT-2 small (124M, 16 x 1024 tokens, bf16), plain PyTorch loop
 #    and the engine, eager and compiled; tokens/s, TFLOP/s, MFU, peak memory (plus dp2/tp2 with 2+ GPUs);
 # 3. a short federated round with the engine on CUDA (the Shakespeare example: 2 clients, 1 round, bf16).
@@ -53,6 +55,7 @@ fi
 step "simulation on cuda" 300 "$PYTHON" bench/simulation_gpu.py --json "$OUT/simulation_gpu.json"
 step "cuda equivalence tests" 300 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_cuda.py
 step "prefetching loader on cuda" 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_loader.py
+step "batched clients on cuda" 180 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/simulations/test_presum.py tests/simulations/test_device.py
 step "throughput bench" 600 "$PYTHON" bench/engine_gpu.py --plans dp2,tp2 --json "$OUT/engine_gpu.json"
 step "federated round on cuda" 300 "$PYTHON" -m simulations.shakespeare --clients 2 --rounds 1 --max-samples 2048 \
     --parallel device=cuda precision=bf16

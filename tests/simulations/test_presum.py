@@ -305,3 +305,19 @@ def test_a_rejected_update_counts_its_bytes_as_one_by_one() -> None:
     assert [f.client_id for f in single.failures] == [f.client_id for f in summed.failures] == ["c"]
     assert single.accepted == summed.accepted and single.bytes_up == summed.bytes_up
     assert single.bytes_up == len(SIZES) * sum(v.nbytes for v in start().values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")
+def test_a_batch_summed_on_the_gpu_gives_the_mean_of_its_updates() -> None:
+    """On a GPU: the float64 matrix-vector sums and the finite check on the device, against the same clients'
+    updates (trained on the same GPU) folded one by one on the CPU."""
+    parameters = start()
+    instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
+    single = list(BatchedPool(pool(diverging="c"), device="cuda").run(instructions))
+    summed = list(BatchedPool(pool(diverging="c"), device="cuda", weigh=fedavg().weight).run(instructions))
+    assert [type(r) for r in summed] == [FitBatchRes, Failure] and summed[1].client_id == "c"
+    weights = {cid: float(n) for cid, n in SIZES.items()}
+    honest = [r for r in single if isinstance(r, FitRes) and r.client_id != "c"]
+    want, got = fold(list(honest), weights, parameters).result(), fold(summed, weights, parameters).result()
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-7)
