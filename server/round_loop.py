@@ -571,8 +571,7 @@ def _fit_round(
             try:
                 # the one place a reply is decoded to the model's spec: lazily, block by block as it is folded
                 reply = decode_reply(inverses, reply, reference=state.parameters, round=rnd)
-                if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples < 0:
-                    raise UpdateRejected(f"the example count {bounded_repr(num_examples)} is not an integer >= 0")
+                _check_count(num_examples)
                 _check_reply_groups(reply, group_specs, rnd)  # all of them before anything is folded
                 weight = strategy.weight(reply, evaluate=_evaluation_of(validate_fn, reply, rnd))
                 accumulator.add(reply.parameters, weight, client_id=client_id, round=rnd)
@@ -664,6 +663,18 @@ def _fit_round(
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
 
+def _check_count(num_examples: object, *, client_id: str | None = None) -> None:
+    """Refuse an example count that is not an integer >= 0 (a bool is not one).
+
+    Raises:
+        UpdateRejected: what the count was.
+    """
+    if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples < 0:
+        raise UpdateRejected(
+            f"the example count {bounded_repr(num_examples)} is not an integer >= 0", client_id=client_id
+        )
+
+
 def _fold_batch(
     batch: FitBatchRes,
     accumulator: Accumulator,
@@ -700,11 +711,7 @@ def _fold_batch(
         if len(set(ids)) != len(ids):
             raise UpdateRejected("the batch holds a client twice")
         for result in batch.results:
-            count = result.num_examples
-            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
-                raise UpdateRejected(
-                    f"the example count {bounded_repr(count)} is not an integer >= 0", client_id=result.client_id
-                )
+            _check_count(result.num_examples, client_id=result.client_id)
         accumulator.add_sum(batch.weighted_sum, batch.weights, client_ids=ids, round=rnd)
     except FedcoreError as exc:
         log.warning("round %d: rejected a batch of %d updates: %s", rnd, len(ids), exc)
