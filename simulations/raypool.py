@@ -15,14 +15,13 @@ torch object:
 The same conversions serve the gRPC path and the process pool, so the pool gives the in-process history bit for bit
 as long as each actor trains with the same number of torch threads (``threads``, 1 by default).
 
-Scheduling is a dynamic queue: each actor holds at most :data:`QUEUE_DEPTH` clients (the one it trains and the
-next, so it never waits for the driver between two clients) and gets the next client of the round's queue when one
-is done, so a slow client delays only its own actor. Clients of a multi-stage round protocol (SecAgg+) stay on the
-actor that answered their first stage message of the round (:class:`simulations.procpool.StageAffinity`).
+Scheduling is a dynamic queue: each actor holds :data:`QUEUE_DEPTH` (one) client at a time and gets the next client
+of the round's queue once the reply has reached the driver, so a slow client delays only its own actor. Clients of
+a multi-stage round protocol (SecAgg+) stay on the actor that answered their first stage message of the round
+(:class:`simulations.procpool.StageAffinity`).
 
 Failures: a client whose task raises fails as in the in-memory pool. An actor that dies (a crash in native code,
-killed for memory, its node lost) fails the client it was running with a reason that says so; the clients queued
-behind it on that actor had not started (an actor runs its calls in order) and go back to the queue; a new actor
+killed for memory, its node lost) fails the client it was running with a reason that says so, and a new actor
 takes its place. :meth:`RayPool.close` kills the actors and, when the pool started Ray itself, shuts Ray down.
 
 Ray (``pip install -e '.[ray]'`` from a checkout) is imported only when a pool is made. With ``address=None`` the
@@ -60,9 +59,12 @@ from simulations.procpool import (
 
 log = logging.getLogger("fedcore.simulation")
 
-QUEUE_DEPTH = 2
-"""Clients handed to one actor at a time: the one it trains and the next (Ray's round trip to the driver, about
-1-2 ms, is then not spent idle between two clients)."""
+QUEUE_DEPTH = 1
+"""Clients handed to one actor at a time. One, so that the call Ray fails when an actor dies is the client it was
+running: Ray fails every unanswered call of a dead actor, and with a second call queued that includes a client that
+had finished while its reply was still in the actor's process (it then starts the next client before sending it),
+so the pool would fail that finished client and requeue the one that killed the actor, which kills its replacement
+too. The price is one round trip to the driver (about 1-2 ms) between two clients of an actor."""
 INSTALL_HINT = "pip install -e '.[ray]' from a checkout, or pip install 'fedcore[ray]'"
 
 
