@@ -321,7 +321,8 @@ class RayPool(VirtualClients):
     def _replace(
         self, actor: _Actor, client_id: str, instruction: ServerMessage, exc: Exception, shared: deque[str]
     ) -> Failure:
-        """Fail the client ``actor`` was running, put its queued and pinned clients back, start a replacement.
+        """Fail the client ``actor`` was running (its only call, :data:`QUEUE_DEPTH`), put its pinned clients back,
+        start a replacement.
 
         Raises:
             TransportError: the actor died while starting (a replacement that cannot start would be replaced
@@ -332,7 +333,6 @@ class RayPool(VirtualClients):
         cause = bound_text(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         log.warning("Ray actor %d died (%s); starting another", actor.index, cause)
         self._affinity.forget(actor.index)  # their state machines died with the actor
-        shared.extendleft(reversed([c for _, c, _ in actor.inflight]))  # not started: an actor runs calls in order
         shared.extend(actor.pinned)
         self._ray.kill(actor.handle, no_restart=True)
         self._actors[actor.index] = None

@@ -64,6 +64,23 @@ def fedavg(**options: object) -> Strategy:
     )
 
 
+def digits_run(out: Path, clients: int, *extra: str) -> list[str]:
+    """Overrides of a one-round FedAvg run of the 2NN on digits over ``clients`` clients, all of them a round."""
+    return [
+        "data.dataset=digits",
+        f"data.num_clients={clients}",
+        "model.name=2nn",
+        "sampling.fraction_fit=1.0",
+        "rounds=1",
+        "evaluate_every=1",
+        "strategy.name=fedavg",
+        "output.progress=false",
+        "output.plot=false",
+        f"output.dir={str(out)!r}",
+        *extra,
+    ]
+
+
 def fold(replies: list[PoolReply], weights: dict[str, float], spec: NamedArrays) -> WeightedMean:
     acc = WeightedMean(spec_of(spec))
     for reply in replies:
@@ -196,22 +213,8 @@ def test_simulated_devices_time_each_result_of_a_batch() -> None:
 
 
 def test_a_batched_simulation_with_a_model_poisoning_attack_still_runs(tmp_path: Path) -> None:
-    overrides = [
-        "data.dataset=digits",
-        "data.num_clients=8",
-        "model.name=2nn",
-        "sampling.fraction_fit=1.0",
-        "rounds=1",
-        "evaluate_every=1",
-        "strategy.name=fedavg",
-        "simulation.backend=batched",
-        "attack.kind=sign_flip",
-        "attack.fraction=0.25",
-        "output.progress=false",
-        "output.plot=false",
-        f"output.dir={str(tmp_path)!r}",
-    ]
-    result = run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+    extra = ["simulation.backend=batched", "attack.kind=sign_flip", "attack.fraction=0.25"]
+    result = run_simulation(load_recipe(None, digits_run(tmp_path, 8, *extra)), echo=lambda _: None)
     assert list(result.history["clients"]) == [0, 8]
 
 
@@ -272,24 +275,14 @@ def test_weighting_by_a_metric_a_wrapper_adds_is_not_presummed(tmp_path: Path) -
     """simulated_seconds comes from SimulatedDevices, around the batched pool: weights taken inside the pool would
     not see it, so such a run keeps one reply per client and trains as in-process."""
     assert presum_weight(fedavg(weighting="metric", weight_metric="simulated_seconds")) is None
-    overrides = [
-        "data.dataset=digits",
-        "data.num_clients=6",
-        "model.name=2nn",
-        "sampling.fraction_fit=1.0",
-        "rounds=1",
-        "evaluate_every=1",
-        "strategy.name=fedavg",
+    extra = [
         "strategy.weighting=metric",
         "strategy.weight_metric=simulated_seconds",
         "strategy.weight_transform=proportional",
         "devices.simulate_time=true",
         "simulation.backend=batched",
-        "output.progress=false",
-        "output.plot=false",
-        f"output.dir={str(tmp_path)!r}",
     ]
-    result = run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+    result = run_simulation(load_recipe(None, digits_run(tmp_path, 6, *extra)), echo=lambda _: None)
     assert list(result.history["clients"]) == [0, 6]
 
 
