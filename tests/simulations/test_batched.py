@@ -268,3 +268,77 @@ def test_a_module_held_under_two_names_is_refused() -> None:
     with pytest.raises(ConfigError, match="one module under several names \\('a' and 'b'\\)"):
         check_batchable(SupervisedTask(model_fn=SharedModule, train_data=data))
     check_batchable(SupervisedTask(model_fn=TiedWeight, train_data=data))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        FitConfig(local_epochs=2, batch_size=4, lr=0.1),  # the fused path (plain SGD on an MLP)
+        FitConfig(local_epochs=2, batch_size=4, lr=0.05, momentum=0.9, mu=0.5),  # vmap, momentum buffers
+    ],
+)
+def test_reused_buffers_train_the_same_bits_and_results_outlive_them(config: FitConfig) -> None:
+    """Batches trained one after another in one StackBuffers (a larger batch after a smaller one, and a smaller one
+    after it) equal batches trained in fresh memory bit for bit, and the updates taken from a batch keep their
+    values when the next batch reuses its memory."""
+    from simulations.batched import StackBuffers
+
+    torch.manual_seed(2)
+    start = small_mlp().state_dict()
+    batches = [shards(sizes, (12,)) for sizes in ([5, 9], [23, 0, 7, 10, 3], [4])]
+    for batch, offset in zip(batches, (0, 10, 20), strict=True):  # distinct client ids: distinct shuffles
+        batch[:] = [ClientShard(f"client-{offset + i}", s.x, s.y) for i, s in enumerate(batch)]
+    fresh = [train_stack(small_mlp(), start, batch, config, seed=SEED, round=ROUND).updates() for batch in batches]
+    buffers = StackBuffers()
+    kept = []
+    for batch in batches:
+        trained = train_stack(small_mlp(), start, batch, config, seed=SEED, round=ROUND, buffers=buffers)
+        assert trained.borrowed
+        kept.append(trained.updates())
+    held = buffers.nbytes()
+    assert held > 0
+    for got_batch, want_batch in zip(kept, fresh, strict=True):  # checked after every batch has been trained
+        for got, want in zip(got_batch, want_batch, strict=True):
+            assert got.metrics == want.metrics
+            for name, value in want.parameters.items():
+                assert torch.equal(got.parameters[name], value), name
+    # the largest batch's memory is kept, not one buffer per batch: training the first batch again adds nothing
+    train_stack(small_mlp(), start, batches[0], config, seed=SEED, round=ROUND, buffers=buffers)
+    assert buffers.nbytes() == held
+
+
+def test_train_loss_sums_the_last_epoch_begun_as_the_loop_does() -> None:
+    """``train_loss`` of a batch, by hand: the loss of each step of a client's last epoch begun, times that step's
+    batch size, over the samples seen in it; a step outside that epoch (even an infinite loss) does not count."""
+    from simulations.batched import TrainedClients, _schedule
+
+    config = FitConfig(local_epochs=2, batch_size=4, lr=0.1, max_steps=5)
+    sizes = [10, 6, 0]  # batches an epoch: 3 (4, 4, 2) and 2 (4, 2); 5 steps and 4 steps; none
+    plans = [_schedule(n, config) for n in sizes]
+    assert plans == [(3, 5), (2, 4), (0, 0)]
+    losses = torch.tensor(
+        [
+            [float("inf"), 9.0, 9.0, 0.5, 0.25],  # last epoch begun: steps 3 and 4 (batches of 4 and 4)
+            [9.0, 9.0, 0.75, 1.5, 0.0],  # steps 2 and 3 (batches of 4 and 2); step 4 is past its 4 steps
+            [0.0] * 5,
+        ],
+        dtype=torch.float32,
+    )
+    trained = TrainedClients(
+        clients=[
+            ClientShard(f"c{i}", torch.zeros(n, 1), torch.zeros(n, dtype=torch.long)) for i, n in enumerate(sizes)
+        ],
+        order=[2, 0, 1],  # rows in another order than the clients: row r is client order[r]
+        params={},
+        global_parameters={},
+        canonical={},
+        losses=losses[[2, 0, 1]],
+        sizes=[sizes[2], sizes[0], sizes[1]],
+        plans=[plans[2], plans[0], plans[1]],
+        config=config,
+    )
+    assert trained.metrics() == [
+        {"train_loss": (0.5 * 4 + 0.25 * 4) / 8},
+        {"train_loss": (0.75 * 4 + 1.5 * 2) / 6},
+        {},
+    ]
