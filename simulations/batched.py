@@ -114,8 +114,9 @@ class StackBuffers:
     the first touch of each 4 KiB page costs more than the copy into it. Measured on this repository's 2-core VM,
     one thread: concatenating 1,000 Fashion-MNIST shards of 60 samples (188 MB) took 120 ms into new memory and
     20 ms into reused memory; gathering 10,000 of those rows (31 MB), 24 ms and 5 ms. Each buffer grows to the
-    largest size asked of it and is then kept, so between rounds this holds one batch's data and stack, which a
-    round holds at its peak anyway.
+    largest size asked of it and is then kept (one per parameter name, so models of different architectures keep
+    one stack each): between rounds this holds the largest batch's data and stack, which a round holds at its peak
+    anyway.
     """
 
     def __init__(self) -> None:
@@ -388,10 +389,18 @@ def _schedule(n: int, config: FitConfig) -> tuple[int, int]:
     return per_epoch, steps
 
 
-def _batch_size(n: int, per_epoch: int, step: int, batch_size: int) -> int:
-    """The size of a client's batch at ``step`` (the last batch of an epoch holds the rest)."""
-    within = step % per_epoch
-    return batch_size if within < per_epoch - 1 else n - (per_epoch - 1) * batch_size
+def _step_sizes(sizes: Sequence[int], plans: Sequence[tuple[int, int]], batch_size: int, width: int) -> np.ndarray:
+    """``(clients, width)`` int64: each client's batch size at each step, as the one-by-one loop takes its batches
+    (the last batch of an epoch holds the rest), and 0 from its last step on; ``sizes`` and ``plans`` are the
+    clients' sample counts and :func:`_schedule`."""
+    count = len(sizes)
+    n = np.asarray(sizes, dtype=np.int64).reshape(count)
+    per_epoch = np.maximum(np.asarray([p for p, _ in plans], dtype=np.int64).reshape(count), 1)
+    steps = np.asarray([s for _, s in plans], dtype=np.int64).reshape(count)
+    step = np.arange(width, dtype=np.int64)[None, :]
+    last_of_epoch = step % per_epoch[:, None] == per_epoch[:, None] - 1
+    table = np.where(last_of_epoch, (n - (per_epoch - 1) * batch_size)[:, None], batch_size)
+    return np.where(step < steps[:, None], table, 0)
 
 
 def train_stack(
@@ -414,7 +423,8 @@ def train_stack(
     Args:
         model: a model of the clients' architecture (checked with :func:`check_model`); its parameter values are
             not used or changed, its train mode is set.
-        global_parameters: the round's global model, state-dict name -> tensor (every parameter of ``model``).
+        global_parameters: the round's global model, state-dict name -> tensor (every parameter of ``model``; not
+            memory of ``buffers``, which the training overwrites).
         clients: the clients' data, in any order (results come back in this order).
         config: epochs, batch size, lr, momentum, weight decay, mu, max_steps.
         seed, round: with each client id, key the clients' shuffling (``derive_seed(seed, round, client_id)``).
@@ -428,21 +438,23 @@ def train_stack(
         The trained clients (:class:`TrainedClients`), in the order of ``clients``.
 
     Raises:
-        ClientTaskError: a client's ``x`` and ``y`` differ in length, or the clients' inputs differ in trailing
-            shape or dtype.
+        ClientTaskError: a client's ``x`` or ``y`` is 0-dim, or they differ in length; the clients' inputs differ
+            in trailing shape (inputs of different dtypes are promoted, as ``torch.cat`` does).
         ConfigError: the model is not batchable (:func:`check_model`).
     """
     check_model(model)
     device = torch.device(device) if device is not None else torch.device("cpu")
     reuse = buffers if device.type == "cpu" else None
+    for shard in clients:
+        if (problem := _data_problem(shard.x, shard.y)) is not None:
+            raise ClientTaskError(problem, client_id=shard.client_id, round=round)
+    if len(shapes := {tuple(shard.x.shape[1:]) for shard in clients}) > 1:
+        raise ClientTaskError(
+            f"the clients' inputs differ in shape per sample ({', '.join(map(str, sorted(shapes)[:3]))}); batched "
+            "clients are trained together and need one input shape",
+            round=round,
+        )
     lengths = [_length(shard.x) for shard in clients]
-    for shard, n in zip(clients, lengths, strict=True):
-        if n != _length(shard.y):
-            raise ClientTaskError(
-                f"x has {n} samples but y has {_length(shard.y)}; give inputs and labels of the same length",
-                client_id=shard.client_id,
-                round=round,
-            )
     # largest first: the clients still training at step t are a prefix, clients of one size are neighbours
     order = sorted(range(len(clients)), key=lambda i: -lengths[i])
     shards = [clients[i] for i in order]
@@ -465,15 +477,13 @@ def train_stack(
         plain_sgd = config.momentum == 0 and config.weight_decay == 0 and config.mu == 0
         if plain_sgd and loss_fn is nn.functional.cross_entropy and y_all.dtype == torch.int64 and y_all.dim() == 1:
             fused = _LinearChain.detect(model, x_all[:2].cpu())
+        table = _step_sizes(sizes, plans, config.batch_size, num_steps)
         for step in range(num_steps):
-            active = sum(1 for _, steps in plans if steps > step)
-            start = 0
-            while start < active:
-                (per_epoch, _), n = plans[start], sizes[start]
-                size = _batch_size(n, per_epoch, step, config.batch_size)
-                end = start + 1
-                while end < active and _batch_size(sizes[end], plans[end][0], step, config.batch_size) == size:
-                    end += 1
+            column = table[:, step]  # the clients still training are a prefix (largest first); then zeros
+            active = int(np.count_nonzero(column))
+            cuts = (np.flatnonzero(column[1:active] != column[: active - 1]) + 1).tolist()
+            for start, end in zip([0, *cuts], [*cuts, active], strict=True):  # runs of one batch size
+                size = int(column[start])
                 rows = index[start:end, step, :size].reshape(-1)
                 xb = _gather(x_all, rows, reuse, "xb").view(end - start, size, *x_all.shape[1:])
                 yb = _gather(y_all, rows, reuse, "yb").view(end - start, size, *y_all.shape[1:])
@@ -485,7 +495,6 @@ def train_stack(
                     run_momentum = {n: buf[start:end] for n, buf in momentum.items()}
                     _sgd_step(views, grads, run_momentum, reference, config, first=step == 0)
                 losses[start:end, step] = step_losses
-                start = end
     return TrainedClients(
         clients=clients,
         order=order,
@@ -500,9 +509,19 @@ def train_stack(
     )
 
 
+def _data_problem(x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """What makes a client's ``x`` and ``y`` unusable (a 0-dim tensor, different sample counts), or None."""
+    for name, tensor in (("x", x), ("y", y)):
+        if tensor.dim() == 0:
+            return f"{name} is a 0-dim tensor; give the samples along its first dimension"
+    if x.shape[0] != y.shape[0]:
+        return f"x has {x.shape[0]} samples but y has {y.shape[0]}; give inputs and labels of the same length"
+    return None
+
+
 def _length(tensor: torch.Tensor) -> int:
-    """The number of samples (rows) of a tensor; 1 for a 0-dim one, as ``len`` would refuse it."""
-    return int(tensor.shape[0]) if tensor.dim() else 1
+    """The number of samples (rows) of a tensor that :func:`_data_problem` passed."""
+    return int(tensor.shape[0])
 
 
 def _stacked(tensor: torch.Tensor, count: int, buffers: StackBuffers | None, key: str) -> torch.Tensor:
@@ -521,18 +540,20 @@ def _zeros(like: torch.Tensor, buffers: StackBuffers | None, key: str) -> torch.
 
 
 def _concat(tensors: list[torch.Tensor], buffers: StackBuffers | None, key: str) -> torch.Tensor:
-    """``torch.cat(tensors)``, into ``buffers`` when given and the tensors agree in dtype and trailing shape (else
-    ``torch.cat`` itself, which promotes dtypes or raises as it does)."""
+    """``torch.cat(tensors)``, into ``buffers`` when given and the tensors are CPU tensors outside autograd that
+    agree in dtype and trailing shape (else ``torch.cat`` itself, which promotes dtypes or raises as it does)."""
     first = tensors[0]
-    if buffers is None or any(t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in tensors):
+    kinds = {(t.dtype, t.shape[1:], t.device.type, t.requires_grad) for t in tensors}
+    if buffers is None or kinds != {(first.dtype, first.shape[1:], "cpu", False)}:
         return torch.cat(tensors)
     rows = sum(int(t.shape[0]) for t in tensors)
     return torch.cat(tensors, out=buffers.take(key, (rows, *first.shape[1:]), first.dtype))
 
 
 def _gather(source: torch.Tensor, rows: torch.Tensor, buffers: StackBuffers | None, key: str) -> torch.Tensor:
-    """``source.index_select(0, rows)``, into ``buffers`` when given."""
-    if buffers is None:
+    """``source.index_select(0, rows)``, into ``buffers`` when given (and ``source`` is a CPU tensor outside
+    autograd)."""
+    if buffers is None or source.device.type != "cpu" or source.requires_grad:
         return source.index_select(0, rows)
     out = buffers.take(key, (rows.numel(), *source.shape[1:]), source.dtype)
     return torch.index_select(source, 0, rows, out=out)
@@ -656,21 +677,18 @@ class TrainedClients:
         none for a client without data."""
         values = self.losses.double().numpy()
         count, width = values.shape
-        sizes = np.asarray(self.sizes, dtype=np.int64).reshape(count)
         per_epoch = np.maximum(np.asarray([p for p, _ in self.plans], dtype=np.int64).reshape(count), 1)
         steps = np.asarray([s for _, s in self.plans], dtype=np.int64).reshape(count)
-        # each row's batch sizes over the steps of its last epoch begun (0 elsewhere), as _batch_size gives them
-        step = np.arange(width, dtype=np.int64)[None, :]
-        first = (np.maximum(steps - 1, 0) // per_epoch * per_epoch)[:, None]
-        last_in_epoch = step % per_epoch[:, None] == per_epoch[:, None] - 1
-        rest = (sizes - (per_epoch - 1) * self.config.batch_size)[:, None]  # an epoch's last batch
-        size = np.where(last_in_epoch, rest, self.config.batch_size)
-        size = np.where((step >= first) & (step < steps[:, None]), size, 0)
+        # each row's batch sizes over the steps of its last epoch begun, 0 elsewhere
+        first = np.maximum(steps - 1, 0) // per_epoch * per_epoch
+        size = _step_sizes(self.sizes, self.plans, self.config.batch_size, width)
+        size = np.where(np.arange(width)[None, :] >= first[:, None], size, 0)
         # summed step by step in float64, left to right, as the one-by-one loop sums ``loss * batch``
         terms = np.where(size > 0, values, 0.0) * size  # a step outside the last epoch adds exactly 0.0
         loss_sum = np.zeros(count, dtype=np.float64)
-        for column in range(width):
-            loss_sum += terms[:, column]
+        with np.errstate(invalid="ignore"):  # inf + -inf is NaN here, silently, as in Python's own float sum
+            for column in range(width):
+                loss_sum += terms[:, column]
         seen = np.maximum(size.sum(axis=1), 1)
         train_loss = (loss_sum / seen).tolist()
         metrics: list[dict[str, float]] = [{} for _ in self.clients]
@@ -870,14 +888,8 @@ class BatchedPool(PoolWrapper):
             if not isinstance(task, SupervisedTask):
                 check_batchable(task)  # raises: names what the task lacks
                 continue
-            x, y = task.training_data()
-            if (num_x := _length(x)) != (num_y := _length(y)):
-                replies[cid] = Failure(
-                    client_id=cid,
-                    round=ins.round,
-                    stage=Stage.FIT,
-                    reason=f"x has {num_x} samples but y has {num_y}; give inputs and labels of the same length",
-                )
+            if (problem := _data_problem(*task.training_data())) is not None:
+                replies[cid] = Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=problem)
                 continue
             key = (task.model_fn, task.loss_fn, id(ins.parameters), ins.config, ins.seed, ins.round)
             groups.setdefault(key, []).append((cid, ins, task))

@@ -154,6 +154,7 @@ def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
             torch.randint(0, 3, (5,), generator=generator),
         ),  # one label short
         "c": (torch.randn(7, 12, generator=generator), torch.randint(0, 3, (7,), generator=generator)),
+        "d": (torch.tensor(1.0), torch.tensor(2)),  # 0-dim: no samples dimension at all
     }
     tasks = {cid: SupervisedTask(model_fn=small_mlp, train_data=d) for cid, d in data.items()}
     torch.manual_seed(2)
@@ -162,9 +163,10 @@ def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
     instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in data}
     batched = list(BatchedPool(InMemoryPool(list(data), tasks.__getitem__), batch_clients=1).run(instructions))
     inprocess = list(InMemoryPool(list(data), tasks.__getitem__).run(instructions))
-    assert [r.client_id for r in batched] == ["a", "b", "c"]
+    assert [r.client_id for r in batched] == ["a", "b", "c", "d"]
     assert isinstance(batched[1], Failure) and "6 samples but y has 5" in batched[1].reason
-    assert isinstance(inprocess[1], Failure)
+    assert isinstance(batched[3], Failure) and "x is a 0-dim tensor" in batched[3].reason
+    assert isinstance(inprocess[1], Failure) and isinstance(inprocess[3], Failure)
     for got, want in ((batched[0], inprocess[0]), (batched[2], inprocess[2])):
         assert isinstance(got, FitRes) and isinstance(want, FitRes)
         assert got.num_examples == want.num_examples
@@ -342,3 +344,32 @@ def test_train_loss_sums_the_last_epoch_begun_as_the_loop_does() -> None:
         {"train_loss": (0.75 * 4 + 1.5 * 2) / 6},
         {},
     ]
+
+
+def test_train_stack_refuses_unusable_data_with_the_reason() -> None:
+    """What batched clients cannot train raises a ClientTaskError that says what is wrong, with or without reused
+    buffers; inputs that require grad (outside what buffers take) still train, to the same bits."""
+    from fedcore.errors import ClientTaskError
+    from simulations.batched import StackBuffers
+
+    start = small_mlp().state_dict()
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1, momentum=0.5)
+    good = shards([6, 5], (12,))
+    cases = {
+        "x is a 0-dim tensor": [*good, ClientShard("c", torch.tensor(1.0), torch.tensor(0))],
+        "x has 4 samples but y has 3": [*good, ClientShard("c", torch.randn(4, 12), torch.zeros(3, dtype=torch.long))],
+        "differ in shape per sample \\(\\(11,\\), \\(12,\\)\\)": [
+            *good,
+            ClientShard("c", torch.randn(4, 11), torch.zeros(4, dtype=torch.long)),
+        ],
+    }
+    for reason, clients in cases.items():
+        for buffers in (None, StackBuffers()):
+            with pytest.raises(ClientTaskError, match=reason):
+                train_stack(small_mlp(), start, clients, config, seed=SEED, round=ROUND, buffers=buffers)
+    tracked = [ClientShard(s.client_id, s.x.clone().requires_grad_(True), s.y) for s in good]
+    plain = train_stack(small_mlp(), start, good, config, seed=SEED, round=ROUND).updates()
+    got = train_stack(small_mlp(), start, tracked, config, seed=SEED, round=ROUND, buffers=StackBuffers()).updates()
+    for a, b in zip(got, plain, strict=True):
+        for name, value in b.parameters.items():
+            assert torch.equal(a.parameters[name].detach(), value), name
