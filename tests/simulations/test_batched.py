@@ -44,6 +44,17 @@ def small_mlp() -> nn.Module:
     return MLP2NN(num_inputs=12, num_classes=3, hidden=8)
 
 
+def wide_first_layer() -> nn.Module:
+    """A perceptron whose first layer (12 -> 64, no bias) is wide enough for the fused path to defer its updates
+    over windows of steps (_DeferredFirst); the second has a bias."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 64, bias=False), nn.ReLU(), nn.Linear(64, 3))
+
+
+def wide_first_layer_with_bias() -> nn.Module:
+    """As :func:`wide_first_layer`, the first layer with a bias (deferred as well)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 3, bias=False))
+
+
 def shards(sizes: list[int], shape: tuple[int, ...]) -> list[ClientShard]:
     generator = torch.Generator().manual_seed(0)
     return [
@@ -87,6 +98,11 @@ def one_by_one(
             [9, 14, 5, 14],
             FitConfig(local_epochs=3, batch_size=4, lr=0.05, momentum=0.9, weight_decay=0.01, mu=0.5, max_steps=7),
         ),
+        # the fused path with the first layer's updates deferred over windows of 2 steps: windows cut through
+        # epochs, partial batches, clients that finish mid-window, an empty client
+        (wide_first_layer, (12,), [23, 0, 7, 10, 3, 23, 16], FitConfig(local_epochs=2, batch_size=4, lr=0.1)),
+        # windows of 8 steps of 1 sample (the most rows deferred at once is 64)
+        (wide_first_layer_with_bias, (12,), [9, 12, 4], FitConfig(local_epochs=1, batch_size=1, lr=0.05)),
         # a convolutional model
         (SmallCNN, (1, 8, 8), [11, 6, 8], FitConfig(local_epochs=2, batch_size=4, lr=0.05, momentum=0.5)),
     ],
@@ -373,3 +389,21 @@ def test_train_stack_refuses_unusable_data_with_the_reason() -> None:
     for a, b in zip(got, plain, strict=True):
         for name, value in b.parameters.items():
             assert torch.equal(a.parameters[name].detach(), value), name
+
+
+def test_the_first_layer_is_deferred_only_where_it_saves_work() -> None:
+    from simulations.batched import _LinearChain
+
+    def window(model: nn.Module, batch_size: int, features: int = 12) -> int:
+        chain = _LinearChain.detect(model, torch.randn(2, features))
+        assert chain is not None
+        stacked = {n: p.detach().unsqueeze(0) for n, p in model.named_parameters()}
+        return chain.deferral(stacked, batch_size)
+
+    # 12 x 64 / ((2 x 12 + 64) x 4) = 2.2: windows of 2 steps; of 1 sample, 8 steps (8 x 1 < 64 rows)
+    assert window(wide_first_layer(), 4) == 2
+    assert window(wide_first_layer_with_bias(), 1) == 8
+    assert window(wide_first_layer(), 8) == 0  # one step's worth: nothing to gain
+    assert window(small_mlp(), 4) == 0  # 12 -> 8: the Gram matrix would cost more than it saves
+    assert window(MLP2NN(), 10, 784) == 6  # the 2NN, B=10: 8.9 steps worth it, 64 rows cap it at 6 (E=1 in one window)
+    assert window(nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), 10, 784) == 0  # logistic regression
