@@ -11,7 +11,10 @@ A model made only of Flatten, Linear and ReLU modules run in order (the 2NN, log
 cross-entropy and plain SGD (no momentum, weight decay or mu), takes a fused path instead: the forward and backward
 written as batched matmuls, each stacked weight updated in place by one ``baddbmm_``, which halves a round on the
 CPU (no stacked gradient is written and read again); the path is taken only when running those modules in order
-reproduces the model's own output.
+reproduces the model's own output. Where the first Linear layer is wide enough (the 2NN's, not logistic
+regression's), its updates are deferred over windows of a few steps (:class:`_DeferredFirst`): its inputs are data,
+known in advance, so a window's outputs come from one matrix product and a small correction per step, and the
+window's updates from one more, which takes a third off a round of issue 12's workload.
 
 What it computes is what :func:`fedcore.training.train_supervised` computes for each client alone, step for step:
 
@@ -404,7 +407,7 @@ class _LinearChain:
         """How many steps :class:`_DeferredFirst` takes the first Linear's updates over at a time (0: not at all).
 
         A window of ``k`` steps of ``batch_size`` rows (``R = k * batch_size``) replaces ``k`` passes of the
-        first layer's forward and update (``4 R in out`` multiply-adds' worth of flops) by one pass of each over ``R``
+        first layer's forward and update (``4 R in out`` flops) by one pass of each over ``R``
         rows, plus a Gram matrix of the rows (``2 R^2 in``) and the corrections (about ``R^2 out``): at most a
         quarter more flops, and never more than :data:`DEFER_ROWS` rows (the Gram matrix and the stored output
         gradients grow with them). Deferring one step gains nothing; a layer that is not first, or a narrow one
@@ -435,8 +438,16 @@ class _DeferredFirst:
     stacked weight is read twice and written once per window instead of read three times and written once per
     step: the same mathematics, summed in another float order (within the tests' 1e-5 of one-by-one training).
 
-    Rows of a partial batch, or of a client that has finished, hold whatever ``index`` pads them with; their stored
-    gradients stay 0, so they add nothing.
+    Rows of a partial batch, or of a client that has finished, are zeros (not the row ``index`` pads them with,
+    which could be another client's sample, and ``0 * inf`` is NaN) and their stored gradients stay 0, so they add
+    nothing.
+
+    Args:
+        params: the stacked parameters (views of them are updated at each window's end).
+        names: the first Linear's ``(weight, bias or None)`` names.
+        x_all, index: the concatenated data and :func:`_batch_index`'s rows of it.
+        table: :func:`_step_sizes` of the clients (which rows of each step are real).
+        buffers: where to keep the window's tensors on the CPU (:class:`StackBuffers`), or None.
     """
 
     def __init__(
@@ -445,19 +456,24 @@ class _DeferredFirst:
         names: tuple[str, str | None],
         x_all: torch.Tensor,
         index: torch.Tensor,
+        table: np.ndarray,
         buffers: StackBuffers | None,
     ) -> None:
         self.weight = params[names[0]]
         self.bias = params[names[1]] if names[1] is not None else None
-        self.x_all, self.index, self.buffers = x_all, index, buffers
+        self.x_all, self.index, self.table, self.buffers = x_all, index, table, buffers
         self.start = self.active = 0
         self.x = self.p = self.k = self.d = torch.empty(0)
 
     def begin(self, start: int, stop: int, active: int) -> None:
         """Start a window of steps ``start .. stop - 1`` for the first ``active`` clients of the stack."""
         rows = self.index[:active, start:stop].reshape(-1)
-        width = self.index.shape[2] * (stop - start)
+        batch = self.index.shape[2]
+        width = batch * (stop - start)
         x = _gather(self.x_all, rows, self.buffers, "defer:x").view(active, width, -1)
+        padding = np.arange(batch)[None, None, :] >= self.table[:active, start:stop, None]
+        if padding.any():
+            x.masked_fill_(torch.from_numpy(padding.reshape(active, width, 1)).to(x.device), 0.0)
         weight = self.weight[:active]
         shape = (active, width, weight.shape[1])
         p = _empty(shape, x, self.buffers, "defer:p")
@@ -589,8 +605,9 @@ def train_stack(
     params = {n: _stacked(global_parameters[n].to(device), count, reuse, f"param:{n}") for n in names}
     losses = torch.zeros(count, max(num_steps, 1), dtype=torch.float32, device=device)
     if num_steps:
-        x_all = _concat([s.x for s, n in zip(shards, sizes, strict=True) if n], reuse, "x").to(device)
-        y_all = _concat([s.y for s, n in zip(shards, sizes, strict=True) if n], reuse, "y").to(device)
+        # the data as data: what trains is the parameters (inputs that require grad would refuse out= products)
+        x_all = _concat([s.x for s, n in zip(shards, sizes, strict=True) if n], reuse, "x").to(device).detach()
+        y_all = _concat([s.y for s, n in zip(shards, sizes, strict=True) if n], reuse, "y").to(device).detach()
         index = _batch_index(shards, plans, config, seed=seed, round=round, lengths=sizes).to(device)
         reference = {n: global_parameters[n].to(device) for n in names} if config.mu > 0 else {}
         momentum = {n: _zeros(params[n], reuse, f"momentum:{n}") for n in names} if config.momentum != 0 else {}
@@ -600,7 +617,7 @@ def train_stack(
             fused = _LinearChain.detect(model, x_all[:2].cpu())
         table = _step_sizes(sizes, plans, config.batch_size, num_steps)
         window = fused.deferral(params, config.batch_size) if fused is not None else 0
-        deferred = _DeferredFirst(params, fused.names[0], x_all, index, reuse) if fused and window else None
+        deferred = _DeferredFirst(params, fused.names[0], x_all, index, table, reuse) if fused and window else None
         for step in range(num_steps):
             column = table[:, step]  # the clients still training are a prefix (largest first); then zeros
             active = int(np.count_nonzero(column))

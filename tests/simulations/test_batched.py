@@ -384,11 +384,37 @@ def test_train_stack_refuses_unusable_data_with_the_reason() -> None:
             with pytest.raises(ClientTaskError, match=reason):
                 train_stack(small_mlp(), start, clients, config, seed=SEED, round=ROUND, buffers=buffers)
     tracked = [ClientShard(s.client_id, s.x.clone().requires_grad_(True), s.y) for s in good]
-    plain = train_stack(small_mlp(), start, good, config, seed=SEED, round=ROUND).updates()
-    got = train_stack(small_mlp(), start, tracked, config, seed=SEED, round=ROUND, buffers=StackBuffers()).updates()
-    for a, b in zip(got, plain, strict=True):
-        for name, value in b.parameters.items():
-            assert torch.equal(a.parameters[name].detach(), value), name
+    fused = FitConfig(local_epochs=2, batch_size=2, lr=0.1)  # plain SGD: the fused path, its first layer deferred
+    for model_fn, fit in ((small_mlp, config), (wide_first_layer_with_bias, fused)):
+        start = model_fn().state_dict()
+        plain = train_stack(model_fn(), start, good, fit, seed=SEED, round=ROUND).updates()
+        got = train_stack(model_fn(), start, tracked, fit, seed=SEED, round=ROUND, buffers=StackBuffers()).updates()
+        for a, b in zip(got, plain, strict=True):
+            for name, value in b.parameters.items():
+                assert torch.equal(a.parameters[name].detach(), value), name
+
+
+def test_a_clients_infinite_sample_stays_in_its_own_model() -> None:
+    """The largest client's first sample is the concatenated data's row 0, which the batch index pads partial
+    batches with: an infinite value there must not reach the other clients' deferred first layers (0 * inf).
+    One wide Linear layer: its outputs on that row are infinite but not NaN, so the fused path still takes it."""
+
+    def wide_linear() -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(12, 64))
+
+    sizes = [12, 6, 5]  # batch 4: the 6- and 5-sample clients have partial batches, and finish before the first
+    clients = shards(sizes, (12,))
+    clients[0].x[0, 3] = float("inf")
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    torch.manual_seed(4)
+    start = wide_linear().state_dict()
+    updates = train_stack(wide_linear(), start, clients, config, seed=SEED, round=ROUND).updates()
+    expected = one_by_one(wide_linear, clients, config, start)
+    assert not all(bool(torch.isfinite(t).all()) for t in expected[0][0].values())  # it diverges alone too
+    for update, (state, _) in list(zip(updates, expected, strict=True))[1:]:
+        for name, value in state.items():
+            assert torch.isfinite(update.parameters[name]).all(), name
+            torch.testing.assert_close(update.parameters[name], value, rtol=1e-5, atol=1e-5)
 
 
 def test_the_first_layer_is_deferred_only_where_it_saves_work() -> None:
