@@ -350,26 +350,24 @@ class _LinearChain:
     def step(
         self,
         params: Mapping[str, torch.Tensor],
-        x: torch.Tensor | None,
+        x: torch.Tensor,
         y: torch.Tensor,
         lr: float,
         *,
-        first: torch.Tensor | None = None,
+        first_done: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One SGD step of mean cross-entropy on clients' batches ``x (clients, batch, ...)``, ``y (clients,
         batch)`` int64, updating ``params`` (stacked views) in place; returns the losses ``(clients,)`` and None.
 
-        With ``first``, the first Linear's output on the batches ``(clients, batch, out)`` as the caller computed
-        it (:class:`_DeferredFirst`), ``x`` is not read and the first Linear is neither run nor updated: the
-        gradient of the loss with respect to its output, ``(clients, batch, out)``, is returned in place of None.
+        With ``first_done``, ``x`` is the first Linear's output on the batches ``(clients, batch, out)`` as the
+        caller computed it (:class:`_DeferredFirst`), and the first Linear is neither run nor updated: the gradient
+        of the loss with respect to its output, ``(clients, batch, out)``, is returned in place of None.
         """
-        h = first if first is not None else x.flatten(2) if x is not None else None
-        if h is None:
-            raise ValueError("give the batches x or the first layer's output")
+        h = x if first_done else x.flatten(2)
         inputs: list[torch.Tensor] = []
         linear = iter(self.names)
         for position, layer in enumerate(self.layers):
-            if position == 0 and first is not None:
+            if position == 0 and first_done:
                 next(linear)
                 inputs.append(h)  # never read: the backward stops above this layer
                 continue
@@ -388,7 +386,7 @@ class _LinearChain:
         linear_back = iter(reversed(self.names))
         for index in range(len(self.layers) - 1, -1, -1):
             layer, below = self.layers[index], inputs[index]
-            if index == 0 and first is not None:
+            if index == 0 and first_done:
                 return losses, delta
             if isinstance(layer, nn.Linear):
                 weight, bias = next(linear_back)
@@ -631,7 +629,7 @@ def train_stack(
                 views = {n: params[n][start:end] for n in names}
                 if deferred is not None and fused is not None:  # the first layer's updates wait for the window's end
                     first = deferred.output(step, start, end, size, config.lr)
-                    step_losses, gradient = fused.step(views, None, yb, config.lr, first=first)
+                    step_losses, gradient = fused.step(views, first, yb, config.lr, first_done=True)
                     deferred.record(step, start, end, cast(torch.Tensor, gradient))
                     losses[start:end, step] = step_losses
                     continue
