@@ -23,7 +23,9 @@ the same clients:
   step).
 - fedcore batched: ``[simulation] backend = "batched"`` (:mod:`simulations.batched`: the round's clients trained
   together with torch.func); ``--batched-threads N`` adds a row of it on N threads. It sums in another float order,
-  so its model is compared within a tolerance, not bit for bit.
+  so its model is compared within a tolerance, not bit for bit. "fedcore batched, deferred 1st layer" is the same
+  with ``[simulation] defer_first_layer = true`` (the first layer's updates taken once per window of steps: faster,
+  and further from the plain loop's model, see :class:`simulations.config.BackendConfig`).
 - fedcore process pool and fedcore Ray: ``backend = "process"`` (:mod:`simulations.procpool`) and ``backend =
   "ray"`` (:mod:`simulations.raypool`, a local Ray started by the run) with ``--workers`` workers of one torch
   thread each (default: the cores this process may use), so their ratio to the one-thread plain loop is bounded by
@@ -114,14 +116,19 @@ Run = Callable[[SimulationConfig], tuple[list[float], dict[str, np.ndarray]]]
 
 
 def run_fedcore(
-    config: SimulationConfig, backend: BackendName = "inprocess", threads: int = 1, workers: int | None = None
+    config: SimulationConfig,
+    backend: BackendName = "inprocess",
+    threads: int = 1,
+    workers: int | None = None,
+    defer_first_layer: bool = False,
 ) -> tuple[list[float], dict[str, np.ndarray]]:
     """Seconds of each round and the final model of ``run_simulation`` with ``backend``, on ``threads`` torch
-    threads (``workers``: the process backend's worker count)."""
+    threads (``workers``: the process backend's worker count; ``defer_first_layer``: the batched backend's)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        config = replace(config, simulation=replace(config.simulation, backend=backend, workers=workers))
+        simulation = replace(config.simulation, backend=backend, workers=workers, defer_first_layer=defer_first_layer)
+        config = replace(config, simulation=simulation)
         result = run_simulation(config, echo=lambda _line: None)
     finally:
         torch.set_num_threads(before)
@@ -364,6 +371,10 @@ def systems_of(args: argparse.Namespace) -> dict[str, tuple[str, Run | None]]:
         "fedcore batched": ("batched", partial(run_fedcore, backend="batched")),
         f"fedcore process pool x{workers}": ("process", partial(run_fedcore, backend="process", workers=workers)),
     }
+    rows["fedcore batched, deferred 1st layer"] = (
+        "batched-deferred",
+        partial(run_fedcore, backend="batched", defer_first_layer=True),
+    )
     if args.batched_threads > 1:
         rows[f"fedcore batched, {args.batched_threads} thr"] = (
             "batched-threads",
@@ -496,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated rows to run: plain,inprocess,batched,batched-threads,process,ray,flower,pfl,pfl-threads",
+        help="comma-separated rows to run: plain,inprocess,batched,batched-deferred,batched-threads,process,ray,flower,"
+        "pfl,pfl-threads",
     )
     parser.add_argument("--pfl-threads", type=int, default=0, help="also run pfl-research on N torch threads")
     parser.add_argument("--pfl-python", default=None, help="python of a virtualenv with pfl 0.6 (a pfl-research row)")

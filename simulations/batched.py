@@ -14,7 +14,10 @@ CPU (no stacked gradient is written and read again); the path is taken only when
 reproduces the model's own output. Where the first Linear layer is wide enough (the 2NN's, not logistic
 regression's), its updates are deferred over windows of a few steps (:class:`_DeferredFirst`): its inputs are data,
 known in advance, so a window's outputs come from one matrix product and a small correction per step, and the
-window's updates from one more, which takes a third off a round of issue 12's workload.
+window's updates from one more, which takes a third off a round of issue 12's workload. That order of float
+operations differs from one-by-one training's more than the batched matmuls' does, enough that a pre-activation
+within rounding of 0 now and then lands on the other side of a ReLU, so it is off unless asked for
+(``[simulation] defer_first_layer``).
 
 What it computes is what :func:`fedcore.training.train_supervised` computes for each client alone, step for step:
 
@@ -549,6 +552,7 @@ def train_stack(
     loss_fn: LossFn = nn.functional.cross_entropy,
     device: torch.device | str | None = None,
     buffers: StackBuffers | None = None,
+    defer_first_layer: bool = False,
 ) -> TrainedClients:
     """Train ``clients`` together for one round, each from ``global_parameters``, as
     :func:`fedcore.training.train_supervised` trains each alone (see the module docstring), and keep the trained
@@ -568,6 +572,11 @@ def train_stack(
         buffers: on the CPU, memory to reuse for the data and the stacked models (:class:`StackBuffers`); the
             result then lives in it, valid until the next call with the same buffers (:meth:`TrainedClients.updates`
             copies out of it). Ignored on another device, whose allocator reuses memory itself.
+        defer_first_layer: on the fused path, take the first Linear's updates once per window of steps
+            (:class:`_DeferredFirst`, where :meth:`_LinearChain.deferral` finds it gains): faster, in another float
+            order, and so a client whose pre-activation lands within rounding of 0 can take the other side of a
+            ReLU and end far more than 1e-5 from one-by-one training (see
+            :class:`simulations.config.BackendConfig`).
 
     Returns:
         The trained clients (:class:`TrainedClients`), in the order of ``clients``.
@@ -614,7 +623,7 @@ def train_stack(
         if plain_sgd and loss_fn is nn.functional.cross_entropy and y_all.dtype == torch.int64 and y_all.dim() == 1:
             fused = _LinearChain.detect(model, x_all[:2].cpu())
         table = _step_sizes(sizes, plans, config.batch_size, num_steps)
-        window = fused.deferral(params, config.batch_size) if fused is not None else 0
+        window = fused.deferral(params, config.batch_size) if fused is not None and defer_first_layer else 0
         deferred = _DeferredFirst(params, fused.names[0], x_all, index, table, reuse) if fused and window else None
         for step in range(num_steps):
             column = table[:, step]  # the clients still training are a prefix (largest first); then zeros
@@ -960,6 +969,7 @@ class BatchedPool(PoolWrapper):
         device: where to train the batches (default: the CPU).
         weigh: a client's aggregation weight from its result (without its update), to pre-sum each batch; None:
             one reply per client.
+        defer_first_layer: :func:`train_stack`'s (off: within 1e-5 of one-by-one training).
 
     Raises:
         ConfigError: (from :meth:`run`) a fit instruction carries client mods or tensor groups, or a client's task
@@ -973,6 +983,7 @@ class BatchedPool(PoolWrapper):
         batch_clients: int = 0,
         device: torch.device | str | None = None,
         weigh: Callable[[FitRes], float] | None = None,
+        defer_first_layer: bool = False,
     ) -> None:
         if batch_clients < 0:
             raise ConfigError(f"batch_clients must be >= 0 (0: all of a round's clients), got {batch_clients}")
@@ -981,6 +992,7 @@ class BatchedPool(PoolWrapper):
         self._batch_clients = batch_clients
         self._device = device
         self._weigh = weigh
+        self._defer_first_layer = defer_first_layer
         self._models: dict[Key, nn.Module] = {}
         self._buffers = StackBuffers()  # on the CPU: each batch trains in the memory of the one before
 
@@ -1074,6 +1086,7 @@ class BatchedPool(PoolWrapper):
                 loss_fn=task.loss_fn,
                 device=self._device,
                 buffers=self._buffers,
+                defer_first_layer=self._defer_first_layer,
             )
             if self._weigh is not None:
                 return self._presummed(members, trained, started, self._weigh)

@@ -319,7 +319,13 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         # each batch's updates summed where they were trained, unless an attacker's update must be rewritten first
         rewritten = bool(attackers) and config.attack.kind in REWRITE_ATTACKS
         weigh = None if rewritten else presum_weight(strategy)
-        backend = BatchedPool(clients, batch_clients=config.simulation.batch_clients, device=device, weigh=weigh)
+        backend = BatchedPool(
+            clients,
+            batch_clients=config.simulation.batch_clients,
+            device=device,
+            weigh=weigh,
+            defer_first_layer=config.simulation.defer_first_layer,
+        )
     process: ProcessPool | RayPool | None = None
     if config.simulation.backend in ("process", "ray"):
         if config.strategy.sum_dtype == "float32":

@@ -98,8 +98,8 @@ def one_by_one(
             [9, 14, 5, 14],
             FitConfig(local_epochs=3, batch_size=4, lr=0.05, momentum=0.9, weight_decay=0.01, mu=0.5, max_steps=7),
         ),
-        # the fused path with the first layer's updates deferred over windows of 2 steps: windows cut through
-        # epochs, partial batches, clients that finish mid-window, an empty client
+        # the fused path with the first layer's updates deferred (defer_first_layer) over windows of 2 steps:
+        # windows cut through epochs, partial batches, clients that finish mid-window, an empty client
         (wide_first_layer, (12,), [23, 0, 7, 10, 3, 23, 16], FitConfig(local_epochs=2, batch_size=4, lr=0.1)),
         # windows of 8 steps of 1 sample (the most rows deferred at once is 64)
         (wide_first_layer_with_bias, (12,), [9, 12, 4], FitConfig(local_epochs=1, batch_size=1, lr=0.05)),
@@ -113,7 +113,7 @@ def test_batched_clients_equal_one_by_one_training(
     torch.manual_seed(1)
     start = model_fn().state_dict()
     clients = shards(sizes, shape)
-    updates = train_stack(model_fn(), start, clients, config, seed=SEED, round=ROUND).updates()
+    updates = train_stack(model_fn(), start, clients, config, seed=SEED, round=ROUND, defer_first_layer=True).updates()
     expected = one_by_one(model_fn, clients, config, start)
     assert [u.num_examples for u in updates] == sizes
     for update, (state, result), n in zip(updates, expected, sizes, strict=True):
@@ -230,6 +230,29 @@ def test_batched_backend_refuses_a_strategy_with_client_mods(tmp_path: Path) -> 
     overrides = [*SMALL, f"output.dir={str(tmp_path)!r}", "simulation.backend=batched", "train.report_validation=true"]
     with pytest.raises(ConfigError, match="report_validation"):
         run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+
+
+def test_the_first_layer_is_deferred_only_when_asked(tmp_path: Path) -> None:
+    """``simulation.defer_first_layer`` reaches the batched clients: a round with it differs from one without in
+    the last digits (another float order), both within 1e-5 of in-process training; off by default, and refused
+    for another backend."""
+    dropped = ("train.momentum", "train.batch_size", "rounds", "evaluate_every")
+    plain_sgd = [o for o in SMALL if not o.startswith(dropped)] + ["train.batch_size=8", "rounds=1", "evaluate_every=1"]
+    assert load_recipe(None, plain_sgd).simulation.defer_first_layer is False
+    with pytest.raises(ConfigError, match=r"defer_first_layer .* add backend = 'batched'"):
+        load_recipe(None, [*plain_sgd, "simulation.defer_first_layer=true"])
+    finals = {}
+    for name, extra in (
+        ("inprocess", []),
+        ("batched", ["simulation.backend=batched"]),
+        ("deferred", ["simulation.backend=batched", "simulation.defer_first_layer=true"]),
+    ):
+        config = load_recipe(None, [*plain_sgd, *extra, f"output.dir={str(tmp_path / name)!r}"])
+        finals[name] = run_simulation(config, echo=lambda _: None).final.parameters
+    assert any(not np.array_equal(finals["deferred"][n], finals["batched"][n]) for n in finals["batched"])
+    for name in ("batched", "deferred"):
+        for tensor, value in finals["inprocess"].items():
+            np.testing.assert_allclose(finals[name][tensor], value, rtol=1e-5, atol=1e-5)
 
 
 def test_backend_is_a_recipe_key_and_a_flag() -> None:
@@ -387,8 +410,10 @@ def test_train_stack_refuses_unusable_data_with_the_reason() -> None:
     fused = FitConfig(local_epochs=2, batch_size=2, lr=0.1)  # plain SGD: the fused path, its first layer deferred
     for model_fn, fit in ((small_mlp, config), (wide_first_layer_with_bias, fused)):
         start = model_fn().state_dict()
-        plain = train_stack(model_fn(), start, good, fit, seed=SEED, round=ROUND).updates()
-        got = train_stack(model_fn(), start, tracked, fit, seed=SEED, round=ROUND, buffers=StackBuffers()).updates()
+        plain = train_stack(model_fn(), start, good, fit, seed=SEED, round=ROUND, defer_first_layer=True).updates()
+        got = train_stack(
+            model_fn(), start, tracked, fit, seed=SEED, round=ROUND, buffers=StackBuffers(), defer_first_layer=True
+        ).updates()
         for a, b in zip(got, plain, strict=True):
             for name, value in b.parameters.items():
                 assert torch.equal(a.parameters[name].detach(), value), name
@@ -408,7 +433,8 @@ def test_a_clients_infinite_sample_stays_in_its_own_model() -> None:
     config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
     torch.manual_seed(4)
     start = wide_linear().state_dict()
-    updates = train_stack(wide_linear(), start, clients, config, seed=SEED, round=ROUND).updates()
+    updates = train_stack(wide_linear(), start, clients, config, seed=SEED, round=ROUND, defer_first_layer=True)
+    updates = updates.updates()
     expected = one_by_one(wide_linear, clients, config, start)
     assert not all(bool(torch.isfinite(t).all()) for t in expected[0][0].values())  # it diverges alone too
     for update, (state, _) in list(zip(updates, expected, strict=True))[1:]:
