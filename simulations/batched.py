@@ -103,6 +103,12 @@ CPU_STACK_BYTES = 16 << 20
 so its gradient) within this many bytes: each step's gradients are fresh allocations, and blocks this small are
 reused from glibc's heap, where larger ones are new mappings whose pages fault in at every step (measured on the
 2NN, 100 clients of 60: 130,000 page faults a round at 100 together, 30,000 at 20; about 20% of the time)."""
+FUSED_STACK_BYTES = 128 << 20
+"""On the CPU, clients taking the fused path (:class:`_LinearChain`, which makes no stacked gradient) are trained
+together by default as many as keep their stacked models within this many bytes (the 2NN: 168; a round of issue
+12's workload, 100 clients, as one batch): fewer, larger batches, measured on that workload at 0.21 s a round
+against 0.25-0.27 in batches of 26, and a round that is one batch sums to the very bits of one-by-one folding. The
+stack stays in :class:`StackBuffers` between rounds."""
 GPU_STACK_FRACTION = 0.5
 """On a GPU, clients are trained together by default as many as keep their stacked models, three copies of each
 (parameters, gradients, momentum), within this fraction of the GPU's free memory when the round starts (all of a
@@ -527,6 +533,17 @@ def _schedule(n: int, config: FitConfig) -> tuple[int, int]:
     return per_epoch, steps
 
 
+def _fused_chain(
+    model: nn.Module, loss_fn: LossFn, config: FitConfig, x: torch.Tensor, y: torch.Tensor
+) -> _LinearChain | None:
+    """The fused path's chain for ``model`` when the round trains it with plain SGD (no momentum, weight decay or
+    mu) on cross-entropy with class-index targets (``y`` 1-D int64), checked on ``x``'s first samples; else None."""
+    plain_sgd = config.momentum == 0 and config.weight_decay == 0 and config.mu == 0
+    if plain_sgd and loss_fn is nn.functional.cross_entropy and y.dtype == torch.int64 and y.dim() == 1:
+        return _LinearChain.detect(model, x[:2].cpu())
+    return None
+
+
 def _step_sizes(sizes: Sequence[int], plans: Sequence[tuple[int, int]], batch_size: int, width: int) -> np.ndarray:
     """``(clients, width)`` int64: each client's batch size at each step, as the one-by-one loop takes its batches
     (the last batch of an epoch holds the rest), and 0 from its last step on; ``sizes`` and ``plans`` are the
@@ -618,10 +635,7 @@ def train_stack(
         index = _batch_index(shards, plans, config, seed=seed, round=round, lengths=sizes).to(device)
         reference = {n: global_parameters[n].to(device) for n in names} if config.mu > 0 else {}
         momentum = {n: _zeros(params[n], reuse, f"momentum:{n}") for n in names} if config.momentum != 0 else {}
-        fused = None
-        plain_sgd = config.momentum == 0 and config.weight_decay == 0 and config.mu == 0
-        if plain_sgd and loss_fn is nn.functional.cross_entropy and y_all.dtype == torch.int64 and y_all.dim() == 1:
-            fused = _LinearChain.detect(model, x_all[:2].cpu())
+        fused = _fused_chain(model, loss_fn, config, x_all, y_all)
         table = _step_sizes(sizes, plans, config.batch_size, num_steps)
         window = fused.deferral(params, config.batch_size) if fused is not None and defer_first_layer else 0
         deferred = _DeferredFirst(params, fused.names[0], x_all, index, table, reuse) if fused and window else None
@@ -1004,14 +1018,15 @@ class BatchedPool(PoolWrapper):
             yield from self._pool.run(instructions, timeout_s=timeout_s)
             return
         items = [(cid, ins) for cid, ins in instructions.items() if isinstance(ins, FitIns)]
-        size = self._batch_clients or self._auto_batch(items[0][0], len(items))
+        size = self._batch_clients or self._auto_batch(items[0][0], len(items), items[0][1].config)
         for begin in range(0, len(items), size):
             yield from self._fit(items[begin : begin + size])
 
-    def _auto_batch(self, client_id: str, count: int) -> int:
+    def _auto_batch(self, client_id: str, count: int, config: FitConfig) -> int:
         """How many clients to train together when ``batch_clients`` is 0: on the CPU, as many as keep the largest
-        stacked parameter within :data:`CPU_STACK_BYTES`; on a CUDA GPU, as many as :func:`gpu_batch` fits in its
-        free memory; on another accelerator all of them."""
+        stacked parameter within :data:`CPU_STACK_BYTES`, or on the fused path (``config`` and the client's data
+        tell) the whole stacked model within :data:`FUSED_STACK_BYTES`; on a CUDA GPU, as many as :func:`gpu_batch`
+        fits in its free memory; on another accelerator all of them."""
         task = self._pool.task(client_id)
         device = torch.device(self._device) if self._device is not None else torch.device("cpu")
         if not isinstance(task, SupervisedTask):
@@ -1022,6 +1037,10 @@ class BatchedPool(PoolWrapper):
             return gpu_batch(count, sum(p.numel() * p.element_size() for p in parameters), free)
         if device.type != "cpu":
             return count
+        x, y = task.training_data()
+        if _data_problem(x, y) is None and len(x) and _fused_chain(self._model(task), task.loss_fn, config, x, y):
+            model_bytes = sum(p.numel() * p.element_size() for p in parameters)
+            return max(1, min(count, FUSED_STACK_BYTES // max(model_bytes, 1)))
         largest = max((p.numel() * p.element_size() for p in parameters), default=1)
         return max(1, min(count, CPU_STACK_BYTES // max(largest, 1)))
 

@@ -248,8 +248,10 @@ class BackendConfig:
             from a checkout).
         batch_clients: batched: at most this many clients are trained together (memory grows with it: the
             stacked parameters, gradients and momentum of that many models); 0 chooses: on the CPU as many as keep
-            the largest stacked parameter within 16 MiB (the 2NN: 26), on a GPU as many as keep three stacked
-            copies of the model within half its free memory (all of a round's 2NNs).
+            the largest stacked parameter within 16 MiB, or, for a Flatten/Linear/ReLU model trained with plain SGD
+            on cross-entropy (the fused path, no stacked gradients), the stacked models within 128 MiB (the 2NN:
+            168); on a GPU as many as keep three stacked copies of the model within half its free memory (all of a
+            round's 2NNs).
         defer_first_layer: batched, a Flatten/Linear/ReLU model under cross-entropy and plain SGD (the fused path):
             take the first Linear layer's updates once per window of a few steps, from one product over the window's
             data, its Gram matrix and a small correction per step (:class:`simulations.batched._DeferredFirst`;

@@ -4,6 +4,7 @@ clients of unequal sizes included; what cannot be batched is refused before a ro
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -459,3 +460,18 @@ def test_the_first_layer_is_deferred_only_where_it_saves_work() -> None:
     assert window(small_mlp(), 4) == 0  # 12 -> 8: the Gram matrix would cost more than it saves
     assert window(MLP2NN(), 10, 784) == 6  # the 2NN, B=10: 8.9 steps worth it, 64 rows cap it at 6 (E=1 in one window)
     assert window(nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), 10, 784) == 0  # logistic regression
+
+
+def test_the_cpu_batch_size_follows_what_a_step_allocates() -> None:
+    """batch_clients = 0 on the CPU: the fused path (plain SGD on a perceptron, no stacked gradients) trains as many
+    2NNs together as fit 128 MiB of stacked models; the vmap path (here with momentum) as many as keep the largest
+    stacked parameter, and so its gradient, within 16 MiB."""
+    data = (torch.randn(20, 1, 28, 28), torch.randint(0, 10, (20,)))
+    ids = [f"c{i}" for i in range(1000)]
+    pool = BatchedPool(InMemoryPool(ids, lambda _: SupervisedTask(model_fn=MLP2NN, train_data=data)))
+    model_bytes = sum(p.numel() * 4 for p in MLP2NN().parameters())  # 199,210 float32 parameters
+    largest = 200 * 784 * 4  # the first layer's weight
+    plain = FitConfig(local_epochs=1, batch_size=10, lr=0.05)
+    assert pool._auto_batch("c0", 1000, plain) == (128 << 20) // model_bytes == 168
+    assert pool._auto_batch("c0", 100, plain) == 100  # a round of issue 12's workload: one batch
+    assert pool._auto_batch("c0", 1000, replace(plain, momentum=0.9)) == (16 << 20) // largest == 26
