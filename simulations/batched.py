@@ -55,7 +55,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -450,8 +450,8 @@ class _DeferredFirst:
     nothing.
 
     Args:
+        chain: the fused path whose first Linear this defers (it trains the layers above).
         params: the stacked parameters (views of them are updated at each window's end).
-        names: the first Linear's ``(weight, bias or None)`` names.
         x_all, index: the concatenated data and :func:`_batch_index`'s rows of it.
         table: :func:`_step_sizes` of the clients (which rows of each step are real).
         buffers: where to keep the window's tensors on the CPU (:class:`StackBuffers`), or None.
@@ -459,15 +459,17 @@ class _DeferredFirst:
 
     def __init__(
         self,
+        chain: _LinearChain,
         params: Mapping[str, torch.Tensor],
-        names: tuple[str, str | None],
         x_all: torch.Tensor,
         index: torch.Tensor,
         table: np.ndarray,
         buffers: StackBuffers | None,
     ) -> None:
-        self.weight = params[names[0]]
-        self.bias = params[names[1]] if names[1] is not None else None
+        weight, bias = chain.names[0]
+        self.chain = chain
+        self.weight = params[weight]
+        self.bias = params[bias] if bias is not None else None
         self.x_all, self.index, self.table, self.buffers = x_all, index, table, buffers
         self.start = self.active = 0
         self.x = self.p = self.k = self.d = torch.empty(0)
@@ -494,20 +496,22 @@ class _DeferredFirst:
         self.d = _empty(shape, x, self.buffers, "defer:d").zero_()
         self.x, self.p, self.k, self.start, self.active = x, p, k, start, active
 
-    def output(self, step: int, start: int, end: int, size: int, lr: float) -> torch.Tensor:
-        """The first layer's output ``(end - start, size, out)`` at ``step`` for clients ``start .. end - 1``."""
+    def step(
+        self, step: int, start: int, end: int, views: Mapping[str, torch.Tensor], y: torch.Tensor, lr: float
+    ) -> torch.Tensor:
+        """One SGD step of clients ``start .. end - 1`` (``views``: their stacked parameters) on their batches'
+        targets ``y (end - start, size)`` at ``step``: the first layer's output from the window's product and the
+        correction of the steps before, the layers above trained by the chain, the first layer's output gradient
+        kept for the window's end. Returns the losses ``(end - start,)``."""
         offset = (step - self.start) * self.index.shape[2]
-        now = self.p[start:end, offset : offset + size]
-        if offset == 0:
-            return now
-        return torch.baddbmm(
-            now, self.k[start:end, offset : offset + size, :offset], self.d[start:end, :offset], alpha=-lr
-        )
-
-    def record(self, step: int, start: int, end: int, gradient: torch.Tensor) -> None:
-        """Keep the gradient ``(end - start, size, out)`` of the first layer's output at ``step``."""
-        offset = (step - self.start) * self.index.shape[2]
-        self.d[start:end, offset : offset + gradient.shape[1]] = gradient
+        rows = slice(offset, offset + y.shape[1])
+        first = self.p[start:end, rows]
+        if offset:
+            first = torch.baddbmm(first, self.k[start:end, rows, :offset], self.d[start:end, :offset], alpha=-lr)
+        losses, gradient = self.chain.step(views, first, y, lr, first_done=True)
+        if gradient is not None:  # always, with first_done
+            self.d[start:end, rows] = gradient
+        return losses
 
     def end(self, lr: float) -> None:
         """Apply the window's updates to the first layer's stacked weight and bias."""
@@ -518,8 +522,9 @@ class _DeferredFirst:
 
 
 def _empty(shape: Sequence[int], like: torch.Tensor, buffers: StackBuffers | None, key: str) -> torch.Tensor:
-    """An uninitialized tensor of ``shape`` with ``like``'s dtype and device (in ``buffers`` when given)."""
-    if buffers is None or like.device.type != "cpu":
+    """An uninitialized tensor of ``shape`` with ``like``'s dtype and device (in ``buffers`` when given: on the
+    CPU)."""
+    if buffers is None:
         return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
     return buffers.take(key, shape, like.dtype)
 
@@ -544,14 +549,21 @@ def _fused_chain(
     return None
 
 
-def _step_sizes(sizes: Sequence[int], plans: Sequence[tuple[int, int]], batch_size: int, width: int) -> np.ndarray:
-    """``(clients, width)`` int64: each client's batch size at each step, as the one-by-one loop takes its batches
-    (the last batch of an epoch holds the rest), and 0 from its last step on; ``sizes`` and ``plans`` are the
-    clients' sample counts and :func:`_schedule`."""
+def _plan_arrays(sizes: Sequence[int], plans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The clients' sample counts, batches per epoch (at least 1, so a client without data divides safely) and steps,
+    as ``(clients,)`` int64 arrays; ``sizes`` and ``plans`` are the counts and :func:`_schedule`."""
     count = len(sizes)
     n = np.asarray(sizes, dtype=np.int64).reshape(count)
     per_epoch = np.maximum(np.asarray([p for p, _ in plans], dtype=np.int64).reshape(count), 1)
     steps = np.asarray([s for _, s in plans], dtype=np.int64).reshape(count)
+    return n, per_epoch, steps
+
+
+def _step_sizes(sizes: Sequence[int], plans: Sequence[tuple[int, int]], batch_size: int, width: int) -> np.ndarray:
+    """``(clients, width)`` int64: each client's batch size at each step, as the one-by-one loop takes its batches
+    (the last batch of an epoch holds the rest), and 0 from its last step on; ``sizes`` and ``plans`` are the
+    clients' sample counts and :func:`_schedule`."""
+    n, per_epoch, steps = _plan_arrays(sizes, plans)
     step = np.arange(width, dtype=np.int64)[None, :]
     last_of_epoch = step % per_epoch[:, None] == per_epoch[:, None] - 1
     table = np.where(last_of_epoch, (n - (per_epoch - 1) * batch_size)[:, None], batch_size)
@@ -632,13 +644,13 @@ def train_stack(
         # the data as data: what trains is the parameters (inputs that require grad would refuse out= products)
         x_all = _concat([s.x for s, n in zip(shards, sizes, strict=True) if n], reuse, "x").to(device).detach()
         y_all = _concat([s.y for s, n in zip(shards, sizes, strict=True) if n], reuse, "y").to(device).detach()
-        index = _batch_index(shards, plans, config, seed=seed, round=round, lengths=sizes).to(device)
+        index = _batch_index(shards, sizes, plans, config, seed=seed, round=round).to(device)
         reference = {n: global_parameters[n].to(device) for n in names} if config.mu > 0 else {}
         momentum = {n: _zeros(params[n], reuse, f"momentum:{n}") for n in names} if config.momentum != 0 else {}
         fused = _fused_chain(model, loss_fn, config, x_all, y_all)
         table = _step_sizes(sizes, plans, config.batch_size, num_steps)
         window = fused.deferral(params, config.batch_size) if fused is not None and defer_first_layer else 0
-        deferred = _DeferredFirst(params, fused.names[0], x_all, index, table, reuse) if fused and window else None
+        deferred = _DeferredFirst(fused, params, x_all, index, table, reuse) if fused and window else None
         for step in range(num_steps):
             column = table[:, step]  # the clients still training are a prefix (largest first); then zeros
             active = int(np.count_nonzero(column))
@@ -650,11 +662,8 @@ def train_stack(
                 rows = index[start:end, step, :size].reshape(-1)
                 yb = _gather(y_all, rows, reuse, "yb").view(end - start, size, *y_all.shape[1:])
                 views = {n: params[n][start:end] for n in names}
-                if deferred is not None and fused is not None:  # the first layer's updates wait for the window's end
-                    first = deferred.output(step, start, end, size, config.lr)
-                    step_losses, gradient = fused.step(views, first, yb, config.lr, first_done=True)
-                    deferred.record(step, start, end, cast(torch.Tensor, gradient))
-                    losses[start:end, step] = step_losses
+                if deferred is not None:  # the first layer's updates wait for the window's end
+                    losses[start:end, step] = deferred.step(step, start, end, views, yb, config.lr)
                     continue
                 xb = _gather(x_all, rows, reuse, "xb").view(end - start, size, *x_all.shape[1:])
                 if fused is not None:
@@ -722,9 +731,9 @@ def _concat(tensors: list[torch.Tensor], buffers: StackBuffers | None, key: str)
 
 
 def _gather(source: torch.Tensor, rows: torch.Tensor, buffers: StackBuffers | None, key: str) -> torch.Tensor:
-    """``source.index_select(0, rows)``, into ``buffers`` when given (and ``source`` is a CPU tensor outside
-    autograd)."""
-    if buffers is None or source.device.type != "cpu" or source.requires_grad:
+    """``source.index_select(0, rows)``, into ``buffers`` when given (the training's data: detached, on the CPU
+    when there are buffers)."""
+    if buffers is None:
         return source.index_select(0, rows)
     out = buffers.take(key, (rows.numel(), *source.shape[1:]), source.dtype)
     return torch.index_select(source, 0, rows, out=out)
@@ -732,12 +741,12 @@ def _gather(source: torch.Tensor, rows: torch.Tensor, buffers: StackBuffers | No
 
 def _batch_index(
     shards: Sequence[ClientShard],
+    sizes: Sequence[int],
     plans: Sequence[tuple[int, int]],
     config: FitConfig,
     *,
     seed: int,
     round: int,
-    lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``(clients, steps, batch_size)`` int64: the rows of the concatenated data each client's batch takes at each
     step (a partial batch padded with row 0, never read), drawn as :func:`fedcore.training.train_supervised`
@@ -745,33 +754,29 @@ def _batch_index(
 
     Only the draws are made client by client (the generators must be the one-by-one loop's); the index is then laid
     out for all clients at once: step ``t`` of a client with ``n`` samples and ``p`` batches an epoch takes
-    positions ``(t mod p) * batch_size + j`` of its permutation for epoch ``t div p``. ``lengths``: each shard's
-    number of samples, when the caller has them.
+    positions ``(t mod p) * batch_size + j`` of its permutation for epoch ``t div p``. ``sizes`` and ``plans``: each
+    shard's number of samples and :func:`_schedule`.
     """
     num_steps = max((steps for _, steps in plans), default=0)
     batch = config.batch_size
     index = torch.zeros(len(shards), num_steps, batch, dtype=torch.int64)
     draws: list[torch.Tensor] = []
-    sizes = np.zeros(len(shards), dtype=np.int64)
-    per_epoch = np.ones(len(shards), dtype=np.int64)
-    steps = np.zeros(len(shards), dtype=np.int64)
-    counts = lengths if lengths is not None else [_length(shard.x) for shard in shards]
     generator = torch.Generator()
-    for row, (shard, n, (epoch_batches, client_steps)) in enumerate(zip(shards, counts, plans, strict=True)):
+    for shard, n, (epoch_batches, client_steps) in zip(shards, sizes, plans, strict=True):
         if n == 0:
             continue
         generator.manual_seed(derive_seed(seed, round, shard.client_id))  # one generator, seeded per client
         draws.extend(torch.randperm(n, generator=generator) for _ in range(math.ceil(client_steps / epoch_batches)))
-        sizes[row], per_epoch[row], steps[row] = n, epoch_batches, client_steps
     if not draws:
         return index
+    counts, per_epoch, steps = _plan_arrays(sizes, plans)
     epochs = -(-steps // per_epoch)  # ceil; 0 for a client without data
-    offsets = np.cumsum(sizes) - sizes  # each client's first row in the concatenated data
-    starts = np.cumsum(epochs * sizes) - epochs * sizes  # each client's first draw in ``drawn``
+    offsets = np.cumsum(counts) - counts  # each client's first row in the concatenated data
+    starts = np.cumsum(epochs * counts) - epochs * counts  # each client's first draw in ``drawn``
     drawn = torch.cat(draws).numpy()
     t = np.arange(num_steps)[None, :, None]
     j = np.arange(batch)[None, None, :]
-    count, per = sizes[:, None, None], per_epoch[:, None, None]
+    count, per = counts[:, None, None], per_epoch[:, None, None]
     position = (t % per) * batch + j
     taken = (t < steps[:, None, None]) & (position < count)
     source = np.where(taken, starts[:, None, None] + (t // per) * count + position, 0)
@@ -848,8 +853,7 @@ class TrainedClients:
         none for a client without data."""
         values = self.losses.double().numpy()
         count, width = values.shape
-        per_epoch = np.maximum(np.asarray([p for p, _ in self.plans], dtype=np.int64).reshape(count), 1)
-        steps = np.asarray([s for _, s in self.plans], dtype=np.int64).reshape(count)
+        _, per_epoch, steps = _plan_arrays(self.sizes, self.plans)
         # each row's batch sizes over the steps of its last epoch begun, 0 elsewhere
         first = np.maximum(steps - 1, 0) // per_epoch * per_epoch
         size = _step_sizes(self.sizes, self.plans, self.config.batch_size, width)
