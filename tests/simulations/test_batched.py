@@ -349,6 +349,47 @@ def test_reused_buffers_train_the_same_bits_and_results_outlive_them(config: Fit
     assert buffers.nbytes() == held
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        FitConfig(local_epochs=2, batch_size=4, lr=0.1),  # the fused path
+        FitConfig(local_epochs=2, batch_size=4, lr=0.05, momentum=0.9, mu=0.5),  # vmap
+    ],
+)
+def test_clients_viewing_one_storage_train_without_a_copy_and_the_same_bits(config: FitConfig) -> None:
+    """Clients whose data are runs of rows of one tensor (PreparedData.shard's views), listed out of storage order,
+    one of them empty and a row belonging to no client between two, train to the same bits as copies of their data,
+    and the buffers then hold no copy of the data; data that cannot be read in place (x views, y copies; strided
+    views) are concatenated, to the same bits."""
+    from simulations.batched import StackBuffers
+
+    torch.manual_seed(4)
+    start = small_mlp().state_dict()
+    x_rows, y_rows = torch.randn(60, 12), torch.randint(0, 3, (60,))
+    spans = [(30, 53), (0, 0), (53, 60), (0, 10), (11, 14), (14, 30)]  # row 10 belongs to no client
+    views = [ClientShard(f"client-{i}", x_rows[a:b], y_rows[a:b]) for i, (a, b) in enumerate(spans)]
+    copies = [ClientShard(s.client_id, s.x.clone(), s.y.clone()) for s in views]
+    mixed = [ClientShard(s.client_id, s.x, s.y.clone()) for s in views]
+    wide = torch.randn(60, 24)
+    strided = [ClientShard(s.client_id, wide[a:b, ::2], s.y) for s, (a, b) in zip(views, spans, strict=True)]
+    for s, (a, b) in zip(strided, spans, strict=True):
+        s.x.copy_(x_rows[a:b])  # the same values in a layout that is not row-contiguous
+    expected = train_stack(small_mlp(), start, copies, config, seed=SEED, round=ROUND).updates()
+    copied = StackBuffers()
+    train_stack(small_mlp(), start, copies, config, seed=SEED, round=ROUND, buffers=copied)
+    for clients in (views, mixed, strided):
+        buffers = StackBuffers()
+        got = train_stack(small_mlp(), start, clients, config, seed=SEED, round=ROUND, buffers=buffers).updates()
+        for update, want in zip(got, expected, strict=True):
+            assert update.metrics == want.metrics
+            for name, value in want.parameters.items():
+                assert torch.equal(update.parameters[name], value), name
+        if clients is views:  # the clients' 59 rows were not copied together: 59 x 12 float32s, 59 int64s
+            assert copied.nbytes() - buffers.nbytes() == 59 * 12 * 4 + 59 * 8
+        else:
+            assert buffers.nbytes() == copied.nbytes()
+
+
 def test_train_loss_sums_the_last_epoch_begun_as_the_loop_does() -> None:
     """``train_loss`` of a batch, by hand: the loss of each step of a client's last epoch begun, times that step's
     batch size, over the samples seen in it; a step outside that epoch (even an infinite loss) does not count."""

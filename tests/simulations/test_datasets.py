@@ -210,3 +210,26 @@ def test_copy_of_system_files_loads(tmp_path: Path) -> None:
     write_tiny_fashion(tmp_path, n_train=10000, n_test=10000)
     shutil.copy(SYSTEM_FASHION_MNIST_DIR / "t10k-labels-idx1-ubyte.gz", tmp_path)
     assert np.bincount(load_fashion_mnist(tmp_path).y_test).tolist() == [1000] * 10
+
+
+def test_prepared_shards_are_views_of_the_partition_rows_in_client_order() -> None:
+    """PreparedData holds one client-ordered copy of the partitioned rows: client k's shard is a view of
+    x_train[offsets[k]:offsets[k + 1]] and equals the dataset's rows of its partition, in the partition's order."""
+    import torch
+
+    from simulations.config import DataConfig
+    from simulations.tasks import PreparedData, prepare_data
+
+    config = DataConfig(dataset="digits", num_clients=7, partition="dirichlet", alpha=0.3, normalize=False)
+    prepared = prepare_data(config, 3)
+    assert isinstance(prepared, PreparedData)
+    dataset = load_dataset("digits", seed=3)
+    sizes = [len(part) for part in prepared.partitions]
+    assert len(set(sizes)) > 1  # unequal shards: offsets that a wrong cumulative sum would misplace
+    assert prepared.offsets.tolist() == np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    for k, part in enumerate(prepared.partitions):
+        x, y = prepared.shard(k)
+        assert x._base is prepared.x_train and y._base is prepared.y_train  # views, no copy per client
+        np.testing.assert_array_equal(x.numpy(), dataset.x_train[part])
+        np.testing.assert_array_equal(y.numpy(), dataset.y_train[part])
+    assert torch.equal(prepared.x_train, torch.from_numpy(dataset.x_train[np.concatenate(prepared.partitions)]))
