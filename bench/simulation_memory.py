@@ -24,12 +24,15 @@ memory (no copy), the model's step taken inside backward (one parameter's gradie
 between rounds, on the same baseline: FedAvgM 6.16x -> 6.00x, FedAvg 5.14x -> 4.98x with the default float64 sum;
 with ``--sum-dtype float32`` (``MeanAggregator(delta=True)``: a float32 sum of the differences from the global
 model, off by default, see its docstring; the recipe's ``strategy.sum_dtype``) FedAvgM 5.30x -> 5.04x and FedAvg
-4.20x -> 4.03x = 307.5 MiB, within the target of 311.7 MiB. (Before issue 12's memory work: FedAvgM 14.00x,
-FedAvg 8.79x, on the older baseline, which counted the 13 MiB of code as well.) While a client trains, the
-simulation holds the global model (1x), the running sum (2x in float64, 1x as float32 differences), FedAvgM's
-momentum (1x) and the client's model (1x), plus the gradient of its largest parameter (0.84x here: the
-4091 x 4091 layer is 84% of this model): about 3.8x for FedAvg with the float32 sum, 4.8x with float64, one more
-for FedAvgM's momentum, which no order of operations removes.
+4.20x -> 4.03x = 307.5 MiB, within the target of 311.7 MiB. With the server optimizer's state mapped from a file
+between server steps (:func:`server.state.map_optimizer_state`), FedAvgM 6.00x -> 5.01x (float64 sum) and
+5.04x -> 4.32x (float32 sum); FedAvg, which keeps no state, 5.01x and 4.06x in the same runs. (Before issue 12's
+memory work: FedAvgM 14.00x, FedAvg 8.79x, on the older baseline, which counted the 13 MiB of code as well.) While
+a client trains, the simulation holds the global model (1x), the running sum (2x in float64, 1x as float32
+differences) and the client's model (1x), plus the gradient of its largest parameter (0.84x here: the 4091 x 4091
+layer is 84% of this model): about 3.8x for FedAvg with the float32 sum, 4.8x with float64. FedAvgM's momentum is
+resident only during the server step, which holds the global model, the average, the old momentum and the new one:
+4x plus the step's temporaries.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ from server.round_loop import (
     return_large_blocks_to_the_os,
     run_rounds,
 )
-from server.state import history_columns, write_history
+from server.state import history_columns, map_optimizer_state, write_history
 from simulations.attacks import (
     LABEL_ATTACKS,
     REWRITE_ATTACKS,
@@ -387,7 +387,7 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
     if config.output.progress:
         say(" ".join(f"{c:>10}" for c in columns))
 
-    def on_round_end(record: RoundRecord, state: ServerState) -> None:
+    def on_round_end(record: RoundRecord, state: ServerState) -> ServerState:
         row = record.as_row()
         rows.append(row)
         write_history(csv_path, rows)  # the server's writer: one schema for both history files
@@ -401,6 +401,8 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             acc = record.eval_metrics.get("accuracy")
             if acc is not None:
                 progress.set_postfix(acc=f"{acc:.4f}")
+        # FedAvgM's momentum (FedAdam's moments) sits untouched while the next round's clients train: in a file
+        return map_optimizer_state(state, out_dir)
 
     trainable = trainable_names(server_task.build_model)
     evaluate_fn = (

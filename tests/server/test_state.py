@@ -562,3 +562,28 @@ def test_checkpoints_and_simulations_do_not_load_grpc() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_a_large_optimizer_state_is_mapped_from_an_unlinked_file(tmp_path: Path) -> None:
+    """map_optimizer_state: the same values, as read-only maps of a file that is gone from the directory, the
+    parameters untouched; a state under MAP_STATE_BYTES stays as it was (the same object)."""
+    from server.state import MAP_STATE_BYTES, map_optimizer_state
+
+    rows = MAP_STATE_BYTES // (4 * 1000) + 1  # just over the threshold in float32
+    momentum = np.arange(rows * 1000, dtype=np.float32).reshape(rows, 1000) / 7
+    state = ServerState(
+        round=4,
+        parameters={"w": np.ones((rows, 1000), np.float32)},
+        optimizer_state={"m/w": momentum, "m/b": np.array(2.5, np.float32)},
+    )
+    mapped = map_optimizer_state(state, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert mapped.round == 4 and mapped.parameters is state.parameters
+    assert set(mapped.optimizer_state) == {"m/w", "m/b"}
+    assert isinstance(mapped.optimizer_state["m/w"], np.memmap)
+    np.testing.assert_array_equal(mapped.optimizer_state["m/w"], momentum)
+    assert mapped.optimizer_state["m/b"].shape == () and float(mapped.optimizer_state["m/b"]) == 2.5
+    with pytest.raises(ValueError, match="read-only"):
+        mapped.optimizer_state["m/w"][0, 0] = 1.0
+    small = _state(3)
+    assert map_optimizer_state(small, tmp_path) is small

@@ -155,3 +155,35 @@ def test_a_task_factory_that_raises_or_returns_no_task_is_a_one_line_error(
     code = main(["simulate", "--task", "os:getcwd", "--rounds", "1", "--clients", "4", "--out", str(tmp_path / "o")])
     assert code == 2
     assert "the task factory 'os:getcwd' raised TypeError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["fedavgm", "fedadam"])
+def test_a_mapped_optimizer_state_gives_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """The optimizer state mapped from a file between rounds (as a model over MAP_STATE_BYTES's is) gives the very
+    history and model of the state kept in memory; the server steps read it from the map."""
+    import server.state
+    from server.round_loop import ServerState
+
+    extra = [f"strategy.name={strategy!r}", "rounds=3", "data.num_clients=6", "sampling.min_fit_clients=3"]
+    extra += ["strategy.server_momentum=0.9"] if strategy == "fedavgm" else ["strategy.server_lr=0.01"]
+    kept = simulate(tmp_path / "kept", *extra).drop(columns="seconds")
+    mapped_states: list[ServerState] = []
+    real = server.state.map_optimizer_state
+
+    def record(state: ServerState, directory: str | Path) -> ServerState:
+        result = real(state, directory)
+        mapped_states.append(result)
+        return result
+
+    monkeypatch.setattr(server.state, "MAP_STATE_BYTES", 0)  # every state is mapped
+    monkeypatch.setattr("simulations.harness.map_optimizer_state", record)
+    mapped = simulate(tmp_path / "mapped", *extra).drop(columns="seconds")
+    pd.testing.assert_frame_equal(kept, mapped, check_exact=True)
+    assert len(mapped_states) == 4  # round 0's evaluation and three rounds
+    assert all(isinstance(a, np.memmap) for s in mapped_states for a in s.optimizer_state.values() if a.size)
+    model_kept = decode((tmp_path / "kept" / "model.safetensors").read_bytes())
+    model_mapped = decode((tmp_path / "mapped" / "model.safetensors").read_bytes())
+    assert all(np.array_equal(model_kept[n], model_mapped[n]) for n in model_kept)
+    assert [p.name for p in (tmp_path / "mapped").iterdir() if p.name.startswith(".")] == []
