@@ -689,17 +689,26 @@ def map_optimizer_state(state: ServerState, directory: str | os.PathLike[str]) -
     measured with a 20M-parameter model (``bench/simulation_memory.py``), FedAvgM's peak falls by the momentum's
     size while clients train.
 
-    Raises:
-        OSError: the file cannot be written (disk full, permissions).
+    A file that cannot be written or read back (disk full, permissions) leaves the state in memory, with a warning
+    that says why: the run goes on as it would without this.
     """
     if sum(array.nbytes for array in state.optimizer_state.values()) < MAP_STATE_BYTES:
         return state
     path = Path(directory) / f".optimizer-state-r{state.round:06d}-{os.getpid()}.safetensors"
-    save_payload(path, state.optimizer_state, durable=False)  # read back at once, never after a crash
     try:
-        mapped, _ = open_safetensors(path)
-    finally:
-        path.unlink()
+        save_payload(path, state.optimizer_state, durable=False)  # read back at once, never after a crash
+        try:
+            mapped, _ = open_safetensors(path)
+        finally:
+            path.unlink()
+    except (OSError, PayloadError) as exc:
+        log.warning(
+            "round %d: the server optimizer's state stays in memory (%s could not be written and mapped: %s)",
+            state.round,
+            path,
+            exc,
+        )
+        return state
     return replace(state, optimizer_state=mapped)
 
 

@@ -587,3 +587,18 @@ def test_a_large_optimizer_state_is_mapped_from_an_unlinked_file(tmp_path: Path)
         mapped.optimizer_state["m/w"][0, 0] = 1.0
     small = _state(3)
     assert map_optimizer_state(small, tmp_path) is small
+
+
+def test_an_optimizer_state_that_cannot_be_mapped_stays_in_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory the file cannot be written to (here: one that does not exist) leaves the state as it was, with a
+    warning that names the round and the file: a run never stops for this."""
+    from server.state import MAP_STATE_BYTES, map_optimizer_state
+
+    momentum = np.ones(MAP_STATE_BYTES // 4 + 1, np.float32)
+    state = ServerState(round=2, parameters={"w": momentum.copy()}, optimizer_state={"m/w": momentum})
+    with caplog.at_level(logging.WARNING, logger="fedcore.server"):
+        kept = map_optimizer_state(state, tmp_path / "missing")
+    assert kept is state
+    assert "round 2: the server optimizer's state stays in memory" in caplog.text and "missing" in caplog.text
