@@ -379,6 +379,14 @@ def trainable_names(model: torch.nn.Module | Callable[[], torch.nn.Module]) -> f
     return names
 
 
+def state_elements(model_fn: Callable[[], torch.nn.Module]) -> int:
+    """The number of elements of the state dict of the model ``model_fn`` builds (parameters and buffers, a tied
+    tensor once), built on the meta device where the constructor allows (no memory, no initialization, global
+    random state untouched)."""
+    tensors = {id(t): t for t in _build_cheaply(model_fn).state_dict(keep_vars=True).values()}
+    return sum(t.numel() for t in tensors.values())
+
+
 def _build_cheaply(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         try:

@@ -46,8 +46,10 @@ from fedcore.task import (
     declared_metrics,
     initial_parameters,
     load_task_factory,
+    state_elements,
     trainable_names,
 )
+from fedcore.training import STEP_IN_BACKWARD_MIN_ELEMENTS
 from privacy.dp.config import apply_dp
 from server.pool import ClientPool
 from server.round_loop import (
@@ -254,14 +256,6 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
 
 def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> SimulationResult:
     started = time.perf_counter()
-    # model-sized tensors and arrays are made and freed with every client: each in its own mapping, handed back
-    # when freed, rather than left resident in glibc's heap. Not for batched clients, which allocate a few
-    # stacks of at most CPU_STACK_BYTES per batch and step: as new mappings their pages would fault in again at
-    # every batch (measured on issue 12's workload, 2 threads: 0.115 s a round with mappings, 0.095 without);
-    # glibc's heap reuses them and the round's end trims it (release_memory). The threshold is process-wide and
-    # stays once set: a batched run after another backend's in the same process keeps it
-    if config.simulation.backend != "batched":
-        return_large_blocks_to_the_os()
     out_dir = Path(config.output.dir)
     if (out_dir / "state.db").exists():  # its history.csv would be replaced by this simulation's
         raise ConfigError(
@@ -405,6 +399,17 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         return map_optimizer_state(state, out_dir)
 
     trainable = trainable_names(server_task.build_model)
+    # A large model's tensors and arrays are made and freed with every client: each in its own mapping, handed back
+    # when freed, rather than left resident in glibc's heap (bench/simulation_memory.py's 20M-parameter model:
+    # 14 MiB less peak). Not for a smaller model, whose step's gradients and activations of 1 MiB or more would then
+    # fault in anew at every step (the CNN, 1.7M parameters, in-process: 4.0 s for 30 clients with mappings, 3.3 s
+    # without, the plain loop's time), nor for batched clients, which allocate a few stacks of at most
+    # CPU_STACK_BYTES per batch and step (issue 12's workload, 2 threads: 0.115 s a round with mappings, 0.095
+    # without); glibc's heap reuses those blocks and the round's end trims it (release_memory). The threshold is
+    # process-wide and stays once set: a run after a large model's in the same process keeps it
+    large = state_elements(server_task.build_model) >= STEP_IN_BACKWARD_MIN_ELEMENTS
+    if large and config.simulation.backend != "batched":
+        return_large_blocks_to_the_os()
     evaluate_fn = (
         central_evaluation(server_task, strategy.evaluate_batch_size) if config.task.server_evaluation else None
     )

@@ -56,3 +56,23 @@ def test_a_model_of_buffers_only_leaves_every_floating_tensor_trainable() -> Non
     # a Flower NumPyClient's arrays: unnamed, held as buffers; the rule is "all trainable" (None), as in flwr
     module = FlowerParameters([np.zeros((2, 2), np.float32), np.array(1.0, np.float32)])
     assert trainable_names(module) is None
+
+
+def test_state_elements_counts_parameters_and_buffers_once_without_building_for_real() -> None:
+    """The 2NN by hand: 784*200 + 200 + 200*200 + 200 + 200*10 + 10; a BatchNorm adds its weight, bias, two running
+    statistics and its batch counter; a tied weight counts once. The global random state is untouched."""
+    from fedcore.task import state_elements
+    from simulations.models import MLP2NN
+
+    assert state_elements(lambda: MLP2NN(num_inputs=784, num_classes=10, hidden=200)) == 199_210
+    assert state_elements(lambda: nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))) == 4 * 3 + 3 + 4 * 3 + 1
+
+    def tied() -> nn.Module:
+        model = nn.Sequential(nn.Linear(5, 5, bias=False), nn.Linear(5, 5, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    assert state_elements(tied) == 25
+    before = torch.random.get_rng_state()
+    state_elements(lambda: MLP2NN(num_inputs=784, num_classes=10, hidden=200))
+    assert torch.equal(torch.random.get_rng_state(), before)

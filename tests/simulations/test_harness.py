@@ -187,3 +187,24 @@ def test_a_mapped_optimizer_state_gives_the_same_run(
     model_mapped = decode((tmp_path / "mapped" / "model.safetensors").read_bytes())
     assert all(np.array_equal(model_kept[n], model_mapped[n]) for n in model_kept)
     assert [p.name for p in (tmp_path / "mapped").iterdir() if p.name.startswith(".")] == []
+
+
+def test_only_a_large_model_has_its_blocks_returned_to_the_os(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc's 1 MiB mmap threshold (return_large_blocks_to_the_os) is set for a model of
+    STEP_IN_BACKWARD_MIN_ELEMENTS or more, where it lowers the peak, and not for a smaller one, whose per-step
+    blocks it would make fault in again at every step; never for batched clients."""
+    import simulations.harness
+
+    calls: list[int] = []
+    monkeypatch.setattr(simulations.harness, "return_large_blocks_to_the_os", lambda: calls.append(1))
+    short = ["rounds=1", "data.num_clients=4", "sampling.min_fit_clients=2"]
+    simulate(tmp_path / "small", *short)  # the 2NN of digits: 64*200 + 200 + 200*200 + 200 + 200*10 + 10 = 55,210
+    assert calls == []
+    monkeypatch.setattr(simulations.harness, "STEP_IN_BACKWARD_MIN_ELEMENTS", 55_211)
+    simulate(tmp_path / "just-small", *short)
+    assert calls == []
+    monkeypatch.setattr(simulations.harness, "STEP_IN_BACKWARD_MIN_ELEMENTS", 55_210)
+    simulate(tmp_path / "large", *short)
+    assert calls == [1]
+    simulate(tmp_path / "batched", *short, "simulation.backend='batched'")
+    assert calls == [1]
