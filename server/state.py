@@ -677,6 +677,11 @@ model under 4M float32 parameters is a small part of what a round holds, and wri
 repository's VM (a round of a 20M-parameter model trains for seconds)."""
 
 
+MAPPED_STATE_PREFIX = ".optimizer-state-"
+"""The names of :func:`map_optimizer_state`'s files begin with this (their temporary files while written, with a
+dot before it); unlinked as soon as mapped, so one is left only by a process killed in between."""
+
+
 def map_optimizer_state(state: ServerState, directory: str | os.PathLike[str]) -> ServerState:
     """``state`` with its server optimizer state (FedAvgM's momentum, FedAdam's two moments: 1x and 2x the model)
     written to a file in ``directory`` and mapped read-only from it, the file unlinked at once (on POSIX the mapping
@@ -694,7 +699,7 @@ def map_optimizer_state(state: ServerState, directory: str | os.PathLike[str]) -
     """
     if sum(array.nbytes for array in state.optimizer_state.values()) < MAP_STATE_BYTES:
         return state
-    path = Path(directory) / f".optimizer-state-r{state.round:06d}-{os.getpid()}.safetensors"
+    path = Path(directory) / f"{MAPPED_STATE_PREFIX}r{state.round:06d}-{os.getpid()}.safetensors"
     try:
         save_payload(path, state.optimizer_state, durable=False)  # read back at once, never after a crash
         try:

@@ -61,7 +61,7 @@ from server.round_loop import (
     return_large_blocks_to_the_os,
     run_rounds,
 )
-from server.state import history_columns, map_optimizer_state, write_history
+from server.state import MAPPED_STATE_PREFIX, history_columns, map_optimizer_state, write_history
 from simulations.attacks import (
     LABEL_ATTACKS,
     REWRITE_ATTACKS,
@@ -210,9 +210,9 @@ def worker_count(config: SimulationConfig) -> int | None:
 
 
 def prepare_output(out_dir: Path, config: SimulationConfig) -> None:
-    """Make the run's output directory, remove an earlier run's results and client state from it, and write the
-    recipe (config.json). Called once the run's setup has succeeded, so that a recipe refused in its setup leaves
-    no directory behind.
+    """Make the run's output directory, remove an earlier run's results, client state and mapped optimizer state (a
+    killed run's file, :func:`server.state.map_optimizer_state`) from it, and write the recipe (config.json). Called
+    once the run's setup has succeeded, so that a recipe refused in its setup leaves no directory behind.
 
     Raises:
         ConfigError: the directory or config.json cannot be written.
@@ -222,6 +222,9 @@ def prepare_output(out_dir: Path, config: SimulationConfig) -> None:
         for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
             (out_dir / name).unlink(missing_ok=True)
         shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)  # nor an earlier run's client state
+        for pattern in (f"{MAPPED_STATE_PREFIX}*", f".{MAPPED_STATE_PREFIX}*"):  # nor a killed run's mapped state
+            for stale in out_dir.glob(pattern):
+                stale.unlink(missing_ok=True)
         (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
     except OSError as exc:
         raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None

@@ -208,3 +208,20 @@ def test_only_a_large_model_has_its_blocks_returned_to_the_os(tmp_path: Path, mo
     assert calls == [1]
     simulate(tmp_path / "batched", *short, "simulation.backend='batched'")
     assert calls == [1]
+
+
+def test_a_killed_runs_mapped_optimizer_state_is_removed_from_the_output_dir(tmp_path: Path) -> None:
+    """A run killed between writing its optimizer state's file and unlinking it (or while writing it) leaves a hidden
+    file of the model's size; the next run in that directory removes it, and nothing else of the user's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = [
+        out / ".optimizer-state-r000003-4242.safetensors",
+        out / "..optimizer-state-r000003-4242.safetensors.tmp-4242",
+    ]
+    for path in stale:
+        path.write_bytes(b"x" * 100)
+    (out / ".keep").write_text("mine")
+    simulate(out, "rounds=1", "data.num_clients=4", "sampling.min_fit_clients=2")
+    assert not any(path.exists() for path in stale)
+    assert (out / ".keep").read_text() == "mine"
