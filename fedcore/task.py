@@ -383,7 +383,8 @@ def state_elements(model_fn: Callable[[], torch.nn.Module]) -> int:
     """The number of elements of the state dict of the model ``model_fn`` builds (parameters and buffers, a tied
     tensor once), built on the meta device where the constructor allows (no memory, no initialization, global
     random state untouched)."""
-    tensors = {id(t): t for t in _build_cheaply(model_fn).state_dict(keep_vars=True).values()}
+    state = _build_cheaply(model_fn).state_dict(keep_vars=True)
+    tensors = {id(t): t for t in state.values() if isinstance(t, torch.Tensor)}  # not a module's extra state
     return sum(t.numel() for t in tensors.values())
 
 

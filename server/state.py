@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import sqlite3
 import threading
@@ -699,7 +700,8 @@ def map_optimizer_state(state: ServerState, directory: str | os.PathLike[str]) -
     """
     if sum(array.nbytes for array in state.optimizer_state.values()) < MAP_STATE_BYTES:
         return state
-    path = Path(directory) / f"{MAPPED_STATE_PREFIX}r{state.round:06d}-{os.getpid()}.safetensors"
+    # unique: two runs of one process may map the same round into one directory
+    path = Path(directory) / f"{MAPPED_STATE_PREFIX}r{state.round:06d}-{os.getpid()}-{secrets.token_hex(8)}.safetensors"
     try:
         save_payload(path, state.optimizer_state, durable=False)  # read back at once, never after a crash
         try:

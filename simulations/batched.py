@@ -354,7 +354,11 @@ class _LinearChain:
                     return None
                 h = layer(h)
             output = model(sample)
-        same = isinstance(output, torch.Tensor) and output.shape == h.shape and torch.equal(output, h)
+        same = (
+            isinstance(output, torch.Tensor)
+            and output.shape == h.shape
+            and bool(torch.isclose(output, h, rtol=0.0, atol=0.0, equal_nan=True).all())  # NaN data: NaN outputs
+        )
         return _LinearChain(layers, names) if same else None
 
     def step(
@@ -543,11 +547,19 @@ def _fused_chain(
     model: nn.Module, loss_fn: LossFn, config: FitConfig, x: torch.Tensor, y: torch.Tensor
 ) -> _LinearChain | None:
     """The fused path's chain for ``model`` when the round trains it with plain SGD (no momentum, weight decay or
-    mu) on cross-entropy with class-index targets (``y`` 1-D int64), checked on ``x``'s first samples; else None."""
+    mu) on cross-entropy with class-index targets (``y`` 1-D int64), checked on the samples ``x`` (a few of the
+    clients' own); else None."""
     plain_sgd = config.momentum == 0 and config.weight_decay == 0 and config.mu == 0
     if plain_sgd and loss_fn is nn.functional.cross_entropy and y.dtype == torch.int64 and y.dim() == 1:
-        return _LinearChain.detect(model, x[:2].cpu())
+        return _LinearChain.detect(model, x.cpu())
     return None
+
+
+def _first_rows(x_all: torch.Tensor, firsts: np.ndarray, sizes: Sequence[int], count: int = 2) -> torch.Tensor:
+    """The first ``count`` samples of the clients taken in order (client ``k``'s rows begin at ``firsts[k]``): the
+    same samples whether the clients' data were read in place or concatenated (:func:`_rows`)."""
+    rows = [int(first) + j for first, n in zip(firsts, sizes, strict=True) for j in range(min(n, count))][:count]
+    return x_all.index_select(0, torch.tensor(rows, dtype=torch.int64, device=x_all.device))
 
 
 def _plan_arrays(sizes: Sequence[int], plans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -646,7 +658,7 @@ def train_stack(
         index = _batch_index(shards, sizes, plans, config, firsts, seed=seed, round=round).to(device)
         reference = {n: global_parameters[n].to(device) for n in names} if config.mu > 0 else {}
         momentum = {n: _zeros(params[n], reuse, f"momentum:{n}") for n in names} if config.momentum != 0 else {}
-        fused = _fused_chain(model, loss_fn, config, x_all, y_all)
+        fused = _fused_chain(model, loss_fn, config, _first_rows(x_all, firsts, sizes), y_all)
         table = _step_sizes(sizes, plans, config.batch_size, num_steps)
         window = fused.deferral(params, config.batch_size) if fused is not None and defer_first_layer else 0
         deferred = _DeferredFirst(fused, params, x_all, index, table, reuse) if fused and window else None
@@ -756,24 +768,28 @@ def _one_storage(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple
     row = math.prod(trailing)
     if row == 0 or first.device != device:
         return None
-    pointer, row_bytes = storage.data_ptr(), row * first.element_size()
+    pointer, size, row_bytes = storage.data_ptr(), storage.nbytes(), row * first.element_size()
+    rows = size // row_bytes
     firsts: list[int] = []
     for tensor in tensors:
+        other = tensor.untyped_storage()
         if (
-            tensor.untyped_storage().data_ptr() != pointer
+            other.data_ptr() != pointer
+            or other.nbytes() != size  # two storages may begin at one address (numpy views of one buffer)
             or tensor.dtype != first.dtype
             or tensor.shape[1:] != trailing
             or tensor.device != first.device
             or tensor.requires_grad
             or not tensor.is_contiguous()
             or tensor.storage_offset() % row
+            or tensor.storage_offset() // row + tensor.shape[0] > rows
         ):
             return None
         firsts.append(tensor.storage_offset() // row)
     strides = [row]
     for size in trailing:  # a row's contiguous strides
         strides.append(strides[-1] // size)
-    return first.as_strided((storage.nbytes() // row_bytes, *trailing), strides, 0), firsts
+    return first.as_strided((rows, *trailing), strides, 0), firsts
 
 
 def _concat(tensors: list[torch.Tensor], buffers: StackBuffers | None, key: str) -> torch.Tensor:
@@ -1100,7 +1116,7 @@ class BatchedPool(PoolWrapper):
         if device.type != "cpu":
             return count
         x, y = task.training_data()
-        if _data_problem(x, y) is None and len(x) and _fused_chain(self._model(task), task.loss_fn, config, x, y):
+        if _data_problem(x, y) is None and len(x) and _fused_chain(self._model(task), task.loss_fn, config, x[:2], y):
             model_bytes = sum(p.numel() * p.element_size() for p in parameters)
             return max(1, min(count, FUSED_STACK_BYTES // max(model_bytes, 1)))
         largest = max((p.numel() * p.element_size() for p in parameters), default=1)

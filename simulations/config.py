@@ -302,21 +302,24 @@ class BackendConfig:
             raise ConfigError(f"workers must be in 1..4096 (or unset: one per core), got {self.workers}")
         if self.workers is not None and self.backend not in ("process", "ray"):
             raise ConfigError(
-                "workers sets the process or ray backend's worker count; add backend = 'process' (or 'ray') to use it"
+                "workers sets the process or ray backend's worker count; add backend = 'process' (or 'ray') to use it "
+                "(the flag --backend process)"
             )
         if self.defer_first_layer and self.backend != "batched":
             raise ConfigError(
-                "defer_first_layer changes how the batched backend trains; add backend = 'batched' to use it, or "
-                "leave it out"
+                "defer_first_layer changes how the batched backend trains; add backend = 'batched' (the flag "
+                "--backend batched) to use it, or leave it out"
             )
         if self.batch_clients and self.backend != "batched":
             raise ConfigError(
-                "batch_clients caps the batched backend's clients trained together; add backend = 'batched' to use "
-                "it, or leave it out"
+                "batch_clients caps the batched backend's clients trained together; add backend = 'batched' (the "
+                "flag --backend batched) to use it, or leave it out"
             )
         ray_options = (self.ray_address is not None, self.num_cpus != 1.0, self.num_gpus != 0.0)
         if any(ray_options) and self.backend != "ray":
-            raise ConfigError("ray_address, num_cpus and num_gpus are the ray backend's; add backend = 'ray'")
+            raise ConfigError(
+                "ray_address, num_cpus and num_gpus are the ray backend's; add backend = 'ray' (the flag --backend ray)"
+            )
         if not (0 <= self.num_cpus <= 1024 and 0 <= self.num_gpus <= 64 and self.num_cpus + self.num_gpus > 0):
             raise ConfigError(
                 f"num_cpus must be in 0..1024 and num_gpus in 0..64, not both 0; got {self.num_cpus}, {self.num_gpus}"

@@ -224,7 +224,8 @@ def prepare_output(out_dir: Path, config: SimulationConfig) -> None:
         shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)  # nor an earlier run's client state
         for pattern in (f"{MAPPED_STATE_PREFIX}*", f".{MAPPED_STATE_PREFIX}*"):  # nor a killed run's mapped state
             for stale in out_dir.glob(pattern):
-                stale.unlink(missing_ok=True)
+                if not stale.is_dir():  # a directory of that name is the user's
+                    stale.unlink(missing_ok=True)
         (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
     except OSError as exc:
         raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None

@@ -118,7 +118,15 @@ class PreparedData:
     def shard(self, client: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Client ``client``'s training data ``(x, y)``: views of its rows of ``x_train``/``y_train``, one
         contiguous run each (the batched backend trains clients of one such layout without copying their data
-        together, :func:`simulations.batched.train_stack`)."""
+        together, :func:`simulations.batched.train_stack`).
+
+        Raises:
+            ConfigError: ``client`` is not in ``0..num_clients - 1``.
+        """
+        if not 0 <= client < self.num_clients:
+            raise ConfigError(
+                f"client {client} is not one of the {self.num_clients} clients (0..{self.num_clients - 1})"
+            )
         start, stop = int(self.offsets[client]), int(self.offsets[client + 1])
         return self.x_train[start:stop], self.y_train[start:stop]
 

@@ -76,3 +76,17 @@ def test_state_elements_counts_parameters_and_buffers_once_without_building_for_
     before = torch.random.get_rng_state()
     state_elements(lambda: MLP2NN(num_inputs=784, num_classes=10, hidden=200))
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_state_elements_leaves_out_a_modules_extra_state() -> None:
+    """A module's extra state (``get_extra_state``: any picklable object) is not a tensor and counts nothing."""
+    from fedcore.task import state_elements
+
+    class WithExtra(nn.Linear):
+        def get_extra_state(self) -> dict[str, int]:
+            return {"version": 2}
+
+        def set_extra_state(self, state: object) -> None:
+            pass
+
+    assert state_elements(lambda: WithExtra(3, 2)) == 3 * 2 + 2

@@ -602,3 +602,17 @@ def test_an_optimizer_state_that_cannot_be_mapped_stays_in_memory(
         kept = map_optimizer_state(state, tmp_path / "missing")
     assert kept is state
     assert "round 2: the server optimizer's state stays in memory" in caplog.text and "missing" in caplog.text
+
+
+def test_two_states_of_one_round_mapped_into_one_directory_keep_their_own_values(tmp_path: Path) -> None:
+    """Two runs of one process may map the same round's state into one directory: each file has its own name."""
+    from server.state import MAP_STATE_BYTES, map_optimizer_state
+
+    size = MAP_STATE_BYTES // 4 + 1
+    states = [
+        ServerState(round=5, parameters={}, optimizer_state={"m/w": np.full(size, value, np.float32)})
+        for value in (1.0, 2.0)
+    ]
+    mapped = [map_optimizer_state(state, tmp_path) for state in states]
+    assert [float(m.optimizer_state["m/w"][0]) for m in mapped] == [1.0, 2.0]
+    assert [float(m.optimizer_state["m/w"][-1]) for m in mapped] == [1.0, 2.0]

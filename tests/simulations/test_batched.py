@@ -516,3 +516,34 @@ def test_the_cpu_batch_size_follows_what_a_step_allocates() -> None:
     assert pool._auto_batch("c0", 1000, plain) == (128 << 20) // model_bytes == 168
     assert pool._auto_batch("c0", 100, plain) == 100  # a round of issue 12's workload: one batch
     assert pool._auto_batch("c0", 1000, replace(plain, momentum=0.9)) == (16 << 20) // largest == 26
+
+
+def test_views_and_copies_agree_on_odd_storages() -> None:
+    """Read in place or copied together, the clients train to the same bits when a NaN sits in a storage row no
+    client owns (the fused path is checked on the clients' own first samples, not the storage's) or in the largest
+    client's first sample (a NaN output is the model's too), and when two storages begin at one address (numpy views
+    of one buffer: read as one only when they are one)."""
+    torch.manual_seed(5)
+    start = small_mlp().state_dict()
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+
+    def same(views: list[ClientShard]) -> None:
+        copies = [ClientShard(s.client_id, s.x.clone(), s.y.clone()) for s in views]
+        got = train_stack(small_mlp(), start, views, config, seed=SEED, round=ROUND).updates()
+        want = train_stack(small_mlp(), start, copies, config, seed=SEED, round=ROUND).updates()
+        for update, expected in zip(got, want, strict=True):
+            assert update.metrics.keys() == expected.metrics.keys()
+            for name, value in expected.parameters.items():
+                torch.testing.assert_close(update.parameters[name], value, rtol=0, atol=0, equal_nan=True)
+
+    x_rows, y_rows = torch.randn(30, 12), torch.randint(0, 3, (30,))
+    x_rows[0] = float("nan")  # owned by no client
+    same([ClientShard("a", x_rows[1:16], y_rows[1:16]), ClientShard("b", x_rows[16:30], y_rows[16:30])])
+    x_rows[1] = float("nan")  # the largest client's first sample
+    same([ClientShard("a", x_rows[1:16], y_rows[1:16]), ClientShard("b", x_rows[16:30], y_rows[16:30])])
+    buffer = np.random.default_rng(0).standard_normal((60, 12)).astype(np.float32)
+    labels = np.random.default_rng(1).integers(0, 3, 60)
+    first = ClientShard("a", torch.from_numpy(buffer[:30]), torch.from_numpy(labels[:30]))  # a 30-row storage
+    later = ClientShard("b", torch.from_numpy(buffer)[40:50], torch.from_numpy(labels)[40:50])  # same address, 60
+    assert first.x.untyped_storage().data_ptr() == later.x.untyped_storage().data_ptr()
+    same([first, later])

@@ -233,3 +233,6 @@ def test_prepared_shards_are_views_of_the_partition_rows_in_client_order() -> No
         np.testing.assert_array_equal(x.numpy(), dataset.x_train[part])
         np.testing.assert_array_equal(y.numpy(), dataset.y_train[part])
     assert torch.equal(prepared.x_train, torch.from_numpy(dataset.x_train[np.concatenate(prepared.partitions)]))
+    for wrong in (-1, 7):
+        with pytest.raises(ConfigError, match=f"client {wrong} is not one of the 7 clients"):
+            prepared.shard(wrong)

@@ -222,6 +222,7 @@ def test_a_killed_runs_mapped_optimizer_state_is_removed_from_the_output_dir(tmp
     for path in stale:
         path.write_bytes(b"x" * 100)
     (out / ".keep").write_text("mine")
+    (out / ".optimizer-state-backup").mkdir()  # a directory of that name is the user's, and no obstacle
     simulate(out, "rounds=1", "data.num_clients=4", "sampling.min_fit_clients=2")
     assert not any(path.exists() for path in stale)
-    assert (out / ".keep").read_text() == "mine"
+    assert (out / ".keep").read_text() == "mine" and (out / ".optimizer-state-backup").is_dir()
