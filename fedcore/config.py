@@ -109,7 +109,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T
     if unknown:
         raise ConfigError(
             f"unknown key(s) {', '.join(repr(k) for k in unknown)} in [{where or 'top level'}]; "
-            f"known keys: {', '.join(sorted(fields))}"
+            f"known keys: {', '.join(sorted(fields))}" + _homes(unknown, fields, hints, where)
         )
     kwargs = {name: _coerce(value, hints[name], f"{where}.{name}" if where else name) for name, value in data.items()}
     try:
@@ -118,6 +118,19 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T
         raise ConfigError(f"[{where or 'top level'}] {exc.message}") from None
     except TypeError as exc:
         raise ConfigError(f"[{where or 'top level'}] {exc}") from None
+
+
+def _homes(keys: list[str], fields: Mapping[str, dataclasses.Field[Any]], hints: Mapping[str, Any], where: str) -> str:
+    """Where unknown ``keys`` of a table belong when one of its own tables has them (``backend`` written at the top
+    level of a recipe is ``[simulation] backend``): ``"; 'backend' belongs in [simulation]"``, or ``""``."""
+    homes: dict[str, list[str]] = {}
+    for name in fields:
+        table = hints[name]
+        if dataclasses.is_dataclass(table) and isinstance(table, type):
+            for sub in dataclasses.fields(table):
+                homes.setdefault(sub.name, []).append(f"{where}.{name}" if where else name)
+    found = [f"{key!r} belongs in [{'] or ['.join(homes[key])}]" for key in keys if key in homes]
+    return "; " + "; ".join(found) if found else ""
 
 
 def to_mapping(config: object) -> dict[str, Any]:

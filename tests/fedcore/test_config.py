@@ -50,6 +50,8 @@ def test_overrides_are_typed_and_do_not_mutate_the_input() -> None:
     [
         (["train.lr=-1"], "lr must be > 0"),
         (["train.bogus=1"], "unknown key.*'bogus'.*known keys: batch_size"),
+        (["backend='batched'"], r"unknown key.*'backend' in \[top level\].*; 'backend' belongs in \[simulation\]"),
+        (["lr=0.1", "kind='x'"], r"'kind' belongs in \[attack\]; 'lr' belongs in \[train\]$"),
         (["rounds=abc"], "rounds: expected an integer"),
         (["strategy.name=fedmagic"], "unknown strategy 'fedmagic'"),
         (["data.alpha=0"], "alpha must be a finite number > 0"),
