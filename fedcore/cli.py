@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from fedcore.errors import ConfigError, FedcoreError
 from fedcore.options import Option, add_options, derive_options, given_values, to_overrides
@@ -48,7 +48,7 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description=(
             "Run FedAvg-family rounds with in-process virtual clients over a dataset partitioned non-IID. "
             "Defaults: fashion-mnist, 100 clients, Dirichlet alpha=0.5, the FedAvg CNN, 10 clients per round. "
-            "Every recipe key is also a flag (below)."
+            "The common recipe keys have flags (below); --set reaches every key."
         ),
     )
     p.add_argument("--recipe", help="TOML recipe (see simulations/recipes/); flags below override it")
@@ -300,9 +300,17 @@ def _cmd_certs_init(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are the message and where the help is: ``fedcore simulate`` has about a
+    hundred flags, and argparse's usage block before a one-line error (84 lines of it) hid the error itself."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(all options: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``fedcore`` argument parser with every sub-command."""
-    parser = argparse.ArgumentParser(prog="fedcore", description="Federated learning: simulate, serve, train.")
+    """The ``fedcore`` argument parser with every sub-command (their parsers of its class)."""
+    parser: argparse.ArgumentParser = _Parser(prog="fedcore", description="Federated learning: simulate, serve, train.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)

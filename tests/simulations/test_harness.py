@@ -94,6 +94,18 @@ def test_cli_reports_bad_config_in_one_line() -> None:
     assert proc.stderr.strip() == "fedcore: error: [train] lr must be > 0, got -1.0"
 
 
+def test_cli_reports_a_bad_flag_value_without_the_usage_block(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's own refusal (a typo in a choice) is the error and where the help is, not 84 lines of usage."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--backend", "batch"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "fedcore simulate: error: argument --backend: invalid choice: 'batch' (choose from 'inprocess', 'batched', "
+        "'process', 'ray')",
+        "(all options: fedcore simulate --help)",
+    ]
+
+
 def test_cli_partition_shows_the_skew_without_training(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "fedcore.cli", "partition", "--dataset", "digits", "--clients", "8", "--alpha", "0.3",
