@@ -653,6 +653,7 @@ def train_stack(
     count = len(shards)
     params = {n: _stacked(global_parameters[n].to(device), count, reuse, f"param:{n}") for n in names}
     losses = torch.zeros(count, max(num_steps, 1), dtype=torch.float32, device=device)
+    deferred: _DeferredFirst | None = None
     if num_steps:
         x_all, y_all, firsts = _rows(shards, sizes, device, reuse)
         index = _batch_index(shards, sizes, plans, config, firsts, seed=seed, round=round).to(device)
@@ -697,6 +698,7 @@ def train_stack(
         plans=plans,
         config=config,
         borrowed=reuse is not None,
+        deferred=deferred is not None,
     )
 
 
@@ -908,6 +910,7 @@ class TrainedClients:
         config: the round's training settings.
         borrowed: :attr:`params` live in a :class:`StackBuffers` that the next batch reuses (:meth:`updates`
             copies them out).
+        deferred: the first layer's updates were deferred (``defer_first_layer`` asked for it and it applied).
     """
 
     clients: Sequence[ClientShard]
@@ -920,6 +923,7 @@ class TrainedClients:
     plans: Sequence[tuple[int, int]]
     config: FitConfig
     borrowed: bool = False
+    deferred: bool = False
 
     def metrics(self) -> list[dict[str, float]]:
         """Each client's metrics, in the order of :attr:`clients`: ``train_loss`` summed in float64 step by step as
@@ -1085,6 +1089,7 @@ class BatchedPool(PoolWrapper):
         self._device = device
         self._weigh = weigh
         self._defer_first_layer = defer_first_layer
+        self._said_not_deferred = False
         self._models: dict[Key, nn.Module] = {}
         self._buffers = StackBuffers()  # on the CPU: each batch trains in the memory of the one before
 
@@ -1185,6 +1190,14 @@ class BatchedPool(PoolWrapper):
                 buffers=self._buffers,
                 defer_first_layer=self._defer_first_layer,
             )
+            if self._defer_first_layer and not trained.deferred and not self._said_not_deferred:
+                self._said_not_deferred = True  # once a run
+                log.warning(
+                    "round %d: defer_first_layer deferred nothing: it applies to a Flatten/Linear/ReLU model trained "
+                    "with plain SGD (no momentum, weight decay or mu) on cross-entropy, whose first layer is wide "
+                    "enough to gain (the 2NN, not logistic regression or a CNN); these clients trained as without it",
+                    ins.round,
+                )
             if self._weigh is not None:
                 return self._presummed(members, trained, started, self._weigh)
             updates = trained.updates()

@@ -256,6 +256,35 @@ def test_the_first_layer_is_deferred_only_when_asked(tmp_path: Path) -> None:
             np.testing.assert_allclose(finals[name][tensor], value, rtol=1e-5, atol=1e-5)
 
 
+def test_defer_first_layer_says_once_when_it_defers_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Asked of a model it cannot apply to (logistic regression: a first layer too narrow to gain; momentum: not
+    the fused path), defer_first_layer trains as without it and says so once a run; where it applies (the 2NN with
+    plain SGD) the training says it deferred and nothing is logged."""
+    dropped = ("train.momentum", "train.batch_size", "rounds", "evaluate_every", "model.name")
+    plain_sgd = [o for o in SMALL if not o.startswith(dropped)] + ["train.batch_size=8", "rounds=2", "evaluate_every=2"]
+    asked = ["simulation.backend=batched", "simulation.defer_first_layer=true"]
+    for name, extra in (("logreg", ["model.name=logreg"]), ("momentum", ["model.name=2nn", "train.momentum=0.5"])):
+        caplog.clear()
+        config = load_recipe(None, [*plain_sgd, *asked, *extra, f"output.dir={str(tmp_path / name)!r}"])
+        with caplog.at_level("WARNING", logger="fedcore.simulation"):
+            run_simulation(config, echo=lambda _: None)
+        said = [r.getMessage() for r in caplog.records if "deferred nothing" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("round 1: defer_first_layer deferred nothing"), name
+    caplog.clear()
+    config = load_recipe(None, [*plain_sgd, *asked, "model.name=2nn", f"output.dir={str(tmp_path / '2nn')!r}"])
+    with caplog.at_level("WARNING", logger="fedcore.simulation"):
+        run_simulation(config, echo=lambda _: None)
+    assert not any("deferred nothing" in r.getMessage() for r in caplog.records)
+    torch.manual_seed(0)
+    clients = shards([9, 12, 4], (12,))
+    config = FitConfig(local_epochs=1, batch_size=1, lr=0.05)
+    start = wide_first_layer().state_dict()
+    assert train_stack(
+        wide_first_layer(), start, clients, config, seed=SEED, round=ROUND, defer_first_layer=True
+    ).deferred
+    assert not train_stack(wide_first_layer(), start, clients, config, seed=SEED, round=ROUND).deferred
+
+
 def test_backend_is_a_recipe_key_and_a_flag() -> None:
     from fedcore.cli import simulate_options
 
