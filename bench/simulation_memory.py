@@ -19,20 +19,22 @@ its high-water mark (``VmHWM``) when it ends. The table gives the peak above the
 of the model's float32 size, beside the dataset's size (train and test features and labels) and the target
 ``4 x model + dataset``.
 
-Measured (2-core VM; memory does not depend on the load), before and after the update lent the client model's
-memory (no copy), the model's step taken inside backward (one parameter's gradient at a time) and the model freed
-between rounds, on the same baseline: FedAvgM 6.16x -> 6.00x, FedAvg 5.14x -> 4.98x with the default float64 sum;
-with ``--sum-dtype float32`` (``MeanAggregator(delta=True)``: a float32 sum of the differences from the global
-model, off by default, see its docstring; the recipe's ``strategy.sum_dtype``) FedAvgM 5.30x -> 5.04x and FedAvg
-4.20x -> 4.03x = 307.5 MiB, within the target of 311.7 MiB. With the server optimizer's state mapped from a file
-between server steps (:func:`server.state.map_optimizer_state`), FedAvgM 6.00x -> 5.01x (float64 sum) and
-5.04x -> 4.32x (float32 sum); FedAvg, which keeps no state, 5.01x and 4.06x in the same runs. (Before issue 12's
-memory work: FedAvgM 14.00x, FedAvg 8.79x, on the older baseline, which counted the 13 MiB of code as well.) While
-a client trains, the simulation holds the global model (1x), the running sum (2x in float64, 1x as float32
-differences) and the client's model (1x), plus the gradient of its largest parameter (0.84x here: the 4091 x 4091
-layer is 84% of this model): about 3.8x for FedAvg with the float32 sum, 4.8x with float64. FedAvgM's momentum is
-resident only during the server step, which holds the global model, the average, the old momentum and the new one:
-4x plus the step's temporaries.
+Measured (2-core VM; memory does not depend on the load), before and after the update lent the client model's memory
+(no copy), the model's step taken inside backward (one parameter's gradient at a time) and the model freed between
+rounds, on the same baseline: FedAvgM 6.16x -> 6.00x, FedAvg 5.14x -> 4.98x with the default float64 sum; with
+``--sum-dtype float32`` (``MeanAggregator(delta=True)``: a float32 sum of the differences from the global model, off
+by default, see its docstring; the recipe's ``strategy.sum_dtype``) FedAvgM 5.30x -> 5.04x and FedAvg 4.20x -> 4.03x
+= 307.5 MiB, within the target of 311.7 MiB. With the server optimizer's state mapped from a file between server
+steps, FedAvgM 6.00x -> 5.01x (float64 sum) and 5.04x -> 4.32x (float32 sum); FedAvg, which keeps no state, 5.01x
+and 4.06x in the same runs. With the global model mapped too (:func:`server.state.map_round_state`) and each reader
+dropping the pages it has read (a client's model loaded block by block, the server step reading the old model and
+momentum block by block): FedAvgM 4.01x (305.9-306.2 MiB, float64 sum) and 3.30-3.31x (float32 sum); FedAvg
+4.00-4.01x and 3.22-3.23x. (Before issue 12's memory work: FedAvgM 14.00x, FedAvg 8.79x, on the older baseline,
+which counted the 13 MiB of code as well.) While a client trains, the simulation now holds the running sum (2x in
+float64, 1x as float32 differences) and the client's model (1x), plus the gradient of its largest parameter (0.84x
+here: the 4091 x 4091 layer is 84% of this model) and the dataset: about 3.9x with the float64 sum. The server step
+holds the average (which becomes the new model), the new momentum and a few blocks of the old model and momentum:
+about 2x.
 """
 
 from __future__ import annotations

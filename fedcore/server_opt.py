@@ -23,7 +23,10 @@ do). Integer tensors are never stepped.
 Numerics: updates are computed in float64 and cast back to each parameter's dtype; the state has the
 dtype of its parameter. 0-d parameters give 0-d arrays (never numpy scalars), in the parameters and the state.
 Memory: the float64 work is done block by block, so a step allocates its outputs (new parameters, new state) and
-a few float64 blocks; with ``reuse_average`` the new parameters take the average's memory.
+a few float64 blocks; with ``reuse_average`` the new parameters take the average's memory. Parameters and state
+mapped read-only from a file (``np.memmap`` mode "r": a checkpoint, :func:`server.state.map_round_state`) have
+each block's pages dropped from the resident set once read (they stay in the file), so the old state is never
+resident whole beside the new one.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from fedcore.aggregation.blocks import drop_read, file_mapping
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.tensors import NamedArrays
 
@@ -146,6 +150,10 @@ def _apply(
         flat_x, flat_avg, flat_out = x.reshape(-1), avg.reshape(-1), out.reshape(-1)
         flat_in = {key: np.asarray(state[f"{key}/{name}"]).reshape(-1) for key in keys}
         flat_moments = {key: m.reshape(-1) for key, m in moments.items()}
+        # inputs mapped read-only from a file (a simulation's state between rounds, a deployment's checkpoint)
+        # leave the resident set block by block once read: the old state never sits whole beside the new one
+        sources = [(state[f"{key}/{name}"], flat_in[key]) for key in keys] + [(x, flat_x)]
+        mapped = [(handle, flat) for array, flat in sources if (handle := file_mapping(array, flat)) is not None]
         for i in range(0, max(flat_x.size, 1), _BLOCK):
             part = slice(i, i + _BLOCK)
             x64 = flat_x[part].astype(np.float64)
@@ -154,6 +162,8 @@ def _apply(
             flat_out[part] = new_x
             for key, value in new_moments.items():
                 flat_moments[key][part] = value
+            for handle, flat in mapped:
+                drop_read(handle, flat, i)
         new_params[name] = out
         new_state.update({f"{key}/{name}": m for key, m in moments.items()})
     return new_params, new_state

@@ -61,7 +61,7 @@ from server.round_loop import (
     return_large_blocks_to_the_os,
     run_rounds,
 )
-from server.state import MAPPED_STATE_PREFIX, history_columns, map_optimizer_state, write_history
+from server.state import MAPPED_STATE_PREFIX, history_columns, map_round_state, write_history
 from simulations.attacks import (
     LABEL_ATTACKS,
     REWRITE_ATTACKS,
@@ -210,8 +210,8 @@ def worker_count(config: SimulationConfig) -> int | None:
 
 
 def prepare_output(out_dir: Path, config: SimulationConfig) -> None:
-    """Make the run's output directory, remove an earlier run's results, client state and mapped optimizer state (a
-    killed run's file, :func:`server.state.map_optimizer_state`) from it, and write the recipe (config.json). Called
+    """Make the run's output directory, remove an earlier run's results, client state and mapped round state (a
+    killed run's file, :func:`server.state.map_round_state`) from it, and write the recipe (config.json). Called
     once the run's setup has succeeded, so that a recipe refused in its setup leaves no directory behind.
 
     Raises:
@@ -399,8 +399,9 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             acc = record.eval_metrics.get("accuracy")
             if acc is not None:
                 progress.set_postfix(acc=f"{acc:.4f}")
-        # FedAvgM's momentum (FedAdam's moments) sits untouched while the next round's clients train: in a file
-        return map_optimizer_state(state, out_dir)
+        # a large global model and FedAvgM's momentum (FedAdam's moments) wait for the next round in a file: the
+        # clients read the model from it block by block, and the momentum sits untouched until the server step
+        return map_round_state(state, out_dir)
 
     trainable = trainable_names(server_task.build_model)
     # A large model's tensors and arrays are made and freed with every client: each in its own mapping, handed back

@@ -220,6 +220,19 @@ def file_mapping(array: np.ndarray, flat: np.ndarray) -> mmap.mmap | None:
     return handle
 
 
+HUGE_PAGE = 2 << 20
+"""The largest window a page fault maps around itself (a PMD-sized page-cache folio): a reader that drops what it
+has read drops from this far before its position to the end (:func:`drop_read`), else pages a fault mapped beside
+a block stay resident after that block is dropped."""
+
+
+def drop_read(handle: mmap.mmap, flat: np.ndarray, i: int) -> None:
+    """After reading ``flat`` up to a block that begins at element ``i`` (that block included) from the read-only
+    file mapping ``handle``, unmap what the reads mapped: from :data:`HUGE_PAGE` bytes before element ``i`` to the
+    end of ``flat`` (pages ahead that a fault mapped come back when read)."""
+    drop_mapped(handle, flat, max(0, i - HUGE_PAGE // flat.itemsize), flat.size)
+
+
 def drop_mapped(handle: mmap.mmap, flat: np.ndarray, i: int, j: int) -> None:
     """Unmap the pages of ``flat[i:j]`` (rounded out to whole pages) from the read-only file mapping ``handle``."""
     try:

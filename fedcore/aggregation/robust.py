@@ -46,6 +46,7 @@ from fedcore.aggregation.blocks import (
     check_threads,
     check_weight,
     drop_mapped,
+    drop_read,
     file_mapping,
     run_blocks,
 )
@@ -58,9 +59,6 @@ from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec
 _GATHER_BYTES = 8 << 20
 """Bytes of the float64 buffer (clients x block) each thread gathers one block of every update into; a block has
 ``_GATHER_BYTES / (8 * clients)`` elements (at least :data:`_MIN_BLOCK`, at most :data:`_MAX_BLOCK`)."""
-
-_HUGE_PAGE = 2 << 20
-"""The largest window a page fault maps around itself (a PMD-sized page-cache folio)."""
 
 _MIN_BLOCK = 1024
 _MAX_BLOCK = 1 << 18
@@ -185,7 +183,7 @@ class SpilledUpdates:
             source = kept.flat[name]
             values[row] = source[i:j]
             if name in kept.handles:
-                drop_mapped(kept.handles[name], source, max(0, i - _HUGE_PAGE // source.itemsize), source.size)
+                drop_read(kept.handles[name], source, i)
         return values
 
     @staticmethod

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from client.runner import ModelCache, run_instruction
+from client.runner import ModelCache, load_parameters, run_instruction
 from fedcore.errors import ClientTaskError, PayloadError
 from fedcore.messages import EvaluateIns, FitIns, FitRes
+from fedcore.payload import open_safetensors, save_payload
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TrainContext, TrainResult, initial_parameters
 from server.round_loop import RoundConfig, run_rounds
 from simulations.inmemory import InMemoryPool
+from tests.residency import mapping_rss, needs_smaps
 
 FEATURES, CLASSES = 6, 3
 #: momentum (optimizer state), weight decay, FedProx (global parameters), two epochs of uneven batches
@@ -231,3 +235,46 @@ def test_between_rounds_the_pools_model_holds_no_memory_and_trains_as_before() -
         assert isinstance(one, FitRes) and isinstance(two, FitRes)
         assert_same(one, fit(cid, None))
         assert_same(two, one)
+
+
+@needs_smaps
+def test_a_global_model_mapped_from_a_file_is_loaded_without_staying_resident(tmp_path: Path) -> None:
+    """A global model mapped read-only from a file (a simulation's state between rounds) loads into the cached model
+    with the very values of the file, and its pages leave the resident set as they are copied: it is never resident
+    whole beside the model it is copied into. A tensor in memory beside it loads as before."""
+    model = nn.Sequential(nn.Linear(600, 3000), nn.Linear(3000, 4))  # a 1.8M-element weight: 7 MiB
+    generator = torch.Generator().manual_seed(5)
+    values = {n: torch.randn(t.shape, generator=generator).numpy() for n, t in model.state_dict().items()}
+    save_payload(tmp_path / "global.safetensors", values)
+    mapped, _ = open_safetensors(tmp_path / "global.safetensors")
+    parameters = {**mapped, "1.bias": values["1.bias"].copy()}  # one tensor in memory
+    big = mapped["0.weight"]
+    assert isinstance(big, np.memmap) and float(np.sum(big, dtype=np.float64)) != 0.0
+    assert mapping_rss(big) >= big.nbytes - 4096  # all of it read in
+
+    cache = ModelCache()
+    task = SupervisedTask(model_fn=lambda: nn.Sequential(nn.Linear(600, 3000), nn.Linear(3000, 4)))
+    loaded = cache.load(task, parameters, round=1, client_id="c0")
+    assert mapping_rss(big) <= 8192  # at most the pages at its two ends
+    for name, tensor in loaded.state_dict().items():
+        assert np.array_equal(tensor.numpy(), values[name]), name
+
+
+def test_mapped_tied_weights_load_as_load_state_dict_does(tmp_path: Path) -> None:
+    """Tied weights mapped from a file with different values, in the reverse of the model's order: the model keeps
+    the value load_state_dict gives it (the later key in the model's order), not the order of the arrays."""
+
+    def build() -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    values = {"1.weight": np.full((4, 4), 2.0, np.float32), "0.weight": np.full((4, 4), 1.0, np.float32)}
+    save_payload(tmp_path / "tied.safetensors", values)
+    mapped, _ = open_safetensors(tmp_path / "tied.safetensors")
+    expected = build()
+    expected.load_state_dict({n: torch.from_numpy(a.copy()) for n, a in values.items()})
+    loaded = build()
+    load_parameters(loaded, mapped, round=1, client_id="c0")
+    assert float(expected[0].weight[0, 0]) == 2.0
+    assert torch.equal(loaded[0].weight, expected[0].weight)

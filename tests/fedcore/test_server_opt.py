@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from fedcore.errors import ConfigError, PayloadError
+from fedcore.payload import open_safetensors, save_payload
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
+from tests.residency import mapping_rss, needs_smaps
 
 
 def _copy(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -251,3 +255,36 @@ def test_fedavg_with_reuse_returns_the_average_itself() -> None:
         {"w": np.zeros(3, np.float32), "n": np.array(1, np.int64)}, average, {}, reuse_average=True
     )
     assert new["w"] is average["w"] and new["n"] is average["n"] and state == {}
+
+
+@needs_smaps
+@pytest.mark.parametrize(
+    "opt", [ServerSGD(lr=0.7, momentum=0.9), ServerAdaptive(kind="adam", lr=0.01)], ids=["fedavgm", "fedadam"]
+)
+def test_a_step_reads_a_mapped_model_and_state_without_keeping_them_resident(
+    tmp_path: Path, opt: ServerOptimizer
+) -> None:
+    """Parameters and state mapped read-only from a file (as a checkpoint or a simulation's state between rounds)
+    give the very step of the same arrays in memory, and their pages leave the resident set as the step reads
+    them: the old state is never resident whole beside the new one (here 3 blocks of the largest tensor)."""
+    rng = np.random.default_rng(3)
+    size = 3 * (1 << 18) + 1000  # three blocks and a bit
+    params = {"w": rng.standard_normal(size).astype(np.float32), "b": rng.standard_normal(7).astype(np.float32)}
+    average = {n: a + rng.standard_normal(a.shape).astype(np.float32) * 0.1 for n, a in params.items()}
+    state = {n: a + 1.0 for n, a in opt.step(params, average, opt.init(params))[1].items()}  # a nonzero state
+    save_payload(tmp_path / "state.safetensors", {**{f"p.{n}": a for n, a in params.items()}, **state})
+    views, _ = open_safetensors(tmp_path / "state.safetensors")
+    mapped_params = {n: views[f"p.{n}"] for n in params}
+    mapped_state = {n: views[n] for n in state}
+    for array in (mapped_params["w"], *(mapped_state[k] for k in mapped_state if k.endswith("/w"))):
+        assert isinstance(array, np.memmap) and float(np.sum(array, dtype=np.float64)) != 0.0  # all read in
+        assert mapping_rss(array) >= array.nbytes - 4096
+    expected = opt.step(params, _copy(average), state)
+    got = opt.step(mapped_params, _copy(average), mapped_state, reuse_average=True)
+    for name in expected[0]:
+        assert np.array_equal(got[0][name], expected[0][name])
+    for name in expected[1]:
+        assert np.array_equal(got[1][name], expected[1][name])
+    large = [mapped_params["w"], *(mapped_state[k] for k in mapped_state if k.endswith("/w"))]
+    assert [mapping_rss(array) <= 8192 for array in large] == [True] * len(large)  # at most the pages at its ends
+    assert np.array_equal(mapped_params["w"], params["w"])  # the file's pages come back when read again

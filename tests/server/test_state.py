@@ -564,55 +564,66 @@ def test_checkpoints_and_simulations_do_not_load_grpc() -> None:
     assert out == "[]"
 
 
-def test_a_large_optimizer_state_is_mapped_from_an_unlinked_file(tmp_path: Path) -> None:
-    """map_optimizer_state: the same values, as read-only maps of a file that is gone from the directory, the
-    parameters untouched; a state under MAP_STATE_BYTES stays as it was (the same object)."""
-    from server.state import MAP_STATE_BYTES, map_optimizer_state
+def test_a_large_round_state_is_mapped_from_an_unlinked_file(tmp_path: Path) -> None:
+    """map_round_state: the global model, the optimizer state, the groups' and the aggregator's state keep their
+    values, as read-only maps of a file that is gone from the directory; a state under MAP_STATE_BYTES in all stays
+    as it was (the same object), and one over it only through its parameters (FedAvg keeps no optimizer state) is
+    mapped."""
+    from server.state import MAP_STATE_BYTES, map_round_state
 
-    rows = MAP_STATE_BYTES // (4 * 1000) + 1  # just over the threshold in float32
+    rows = MAP_STATE_BYTES // (4 * 1000) // 2 + 1  # half the threshold in float32: the model and its momentum
+    weights = np.arange(rows * 1000, dtype=np.float32).reshape(rows, 1000) / 3
     momentum = np.arange(rows * 1000, dtype=np.float32).reshape(rows, 1000) / 7
     state = ServerState(
         round=4,
-        parameters={"w": np.ones((rows, 1000), np.float32)},
+        parameters={"w": weights, "n": np.array(9, np.int64)},
         optimizer_state={"m/w": momentum, "m/b": np.array(2.5, np.float32)},
+        trainable=frozenset({"w"}),
+        groups={"control": {"w": np.full(3, 0.5, np.float32)}},
+        aggregator_state={"scale": np.array([4.0])},
     )
-    mapped = map_optimizer_state(state, tmp_path)
+    mapped = map_round_state(state, tmp_path)
     assert list(tmp_path.iterdir()) == []
-    assert mapped.round == 4 and mapped.parameters is state.parameters
-    assert set(mapped.optimizer_state) == {"m/w", "m/b"}
-    assert isinstance(mapped.optimizer_state["m/w"], np.memmap)
+    assert mapped.round == 4 and mapped.trainable == frozenset({"w"})
+    assert list(mapped.parameters) == ["w", "n"] and set(mapped.optimizer_state) == {"m/w", "m/b"}
+    assert isinstance(mapped.parameters["w"], np.memmap) and isinstance(mapped.optimizer_state["m/w"], np.memmap)
+    np.testing.assert_array_equal(mapped.parameters["w"], weights)
     np.testing.assert_array_equal(mapped.optimizer_state["m/w"], momentum)
+    assert mapped.parameters["n"].shape == () and int(mapped.parameters["n"]) == 9
     assert mapped.optimizer_state["m/b"].shape == () and float(mapped.optimizer_state["m/b"]) == 2.5
-    with pytest.raises(ValueError, match="read-only"):
-        mapped.optimizer_state["m/w"][0, 0] = 1.0
+    np.testing.assert_array_equal(mapped.groups["control"]["w"], np.full(3, 0.5, np.float32))
+    np.testing.assert_array_equal(mapped.aggregator_state["scale"], [4.0])
+    for array in (mapped.parameters["w"], mapped.optimizer_state["m/w"]):
+        with pytest.raises(ValueError, match="read-only"):
+            array[0, 0] = 1.0
     small = _state(3)
-    assert map_optimizer_state(small, tmp_path) is small
+    assert map_round_state(small, tmp_path) is small
+    model_only = ServerState(round=1, parameters={"w": np.ones(MAP_STATE_BYTES // 4, np.float32)}, optimizer_state={})
+    assert isinstance(map_round_state(model_only, tmp_path).parameters["w"], np.memmap)
 
 
-def test_an_optimizer_state_that_cannot_be_mapped_stays_in_memory(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_round_state_that_cannot_be_mapped_stays_in_memory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A directory the file cannot be written to (here: one that does not exist) leaves the state as it was, with a
     warning that names the round and the file: a run never stops for this."""
-    from server.state import MAP_STATE_BYTES, map_optimizer_state
+    from server.state import MAP_STATE_BYTES, map_round_state
 
     momentum = np.ones(MAP_STATE_BYTES // 4 + 1, np.float32)
     state = ServerState(round=2, parameters={"w": momentum.copy()}, optimizer_state={"m/w": momentum})
     with caplog.at_level(logging.WARNING, logger="fedcore.server"):
-        kept = map_optimizer_state(state, tmp_path / "missing")
+        kept = map_round_state(state, tmp_path / "missing")
     assert kept is state
-    assert "round 2: the server optimizer's state stays in memory" in caplog.text and "missing" in caplog.text
+    assert "round 2: the global model and server state stay in memory" in caplog.text and "missing" in caplog.text
 
 
 def test_two_states_of_one_round_mapped_into_one_directory_keep_their_own_values(tmp_path: Path) -> None:
     """Two runs of one process may map the same round's state into one directory: each file has its own name."""
-    from server.state import MAP_STATE_BYTES, map_optimizer_state
+    from server.state import MAP_STATE_BYTES, map_round_state
 
     size = MAP_STATE_BYTES // 4 + 1
     states = [
         ServerState(round=5, parameters={}, optimizer_state={"m/w": np.full(size, value, np.float32)})
         for value in (1.0, 2.0)
     ]
-    mapped = [map_optimizer_state(state, tmp_path) for state in states]
+    mapped = [map_round_state(state, tmp_path) for state in states]
     assert [float(m.optimizer_state["m/w"][0]) for m in mapped] == [1.0, 2.0]
     assert [float(m.optimizer_state["m/w"][-1]) for m in mapped] == [1.0, 2.0]

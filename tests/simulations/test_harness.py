@@ -169,20 +169,24 @@ def test_a_task_factory_that_raises_or_returns_no_task_is_a_one_line_error(
     assert "the task factory 'os:getcwd' raised TypeError" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("strategy", ["fedavgm", "fedadam"])
-def test_a_mapped_optimizer_state_gives_the_same_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
+@pytest.mark.parametrize(
+    ("strategy", "backend"), [("fedavgm", "inprocess"), ("fedadam", "inprocess"), ("fedavgm", "batched")]
+)
+def test_a_mapped_round_state_gives_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str, backend: str
 ) -> None:
-    """The optimizer state mapped from a file between rounds (as a model over MAP_STATE_BYTES's is) gives the very
-    history and model of the state kept in memory; the server steps read it from the map."""
+    """The global model and optimizer state mapped from a file between rounds (as a model over MAP_STATE_BYTES's
+    are) give the very history and model of the state kept in memory; the clients (one by one, or batched) and the
+    server steps read them from the maps."""
     import server.state
     from server.round_loop import ServerState
 
     extra = [f"strategy.name={strategy!r}", "rounds=3", "data.num_clients=6", "sampling.min_fit_clients=3"]
     extra += ["strategy.server_momentum=0.9"] if strategy == "fedavgm" else ["strategy.server_lr=0.01"]
+    extra += [f"simulation.backend={backend!r}"]
     kept = simulate(tmp_path / "kept", *extra).drop(columns="seconds")
     mapped_states: list[ServerState] = []
-    real = server.state.map_optimizer_state
+    real = server.state.map_round_state
 
     def record(state: ServerState, directory: str | Path) -> ServerState:
         result = real(state, directory)
@@ -190,11 +194,12 @@ def test_a_mapped_optimizer_state_gives_the_same_run(
         return result
 
     monkeypatch.setattr(server.state, "MAP_STATE_BYTES", 0)  # every state is mapped
-    monkeypatch.setattr("simulations.harness.map_optimizer_state", record)
+    monkeypatch.setattr("simulations.harness.map_round_state", record)
     mapped = simulate(tmp_path / "mapped", *extra).drop(columns="seconds")
     pd.testing.assert_frame_equal(kept, mapped, check_exact=True)
     assert len(mapped_states) == 4  # round 0's evaluation and three rounds
     assert all(isinstance(a, np.memmap) for s in mapped_states for a in s.optimizer_state.values() if a.size)
+    assert all(isinstance(a, np.memmap) for s in mapped_states for a in s.parameters.values() if a.size)
     model_kept = decode((tmp_path / "kept" / "model.safetensors").read_bytes())
     model_mapped = decode((tmp_path / "mapped" / "model.safetensors").read_bytes())
     assert all(np.array_equal(model_kept[n], model_mapped[n]) for n in model_kept)
@@ -222,19 +227,19 @@ def test_only_a_large_model_has_its_blocks_returned_to_the_os(tmp_path: Path, mo
     assert calls == [1]
 
 
-def test_a_killed_runs_mapped_optimizer_state_is_removed_from_the_output_dir(tmp_path: Path) -> None:
-    """A run killed between writing its optimizer state's file and unlinking it (or while writing it) leaves a hidden
+def test_a_killed_runs_mapped_round_state_is_removed_from_the_output_dir(tmp_path: Path) -> None:
+    """A run killed between writing its round state's file and unlinking it (or while writing it) leaves a hidden
     file of the model's size; the next run in that directory removes it, and nothing else of the user's."""
     out = tmp_path / "out"
     out.mkdir()
     stale = [
-        out / ".optimizer-state-r000003-4242.safetensors",
-        out / "..optimizer-state-r000003-4242.safetensors.tmp-4242",
+        out / ".round-state-r000003-4242.safetensors",
+        out / "..round-state-r000003-4242.safetensors.tmp-4242",
     ]
     for path in stale:
         path.write_bytes(b"x" * 100)
     (out / ".keep").write_text("mine")
-    (out / ".optimizer-state-backup").mkdir()  # a directory of that name is the user's, and no obstacle
+    (out / ".round-state-backup").mkdir()  # a directory of that name is the user's, and no obstacle
     simulate(out, "rounds=1", "data.num_clients=4", "sampling.min_fit_clients=2")
     assert not any(path.exists() for path in stale)
-    assert (out / ".keep").read_text() == "mine" and (out / ".optimizer-state-backup").is_dir()
+    assert (out / ".keep").read_text() == "mine" and (out / ".round-state-backup").is_dir()
