@@ -106,22 +106,20 @@ def _copy_into(model: torch.nn.Module, parameters: NamedArrays) -> None:
             own = model.state_dict()
             storages = [tensor.untyped_storage().data_ptr() for tensor in own.values() if tensor.numel()]
             for name in mapped:
-                array, target = parameters[name], own.get(name)
-                if target is None or target.shape != array.shape or not target.is_contiguous():
+                array, source, target = parameters[name], cast(torch.Tensor, state[name]), own.get(name)
+                if target is None or target.shape != source.shape or target.dtype != source.dtype:
                     continue  # load_state_dict copies it whole (or says what does not match)
-                if not array.flags.c_contiguous or target.dtype != torch.from_numpy(array.reshape(-1)[:0]).dtype:
-                    continue
+                if not (array.flags.c_contiguous and target.is_contiguous()):
+                    continue  # ``source`` is a copy (to_state_dict made it contiguous), or ``target`` is strided
                 if target.numel() and storages.count(target.untyped_storage().data_ptr()) > 1:
                     continue  # tied weights: load_state_dict's order decides which value they keep
                 flat = array.reshape(-1)
-                handle = file_mapping(array, flat)
-                if handle is None:
+                if (handle := file_mapping(array, flat)) is None:
                     continue
-                dest = target.view(-1)
-                step = max(1, COPY_BLOCK_BYTES // max(flat.itemsize, 1))
-                for i in range(0, flat.size, step):
-                    dest[i : i + step].copy_(torch.from_numpy(flat[i : i + step]))
-                    drop_read(handle, flat, i)
+                into, step = target.view(-1), max(1, COPY_BLOCK_BYTES // max(flat.itemsize, 1))
+                for i, block in enumerate(source.view(-1).split(step)):
+                    into[i * step : i * step + len(block)].copy_(block)
+                    drop_read(handle, flat, i * step, i * step + len(block))
                 state[name] = target  # in place already: load_state_dict's copy of a tensor onto itself does nothing
         model.load_state_dict(state, strict=True)
 

@@ -163,7 +163,7 @@ def _apply(
             for key, value in new_moments.items():
                 flat_moments[key][part] = value
             for handle, flat in mapped:
-                drop_read(handle, flat, i)
+                drop_read(handle, flat, i, min(i + _BLOCK, flat.size))
         new_params[name] = out
         new_state.update({f"{key}/{name}": m for key, m in moments.items()})
     return new_params, new_state

@@ -67,7 +67,7 @@ from fedcore.payload import (
 )
 from fedcore.selection import ClientObservation
 from fedcore.strategy import StrategyConfig
-from fedcore.tensors import NamedArrays
+from fedcore.tensors import NamedArrays, num_bytes
 from server.round_loop import RoundRecord, ServerState
 
 log = logging.getLogger("fedcore.server")
@@ -548,11 +548,7 @@ class StateStore:
         """Write a fresh run's initial state to the spill directory and return it mapped read-only from there
         (see :func:`load_checkpoint`), so the server holds it as clean file pages during round 1 as it holds
         each later round's model mapped from its checkpoint. Not a checkpoint: a restart does not resume from it."""
-        path = self.spill / f"initial-r{state.round:06d}.safetensors"
-        _write_state(path, state, self_digest=False)
-        mapped = load_checkpoint(path, mapped=True)
-        path.unlink()  # the mapping keeps the data readable (POSIX); nothing is left behind in spill/
-        return mapped
+        return _mapped_copy(self.spill / f"initial-r{state.round:06d}.safetensors", state)
 
     def latest_checkpoint(self, *, mapped: bool = False) -> ServerState | None:
         """The newest intact checkpoint as a :class:`ServerState` (arrays loaded into memory, or mapped: see
@@ -663,6 +659,21 @@ def _checkpoint_problem(path: Path, recorded: Mapping[int, str]) -> str | None:
     return None
 
 
+def _mapped_copy(path: Path, state: ServerState) -> ServerState:
+    """``state`` written to ``path``, mapped read-only from it (:func:`load_checkpoint`) and the file unlinked (on
+    POSIX the mapping keeps it readable; nothing is left behind). Read back at once, never after a crash: no digest,
+    no fsync. ``trainable`` is not stored: the copy has None.
+
+    Raises:
+        OSError, PayloadError: the file cannot be written or read back (it is removed all the same).
+    """
+    try:
+        _write_state(path, state, self_digest=False, durable=False)
+        return load_checkpoint(path, mapped=True, verify=False)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def _write_state(path: Path, state: ServerState, *, self_digest: bool, durable: bool = True) -> PayloadFile:
     arrays: dict[str, np.ndarray] = {_PARAM + n: a for n, a in state.parameters.items()}
     arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
@@ -684,12 +695,6 @@ MAPPED_STATE_PREFIX = ".round-state-"
 before it); unlinked as soon as mapped, so one is left only by a process killed in between."""
 
 
-def _state_bytes(state: ServerState) -> int:
-    arrays = [*state.parameters.values(), *state.optimizer_state.values(), *state.aggregator_state.values()]
-    arrays += [a for tensors in state.groups.values() for a in tensors.values()]
-    return sum(np.asarray(a).nbytes for a in arrays)
-
-
 def map_round_state(state: ServerState, directory: str | os.PathLike[str]) -> ServerState:
     """``state`` with its arrays (the global model, the server optimizer's state such as FedAvgM's momentum or
     FedAdam's two moments, the tensor groups' and the aggregator's state) written to a file in ``directory`` and
@@ -709,17 +714,13 @@ def map_round_state(state: ServerState, directory: str | os.PathLike[str]) -> Se
     A file that cannot be written or read back (disk full, permissions) leaves the state in memory, with a warning
     that says why: the run goes on as it would without this.
     """
-    if _state_bytes(state) < MAP_STATE_BYTES:
+    arrays = [state.parameters, state.optimizer_state, state.aggregator_state, *state.groups.values()]
+    if sum(num_bytes(tensors) for tensors in arrays) < MAP_STATE_BYTES:
         return state
     # unique: two runs of one process may map the same round into one directory
     path = Path(directory) / f"{MAPPED_STATE_PREFIX}r{state.round:06d}-{os.getpid()}-{secrets.token_hex(8)}.safetensors"
     try:
-        # read back at once, never after a crash: no digest, no fsync
-        _write_state(path, state, self_digest=False, durable=False)
-        try:
-            mapped = load_checkpoint(path, mapped=True, verify=False)
-        finally:
-            path.unlink()
+        mapped = _mapped_copy(path, state)
     except (OSError, PayloadError) as exc:
         log.warning(
             "round %d: the global model and server state stay in memory (%s could not be written and mapped: %s)",
@@ -728,13 +729,7 @@ def map_round_state(state: ServerState, directory: str | os.PathLike[str]) -> Se
             exc,
         )
         return state
-    return replace(
-        state,
-        parameters=mapped.parameters,
-        optimizer_state=mapped.optimizer_state,
-        groups=mapped.groups,
-        aggregator_state=mapped.aggregator_state,
-    )
+    return replace(mapped, trainable=state.trainable)
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verify: bool = True) -> ServerState:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+from fedcore.aggregation.blocks import release_mapped
 from fedcore.errors import ConfigError, FedcoreError, TransportError
 from fedcore.messages import (
     Failure,
@@ -442,6 +443,7 @@ class ProcessPool(VirtualClients):
                     self._seq += 1
                     name = f"in-{self._seq}.safetensors"
                     written = save_payload(self._dir / name, arrays, metadata, durable=False)
+                    release_mapped(arrays)  # a mapped global model: out of memory until a fold or the step reads it
                     files[key] = (name, written.size, arrays)  # the arrays stay referenced: ids stay unique
                 name, size, _ = files[key]
             header = task_header(instruction, task_id="", payload_bytes=size).SerializeToString()

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from fedcore.aggregation.blocks import release_mapped
 from fedcore.errors import ConfigError, FedcoreError, TransportError
 from fedcore.messages import Failure, Reply, ServerMessage, bound_text, payload_arrays
 from fedcore.tensors import decode, encode, read_metadata
@@ -288,6 +289,7 @@ class RayPool(VirtualClients):
                 models = self._models
                 if ident not in models:  # once per round: every actor reads the same object
                     data = _to_bytes((arrays, metadata))
+                    release_mapped(arrays)  # a mapped global model: out of memory until a fold or the step reads it
                     models[ident] = (self._ray.put(data), f"{instruction.round}-{len(models)}", data.size)
                 model, key, size = models[ident]
             header = task_header(instruction, task_id="", payload_bytes=size).SerializeToString()

@@ -183,7 +183,7 @@ class SpilledUpdates:
             source = kept.flat[name]
             values[row] = source[i:j]
             if name in kept.handles:
-                drop_read(kept.handles[name], source, i)
+                drop_read(kept.handles[name], source, i, j)
         return values
 
     @staticmethod
@@ -675,7 +675,7 @@ class NormBoundAccumulator:
                 difference = block.astype(np.float64) - reference
                 parts[k] = float(np.dot(difference, difference))
             if name in mapped:
-                drop_mapped(mapped[name], flat[name], i, j)
+                drop_read(mapped[name], flat[name], i, j)
 
         run_blocks(self._mean.threads, len(self._float_blocks), measure)
         return math.sqrt(math.fsum(parts.tolist()))

@@ -32,7 +32,7 @@ from fedcore.aggregation.blocks import (
     check_spec_kinds,
     check_threads,
     check_weight,
-    drop_mapped,
+    drop_read,
     file_mapping,
     release_tail,
     run_blocks,
@@ -444,7 +444,7 @@ class WeightedMean:
                     np.multiply(part, w, out=part)
                     np.add(total, part, out=total)
                 if mapped and name in mapped:
-                    drop_mapped(mapped[name], flat[name], i, j)
+                    drop_read(mapped[name], flat[name], i, j)
 
             self._parallel(len(self._blocks), fold)
         self._total_weight += w
