@@ -159,6 +159,65 @@ def trimmed_mean_columns(values: np.ndarray, trim: int, out: np.ndarray) -> None
             out[j0 + c] = total / keep
 
 
+_MT_N = 624
+_MT_M = 397
+
+
+@njit(nogil=True)
+def torch_randperms(  # pragma: no cover - compiled
+    seeds: np.ndarray, counts: np.ndarray, epochs: np.ndarray, out: np.ndarray
+) -> None:
+    """Each client's ``epochs[c]`` permutations of ``range(counts[c])``, as ``torch.randperm(counts[c],
+    generator=g)`` draws them one after another from ``g = torch.Generator().manual_seed(seeds[c])`` on the CPU,
+    written one after another into the int64 ``out`` (client by client, epoch by epoch; ``out`` holds
+    ``sum(counts * epochs)`` entries). ``seeds``, ``counts`` and ``epochs`` are int64 arrays of one length, counts
+    below ``2**32 / 20``.
+
+    The stream follows ATen's CPU generator and its ``randperm`` for such counts: MT19937 (Matsumoto & Nishimura,
+    1998; seeded by ``init_genrand`` with the seed's low 32 bits, 32-bit outputs) and a forward Fisher-Yates
+    shuffle of the identity that swaps entry ``i`` with entry ``i + random() % (n - i)``. The generator's state is
+    seeded and regenerated word by word as outputs are taken (regenerating word ``k`` in place reads word ``k + 1``
+    before its own regeneration and word ``k + 397`` after it exactly when the whole-block step does), so a client
+    that takes 59 outputs costs about 520 word updates, not 1,248. :mod:`simulations.shuffle` checks the stream
+    against the installed torch before relying on it.
+    """
+    state = np.empty(_MT_N, dtype=np.uint64)
+    mask = np.uint64(0xFFFFFFFF)
+    upper, lower, matrix = np.uint64(0x80000000), np.uint64(0x7FFFFFFF), np.uint64(0x9908B0DF)
+    position = 0
+    for c in range(seeds.size):
+        n = counts[c]
+        if n <= 0 or epochs[c] <= 0:
+            continue
+        state[0] = np.uint64(seeds[c]) & mask
+        ready = 1  # words seeded so far
+        k = 0  # the next word to regenerate and output
+        for _ in range(epochs[c]):
+            for i in range(n):
+                out[position + i] = i
+            for i in range(n - 1):
+                far = k + _MT_M if k + _MT_M < _MT_N else k + _MT_M - _MT_N
+                need = far + 1 if k + _MT_M < _MT_N else _MT_N
+                while ready < need:
+                    previous = state[ready - 1] ^ (state[ready - 1] >> np.uint64(30))
+                    state[ready] = (np.uint64(1812433253) * previous + np.uint64(ready)) & mask
+                    ready += 1
+                after = k + 1 if k + 1 < _MT_N else 0
+                y = (state[k] & upper) | (state[after] & lower)
+                word = state[far] ^ (y >> np.uint64(1))
+                if y & np.uint64(1):
+                    word ^= matrix
+                state[k] = word
+                k = after
+                word ^= word >> np.uint64(11)
+                word ^= (word << np.uint64(7)) & np.uint64(0x9D2C5680)
+                word ^= (word << np.uint64(15)) & np.uint64(0xEFC60000)
+                word ^= word >> np.uint64(18)
+                z = i + np.int64(word % np.uint64(n - i))
+                out[position + i], out[position + z] = out[position + z], out[position + i]
+            position += n
+
+
 def warm_up() -> None:
     """Compile the kernels for float32 and float64 updates now (a server calls this before it listens, so the
     first round's fold does not hold the GIL for a compile while heartbeats wait)."""

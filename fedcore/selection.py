@@ -191,11 +191,18 @@ def observation(client_id: str, num_examples: int, metrics: Mapping[str, object]
     """The :class:`ClientObservation` of an accepted reply: its ``train_loss`` and duration when they are finite
     numbers (a duration also >= 0); anything else a client reports is left out (client input is not trusted)."""
     loss = _finite(metrics.get("train_loss"))
-    seconds = next((s for key in DURATION_METRICS if (s := _finite(metrics.get(key))) is not None and s >= 0), None)
+    seconds = None
+    for key in DURATION_METRICS:  # a loop, not a generator: this runs for every accepted client of every round
+        duration = _finite(metrics.get(key))
+        if duration is not None and duration >= 0:
+            seconds = duration
+            break
     return ClientObservation(client_id=client_id, num_examples=int(num_examples), loss=loss, seconds=seconds)
 
 
 def _finite(value: object) -> float | None:
+    if type(value) is float:  # the common case first (x - x is 0.0 exactly for a finite x, NaN otherwise)
+        return value if value - value == 0.0 else None
     number = metric_value(value)  # the reading every reported metric gets (bool as 0/1, numpy scalars, ...)
     return number if number is not None and math.isfinite(number) else None
 

@@ -77,13 +77,14 @@ from fedcore.messages import (
     Stage,
     packed_nbytes,
 )
-from fedcore.seeding import derive_seed
+from fedcore.seeding import derive_seeds
 from fedcore.strategy import Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, LossFn, Task
 from fedcore.tensors import NamedArrays, check_spec, num_bytes, state_spec
 from server.pool import PoolWrapper
 from simulations.inmemory import InMemoryPool
+from simulations.shuffle import epoch_permutations
 
 log = logging.getLogger("fedcore.simulation")
 
@@ -631,21 +632,26 @@ def train_stack(
     check_model(model)
     device = torch.device(device) if device is not None else torch.device("cpu")
     reuse = buffers if device.type == "cpu" else None
-    for shard in clients:
-        if (problem := _data_problem(shard.x, shard.y)) is not None:
-            raise ClientTaskError(problem, client_id=shard.client_id, round=round)
-    if len(shapes := {tuple(shard.x.shape[1:]) for shard in clients}) > 1:
+    lengths: list[int] = []
+    shapes: set[tuple[int, ...]] = set()
+    for shard in clients:  # one pass, each shape read once: this runs for every client of every batch
+        x_shape, y_shape = shard.x.shape, shard.y.shape
+        if not x_shape or not y_shape or x_shape[0] != y_shape[0]:
+            raise ClientTaskError(_data_problem(shard.x, shard.y) or "", client_id=shard.client_id, round=round)
+        lengths.append(int(x_shape[0]))
+        shapes.add(tuple(x_shape[1:]))
+    if len(shapes) > 1:
         raise ClientTaskError(
             f"the clients' inputs differ in shape per sample ({', '.join(map(str, sorted(shapes)[:3]))}); batched "
             "clients are trained together and need one input shape",
             round=round,
         )
-    lengths = [_length(shard.x) for shard in clients]
     # largest first: the clients still training at step t are a prefix, clients of one size are neighbours
     order = sorted(range(len(clients)), key=lambda i: -lengths[i])
     shards = [clients[i] for i in order]
     sizes = [lengths[i] for i in order]
-    plans = [_schedule(n, config) for n in sizes]
+    schedules = {n: _schedule(n, config) for n in set(sizes)}
+    plans = [schedules[n] for n in sizes]
     num_steps = max((steps for _, steps in plans), default=0)
     batched = _Batched(model, loss_fn)
     batched.to(device)
@@ -829,27 +835,20 @@ def _batch_index(
     never read), drawn as :func:`fedcore.training.train_supervised` draws them: one ``randperm`` per epoch begun,
     from the client's generator.
 
-    Only the draws are made client by client (the generators must be the one-by-one loop's); the index is then laid
-    out for all clients at once: step ``t`` of a client with ``n`` samples and ``p`` batches an epoch takes
-    positions ``(t mod p) * batch_size + j`` of its permutation for epoch ``t div p``. ``sizes`` and ``plans``: each
-    shard's number of samples and :func:`_schedule`.
+    The draws are the one-by-one loop's (:func:`simulations.shuffle.epoch_permutations`, every client's in one
+    call), and the index is laid out for all clients at once: step ``t`` of a client with ``n`` samples and ``p``
+    batches an epoch takes positions ``(t mod p) * batch_size + j`` of its permutation for epoch ``t div p``.
+    ``sizes`` and ``plans``: each shard's number of samples and :func:`_schedule`.
     """
     num_steps = max((steps for _, steps in plans), default=0)
     batch = config.batch_size
     index = torch.zeros(len(shards), num_steps, batch, dtype=torch.int64)
-    draws: list[torch.Tensor] = []
-    generator = torch.Generator()
-    for shard, n, (epoch_batches, client_steps) in zip(shards, sizes, plans, strict=True):
-        if n == 0:
-            continue
-        generator.manual_seed(derive_seed(seed, round, shard.client_id))  # one generator, seeded per client
-        draws.extend(torch.randperm(n, generator=generator) for _ in range(math.ceil(client_steps / epoch_batches)))
-    if not draws:
-        return index
     counts, per_epoch, steps = _plan_arrays(sizes, plans)
     epochs = -(-steps // per_epoch)  # ceil; 0 for a client without data
+    drawn = epoch_permutations(derive_seeds(seed, round, each=[shard.client_id for shard in shards]), counts, epochs)
+    if not drawn.size:
+        return index
     starts = np.cumsum(epochs * counts) - epochs * counts  # each client's first draw in ``drawn``
-    drawn = torch.cat(draws).numpy()
     t = np.arange(num_steps)[None, :, None]
     j = np.arange(batch)[None, None, :]
     count, per = counts[:, None, None], per_epoch[:, None, None]
@@ -1140,6 +1139,7 @@ class BatchedPool(PoolWrapper):
     def _fit(self, items: Sequence[tuple[str, FitIns]]) -> Iterator[PoolReply]:
         replies: dict[str, Reply] = {}
         groups: dict[Key, list[tuple[str, FitIns, SupervisedTask]]] = {}
+        shards: dict[str, ClientShard] = {}
         for cid, ins in items:
             if ins.mods or ins.groups or ins.config.report_validation:
                 raise ConfigError(
@@ -1150,14 +1150,16 @@ class BatchedPool(PoolWrapper):
             if not isinstance(task, SupervisedTask):
                 check_batchable(task)  # raises: names what the task lacks
                 continue
-            if (problem := _data_problem(*task.training_data())) is not None:
+            shard = ClientShard(cid, *task.training_data())
+            if (problem := _data_problem(shard.x, shard.y)) is not None:
                 replies[cid] = Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=problem)
                 continue
+            shards[cid] = shard
             key = (task.model_fn, task.loss_fn, id(ins.parameters), ins.config, ins.seed, ins.round)
             groups.setdefault(key, []).append((cid, ins, task))
         batches: list[FitBatchRes] = []
         for members in groups.values():
-            per_client, batch = self._train_group(members)
+            per_client, batch = self._train_group(members, [shards[cid] for cid, *_ in members])
             replies.update(per_client)
             if batch is not None:
                 batches.append(batch)
@@ -1167,17 +1169,16 @@ class BatchedPool(PoolWrapper):
                 yield replies[cid]
 
     def _train_group(
-        self, members: Sequence[tuple[str, FitIns, SupervisedTask]]
+        self, members: Sequence[tuple[str, FitIns, SupervisedTask]], shards: Sequence[ClientShard]
     ) -> tuple[dict[str, Reply], FitBatchRes | None]:
-        """Train one group (same model, instruction settings and global model): its per-client replies, and with
-        ``weigh`` the batch of those whose updates were summed."""
+        """Train one group (same model, instruction settings and global model; ``shards``: the members' data, in
+        their order): its per-client replies, and with ``weigh`` the batch of those whose updates were summed."""
         _, ins, task = members[0]
         started = time.perf_counter()
         try:
             model = self._model(task)
             check_spec(ins.parameters, state_spec(model.state_dict()), round=ins.round)
             global_parameters = _tensors(ins.parameters)
-            shards = [ClientShard(cid, *member_task.training_data()) for cid, _, member_task in members]
             trained = train_stack(
                 model,
                 global_parameters,

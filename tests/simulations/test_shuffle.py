@@ -1,0 +1,101 @@
+"""Batched clients' shuffles: every client's permutations drawn in one compiled call equal torch's, drawn client by
+client as the one-by-one training loop draws them."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import simulations.shuffle as shuffle
+from fedcore.seeding import derive_seed, derive_seeds
+
+
+def _torch_draws(cases: list[tuple[int, int, int]]) -> np.ndarray:
+    """What :func:`fedcore.training.train_supervised` draws: one generator per client, one randperm per epoch."""
+    draws: list[torch.Tensor] = []
+    for seed, count, epochs in cases:
+        generator = torch.Generator().manual_seed(seed)
+        draws.extend(torch.randperm(count, generator=generator) for _ in range(epochs))
+    return torch.cat(draws).numpy()
+
+
+def _columns(cases: list[tuple[int, int, int]]) -> tuple[list[int], list[int], list[int]]:
+    return [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases]
+
+
+def test_permutations_equal_torch_randperm_client_by_client() -> None:
+    rng = random.Random(7)
+    # sizes below, at and above the generator's 624-word block, several epochs from one generator, empty clients,
+    # seeds of every width up to 63 bits (the seed's low 32 bits seed the generator)
+    cases = [
+        (rng.getrandbits(rng.choice([1, 31, 32, 33, 63])), rng.choice([0, 1, 2, 60, 623, 624, 625, 1300, 3000]), e)
+        for e in [rng.choice([0, 1, 2, 3]) for _ in range(300)]
+    ]
+    ours = shuffle.epoch_permutations(*_columns(cases))
+    assert ours.dtype == np.int64
+    np.testing.assert_array_equal(ours, _torch_draws(cases))
+    assert shuffle.kernel_matches()
+
+
+def test_a_round_of_clients_draws_the_one_by_one_loops_shuffles() -> None:
+    ids = [f"client-{i:04d}" for i in range(500)]
+    seeds = derive_seeds(11, 4, each=ids)
+    assert seeds == [derive_seed(11, 4, cid) for cid in ids]
+    cases = [(seed, 60 + i % 7, 1 + i % 2) for i, seed in enumerate(seeds)]
+    np.testing.assert_array_equal(shuffle.epoch_permutations(*_columns(cases)), _torch_draws(cases))
+
+
+def test_derive_seeds_without_shared_keys() -> None:
+    assert derive_seeds(5, each=["a", 3, ""]) == [derive_seed(5, "a"), derive_seed(5, 3), derive_seed(5, "")]
+    assert derive_seeds(5, 1, each=[]) == []
+
+
+def test_nothing_to_draw() -> None:
+    assert shuffle.epoch_permutations([], [], []).shape == (0,)
+    assert shuffle.epoch_permutations([3, 4], [0, 5], [2, 0]).shape == (0,)
+
+
+def test_a_kernel_that_draws_otherwise_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under a torch whose randperm draws another stream, the shuffles come from torch itself, with a warning."""
+
+    def reversed_draws(seeds: np.ndarray, counts: np.ndarray, epochs: np.ndarray, out: np.ndarray) -> None:
+        out[:] = np.arange(out.size)[::-1]
+
+    monkeypatch.setattr(shuffle, "torch_randperms", reversed_draws)
+    shuffle.kernel_matches.cache_clear()
+    try:
+        cases = [(3, 10, 2), (2**50 + 1, 61, 1)]
+        with caplog.at_level(logging.WARNING, logger="simulations.shuffle"):
+            drawn = shuffle.epoch_permutations(*_columns(cases))
+        np.testing.assert_array_equal(drawn, _torch_draws(cases))
+        assert not shuffle.kernel_matches()
+        assert "draw their shuffles through torch one client at a time" in caplog.text
+    finally:
+        shuffle.kernel_matches.cache_clear()
+
+
+def test_clients_above_the_32_bit_draws_limit_are_drawn_by_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch shuffles with 64-bit draws from 2**32 / 20 elements on; such a client goes to torch (the limit is
+    lowered here to keep the test small)."""
+    assert shuffle.kernel_matches()  # checked (and cached) first: the kernel itself is not what differs here
+    calls: list[int] = []
+    kernel = shuffle.torch_randperms
+
+    def counted(*args: np.ndarray) -> None:
+        calls.append(1)
+        kernel(*args)
+
+    monkeypatch.setattr(shuffle, "torch_randperms", counted)
+    monkeypatch.setattr(shuffle, "RANDPERM_LIMIT", 100)
+    cases = [(1, 50, 1), (2, 100, 1)]
+    np.testing.assert_array_equal(shuffle.epoch_permutations(*_columns(cases)), _torch_draws(cases))
+    assert not calls
+    cases = [(1, 50, 1), (2, 99, 2)]
+    np.testing.assert_array_equal(shuffle.epoch_permutations(*_columns(cases)), _torch_draws(cases))
+    assert calls == [1]
