@@ -243,3 +243,33 @@ def test_a_killed_runs_mapped_round_state_is_removed_from_the_output_dir(tmp_pat
     simulate(out, "rounds=1", "data.num_clients=4", "sampling.min_fit_clients=2")
     assert not any(path.exists() for path in stale)
     assert (out / ".keep").read_text() == "mine" and (out / ".round-state-backup").is_dir()
+
+
+def test_a_run_keeps_no_round_records_and_leaves_nothing_frozen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each round's row goes to the history as the round ends; the records themselves (an observation per client)
+    are not kept for the run's length, where they piled up a thousand objects a round at 1,000 clients a round and
+    made every round's collection walk them. The first round's lasting objects are frozen out of the collector
+    during the run (after a collection) and unfrozen at its end."""
+    import gc
+
+    import server.round_loop
+    from server.round_loop import RoundRecord
+
+    live: list[int] = []
+    frozen: list[int] = []
+    release = server.round_loop.release_memory
+
+    def counting() -> None:
+        release()
+        live.append(sum(isinstance(o, RoundRecord) for o in gc.get_objects()))
+        frozen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(server.round_loop, "release_memory", counting)
+    before = gc.get_freeze_count()
+    history = simulate(tmp_path, "rounds=4")
+    assert list(history["round"]) == [0, 1, 2, 3, 4]
+    assert live == [0, 0, 0, 0]  # with the records kept: [0, 1, 2, 3]
+    assert frozen[0] > before and max(frozen[1:]) <= frozen[0]  # frozen once, after the first round (some freed since)
+    assert gc.get_freeze_count() == before
