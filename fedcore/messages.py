@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+import numpy as np
+
 from fedcore.errors import PayloadError
 from fedcore.payload import pack_groups
 from fedcore.task import FitConfig
@@ -289,40 +291,69 @@ Reply = FitRes | EvaluateRes | StageRes | Failure
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class FitBatchRes:
-    """The fit results of several clients trained together, their updates already combined into one weighted sum.
+    """The fit results of several clients trained together, as columns, their updates already combined into one
+    weighted sum.
 
     A pool that trains a round's clients as one computation (:class:`simulations.batched.BatchedPool`) sends it in
     place of one :class:`FitRes` per client when the round's aggregation is a plain weighted mean: the stacked
     updates are summed where they were trained (one matrix-vector product per tensor), and the round loop folds the
-    sum once (:meth:`fedcore.aggregation.WeightedMean.add_sum`) instead of every update on its own. It never
-    crosses a process or trust boundary: a client over a network always sends its own :class:`FitRes`.
+    sum once (:meth:`fedcore.aggregation.WeightedMean.add_sum`) instead of every update on its own. The clients'
+    ids, example counts, weights and metrics come as columns, one entry per client, which the round loop reads a
+    column at a time (its metrics, the selector's observations), with no object per client. It never crosses a
+    process or trust boundary: a client over a network always sends its own :class:`FitRes`.
 
     Attributes:
         round: the round.
-        results: each client's result without its update (``parameters`` empty): id, example count, metrics and
-            ``payload_bytes`` (what its update would have cost as a :class:`FitRes`), in the order of ``weights``.
-        weights: each client's aggregation weight, as :meth:`fedcore.strategy.Strategy.weight` gives it for that
-            client's result (finite, >= 0).
+        client_ids: the clients whose updates are in the sum, in the order their weights were summed.
+        num_examples: int64 ``(clients,)``: each client's training examples (>= 0).
+        weights: float64 ``(clients,)``: each client's aggregation weight, as
+            :meth:`fedcore.strategy.Strategy.weight` gives it for that client's result (finite, >= 0).
+        metrics: ``name -> float64 (clients,)``: each client's reported value of each metric, NaN where a client
+            reports none (a batched client's training loss is NaN only when its update is, and such an update is
+            left out of the batch).
         weighted_sum: ``name -> float64 array`` of the model's shapes: ``sum_k weights[k] * update_k``, summed in
-            float64 (unread when ``results`` is empty).
+            float64 (unread when there are no clients).
+        update_bytes: the bytes one client's update would have cost as a :class:`FitRes` (its ``payload_bytes``):
+            each client's update counts as received.
         rejected_bytes: the bytes of the updates of the batch's clients that were left out of the sum (not finite,
             weight refused; each also sent as a :class:`Failure`): counted as received, as the round loop counts an
             update it receives and then rejects.
+
+    Raises:
+        PayloadError: the columns are not one entry per client, or of other dtypes.
     """
 
     round: int
-    results: tuple[FitRes, ...]
-    weights: tuple[float, ...]
+    client_ids: tuple[str, ...]
+    num_examples: np.ndarray
+    weights: np.ndarray
+    metrics: Mapping[str, np.ndarray]
     weighted_sum: NamedArrays
+    update_bytes: int
     rejected_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if len(self.results) != len(self.weights):
-            raise PayloadError(
-                f"a batch of {len(self.results)} results carries {len(self.weights)} weights; give one weight per "
-                "result",
-                round=self.round,
-            )
+        _check_column("num_examples", self.num_examples, np.dtype(np.int64), len(self.client_ids), self.round)
+        _check_column("weights", self.weights, np.dtype(np.float64), len(self.client_ids), self.round)
+        for name, column in self.metrics.items():
+            _check_column(f"metric {name!r}", column, np.dtype(np.float64), len(self.client_ids), self.round)
+
+    @property
+    def received_bytes(self) -> int:
+        """The bytes of the batch's updates as if each had come on its own: the summed ones and the rejected ones."""
+        return self.update_bytes * len(self.client_ids) + self.rejected_bytes
+
+
+def _check_column(what: str, column: object, dtype: np.dtype, count: int, rnd: int) -> None:
+    """Refuse a batch's column that is not a ``dtype`` array of one entry per client."""
+    if isinstance(column, np.ndarray) and column.shape == (count,) and column.dtype == dtype:
+        return
+    got = f"a {column.dtype} array of shape {column.shape}" if isinstance(column, np.ndarray) else type(column).__name__
+    raise PayloadError(
+        f"a batch of {count} clients carries {what} as {got}; give a {dtype} array of shape ({count},), one entry per "
+        "client",
+        round=rnd,
+    )
 
 
 PoolReply = Reply | FitBatchRes

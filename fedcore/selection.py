@@ -200,6 +200,32 @@ def observation(client_id: str, num_examples: int, metrics: Mapping[str, object]
     return ClientObservation(client_id=client_id, num_examples=int(num_examples), loss=loss, seconds=seconds)
 
 
+def batch_observations(
+    client_ids: Sequence[str], num_examples: np.ndarray, metrics: Mapping[str, np.ndarray]
+) -> list[ClientObservation]:
+    """:func:`observation` of each client of a batch given as columns (:class:`~fedcore.messages.FitBatchRes`:
+    int64 ``num_examples`` and float64 metric columns, one entry per client, NaN where a client reports none), read
+    a column at a time: the same observations as of each client's reply on its own."""
+    count = len(client_ids)
+    nothing = np.full(count, np.nan)
+    loss = metrics.get("train_loss", nothing)
+    seconds = nothing.copy()
+    for key in reversed(DURATION_METRICS):  # the first present wins: written last
+        column = metrics.get(key, nothing)
+        usable = np.isfinite(column) & (column >= 0)
+        seconds[usable] = column[usable]
+    loss_values = np.where(np.isfinite(loss), loss, np.nan).tolist()
+    return [
+        ClientObservation(
+            client_id=cid,
+            num_examples=n,
+            loss=None if lo != lo else lo,  # NaN: no finite loss reported
+            seconds=None if se != se else se,
+        )
+        for cid, n, lo, se in zip(client_ids, num_examples.tolist(), loss_values, seconds.tolist(), strict=True)
+    ]
+
+
 def _finite(value: object) -> float | None:
     if type(value) is float:  # the common case first (x - x is 0.0 exactly for a finite x, NaN otherwise)
         return value if value - value == 0.0 else None

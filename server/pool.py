@@ -62,12 +62,12 @@ def sent_bytes(pool: ClientPool, message: ServerMessage) -> int:
 
 def received_bytes(pool: ClientPool, reply: PoolReply) -> int:
     """The bytes of ``reply`` as it came: a fit result's :attr:`~fedcore.messages.FitRes.payload_bytes` (else
-    :func:`~fedcore.messages.packed_nbytes`), a batch's the sum of its results' and of its rejected updates' (what
-    each update would have cost on its own), a stage reply's fields and tensors as ``pool`` measures them
+    :func:`~fedcore.messages.packed_nbytes`), a batch's what each of its updates, summed or rejected, would have cost
+    on its own, a stage reply's fields and tensors as ``pool`` measures them
     (:class:`PayloadMeasure`, else :func:`~fedcore.messages.packed_nbytes`); 0 for an evaluation result (a few
     scalars in its header) or a failure."""
     if isinstance(reply, FitBatchRes):
-        return reply.rejected_bytes + sum(received_bytes(pool, result) for result in reply.results)
+        return reply.received_bytes
     if isinstance(reply, FitRes):
         return reply.payload_bytes if reply.payload_bytes is not None else packed_nbytes(reply)
     if isinstance(reply, StageRes):

@@ -28,7 +28,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast, runtime_checkable
 
-from fedcore.aggregation import Accumulator, SumAccumulator, example_weight, metric_value, weighted_metrics
+import numpy as np
+
+from fedcore.aggregation import (
+    Accumulator,
+    MetricColumns,
+    SumAccumulator,
+    example_weight,
+    metric_value,
+    weighted_metrics,
+)
 from fedcore.convergence import Convergence, Stop, StopRules, stop_columns, update_norm
 from fedcore.errors import BudgetExhausted, ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import (
@@ -43,7 +52,7 @@ from fedcore.messages import (
     bounded_repr,
 )
 from fedcore.mods import decode_reply, server_inverses
-from fedcore.selection import ClientObservation, observation
+from fedcore.selection import ClientObservation, batch_observations, observation
 from fedcore.stages import Phase
 from fedcore.strategy import Strategy
 from fedcore.task import EvalResult
@@ -522,17 +531,15 @@ def _fit_round(
         strategy.aggregator.check(num)
         stage = "fit" if attempt == 1 else f"fit-attempt-{attempt}"
         selected = strategy.selection.select(available, num, seed=config.seed, round=rnd, stage=stage)
-        instructions: dict[str, Instruction] = {
-            cid: FitIns(
-                round=rnd,
-                parameters=state.parameters,
-                config=strategy.fit,
-                seed=config.seed,
-                groups=state.groups,
-                mods=strategy.mods,
-            )
-            for cid in selected
-        }
+        fit = FitIns(  # one instruction for all: it names no client (frozen; a stage that changes one replaces it)
+            round=rnd,
+            parameters=state.parameters,
+            config=strategy.fit,
+            seed=config.seed,
+            groups=state.groups,
+            mods=strategy.mods,
+        )
+        instructions: dict[str, Instruction] = dict.fromkeys(selected, fit)
         _trace(rnd, "round start")
         accumulator = strategy.aggregator.start(spec_of(state.parameters), round=rnd, reference=state.parameters)
         group_specs = {name: spec_of(state.groups[name]) for name in strategy.groups}
@@ -542,7 +549,7 @@ def _fit_round(
         inverses = server_inverses(strategy.mods)  # e.g. decompression: undone below, before the aggregator
         accepted: list[str] = []
         failures: list[Failure] = []
-        metric_rows: list[tuple[int, Mapping[str, object]]] = []
+        metric_rows: list[tuple[int, Mapping[str, object]] | MetricColumns] = []
         observations: list[ClientObservation] = []
         protocol_run, instructions = _stages_before_fit(pool, strategy, config, rnd, attempt, instructions, failures)
         if instructions:  # every fit instruction of a round carries the same payload (model and groups)
@@ -550,12 +557,10 @@ def _fit_round(
         for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
             if isinstance(reply, FitBatchRes):  # several clients' updates, already summed where they were trained
                 bytes_up += received_bytes(pool, reply)
-                members = _fold_batch(reply, accumulator, strategy, instructions, rnd, failures)
-                accepted.extend(result.client_id for result in members)
-                metric_rows.extend((result.num_examples, result.metrics) for result in members)
-                observations.extend(
-                    observation(result.client_id, result.num_examples, _mapping(result.metrics)) for result in members
-                )
+                if _fold_batch(reply, accumulator, strategy, instructions, rnd, failures):  # read as columns
+                    accepted.extend(reply.client_ids)
+                    metric_rows.append(MetricColumns(reply.num_examples, reply.metrics))
+                    observations.extend(batch_observations(reply.client_ids, reply.num_examples, reply.metrics))
                 del reply
                 continue
             if isinstance(reply, Failure):
@@ -682,10 +687,10 @@ def _fold_batch(
     instructions: Mapping[str, Instruction],
     rnd: int,
     failures: list[Failure],
-) -> list[FitRes]:
-    """Fold a pre-summed batch of updates (:class:`~fedcore.messages.FitBatchRes`) into ``accumulator``; return its
-    results, or none with a failure for each of its clients when the batch is rejected (its sum or a weight cannot be
-    used: nothing of it is kept).
+) -> bool:
+    """Fold a pre-summed batch of updates (:class:`~fedcore.messages.FitBatchRes`) into ``accumulator``; return
+    whether its clients count as accepted: False for a batch without clients, and for one rejected (its sum or a
+    weight cannot be used: nothing of it is kept), with a failure for each of its clients.
 
     Raises:
         ConfigError: the round's aggregation cannot take a sum (not a :class:`~fedcore.aggregation.SumAccumulator`,
@@ -693,31 +698,32 @@ def _fold_batch(
     """
     if not isinstance(accumulator, SumAccumulator) or strategy.groups:
         raise ConfigError(
-            f"round {rnd}: the client pool sent {len(batch.results)} updates already summed, but strategy "
+            f"round {rnd}: the client pool sent {len(batch.client_ids)} updates already summed, but strategy "
             f"{strategy.name!r} aggregates with {type(accumulator).__name__}"
             + (f" and tensor groups ({', '.join(sorted(strategy.groups))})" if strategy.groups else "")
             + ", which needs each update on its own; run the pool without pre-summing (the batched simulation "
             "pre-sums only for a plain weighted mean)",
             round=rnd,
         )
-    ids = [result.client_id for result in batch.results]
+    ids = batch.client_ids
     if not ids:  # every client of the batch was left out: their failures came on their own
-        return []
+        return False
     try:
-        if batch.round != rnd or any(result.round != rnd for result in batch.results):
+        if batch.round != rnd:
             raise UpdateRejected(f"the batch belongs to round {batch.round}, not this round {rnd}")
         if unknown := [cid for cid in ids if cid not in instructions]:
             raise UpdateRejected(f"the batch holds clients that were not instructed: {bounded_repr(unknown)}")
         if len(set(ids)) != len(ids):
             raise UpdateRejected("the batch holds a client twice")
-        for result in batch.results:
-            _check_count(result.num_examples, client_id=result.client_id)
-        accumulator.add_sum(batch.weighted_sum, batch.weights, client_ids=ids, round=rnd)
+        if (negative := np.flatnonzero(batch.num_examples < 0)).size:
+            first = int(negative[0])
+            _check_count(int(batch.num_examples[first]), client_id=ids[first])  # raises: says which and what
+        accumulator.add_sum(batch.weighted_sum, batch.weights.tolist(), client_ids=ids, round=rnd)
     except FedcoreError as exc:
         log.warning("round %d: rejected a batch of %d updates: %s", rnd, len(ids), exc)
         failures.extend(Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(exc)) for cid in ids)
-        return []
-    return list(batch.results)
+        return False
+    return True
 
 
 def failure_summary(failures: Sequence[Failure], *, reasons: int = 5, ids: int = 3) -> str:
@@ -757,11 +763,19 @@ def _mapping(metrics: object) -> Mapping[str, object]:
     return metrics if isinstance(metrics, Mapping) else {}
 
 
-def _simulated_duration(rows: list[tuple[int, Mapping[str, object]]]) -> float | None:
+def _simulated_duration(rows: Sequence[tuple[int, Mapping[str, object]] | MetricColumns]) -> float | None:
     """A synchronous round's simulated duration: the slowest accepted client's ``simulated_seconds`` (a simulation's
     device model reports it with each update); None when no client reported one (a real deployment)."""
-    times = [metric_value(_mapping(metrics).get("simulated_seconds")) for _, metrics in rows]
-    known = [t for t in times if t is not None and 0 <= t < math.inf]
+    known: list[float] = []
+    for row in rows:
+        if isinstance(row, MetricColumns):
+            column = row.metrics.get("simulated_seconds")
+            if column is not None and (usable := column[(column >= 0) & (column < math.inf)]).size:
+                known.append(float(usable.max()))
+            continue
+        seconds = metric_value(_mapping(row[1]).get("simulated_seconds"))
+        if seconds is not None and 0 <= seconds < math.inf:
+            known.append(seconds)
     return max(known) if known else None
 
 

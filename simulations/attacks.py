@@ -160,7 +160,7 @@ class AttackedPool(PoolWrapper):
         rewrites = self._config.kind in REWRITE_ATTACKS
         for reply in self._pool.run(instructions, timeout_s=timeout_s):
             if isinstance(reply, FitBatchRes):
-                if rewrites and (hidden := [r.client_id for r in reply.results if r.client_id in self._attackers]):
+                if rewrites and (hidden := [cid for cid in reply.client_ids if cid in self._attackers]):
                     raise ConfigError(
                         f"round {reply.round}: the update of attacker {hidden[0]!r} came summed into a batch, where "
                         f"the {self._config.kind} attack cannot rewrite it; run the batched clients without pre-summing"

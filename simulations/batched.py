@@ -50,6 +50,7 @@ and round protocol stages run in-process, one client after another.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -64,6 +65,7 @@ from torch.func import functional_call, grad, vmap
 
 from fedcore.aggregation import MeanAggregator
 from fedcore.aggregation.blocks import check_weight
+from fedcore.aggregation.weights import update_weight
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, NonFiniteError
 from fedcore.kernels import FUSED_DTYPES, all_finite, fold_block
 from fedcore.messages import (
@@ -925,9 +927,21 @@ class TrainedClients:
     deferred: bool = False
 
     def metrics(self) -> list[dict[str, float]]:
-        """Each client's metrics, in the order of :attr:`clients`: ``train_loss`` summed in float64 step by step as
-        the one-by-one loop sums it (``loss * batch`` over the last epoch begun, over the samples seen in it);
-        none for a client without data."""
+        """Each client's metrics, in the order of :attr:`clients`: ``train_loss`` (:meth:`train_loss`); none for a
+        client without data."""
+        counts = self.num_examples().tolist()
+        return [{"train_loss": loss} if n else {} for loss, n in zip(self.train_loss().tolist(), counts, strict=True)]
+
+    def num_examples(self) -> np.ndarray:
+        """int64 ``(clients,)``: each client's sample count, in the order of :attr:`clients`."""
+        counts = np.zeros(len(self.clients), dtype=np.int64)
+        counts[np.asarray(self.order, dtype=np.int64)] = np.asarray(self.sizes, dtype=np.int64)
+        return counts
+
+    def train_loss(self) -> np.ndarray:
+        """float64 ``(clients,)``, in the order of :attr:`clients`: each client's ``train_loss`` summed in float64
+        step by step as the one-by-one loop sums it (``loss * batch`` over the last epoch begun, over the samples
+        seen in it); NaN for a client without data."""
         values = self.losses.double().numpy()
         count, width = values.shape
         _, per_epoch, steps = _plan_arrays(self.sizes, self.plans)
@@ -942,12 +956,10 @@ class TrainedClients:
             for column in range(width):
                 loss_sum += terms[:, column]
         seen = np.maximum(size.sum(axis=1), 1)
-        train_loss = (loss_sum / seen).tolist()
-        metrics: list[dict[str, float]] = [{} for _ in self.clients]
-        for row, position in enumerate(self.order):
-            if self.sizes[row]:
-                metrics[position]["train_loss"] = train_loss[row]
-        return metrics
+        train_loss = np.where(np.asarray(self.sizes, dtype=np.int64) > 0, loss_sum / seen, np.nan)
+        by_position = np.empty(count, dtype=np.float64)
+        by_position[np.asarray(self.order, dtype=np.int64)] = train_loss
+        return by_position
 
     def updates(self) -> list[ClientUpdate]:
         """Each client's result, in the order of :attr:`clients`, its parameters on the CPU (views into one CPU
@@ -1077,7 +1089,7 @@ class BatchedPool(PoolWrapper):
         *,
         batch_clients: int = 0,
         device: torch.device | str | None = None,
-        weigh: Callable[[FitRes], float] | None = None,
+        weigh: BatchWeights | None = None,
         defer_first_layer: bool = False,
     ) -> None:
         if batch_clients < 0:
@@ -1234,11 +1246,12 @@ class BatchedPool(PoolWrapper):
         members: Sequence[tuple[str, FitIns, SupervisedTask]],
         trained: TrainedClients,
         started: float,
-        weigh: Callable[[FitRes], float],
+        weigh: BatchWeights,
     ) -> tuple[dict[str, Reply], FitBatchRes]:
-        """The batch's sum (:meth:`TrainedClients.weighted_sum`) with each client's result, and a failure for each
-        client left out of it: a weight that ``weigh`` refuses, an update that is not finite (the batch then counts
-        their updates' bytes, as the round loop counts a reply it rejects; it has no result when all are left out).
+        """The batch's sum (:meth:`TrainedClients.weighted_sum`) with its clients' results as columns, and a failure
+        for each client left out of it: a weight that ``weigh`` refuses, an update that is not finite (the batch then
+        counts their updates' bytes, as the round loop counts a reply it rejects; it has no clients when all are left
+        out).
 
         The clients' updates are checked for NaN and Inf through their sum, one model's worth of values: only a sum
         that is not finite has each update of it checked (and the sum formed again without those that fail), as are
@@ -1246,55 +1259,58 @@ class BatchedPool(PoolWrapper):
         """
         rnd = members[0][1].round
         update_bytes = num_bytes(members[0][1].parameters)  # an update is the model's size (packed_nbytes of a FitRes)
-        seconds = (time.perf_counter() - started) / len(members)
-        failed: dict[str, Reply] = {}
-        results: dict[int, FitRes] = {}  # by position in the batch
-        weights: list[float] = [0.0] * len(members)  # 0 for those left out
-        for position, ((cid, _, _), shard, client_metrics) in enumerate(
-            zip(members, trained.clients, trained.metrics(), strict=True)
-        ):
-            result = FitRes(
-                client_id=cid,
-                round=rnd,
-                parameters={},
-                num_examples=_length(shard.x),
-                metrics={**client_metrics, "fit_seconds": seconds},
-                payload_bytes=update_bytes,
-            )
-            try:
-                weights[position] = check_weight(weigh(result), client_id=cid, round=rnd)
-            except FedcoreError as exc:
-                failed[cid] = Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(exc))
-                continue
-            results[position] = result
+        count = len(members)
+        ids = [cid for cid, *_ in members]
+        num_examples = trained.num_examples()
+        seconds = (time.perf_counter() - started) / count
+        metrics = {"train_loss": trained.train_loss(), "fit_seconds": np.full(count, seconds)}
+        weights, refused = weigh(num_examples, metrics)
+        failed: dict[str, Reply] = {
+            ids[position]: Failure(client_id=ids[position], round=rnd, stage=Stage.FIT, reason=reason)
+            for position, reason in refused.items()
+        }
+        kept = np.ones(count, dtype=bool)
+        kept[list(refused)] = False
+        weights = np.where(kept, weights, 0.0)  # 0 for those left out: their updates are never read
 
         def reject(positions: Sequence[int]) -> None:
             for position, ok in zip(positions, trained.finite(positions), strict=True):
                 if not ok:
-                    cid = members[position][0]
+                    cid = ids[position]
                     error = NonFiniteError("the trained model holds NaN or Inf", round=rnd, client_id=cid, stage="fit")
                     failed[cid] = Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(error))
-                    del results[position]
+                    kept[position] = False
                     weights[position] = 0.0
 
-        reject([position for position in results if weights[position] == 0.0])
-        weighted_sum = trained.weighted_sum(weights)
+        reject(np.flatnonzero(kept & (weights == 0.0)).tolist())
+        weighted_sum = trained.weighted_sum(weights.tolist())
         if not all(bool(np.isfinite(total).all()) for total in weighted_sum.values()):
-            reject(list(results))
-            weighted_sum = trained.weighted_sum(weights)
+            reject(np.flatnonzero(kept).tolist())
+            weighted_sum = trained.weighted_sum(weights.tolist())
+        index = np.flatnonzero(kept)
         batch = FitBatchRes(
             round=rnd,
-            results=tuple(results.values()),
-            weights=tuple(weights[position] for position in results),
+            client_ids=tuple(ids[position] for position in index.tolist()),
+            num_examples=num_examples[index],
+            weights=weights[index],
+            metrics={name: column[index] for name, column in metrics.items()},
             weighted_sum=weighted_sum,
+            update_bytes=update_bytes,
             rejected_bytes=update_bytes * len(failed),  # uploaded, then refused: counted as one by one
         )
         return failed, batch
 
 
-def presum_weight(strategy: Strategy) -> Callable[[FitRes], float] | None:
-    """The weight function a :class:`BatchedPool` pre-sums each batch's updates with under ``strategy``, or None
-    when the round's aggregation needs each update on its own.
+BatchWeights = Callable[[np.ndarray, Mapping[str, np.ndarray]], tuple[np.ndarray, dict[int, str]]]
+"""How a :class:`BatchedPool` weighs a batch's clients before it sums their updates: ``(num_examples, metrics) ->
+(weights, refused)``, from the clients' int64 example counts and float64 metric columns (NaN: not reported), to
+float64 weights (finite, >= 0) and, by position, the reason each client whose weight is refused fails with."""
+
+
+def presum_weight(strategy: Strategy) -> BatchWeights | None:
+    """How a :class:`BatchedPool` weighs each batch's clients to pre-sum their updates under ``strategy``
+    (:data:`BatchWeights`: each client's :meth:`~fedcore.strategy.Strategy.weight`, for the example-count and uniform
+    weightings a column at a time), or None when the round's aggregation needs each update on its own.
 
     Pre-summing is exact only for a rule linear in the updates whose weight a client's result gives without its
     update: the plain weighted mean (:class:`~fedcore.aggregation.MeanAggregator`, not a robust rule, DP-FedAvg's
@@ -1310,7 +1326,30 @@ def presum_weight(strategy: Strategy) -> Callable[[FitRes], float] | None:
         return None
     if strategy.weighting == "metric" and strategy.quality.metric not in BATCHED_METRICS:
         return None  # e.g. simulated_seconds: a pool wrapped around this one adds it after the weights were taken
-    return strategy.weight
+    return functools.partial(_strategy_weights, strategy)
+
+
+def _strategy_weights(
+    strategy: Strategy, num_examples: np.ndarray, metrics: Mapping[str, np.ndarray]
+) -> tuple[np.ndarray, dict[int, str]]:
+    """:data:`BatchWeights` by ``strategy``'s weighting: the example counts as floats (``float(n)`` each, exact
+    below 2**53) or ones, else each client's :func:`~fedcore.aggregation.weights.update_weight` of its reported
+    metrics, as :meth:`~fedcore.strategy.Strategy.weight` gives it for the client's own result."""
+    if strategy.weighting == "examples":
+        return num_examples.astype(np.float64), {}
+    if strategy.weighting == "uniform":
+        return np.ones(num_examples.shape[0], dtype=np.float64), {}
+    weights = np.zeros(num_examples.shape[0], dtype=np.float64)
+    refused: dict[int, str] = {}
+    columns = {name: column.tolist() for name, column in metrics.items()}
+    for position, n in enumerate(num_examples.tolist()):
+        reported = {name: values[position] for name, values in columns.items() if values[position] == values[position]}
+        try:
+            weight = update_weight(strategy.weighting, strategy.quality, n, reported)
+            weights[position] = check_weight(weight, round=None)
+        except FedcoreError as exc:
+            refused[position] = str(exc)
+    return weights, refused
 
 
 def gpu_batch(count: int, model_bytes: int, free_bytes: int) -> int:

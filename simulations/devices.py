@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from fedcore.errors import ConfigError
 from fedcore.messages import FitBatchRes, FitIns, FitRes, PoolReply, ServerMessage
 from fedcore.seeding import numpy_rng
@@ -229,12 +231,28 @@ class SimulatedDevices(PoolWrapper):
         """The wrapped pool's replies, each fit result (those of a batch too) with its ``simulated_seconds``."""
         for reply in self._pool.run(instructions, timeout_s=timeout_s):
             if isinstance(reply, FitBatchRes):
-                timed = tuple(self._timed(result, instructions) for result in reply.results)
-                reply = dataclasses.replace(reply, results=timed)
+                reply = self._timed_batch(reply, instructions)
             elif isinstance(reply, FitRes):
                 reply = self._timed(reply, instructions)
             yield reply
             del reply  # not kept while the next client trains (a model-sized update)
+
+    def _timed_batch(self, batch: FitBatchRes, instructions: Mapping[str, ServerMessage]) -> FitBatchRes:
+        """:meth:`_timed` for each client of a batch, a column at a time (the same products, in the same order); NaN
+        for a client that was not sent a fit instruction (not reported)."""
+        count = len(batch.client_ids)
+        factor = np.full(count, np.nan)
+        epochs = np.zeros(count)
+        batch_size = np.ones(count)
+        for position, cid in enumerate(batch.client_ids):
+            instruction = instructions.get(cid)
+            if isinstance(instruction, FitIns):
+                factor[position] = self._config.slowdown if cid in self._slow else 1.0
+                epochs[position] = instruction.config.local_epochs
+                batch_size[position] = instruction.config.batch_size
+        steps = np.ceil(batch.num_examples / batch_size)  # math.ceil(n / b): the same float quotient
+        seconds = factor * self._config.step_seconds * epochs * steps
+        return dataclasses.replace(batch, metrics={**batch.metrics, "simulated_seconds": seconds})
 
     def _timed(self, reply: FitRes, instructions: Mapping[str, ServerMessage]) -> FitRes:
         instruction = instructions.get(reply.client_id)

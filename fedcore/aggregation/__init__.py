@@ -13,7 +13,14 @@ Pure math apart from I/O (STYLE.md §1); strategies and the server call it. One 
 - :mod:`~fedcore.aggregation.metrics`: example-weighted averages of reported metrics.
 """
 
-from fedcore.aggregation.metrics import MetricAverages, example_weight, metric_value, weighted_average, weighted_metrics
+from fedcore.aggregation.metrics import (
+    MetricAverages,
+    MetricColumns,
+    example_weight,
+    metric_value,
+    weighted_average,
+    weighted_metrics,
+)
 from fedcore.aggregation.protocol import Accumulator, Aggregator, BlockArray, SumAccumulator
 from fedcore.aggregation.robust import (
     KrumAggregator,
@@ -32,6 +39,7 @@ __all__ = [
     "MeanAggregator",
     "MedianAggregator",
     "MetricAverages",
+    "MetricColumns",
     "NormBoundAggregator",
     "SpilledUpdates",
     "SumAccumulator",

@@ -103,17 +103,34 @@ def example_weight(num_examples: object) -> float | None:
     return weight if math.isfinite(weight) else None
 
 
-def weighted_metrics(results: Iterable[tuple[int, Mapping[str, object]]]) -> MetricAverages:
+@dataclass(frozen=True)
+class MetricColumns:
+    """Several clients' reports as columns (a batch of clients trained together,
+    :class:`~fedcore.messages.FitBatchRes`), for :func:`weighted_metrics` to read a column at a time.
+
+    Attributes:
+        num_examples: int64 ``(clients,)``: each client's example count.
+        metrics: ``name -> float64 (clients,)``: each client's value, NaN where the client reports none.
+    """
+
+    num_examples: np.ndarray
+    metrics: Mapping[str, np.ndarray]
+
+
+def weighted_metrics(results: Iterable[tuple[int, Mapping[str, object]] | MetricColumns]) -> MetricAverages:
     """Average each metric over the clients that report it, weighted by their example counts.
 
     A metric value never makes this fail: a value that is not a finite real number (NaN, Inf, a string, None;
     see :func:`metric_value`), or any value of a report whose example count is not a positive integer (0 for
     a client with an empty test split, whose loss is NaN), is left out of that metric's average and counted in
     ``left_out``; so is a value under a name that is not a string. The other reports' average is unaffected.
+    Each average is the exactly rounded sum of the products ``value * weight`` (:func:`weighted_average`), so a
+    batch's clients given as :class:`MetricColumns` average to the very bits of the same reports one by one.
 
     Args:
         results: ``(num_examples, {metric: value})`` per client, e.g. ``[(10, {"acc": 0.5}), (30, {"acc": 0.9})]``
-            gives ``MetricAverages(values={"acc": 0.8}, left_out=0)``.
+            gives ``MetricAverages(values={"acc": 0.8}, left_out=0)``, or several clients' as
+            :class:`MetricColumns` (a NaN there is a value not reported, not one left out).
 
     Returns:
         The averages and the count of left-out values (:class:`MetricAverages`).
@@ -121,7 +138,11 @@ def weighted_metrics(results: Iterable[tuple[int, Mapping[str, object]]]) -> Met
     values: dict[str, list[float]] = {}
     weights: dict[str, list[float]] = {}
     left_out = 0
-    for num_examples, metrics in results:
+    for report in results:
+        if isinstance(report, MetricColumns):
+            left_out += _add_columns(report, values, weights)
+            continue
+        num_examples, metrics = report
         if not isinstance(metrics, Mapping):  # not a metrics dict at all: one report that cannot count
             left_out += 1
             continue
@@ -140,3 +161,20 @@ def weighted_metrics(results: Iterable[tuple[int, Mapping[str, object]]]) -> Met
         except AggregationError:  # a mean beyond the float range: leave the metric out
             left_out += len(kept)
     return MetricAverages(values=averages, left_out=left_out)
+
+
+def _add_columns(columns: MetricColumns, values: dict[str, list[float]], weights: dict[str, list[float]]) -> int:
+    """Add a batch's reported values (and their example weights) to ``values`` and ``weights`` as
+    :func:`weighted_metrics` adds one report's, a column at a time; return how many were left out."""
+    counts = np.asarray(columns.num_examples)
+    weight = counts.astype(np.float64)  # as float(int) rounds each count (exact below 2**53)
+    usable = (counts > 0) & np.isfinite(weight)
+    left_out = 0
+    for name, column in columns.metrics.items():
+        reported = ~np.isnan(column)
+        kept = reported & usable & np.isfinite(column) if isinstance(name, str) else np.zeros_like(reported)
+        left_out += int(np.count_nonzero(reported & ~kept))
+        if kept.any():
+            values.setdefault(name, []).extend(column[kept].tolist())
+            weights.setdefault(name, []).extend(weight[kept].tolist())
+    return left_out

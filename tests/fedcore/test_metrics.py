@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedcore.aggregation import MetricAverages, example_weight, metric_value, weighted_average, weighted_metrics
+from fedcore.aggregation import (
+    MetricAverages,
+    MetricColumns,
+    example_weight,
+    metric_value,
+    weighted_average,
+    weighted_metrics,
+)
 
 
 def test_non_finite_values_are_left_out_and_the_rest_averaged_by_examples() -> None:
@@ -82,3 +89,26 @@ def test_example_weight() -> None:
     assert example_weight(3) == 3.0 and example_weight(np.int32(2)) == 2.0
     for bad in (0, -1, True, 1.0, "3", None, 10**400):
         assert example_weight(bad) is None
+
+
+def test_a_batch_as_columns_averages_to_the_bits_of_its_reports_one_by_one() -> None:
+    """A batch's reports as columns (NaN: not reported) give the very averages and left-out count of the same reports
+    one by one, mixed with other clients' in any order: each average is an exactly rounded sum."""
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 50, size=40)
+    counts[:3] = 0  # a count of 0: every value of that report is left out
+    loss = rng.random(40) * 3
+    loss[5], loss[6], loss[7] = np.nan, np.inf, -np.inf  # not reported; two values left out
+    seconds = rng.random(40)
+    columns = MetricColumns(counts.astype(np.int64), {"train_loss": loss, "fit_seconds": seconds})
+    rows = [
+        (n, {name: float(column[k]) for name, column in columns.metrics.items() if not np.isnan(column[k])})
+        for k, n in enumerate(counts.tolist())
+    ]
+    others = [(7, {"train_loss": 0.25, "accuracy": 0.5}), (0, {"fit_seconds": 1.0}), (3, {"train_loss": math.nan})]
+    want = weighted_metrics([*others, *rows])
+    got = weighted_metrics([*others, columns])
+    assert got.values == want.values  # exact: every bit
+    assert got.left_out == want.left_out == 1 + 1 + 2 + 3 * 2  # others' NaN and count 0; inf, -inf; 3 reports of 0
+    assert list(got.values) == ["train_loss", "accuracy", "fit_seconds"]
+    assert weighted_metrics([MetricColumns(np.zeros(0, dtype=np.int64), {"x": np.zeros(0)})]) == MetricAverages({}, 0)

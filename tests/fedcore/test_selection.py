@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from fedcore.errors import ConfigError
@@ -12,6 +13,7 @@ from fedcore.selection import (
     ClientStats,
     SelectionConfig,
     Selector,
+    batch_observations,
     check_attributes,
     exploration_share,
     largest_remainder,
@@ -234,3 +236,31 @@ def test_config_and_attribute_checks() -> None:
         SamplingConfig(),
     )
     assert strategy.selection.policy == "oort" and strategy.selection.config.cutoff == 0.5
+
+
+def test_a_batchs_observations_equal_each_clients_own() -> None:
+    """Columns of a batch (NaN: not reported) give the observations of each client's metrics on its own: the
+    simulated time first when usable, else the measured one; losses and durations that are not finite dropped."""
+    nan, inf = math.nan, math.inf
+    ids = ["a", "b", "c", "d", "e", "f"]
+    counts = np.array([5, 0, 7, 1, 2, 3], dtype=np.int64)
+    metrics = {
+        "train_loss": np.array([0.5, nan, inf, -0.0, 2.0, nan]),
+        "simulated_seconds": np.array([3.0, nan, -1.0, inf, 0.0, nan]),
+        "fit_seconds": np.array([0.1, 0.2, 0.3, 0.4, nan, -0.5]),
+    }
+    got = batch_observations(ids, counts, metrics)
+    want = [
+        observation(cid, int(n), {k: float(v[i]) for k, v in metrics.items() if not math.isnan(v[i])})
+        for i, (cid, n) in enumerate(zip(ids, counts.tolist(), strict=True))
+    ]
+    assert got == want
+    assert [(o.loss, o.seconds) for o in got] == [
+        (0.5, 3.0),
+        (None, 0.2),
+        (None, 0.3),
+        (-0.0, 0.4),
+        (2.0, 0.0),
+        (None, None),
+    ]
+    assert batch_observations(["x"], np.array([4]), {}) == [ClientObservation(client_id="x", num_examples=4)]

@@ -85,7 +85,7 @@ def fold(replies: list[PoolReply], weights: dict[str, float], spec: NamedArrays)
     acc = WeightedMean(spec_of(spec))
     for reply in replies:
         if isinstance(reply, FitBatchRes):
-            acc.add_sum(reply.weighted_sum, reply.weights, client_ids=[r.client_id for r in reply.results])
+            acc.add_sum(reply.weighted_sum, reply.weights.tolist(), client_ids=reply.client_ids)
         elif isinstance(reply, FitRes):
             acc.add(reply.parameters, weights[reply.client_id], client_id=reply.client_id)
     return acc
@@ -95,24 +95,27 @@ def fold(replies: list[PoolReply], weights: dict[str, float], spec: NamedArrays)
 def test_a_presummed_batch_gives_the_mean_of_one_reply_per_client(batch_clients: int) -> None:
     parameters = start()
     instructions = {cid: FitIns(round=2, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
-    weigh = fedavg().weight
+    weigh = presum_weight(fedavg())
     single = list(BatchedPool(pool(), batch_clients=batch_clients).run(instructions))
     summed = list(BatchedPool(pool(), batch_clients=batch_clients, weigh=weigh).run(instructions))
     assert all(isinstance(r, FitRes) for r in single)
     batches = [r for r in summed if isinstance(r, FitBatchRes)]
     assert len(batches) == (1 if batch_clients == 0 else 3) and len(summed) == len(batches)  # nothing else
-    results = {r.client_id: r for batch in batches for r in batch.results}
-    assert sorted(results) == sorted(SIZES)
+    # each client's column entries, by client id
+    rows = {cid: (batch, position) for batch in batches for position, cid in enumerate(batch.client_ids)}
+    assert sorted(rows) == sorted(SIZES)
     for reply in single:
         assert isinstance(reply, FitRes)
-        got = results[reply.client_id]
-        assert got.parameters == {} and got.num_examples == reply.num_examples == SIZES[reply.client_id]
-        assert got.payload_bytes == reply.payload_bytes  # the bytes_up column counts the same
-        assert got.metrics.keys() == reply.metrics.keys()
+        batch, position = rows[reply.client_id]
+        assert batch.num_examples[position] == reply.num_examples == SIZES[reply.client_id]
+        assert batch.update_bytes == reply.payload_bytes  # the bytes_up column counts the same
+        assert batch.received_bytes == reply.payload_bytes * len(batch.client_ids)
+        reported = {name for name, column in batch.metrics.items() if not np.isnan(column[position])}
+        assert reported == set(reply.metrics)
         if "train_loss" in reply.metrics:
-            assert got.metrics["train_loss"] == reply.metrics["train_loss"]
+            assert batch.metrics["train_loss"][position] == reply.metrics["train_loss"]
     for batch in batches:
-        assert batch.weights == tuple(float(r.num_examples) for r in batch.results)  # FedAvg: by example count
+        assert batch.weights.tolist() == [float(n) for n in batch.num_examples.tolist()]  # FedAvg: by example count
     weights = {cid: float(n) for cid, n in SIZES.items()}
     want, got_mean = fold(single, weights, parameters).result(), fold(summed, weights, parameters).result()
     for name, value in want.items():
@@ -126,11 +129,11 @@ def test_a_presummed_batch_gives_the_mean_of_one_reply_per_client(batch_clients:
 def test_a_diverged_client_fails_alone_and_the_others_are_summed() -> None:
     parameters = start()
     instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
-    summed = list(BatchedPool(pool(diverging="c"), weigh=fedavg().weight).run(instructions))
+    summed = list(BatchedPool(pool(diverging="c"), weigh=presum_weight(fedavg())).run(instructions))
     batch = next(r for r in summed if isinstance(r, FitBatchRes))
     failures = [r for r in summed if isinstance(r, Failure)]
     assert [f.client_id for f in failures] == ["c"] and "NaN or Inf" in failures[0].reason
-    assert "c" not in [r.client_id for r in batch.results]
+    assert "c" not in batch.client_ids and batch.rejected_bytes == batch.update_bytes
     # the others' mean, as the round loop forms it when it rejects c's update from a reply of its own
     single = list(BatchedPool(pool(diverging="c"), batch_clients=0).run(instructions))
     honest = [r for r in single if isinstance(r, FitRes) and r.client_id != "c"]
@@ -152,17 +155,29 @@ def run(weigh: bool, strategy: Strategy, rounds: int = 3) -> tuple[NamedArrays, 
 
 @pytest.mark.parametrize(
     "strategy",
-    [fedavg(), fedavg(weighting="uniform"), fedavg(name="fedavgm", server_momentum=0.9)],
-    ids=["examples", "uniform", "fedavgm"],
+    [
+        fedavg(),
+        fedavg(weighting="uniform"),
+        fedavg(name="fedavgm", server_momentum=0.9),
+        fedavg(weighting="metric", weight_metric="train_loss", weight_temperature=0.5),
+        fedavg(weighting="metric", weight_metric="train_loss", weight_fallback=3.0, weight_times_examples=True),
+    ],
+    ids=["examples", "uniform", "fedavgm", "loss-softmax", "loss-fallback"],
 )
 def test_the_round_loop_gives_the_same_history_with_presummed_batches(strategy: Strategy) -> None:
+    """Weighted by a metric, client d (no data, so no train_loss) is refused without a fallback and fails alone."""
     single_model, single = run(False, strategy)
     summed_model, summed = run(True, strategy)
+    refused = ("d",) if strategy.weighting == "metric" and strategy.quality.fallback is None else ()
     for a, b in zip(single[1:], summed[1:], strict=True):
-        assert a.accepted == b.accepted and a.failures == b.failures == ()
+        assert a.accepted == b.accepted and a.failures == b.failures
+        assert tuple(f.client_id for f in a.failures) == refused
         assert a.train_metrics["train_loss"] == b.train_metrics["train_loss"]  # fit_seconds: wall time
         assert a.bytes_up == b.bytes_up and a.bytes_down == b.bytes_down
-        assert [o.num_examples for o in a.observations] == [o.num_examples for o in b.observations]
+        assert [(o.client_id, o.num_examples, o.loss) for o in a.observations] == [
+            (o.client_id, o.num_examples, o.loss) for o in b.observations
+        ]
+        assert a.train_metrics.keys() == b.train_metrics.keys() and a.metrics_left_out == b.metrics_left_out
         assert a.update_norm == b.update_norm
     for name, value in single_model.items():  # each round is one batch on the CPU: the very bits
         np.testing.assert_array_equal(summed_model[name], value)
@@ -183,7 +198,7 @@ def test_no_presumming_where_the_aggregation_needs_each_update() -> None:
 
 def test_the_round_loop_refuses_a_batch_for_an_aggregator_that_needs_each_update() -> None:
     strategy = dataclasses.replace(fedavg(), aggregator=fedavg(aggregator="median").aggregator)
-    batched = BatchedPool(pool(), weigh=fedavg().weight)  # told to pre-sum regardless
+    batched = BatchedPool(pool(), weigh=presum_weight(fedavg()))  # told to pre-sum regardless
     with pytest.raises(ConfigError, match="already summed"):
         run_rounds(batched, strategy, start(), RoundConfig(num_rounds=1, seed=SEED))
 
@@ -191,7 +206,7 @@ def test_the_round_loop_refuses_a_batch_for_an_aggregator_that_needs_each_update
 def test_a_rewriting_attacker_is_never_summed_unseen() -> None:
     parameters = start()
     instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
-    summed = BatchedPool(pool(), weigh=fedavg().weight)
+    summed = BatchedPool(pool(), weigh=presum_weight(fedavg()))
     attacked = AttackedPool(summed, frozenset({"b"}), AttackConfig(kind="sign_flip", fraction=0.2), seed=SEED)
     with pytest.raises(ConfigError, match="cannot rewrite"):
         list(attacked.run(instructions, timeout_s=None))
@@ -203,13 +218,18 @@ def test_simulated_devices_time_each_result_of_a_batch() -> None:
     parameters = start()
     instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
     config = DevicesConfig(slow_fraction=0.5, slowdown=4.0, step_seconds=0.5)
-    timed = SimulatedDevices(BatchedPool(pool(), weigh=fedavg().weight), frozenset({"a"}), config)
+    timed = SimulatedDevices(BatchedPool(pool(), weigh=presum_weight(fedavg())), frozenset({"a"}), config)
     batch = next(iter(timed.run(instructions, timeout_s=None)))
     assert isinstance(batch, FitBatchRes)
-    seconds = {r.client_id: r.metrics["simulated_seconds"] for r in batch.results}
+    seconds = dict(zip(batch.client_ids, batch.metrics["simulated_seconds"].tolist(), strict=True))
     # E=2 epochs of ceil(n / 4) steps of 0.5 s, the slow client 4x: a has 13 samples, e 13, g 1
     assert seconds["a"] == pytest.approx(4.0 * 2 * 4 * 0.5) and seconds["e"] == pytest.approx(2 * 4 * 0.5)
     assert seconds["g"] == pytest.approx(2 * 1 * 0.5)
+    # the very floats of each client's result timed on its own
+    one_by_one = SimulatedDevices(BatchedPool(pool()), frozenset({"a"}), config)
+    for reply in one_by_one.run(instructions, timeout_s=None):
+        assert isinstance(reply, FitRes)
+        assert seconds[reply.client_id] == reply.metrics["simulated_seconds"]
 
 
 def test_a_batched_simulation_with_a_model_poisoning_attack_still_runs(tmp_path: Path) -> None:
@@ -218,10 +238,22 @@ def test_a_batched_simulation_with_a_model_poisoning_attack_still_runs(tmp_path:
     assert list(result.history["clients"]) == [0, 8]
 
 
-def test_a_batch_must_carry_one_weight_per_result() -> None:
-    result = FitRes(client_id="a", round=1, parameters={}, num_examples=3)
-    with pytest.raises(PayloadError, match="one weight per result"):
-        FitBatchRes(round=1, results=(result,), weights=(1.0, 2.0), weighted_sum={})
+def test_a_batch_must_carry_one_entry_per_client_in_each_column() -> None:
+    def batch(**columns: object) -> FitBatchRes:
+        fields: dict[str, object] = {
+            "num_examples": np.array([3, 4]),
+            "weights": np.array([3.0, 4.0]),
+            "metrics": {"train_loss": np.array([0.5, np.nan])},
+        }
+        return FitBatchRes(round=1, client_ids=("a", "b"), weighted_sum={}, update_bytes=8, **{**fields, **columns})
+
+    assert batch().received_bytes == 16
+    with pytest.raises(PayloadError, match="carries weights as a float64 array of shape \\(3,\\)"):
+        batch(weights=np.array([1.0, 2.0, 3.0]))
+    with pytest.raises(PayloadError, match="carries num_examples as a float64 array"):
+        batch(num_examples=np.array([3.0, 4.0]))
+    with pytest.raises(PayloadError, match="carries metric 'train_loss' as tuple"):
+        batch(metrics={"train_loss": (0.5, 0.5)})
 
 
 def test_the_device_path_sums_and_checks_as_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,14 +263,14 @@ def test_the_device_path_sums_and_checks_as_the_cpu_kernels(monkeypatch: pytest.
 
     parameters = start()
     instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
-    kernels = list(BatchedPool(pool(diverging="c"), weigh=fedavg().weight).run(instructions))
+    kernels = list(BatchedPool(pool(diverging="c"), weigh=presum_weight(fedavg())).run(instructions))
     monkeypatch.setattr(batched, "_on_cpu_fused", lambda _stacked: False)
     monkeypatch.setattr(batched, "SUM_CHUNK_BYTES", 2 * 8 * 12 * 8)  # the first layer's rows: two clients a chunk
-    device = list(BatchedPool(pool(diverging="c"), weigh=fedavg().weight).run(instructions))
+    device = list(BatchedPool(pool(diverging="c"), weigh=presum_weight(fedavg())).run(instructions))
     assert [type(r) for r in device] == [type(r) for r in kernels] == [FitBatchRes, Failure]
     want, got = kernels[0], device[0]
     assert isinstance(want, FitBatchRes) and isinstance(got, FitBatchRes)
-    assert [r.client_id for r in got.results] == [r.client_id for r in want.results] and got.weights == want.weights
+    assert got.client_ids == want.client_ids and got.weights.tolist() == want.weights.tolist()
     for name, value in want.weighted_sum.items():
         assert got.weighted_sum[name].dtype == np.float64
         np.testing.assert_allclose(got.weighted_sum[name], value, rtol=1e-12, atol=1e-12)
@@ -262,7 +294,9 @@ def test_a_scalar_parameter_is_summed_like_the_others() -> None:
     parameters = from_state_dict(WithTemperature().state_dict())
     instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
     single = list(BatchedPool(InMemoryPool(list(SIZES), tasks.__getitem__)).run(instructions))
-    summed = list(BatchedPool(InMemoryPool(list(SIZES), tasks.__getitem__), weigh=fedavg().weight).run(instructions))
+    summed = list(
+        BatchedPool(InMemoryPool(list(SIZES), tasks.__getitem__), weigh=presum_weight(fedavg())).run(instructions)
+    )
     assert [type(r) for r in summed] == [FitBatchRes]
     weights = {cid: float(n) for cid, n in SIZES.items()}
     want, got = fold(single, weights, parameters).result(), fold(summed, weights, parameters).result()
@@ -291,7 +325,7 @@ def test_a_rejected_update_counts_its_bytes_as_one_by_one() -> None:
     updates it left out (here a diverged client's) the same way."""
     strategy = fedavg()
     records = {}
-    for weigh in (None, strategy.weight):
+    for weigh in (None, presum_weight(strategy)):
         batched = BatchedPool(pool(diverging="c"), weigh=weigh)
         _, records[weigh is None] = run_rounds(batched, strategy, start(), RoundConfig(num_rounds=1, seed=SEED))
     single, summed = records[True][-1], records[False][-1]
@@ -307,7 +341,7 @@ def test_a_batch_summed_on_the_gpu_gives_the_mean_of_its_updates() -> None:
     parameters = start()
     instructions = {cid: FitIns(round=1, parameters=parameters, config=FIT, seed=SEED) for cid in SIZES}
     single = list(BatchedPool(pool(diverging="c"), device="cuda").run(instructions))
-    summed = list(BatchedPool(pool(diverging="c"), device="cuda", weigh=fedavg().weight).run(instructions))
+    summed = list(BatchedPool(pool(diverging="c"), device="cuda", weigh=presum_weight(fedavg())).run(instructions))
     assert [type(r) for r in summed] == [FitBatchRes, Failure] and summed[1].client_id == "c"
     weights = {cid: float(n) for cid, n in SIZES.items()}
     honest = [r for r in single if isinstance(r, FitRes) and r.client_id != "c"]
