@@ -455,6 +455,10 @@ def release_memory() -> None:
     _trim_heap()
 
 
+_LOGGED_FAILURES = 5
+"""A round attempt logs its first this many client failures (and rejected updates) one by one as they come, and the
+rest in one line at the end of its replies, each reason once (:func:`failure_summary`)."""
+
 _TRIM_AFTER_BYTES = 1 << 20
 """Replies of at least this many bytes have the heap trimmed right after they are folded (``malloc_trim`` costs
 about 0.1 ms, a fifth of folding a 200,000-parameter update; what smaller replies free is reused by the next one
@@ -550,6 +554,8 @@ def _fit_round(
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]] | MetricColumns] = []
+        logged = 0  # client failures logged one by one as they came (at most _LOGGED_FAILURES)
+        unlogged: list[Failure] = []  # the rest, for one line after the replies
         observations: list[ClientObservation] = []
         protocol_run, instructions = _stages_before_fit(pool, strategy, config, rnd, attempt, instructions, failures)
         if instructions:  # every fit instruction of a round carries the same payload (model and groups)
@@ -564,8 +570,12 @@ def _fit_round(
                 del reply
                 continue
             if isinstance(reply, Failure):
-                log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
                 failures.append(reply)
+                if logged >= _LOGGED_FAILURES:
+                    unlogged.append(reply)
+                else:
+                    logged += 1
+                    log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
                 continue
             if not isinstance(reply, FitRes) or reply.round != rnd or reply.client_id not in instructions:
                 log.warning("round %d: discarding an unexpected reply %r", rnd, type(reply).__name__)
@@ -583,8 +593,12 @@ def _fit_round(
                 for name, rule in strategy.groups.items():  # already checked: adding them cannot fail now
                     group_sums[name].add(reply.groups[name], rule.weight(num_examples), client_id=client_id, round=rnd)
             except FedcoreError as exc:
-                log.warning("round %d: rejected the update of client %s: %s", rnd, client_id, exc)
                 failures.append(Failure(client_id=client_id, round=rnd, stage=Stage.FIT, reason=str(exc)))
+                if logged >= _LOGGED_FAILURES:
+                    unlogged.append(failures[-1])
+                else:
+                    logged += 1
+                    log.warning("round %d: rejected the update of client %s: %s", rnd, client_id, exc)
                 continue
             finally:
                 del reply  # the update's file mapping goes with it
@@ -593,6 +607,13 @@ def _fit_round(
             accepted.append(client_id)
             metric_rows.append((num_examples, fit_metrics))
             observations.append(observation(client_id, num_examples, _mapping(fit_metrics)))
+        if unlogged:  # one line for the rest, each reason once (a batch of 1,000 failing for one reason: 6 lines)
+            log.warning(
+                "round %d: %d more client(s) failed or had their update rejected: %s",
+                rnd,
+                len(unlogged),
+                failure_summary(unlogged),
+            )
         _trace(rnd, f"folded {len(accepted)} update(s)")
         all_failures.extend(failures)
         try:
@@ -728,11 +749,12 @@ def _fold_batch(
 
 def failure_summary(failures: Sequence[Failure], *, reasons: int = 5, ids: int = 3) -> str:
     """The failures of a round attempt in one line: each distinct reason once (the first ``reasons`` of them, in
-    order of first appearance), after the clients that gave it (the first ``ids``, then how many more), so that a
-    cause every client shares (a weighting metric none reports) reads once, not once per client."""
+    order of first appearance; a client's own id in a reason's error context does not count), after the clients that
+    gave it (the first ``ids``, then how many more), so that a cause every client shares (a weighting metric none
+    reports) reads once, not once per client."""
     by_reason: dict[str, list[str]] = {}
     for failure in failures:
-        by_reason.setdefault(failure.reason, []).append(failure.client_id)
+        by_reason.setdefault(_without_own_id(failure), []).append(failure.client_id)
     parts = []
     for reason, clients in list(by_reason.items())[:reasons]:
         more = f" and {len(clients) - ids} more" if len(clients) > ids else ""
@@ -740,6 +762,17 @@ def failure_summary(failures: Sequence[Failure], *, reasons: int = 5, ids: int =
     if len(by_reason) > reasons:
         parts.append(f"{len(by_reason) - reasons} other reason(s)")
     return "; ".join(parts) or "none reported"
+
+
+def _without_own_id(failure: Failure) -> str:
+    """A failure's reason without its own client's id in the error context (``[round 3, client 'c7', stage fit]``
+    reads ``[round 3, stage fit]``), so that clients failing alike share one reason; the summary names them."""
+    own = f"client {failure.client_id!r}"
+    return (
+        failure.reason.replace(f", {own}", "", 1)
+        if f", {own}" in failure.reason
+        else failure.reason.replace(f"[{own}, ", "[", 1)
+    )
 
 
 def _candidates(strategy: Strategy, available: list[str], needed: int, rnd: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -225,3 +226,26 @@ def test_a_rounds_failures_read_each_reason_once() -> None:
     assert failure_summary(same[:1]) == "c0: no 'bogus'"
     many = [Failure(client_id=f"c{i}", round=1, stage=Stage.FIT, reason=f"r{i}") for i in range(7)]
     assert failure_summary(many, reasons=2) == "c0: r0; c1: r1; 5 other reason(s)"
+
+
+def test_many_failures_log_a_few_lines_not_one_per_client(
+    shards: list[tuple[torch.Tensor, torch.Tensor]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clients failing for one reason (a bug in a batched model fails all its clients): the first five are logged
+    as they come, the rest in one line that gives the reason once; the record keeps every failure."""
+    many = [shards[i % NUM_CLIENTS] for i in range(12)]
+
+    class Broken(NaNTask):
+        def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+            raise ValueError("the model's forward is broken")
+
+    pool = make_pool(many, {i: (lambda i=i: Broken(many[i])) for i in range(2, 12)})
+    strategy = Strategy(fit=FitConfig(local_epochs=1, batch_size=16, lr=0.1), sampling=SamplingConfig(fraction_fit=1.0))
+    with caplog.at_level(logging.WARNING, logger="server.round_loop"):
+        _, records = run_rounds(pool, strategy, initial_parameters(model_fn, seed=1), RoundConfig(num_rounds=1))
+    assert len(records[-1].failures) == 10 and records[-1].accepted == ("c0", "c1")
+    lines = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(lines) == 6, lines
+    assert all("ValueError: the model's forward is broken" in line for line in lines)
+    summary = "round 1: 5 more client(s) failed or had their update rejected: c5, c6, c7 and 2 more: [round 1, stage"
+    assert lines[-1].startswith(summary)
