@@ -803,8 +803,8 @@ def _simulated_duration(rows: Sequence[tuple[int, Mapping[str, object]] | Metric
     for row in rows:
         if isinstance(row, MetricColumns):
             column = row.metrics.get("simulated_seconds")
-            if column is not None and (usable := column[(column >= 0) & (column < math.inf)]).size:
-                known.append(float(usable.max()))
+            if column is not None:  # every usable value, in order: max() then keeps the first of equal ones (0.0, -0.0)
+                known.extend(column[(column >= 0) & (column < math.inf)].tolist())
             continue
         seconds = metric_value(_mapping(row[1]).get("simulated_seconds"))
         if seconds is not None and 0 <= seconds < math.inf:

@@ -451,6 +451,7 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
     )
     # The modules, the dataset and the tasks built so far live for the whole run: freezing them out of the
     # collector keeps the round loop's collection after each round from walking them (about 1 s a round).
+    frozen_by_caller = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         final, _ = run_rounds(
@@ -465,7 +466,9 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             keep_records=False,  # each round's row is written as it ends; a record holds an observation per client
         )
     finally:
-        gc.unfreeze()
+        gc.unfreeze()  # the run's objects go back to the collector (gc cannot unfreeze only some)
+        if frozen_by_caller:  # what the caller froze stays frozen (with what is alive of the run now)
+            gc.freeze()
         progress.close()
         if process is not None:
             process.close()

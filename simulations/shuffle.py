@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from fedcore.errors import ConfigError
 from fedcore.kernels import torch_randperms
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,25 @@ def epoch_permutations(
     torch.Generator().manual_seed(seeds[c])``, as :func:`fedcore.training.train_supervised` draws them.
 
     Args:
-        seeds: each client's generator seed, an integer in ``[0, 2**63)`` (:func:`fedcore.seeding.derive_seed`).
-        counts: each client's sample count (>= 0).
-        epochs: how many permutations each client draws (>= 0).
+        seeds: each client's generator seed, an integer (:func:`fedcore.seeding.derive_seed`: in ``[0, 2**63)``);
+            as in torch's CPU generator, only its low 32 bits seed the stream.
+        counts: each client's sample count, an integer >= 0.
+        epochs: how many permutations each client draws, an integer >= 0.
 
     Returns:
         int64 ``(sum(counts[c] * epochs[c]),)``, client by client in the order given, epoch by epoch.
+
+    Raises:
+        ConfigError: the three are not one entry per client, or a count or epoch count is not an integer >= 0.
     """
-    seed_array = np.asarray(seeds, dtype=np.int64).reshape(-1)
-    count_array = np.asarray(counts, dtype=np.int64).reshape(-1)
-    epoch_array = np.asarray(epochs, dtype=np.int64).reshape(-1)
+    seed_array = np.fromiter((int(seed) & 0xFFFFFFFF for seed in seeds), dtype=np.int64)
+    count_array = _whole_numbers("counts", counts)
+    epoch_array = _whole_numbers("epochs", epochs)
+    if not seed_array.shape == count_array.shape == epoch_array.shape:
+        raise ConfigError(
+            f"{seed_array.size} seeds, {count_array.size} counts and {epoch_array.size} epoch counts; give one of each "
+            "per client"
+        )
     out = np.empty(int((count_array * epoch_array).sum()), dtype=np.int64)
     if not out.size:
         return out
@@ -62,6 +72,18 @@ def epoch_permutations(
         torch_randperms(seed_array, count_array, epoch_array, out)
         return out
     return _drawn_by_torch(seed_array, count_array, epoch_array)
+
+
+def _whole_numbers(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``values`` as a flat int64 array.
+
+    Raises:
+        ConfigError: a value is not an integer >= 0.
+    """
+    array = np.asarray(values).reshape(-1)
+    if array.size and (array.dtype.kind not in "iu" or int(array.min()) < 0):
+        raise ConfigError(f"{name} must be integers >= 0, got {array[:5].tolist()}{' ...' if array.size > 5 else ''}")
+    return array.astype(np.int64)
 
 
 def _drawn_by_torch(seeds: np.ndarray, counts: np.ndarray, epochs: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -249,3 +250,16 @@ def test_many_failures_log_a_few_lines_not_one_per_client(
     assert all("ValueError: the model's forward is broken" in line for line in lines)
     summary = "round 1: 5 more client(s) failed or had their update rejected: c5, c6, c7 and 2 more: [round 1, stage"
     assert lines[-1].startswith(summary)
+
+
+def test_a_batchs_simulated_seconds_give_the_rounds_duration_as_each_clients_would() -> None:
+    from fedcore.aggregation import MetricColumns
+    from server.round_loop import _simulated_duration
+
+    seconds = np.array([0.0, -0.0, np.nan, -1.0, np.inf])  # only the zeros are usable: the first one counts
+    batch = MetricColumns(np.ones(5, dtype=np.int64), {"simulated_seconds": seconds})
+    rows = [(1, {"simulated_seconds": float(s)}) for s in seconds]
+    for got, want in ((_simulated_duration([batch]), _simulated_duration(rows)), (_simulated_duration([]), None)):
+        assert got == want and (got is None or math.copysign(1.0, got) == math.copysign(1.0, want))
+    late = MetricColumns(np.ones(2, dtype=np.int64), {"simulated_seconds": np.array([2.5, 7.0])})
+    assert _simulated_duration([(1, {"simulated_seconds": 3.0}), late, (1, {})]) == 7.0

@@ -273,3 +273,15 @@ def test_a_run_keeps_no_round_records_and_leaves_nothing_frozen(
     assert live == [0, 0, 0, 0]  # with the records kept: [0, 1, 2, 3]
     assert frozen[0] > before and max(frozen[1:]) <= frozen[0]  # frozen once, after the first round (some freed since)
     assert gc.get_freeze_count() == before
+
+
+def test_what_the_caller_froze_stays_frozen_after_a_run(tmp_path: Path) -> None:
+    import gc
+
+    gc.freeze()
+    try:
+        assert gc.get_freeze_count() > 0
+        simulate(tmp_path, "rounds=1")
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import simulations.shuffle as shuffle
+from fedcore.errors import ConfigError
 from fedcore.seeding import derive_seed, derive_seeds
 
 
@@ -99,3 +100,27 @@ def test_clients_above_the_32_bit_draws_limit_are_drawn_by_torch(monkeypatch: py
     cases = [(1, 50, 1), (2, 99, 2)]
     np.testing.assert_array_equal(shuffle.epoch_permutations(*_columns(cases)), _torch_draws(cases))
     assert calls == [1]
+
+
+def test_inputs_that_are_not_one_per_client_or_not_counts_are_refused() -> None:
+    """The compiled kernel reads the three arrays without bounds checks: lengths that differ, negative or fractional
+    counts are refused before it runs (they read past an array's end, or left entries of the output unwritten)."""
+    with pytest.raises(ConfigError, match="3 seeds, 1 counts and 1 epoch counts; give one of each per client"):
+        shuffle.epoch_permutations([1, 2, 3], [4], [1])
+    with pytest.raises(ConfigError, match="one of each per client"):
+        shuffle.epoch_permutations([1], [4, 4], [1, 1])
+    with pytest.raises(ConfigError, match=r"counts must be integers >= 0, got \[-3\]"):
+        shuffle.epoch_permutations([1], [-3], [-2])
+    with pytest.raises(ConfigError, match=r"counts must be integers >= 0, got \[2.9\]"):
+        shuffle.epoch_permutations([1], [2.9], [1])
+    with pytest.raises(ConfigError, match="epochs must be integers >= 0"):
+        shuffle.epoch_permutations([1], [3], [-1])
+
+
+def test_any_integer_seed_draws_torchs_stream_from_its_low_32_bits() -> None:
+    cases = [(2**64 - 1, 9, 1), (-1, 9, 2), (2**32 + 5, 9, 1)]
+    for seed, count, epochs in cases:
+        torch_seed = seed if seed >= 0 else seed & (2**64 - 1)  # torch takes [-2**63, 2**64)
+        np.testing.assert_array_equal(
+            shuffle.epoch_permutations([seed], [count], [epochs]), _torch_draws([(torch_seed, count, epochs)])
+        )
