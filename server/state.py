@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import io
 import json
 import logging
 import math
@@ -155,6 +156,44 @@ def write_history(path: str | os.PathLike[str], rows: Sequence[Mapping[str, obje
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+class HistoryFile:
+    """A history.csv written as rounds end: each row appended while the columns stay the same, the whole file
+    rewritten (:func:`write_history`, atomically) when a row brings a column the file lacks. The file's bytes are
+    always :func:`write_history`'s of every row added, but a round costs one line, not the whole history (rewritten
+    every round, a run of 300 rounds of 100 clients spent a tenth of its time on it).
+
+    Args:
+        path: the CSV file (its directory must exist); written anew by the first :meth:`add`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.rows: list[Mapping[str, object]] = []
+        self._columns: list[str] = []
+
+    def add(self, row: Mapping[str, object]) -> None:
+        """Add one round's row (as :func:`write_history` takes it).
+
+        Raises:
+            OSError: the file cannot be written (the row is kept: the next :meth:`add` rewrites the file).
+        """
+        self.rows.append(row)
+        known = set(self._columns)
+        if not self._columns or any(str(key) not in known for key in row):
+            self._columns = []  # until the rewrite is done: a failed one is retried by the next row
+            write_history(self.path, self.rows)
+            self._columns = history_columns(self.rows)
+            return
+        line = io.StringIO()
+        csv.writer(line, lineterminator="\n").writerow([_cell(row.get(column)) for column in self._columns])
+        try:
+            with self.path.open("a", newline="") as fh:
+                fh.write(line.getvalue())  # one write: a process killed around it leaves the line whole or absent
+        except OSError:
+            self._columns = []
+            raise
 
 
 def _db_value(value: object) -> int | float | None:

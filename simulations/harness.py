@@ -61,7 +61,7 @@ from server.round_loop import (
     return_large_blocks_to_the_os,
     run_rounds,
 )
-from server.state import MAPPED_STATE_PREFIX, history_columns, map_round_state, write_history
+from server.state import MAPPED_STATE_PREFIX, HistoryFile, history_columns, map_round_state
 from simulations.attacks import (
     LABEL_ATTACKS,
     REWRITE_ATTACKS,
@@ -389,7 +389,8 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         raise
 
     csv_path = out_dir / "history.csv"
-    rows: list[Mapping[str, object]] = []
+    history_file = HistoryFile(csv_path)  # the server's writer: one schema for both history files
+    rows = history_file.rows
     divergent_rounds: list[int] = []
     first_round_frozen: list[int] = []  # the round after which the run's lasting objects were frozen
     # The bar only on a terminal: piped into a file or `tee`, its redraws would garble the per-round table.
@@ -402,8 +403,7 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
 
     def on_round_end(record: RoundRecord, state: ServerState) -> ServerState:
         row = record.as_row()
-        rows.append(row)
-        write_history(csv_path, rows)  # the server's writer: one schema for both history files
+        history_file.add(row)
         if config.output.progress:
             say(_format_row(row, columns))
         if record.eval_loss is not None and not math.isfinite(record.eval_loss):

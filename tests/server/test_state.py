@@ -22,7 +22,7 @@ from fedcore.messages import Failure, Stage
 from fedcore.payload import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
 from fedcore.strategy import StrategyConfig
 from server.round_loop import RoundRecord, ServerState
-from server.state import HISTORY_COLUMNS, StateStore, load_checkpoint, write_history
+from server.state import HISTORY_COLUMNS, HistoryFile, StateStore, load_checkpoint, write_history
 
 
 def _state(rnd: int) -> ServerState:
@@ -495,6 +495,34 @@ def test_write_history_pads_every_row_and_writes_counts_as_integers(tmp_path: Pa
         "0,0,0,,2.5,0.125,,,,0.0\n"
         "1,2,1,0.75,1.5,0.625,1.25,0.5,1,0.5\n"
     )
+
+
+def test_a_history_file_appends_rows_and_always_holds_write_historys_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows with the file's columns are appended (one line each); a row with a new column rewrites the file; after
+    every row the bytes are write_history's of all rows so far, NaN, inf and missing values included."""
+    import server.state
+
+    rewrites: list[int] = []
+    original = server.state.write_history
+    monkeypatch.setattr(
+        server.state, "write_history", lambda path, rows: rewrites.append(len(rows)) or original(path, rows)
+    )
+    rows: list[dict[str, object]] = [
+        {"round": 0, "clients": 0, "failures": 0, "test_loss": 2.5, "seconds": 0.0},
+        {"round": 1, "clients": 2, "failures": 0, "train_loss": 0.75, "seconds": 0.5},
+        {"round": 2, "clients": np.int64(2), "failures": 1, "train_loss": float("nan"), "seconds": 0.25},
+        {"round": 3, "clients": 2, "failures": 0, "train_loss": 1.0, "metrics_left_out": 3, "seconds": 0.5},
+        {"round": 4, "clients": 2, "failures": 0, "test_loss": float("inf"), "seconds": 0.5},
+    ]
+    history = HistoryFile(tmp_path / "history.csv")
+    for k, row in enumerate(rows, start=1):
+        history.add(row)
+        original(tmp_path / "all.csv", rows[:k])
+        assert (tmp_path / "history.csv").read_bytes() == (tmp_path / "all.csv").read_bytes()
+    assert rewrites == [1, 4]  # the first row, and the one that brought metrics_left_out
+    assert history.rows == rows
 
 
 def test_a_second_server_on_the_same_state_directory_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,132 @@
+"""Benchmark: the host's work per client of a batched round, beside the training itself.
+
+    python bench/simulation_host.py                          # logreg and the 2NN, 100 and 1,000 clients a round
+    python bench/simulation_host.py --model logreg --per-round 1000 --rounds 12
+    python bench/simulation_host.py --device cuda            # on a GPU (the training there, the host's work here)
+
+Issue 12's workload (Fashion-MNIST, 1000 IID clients of 60, E=1, B=10, lr 0.05, FedAvg; bench/simulation.py's
+recipe) with ``backend = "batched"`` on one torch thread. A batched round's time is the training's (the stacked
+SGD steps, the mini-batch gathers, the stacked copies of the global model: what a GPU speeds up) and the host's:
+the round's sampling, each client's shuffles and data, the batch's results, the metrics, the selector's feedback,
+the aggregation of the batch's sum, the server's step, the history, the collection at the round's end. A GPU can
+only take the first part; the second bounds client updates per second whatever the accelerator, so issue 12's
+target of 50,000 updates/s at 1,000 clients a round needs it well under 20 us a client.
+
+Per configuration: the wall time of a round from one round's end to the next (after the collection each round
+ends with), the parts spent in the training's calls and in the batch's weighted sum (timed around them; on a GPU
+they are asynchronous, so there this split is not meaningful and only the wall time and updates/s are), the rest
+per client, and client updates per second, as medians over the rounds after the second (the first pays for
+compiling and building the tasks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import server.round_loop as round_loop  # noqa: E402
+import simulations.batched as batched  # noqa: E402
+from bench.simulation import recipe, run_fedcore  # noqa: E402
+
+TRAINING_CALLS = (
+    (batched._LinearChain, "step"),
+    (batched._Batched, "grad"),
+    (batched, "_sgd_step"),
+    (batched, "_gather"),
+    (batched, "_stacked"),
+)
+"""What a batched round spends in the training itself: the SGD steps (the fused path's for the 2NN and logreg,
+else vmap's gradients and the stacked update), the mini-batch gathers, the stacked copies of the global model."""
+SUM_CALLS = ((batched.TrainedClients, "weighted_sum"),)
+"""The batch's weighted sum of its clients' updates (on the CPU a pass over every update; on a GPU a matrix-vector
+product per tensor there)."""
+
+
+def measure(args: argparse.Namespace, model: str, per_round: int, device: str) -> dict[str, float]:
+    """Medians over the rounds after the second: wall, training and sum seconds a round, the rest in microseconds
+    a client, and client updates per second."""
+    spent = {"training": 0.0, "sum": 0.0}
+    ends: list[float] = []  # each round's end, after its collection
+    marks: list[dict[str, float]] = []  # the seconds spent so far at each round's end
+    originals: list[tuple[Any, str, Callable[..., Any]]] = []
+
+    def timed(function: Callable[..., Any], part: str) -> Callable[..., Any]:
+        def call(*a: Any, **k: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*a, **k)
+            finally:
+                spent[part] += time.perf_counter() - started
+
+        return call
+
+    release = round_loop.release_memory
+
+    def round_end() -> None:
+        release()
+        ends.append(time.perf_counter())
+        marks.append(dict(spent))
+
+    for part, calls in (("training", TRAINING_CALLS), ("sum", SUM_CALLS)):
+        for owner, name in calls:
+            originals.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, timed(getattr(owner, name), part))
+    round_loop.release_memory = round_end
+    try:
+        workload = argparse.Namespace(**{**vars(args), "model": model, "per_round": per_round})
+        with tempfile.TemporaryDirectory() as out:
+            config = recipe(workload, Path(out))
+            if device != "cpu":
+                config = replace(config, simulation=replace(config.simulation, device=device))
+            run_fedcore(config, "batched", threads=1)
+    finally:
+        round_loop.release_memory = release
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+    got = {"wall": statistics.median(b - a for a, b in itertools.pairwise(ends[1:]))}  # rounds 3.. (ends[0]: round 1)
+    for part in spent:
+        got[part] = statistics.median(b[part] - a[part] for a, b in itertools.pairwise(marks[1:]))
+    got["host_us"] = 1e6 * (got["wall"] - got["training"] - got["sum"]) / per_round
+    got["rate"] = per_round / got["wall"]
+    return got
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", nargs="+", default=["logreg", "2nn"], help="logreg, 2nn")
+    parser.add_argument("--per-round", type=int, nargs="+", default=[100, 1000], help="clients a round")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of each run (>= 4; the first two left out)")
+    parser.add_argument("--device", default="cpu", help="where the batched clients train (cpu, cuda)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.rounds < 4:
+        parser.error("--rounds must be at least 4: the first two rounds are left out")
+    workload = argparse.Namespace(seed=args.seed, rounds=args.rounds, clients=1000, epochs=1, batch_size=10, lr=0.05)
+    print(f"batched, 1 thread, {args.rounds} rounds (medians of rounds 3..), device {args.device}")
+    print(
+        f"{'model':8} {'clients':>8} {'wall ms':>9} {'training ms':>12} {'sum ms':>7} {'host us/client':>15} "
+        f"{'updates/s':>10}"
+    )
+    for model in args.model:
+        for per_round in args.per_round:
+            got = measure(workload, model, per_round, args.device)
+            print(
+                f"{model:8} {per_round:8d} {1e3 * got['wall']:9.1f} {1e3 * got['training']:12.1f} "
+                f"{1e3 * got['sum']:7.1f} {got['host_us']:15.1f} {got['rate']:10.0f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
