@@ -1059,7 +1059,7 @@ class BatchedPool(PoolWrapper):
     Without ``weigh``, replies come one per client in the order of the instructions, as the in-process pool yields
     them, so the round loop folds the updates in the same order. With ``weigh`` (:func:`presum_weight`: the round's
     aggregation is a plain weighted mean), each batch's updates are summed where they were trained
-    (:meth:`TrainedClients.weighted_sum`, weights ``weigh(result)``) and the batch comes as one
+    (:meth:`TrainedClients.weighted_sum`, weights ``weigh(num_examples, metrics)``) and the batch comes as one
     :class:`~fedcore.messages.FitBatchRes`, which the round loop folds once: only the sum leaves the device, and no
     per-client copy, reply or fold is made (the mean differs from one-by-one folding only by the float64 rounding
     of the sum's order). A client whose update is not finite, or whose weight ``weigh`` refuses, is left out of the
@@ -1074,8 +1074,8 @@ class BatchedPool(PoolWrapper):
         batch_clients: train at most this many clients together (0: on the CPU as many as keep the largest stacked
             parameter within :data:`CPU_STACK_BYTES`, on a CUDA GPU as many as fit its free memory, :func:`gpu_batch`).
         device: where to train the batches (default: the CPU).
-        weigh: a client's aggregation weight from its result (without its update), to pre-sum each batch; None:
-            one reply per client.
+        weigh: the batch's clients' aggregation weights from their example counts and metrics, a column at a time
+            (:data:`BatchWeights`, e.g. :func:`presum_weight`'s), to pre-sum each batch; None: one reply per client.
         defer_first_layer: :func:`train_stack`'s (off: within 1e-5 of one-by-one training).
 
     Raises:
