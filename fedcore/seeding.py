@@ -21,7 +21,7 @@ def derive_seed(seed: int, *keys: int | str) -> int:
     (seed, round, client) gives the same stream in simulation and in deployment.
     """
     text = "/".join([str(int(seed)), *(str(k) for k in keys)])
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    return _seed_of(hashlib.sha256(text.encode()).digest())
 
 
 def derive_seeds(seed: int, *keys: int | str, each: Iterable[int | str]) -> list[int]:
@@ -32,8 +32,13 @@ def derive_seeds(seed: int, *keys: int | str, each: Iterable[int | str]) -> list
     for last in each:
         digest = prefix.copy()
         digest.update(str(last).encode())
-        seeds.append(int.from_bytes(digest.digest()[:8], "little") >> 1)
+        seeds.append(_seed_of(digest.digest()))
     return seeds
+
+
+def _seed_of(digest: bytes) -> int:
+    """The 63-bit seed of a SHA-256 digest: its first 8 bytes, little-endian, shifted right by one."""
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def numpy_rng(seed: int, *keys: int | str) -> np.random.Generator:

@@ -455,9 +455,35 @@ def release_memory() -> None:
     _trim_heap()
 
 
-_LOGGED_FAILURES = 5
-"""A round attempt logs its first this many client failures (and rejected updates) one by one as they come, and the
-rest in one line at the end of its replies, each reason once (:func:`failure_summary`)."""
+class _FailureLog:
+    """A round attempt's client failures (and rejected updates) in the log: the first :attr:`EACH` one by one as they
+    come (the caller logs those), the rest in one line at the end of the replies, each reason once
+    (:func:`failure_summary`): a batch of 1,000 clients failing for one reason reads as 6 lines, not 1,000."""
+
+    EACH = 5
+
+    def __init__(self) -> None:
+        self.logged = 0
+        self.held: list[Failure] = []
+
+    def add(self, failure: Failure) -> bool:
+        """Whether ``failure`` is held for the closing line (else the caller logs it now)."""
+        if self.logged < self.EACH:
+            self.logged += 1
+            return False
+        self.held.append(failure)
+        return True
+
+    def close(self, rnd: int) -> None:
+        """Log the held failures in one line (nothing when none is held)."""
+        if self.held:
+            log.warning(
+                "round %d: %d more client(s) failed or had their update rejected: %s",
+                rnd,
+                len(self.held),
+                failure_summary(self.held),
+            )
+
 
 _TRIM_AFTER_BYTES = 1 << 20
 """Replies of at least this many bytes have the heap trimmed right after they are folded (``malloc_trim`` costs
@@ -554,8 +580,7 @@ def _fit_round(
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]] | MetricColumns] = []
-        logged = 0  # client failures logged one by one as they came (at most _LOGGED_FAILURES)
-        unlogged: list[Failure] = []  # the rest, for one line after the replies
+        failure_log = _FailureLog()
         observations: list[ClientObservation] = []
         protocol_run, instructions = _stages_before_fit(pool, strategy, config, rnd, attempt, instructions, failures)
         if instructions:  # every fit instruction of a round carries the same payload (model and groups)
@@ -571,10 +596,7 @@ def _fit_round(
                 continue
             if isinstance(reply, Failure):
                 failures.append(reply)
-                if logged >= _LOGGED_FAILURES:
-                    unlogged.append(reply)
-                else:
-                    logged += 1
+                if not failure_log.add(reply):
                     log.warning("round %d: client %s failed: %s", rnd, reply.client_id, reply.reason)
                 continue
             if not isinstance(reply, FitRes) or reply.round != rnd or reply.client_id not in instructions:
@@ -594,10 +616,7 @@ def _fit_round(
                     group_sums[name].add(reply.groups[name], rule.weight(num_examples), client_id=client_id, round=rnd)
             except FedcoreError as exc:
                 failures.append(Failure(client_id=client_id, round=rnd, stage=Stage.FIT, reason=str(exc)))
-                if logged >= _LOGGED_FAILURES:
-                    unlogged.append(failures[-1])
-                else:
-                    logged += 1
+                if not failure_log.add(failures[-1]):
                     log.warning("round %d: rejected the update of client %s: %s", rnd, client_id, exc)
                 continue
             finally:
@@ -607,13 +626,7 @@ def _fit_round(
             accepted.append(client_id)
             metric_rows.append((num_examples, fit_metrics))
             observations.append(observation(client_id, num_examples, _mapping(fit_metrics)))
-        if unlogged:  # one line for the rest, each reason once (a batch of 1,000 failing for one reason: 6 lines)
-            log.warning(
-                "round %d: %d more client(s) failed or had their update rejected: %s",
-                rnd,
-                len(unlogged),
-                failure_summary(unlogged),
-            )
+        failure_log.close(rnd)
         _trace(rnd, f"folded {len(accepted)} update(s)")
         all_failures.extend(failures)
         try:

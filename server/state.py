@@ -173,19 +173,28 @@ class HistoryFile:
         self.rows: list[Mapping[str, object]] = []
         self._columns: list[str] = []
 
+    def reset(self, rows: Sequence[Mapping[str, object]]) -> None:
+        """Rewrite the file with ``rows`` (:func:`write_history`); the next :meth:`add` appends after them.
+
+        Raises:
+            OSError: the file cannot be written (the next :meth:`add` rewrites the file).
+        """
+        self.rows[:] = rows  # the same list: a reader's reference to it stays current
+        self._columns = []
+        write_history(self.path, self.rows)
+        self._columns = history_columns(self.rows)
+
     def add(self, row: Mapping[str, object]) -> None:
         """Add one round's row (as :func:`write_history` takes it).
 
         Raises:
             OSError: the file cannot be written (the row is kept: the next :meth:`add` rewrites the file).
         """
-        self.rows.append(row)
         known = set(self._columns)
-        if not self._columns or any(str(key) not in known for key in row):
-            self._columns = []  # until the rewrite is done: a failed one is retried by the next row
-            write_history(self.path, self.rows)
-            self._columns = history_columns(self.rows)
+        if not self._columns or any(str(key) not in known for key in row):  # a failed rewrite is retried here
+            self.reset([*self.rows, row])
             return
+        self.rows.append(row)
         line = io.StringIO()
         csv.writer(line, lineterminator="\n").writerow([_cell(row.get(column)) for column in self._columns])
         try:
@@ -279,6 +288,7 @@ class StateStore:
             os.close(self._owner)
             raise ConfigError(f"cannot use {str(self.directory)!r} as the state directory: {exc}") from exc
         self._lock = threading.Lock()
+        self._history_file = HistoryFile(self.directory / "history.csv")  # rewritten whole by the first round recorded
         try:
             with self._sqlite("opening it"):
                 self._db = sqlite3.connect(self.database, check_same_thread=False, isolation_level=None)
@@ -415,7 +425,25 @@ class StateStore:
                     for o in record.observations
                 ],
             )
-        self.export_csv()
+        self._export_round(record.round)
+
+    def _export_round(self, rnd: int) -> None:
+        """history.csv after round ``rnd`` was recorded: its row appended when it follows the rounds the file holds
+        (each round of a run), else the whole file rewritten from state.db (the first round a store records, a
+        round recorded again, the rounds after superseded ones).
+
+        Raises:
+            StateError: the file cannot be written.
+        """
+        rows = self._history_file.rows
+        last = rows[-1].get("round") if rows else None
+        if not isinstance(last, int) or rnd <= last:
+            self.export_csv()
+            return
+        try:
+            self._history_file.add(self._history_rows(rnd)[0])
+        except OSError as exc:
+            raise StateError(f"cannot write the round history {str(self._history_file.path)!r}: {exc}") from exc
 
     def selection_history(self) -> list[tuple[int, list[ClientObservation]]]:
         """The client selection's feedback of every current round, ascending: ``(round, observations)`` as the
@@ -440,12 +468,18 @@ class StateStore:
 
     def history(self) -> list[dict[str, float | int | None]]:
         """One dict per current round record, ``round`` first, then its metrics (integers stay integers)."""
+        return self._history_rows()
+
+    def _history_rows(self, only: int | None = None) -> list[dict[str, float | int | None]]:
+        """:meth:`history`, or its row of round ``only`` alone."""
+        where, args = ("AND round = ?", (only,)) if only is not None else ("", ())
         with self._lock, self._sqlite("reading the history"):
             rows: dict[int, dict[str, float | int | None]] = {}
-            for (rnd,) in self._db.execute("SELECT round FROM rounds WHERE superseded = 0 ORDER BY round"):
+            query = f"SELECT round FROM rounds WHERE superseded = 0 {where} ORDER BY round"
+            for (rnd,) in self._db.execute(query, args):
                 rows[int(rnd)] = {"round": int(rnd)}
             for rnd, key, value in self._db.execute(
-                "SELECT round, key, value FROM round_metrics WHERE superseded = 0 ORDER BY round, rowid"
+                f"SELECT round, key, value FROM round_metrics WHERE superseded = 0 {where} ORDER BY round, rowid", args
             ):
                 if int(rnd) in rows:
                     rows[int(rnd)][str(key)] = _from_sql(value)
@@ -459,6 +493,9 @@ class StateStore:
         """
         target = self.directory / "history.csv" if path is None else Path(path)
         try:
+            if path is None:  # the store's own file: later rounds are appended to it
+                self._history_file.reset(self.history())
+                return target
             return write_history(target, self.history())
         except OSError as exc:
             raise StateError(f"cannot write the round history {str(target)!r}: {exc}") from exc

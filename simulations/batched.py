@@ -638,8 +638,8 @@ def train_stack(
     shapes: set[tuple[int, ...]] = set()
     for shard in clients:  # one pass, each shape read once: this runs for every client of every batch
         x_shape, y_shape = shard.x.shape, shard.y.shape
-        if not x_shape or not y_shape or x_shape[0] != y_shape[0]:
-            raise ClientTaskError(_data_problem(shard.x, shard.y) or "", client_id=shard.client_id, round=round)
+        if (problem := _shape_problem(x_shape, y_shape)) is not None:
+            raise ClientTaskError(problem, client_id=shard.client_id, round=round)
         lengths.append(int(x_shape[0]))
         shapes.add(tuple(x_shape[1:]))
     if len(shapes) > 1:
@@ -712,17 +712,17 @@ def train_stack(
 
 def _data_problem(x: torch.Tensor, y: torch.Tensor) -> str | None:
     """What makes a client's ``x`` and ``y`` unusable (a 0-dim tensor, different sample counts), or None."""
-    for name, tensor in (("x", x), ("y", y)):
-        if tensor.dim() == 0:
+    return _shape_problem(x.shape, y.shape)
+
+
+def _shape_problem(x_shape: torch.Size, y_shape: torch.Size) -> str | None:
+    """:func:`_data_problem` from the tensors' shapes (read once by a caller that needs them too)."""
+    for name, shape in (("x", x_shape), ("y", y_shape)):
+        if not shape:
             return f"{name} is a 0-dim tensor; give the samples along its first dimension"
-    if x.shape[0] != y.shape[0]:
-        return f"x has {x.shape[0]} samples but y has {y.shape[0]}; give inputs and labels of the same length"
+    if x_shape[0] != y_shape[0]:
+        return f"x has {x_shape[0]} samples but y has {y_shape[0]}; give inputs and labels of the same length"
     return None
-
-
-def _length(tensor: torch.Tensor) -> int:
-    """The number of samples (rows) of a tensor that :func:`_data_problem` passed."""
-    return int(tensor.shape[0])
 
 
 def _stacked(tensor: torch.Tensor, count: int, buffers: StackBuffers | None, key: str) -> torch.Tensor:

@@ -238,32 +238,30 @@ class SimulatedDevices(PoolWrapper):
             del reply  # not kept while the next client trains (a model-sized update)
 
     def _timed_batch(self, batch: FitBatchRes, instructions: Mapping[str, ServerMessage]) -> FitBatchRes:
-        """:meth:`_timed` for each client of a batch, a column at a time (the same products, in the same order); NaN
-        for a client that was not sent a fit instruction (not reported)."""
-        count = len(batch.client_ids)
-        factor = np.full(count, np.nan)
-        epochs = np.zeros(count)
-        batch_size = np.ones(count)
-        for position, cid in enumerate(batch.client_ids):
-            instruction = instructions.get(cid)
-            if isinstance(instruction, FitIns):
-                factor[position] = self._config.slowdown if cid in self._slow else 1.0
-                epochs[position] = instruction.config.local_epochs
-                batch_size[position] = instruction.config.batch_size
-        steps = np.ceil(batch.num_examples / batch_size)  # math.ceil(n / b): the same float quotient
-        seconds = factor * self._config.step_seconds * epochs * steps
+        """:meth:`_timed` for each client of a batch, as a ``simulated_seconds`` column; NaN for a client that was
+        not sent a fit instruction (not reported)."""
+        seconds = np.full(len(batch.client_ids), np.nan)
+        for position, (cid, n) in enumerate(zip(batch.client_ids, batch.num_examples.tolist(), strict=True)):
+            if (duration := self._duration(cid, n, instructions)) is not None:
+                seconds[position] = duration
         return dataclasses.replace(batch, metrics={**batch.metrics, "simulated_seconds": seconds})
 
-    def _timed(self, reply: FitRes, instructions: Mapping[str, ServerMessage]) -> FitRes:
-        instruction = instructions.get(reply.client_id)
+    def _duration(self, client_id: str, num_examples: int, instructions: Mapping[str, ServerMessage]) -> float | None:
+        """The simulated duration of ``client_id``'s fit (:func:`fit_seconds`), None when it was not sent one."""
+        instruction = instructions.get(client_id)
         if not isinstance(instruction, FitIns):
-            return reply
-        factor = self._config.slowdown if reply.client_id in self._slow else 1.0
-        seconds = fit_seconds(
+            return None
+        factor = self._config.slowdown if client_id in self._slow else 1.0
+        return fit_seconds(
             factor,
             self._config.step_seconds,
             instruction.config.local_epochs,
             instruction.config.batch_size,
-            int(reply.num_examples),
+            num_examples,
         )
+
+    def _timed(self, reply: FitRes, instructions: Mapping[str, ServerMessage]) -> FitRes:
+        seconds = self._duration(reply.client_id, int(reply.num_examples), instructions)
+        if seconds is None:
+            return reply
         return dataclasses.replace(reply, metrics={**reply.metrics, "simulated_seconds": seconds})

@@ -390,9 +390,8 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
 
     csv_path = out_dir / "history.csv"
     history_file = HistoryFile(csv_path)  # the server's writer: one schema for both history files
-    rows = history_file.rows
     divergent_rounds: list[int] = []
-    first_round_frozen: list[int] = []  # the round after which the run's lasting objects were frozen
+    first_round_frozen = False  # the run's lasting objects frozen out of the collector (after its first round)
     # The bar only on a terminal: piped into a file or `tee`, its redraws would garble the per-round table.
     bar = config.output.progress and sys.stderr.isatty()
     progress = tqdm(total=config.rounds, desc="rounds", unit="round", disable=not bar, leave=False)
@@ -417,9 +416,10 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         # a large global model and FedAvgM's momentum (FedAdam's moments) wait for the next round in a file: the
         # clients read the model from it block by block, and the momentum sits untouched until the server step
         mapped = map_round_state(state, out_dir)
+        nonlocal first_round_frozen
         if record.round > 0 and not first_round_frozen:
             _freeze_first_round()
-            first_round_frozen.append(record.round)
+            first_round_frozen = True
         return mapped
 
     trainable = trainable_names(server_task.build_model)
@@ -474,6 +474,7 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             process.close()
     model_path = out_dir / "model.safetensors"
     save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
+    rows = history_file.rows
     history = pd.DataFrame(rows, columns=history_columns(rows))
     plot_path = plot_history(history, out_dir / "history.png") if config.output.plot else None
     wall = time.perf_counter() - started

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -523,6 +524,30 @@ def test_a_history_file_appends_rows_and_always_holds_write_historys_bytes(
         assert (tmp_path / "history.csv").read_bytes() == (tmp_path / "all.csv").read_bytes()
     assert rewrites == [1, 4]  # the first row, and the one that brought metrics_left_out
     assert history.rows == rows
+
+
+def test_the_servers_history_file_holds_state_db_after_every_round(tmp_path: Path) -> None:
+    """The server appends each new round's row to history.csv and rewrites it from state.db when a round is
+    recorded again, when a row brings a new column and when the store is opened anew; after each, the file is
+    write_history's of state.db's rows."""
+
+    def matches(store: StateStore) -> bool:
+        write_history(tmp_path / "want.csv", store.history())
+        return (tmp_path / "history.csv").read_bytes() == (tmp_path / "want.csv").read_bytes()
+
+    store = StateStore(tmp_path)
+    for rnd in range(4):
+        store.record_round(_record(rnd, 1.0 / (rnd + 1)))
+        assert matches(store)
+    store.record_round(_record(2, 0.75))  # recorded again: the file is rewritten, round 2's row replaced
+    assert matches(store) and pd.read_csv(tmp_path / "history.csv")["train_loss"][2] == 0.75
+    store.record_round(replace(_record(4, 0.1), eval_metrics={"accuracy": 0.5, "f1": 0.25}))  # a new column
+    assert matches(store) and "test_f1" in pd.read_csv(tmp_path / "history.csv")
+    store.close()
+    store = StateStore(tmp_path)
+    store.record_round(_record(5, 0.05))
+    assert matches(store) and list(pd.read_csv(tmp_path / "history.csv")["round"]) == [0, 1, 2, 3, 4, 5]
+    store.close()
 
 
 def test_a_second_server_on_the_same_state_directory_is_refused(tmp_path: Path) -> None:
