@@ -37,7 +37,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fedcore.aggregation import Aggregator, MeanAggregator
 from fedcore.aggregation.weights import WeightRule
@@ -45,6 +44,7 @@ from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.messages import FitIns, FitRes, ModSpec, bounded_repr
 from fedcore.mods import CallNext, ModContext, StateEntry, in_process
 from fedcore.server_opt import ServerSGD
+from fedcore.stephooks import CORRECTION_ORDER, step_pre_handler
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays, check_spec, spec_of
@@ -127,7 +127,7 @@ class ScaffoldMod:
         corrections = {id(trainable[n]): torch.from_numpy(np.asarray(c[n]) - np.asarray(c_i[n])) for n in c}
         steps = 0
 
-        def correct(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        def correct(optimizer: torch.optim.Optimizer) -> None:
             nonlocal steps
             touched = False
             for group in optimizer.param_groups:
@@ -144,11 +144,9 @@ class ScaffoldMod:
                         p.grad.add_(correction)
             steps += touched
 
-        handle = register_optimizer_step_pre_hook(correct)
-        try:
+        # not a torch hook of its own: clients in threads of one process would add and remove it while others step
+        with step_pre_handler((trainable[n] for n in c), correct, CORRECTION_ORDER):
             reply = call_next(instruction)
-        finally:
-            handle.remove()
         if steps == 0:
             raise ClientTaskError(
                 "SCAFFOLD: the task took no torch.optim optimizer step on the model's parameters (K = 0)",

@@ -36,9 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -47,11 +45,11 @@ from opacus import GradSampleModule
 from opacus.accountants import RDPAccountant
 from opacus.optimizers import DPOptimizer
 from opacus.validators import ModuleValidator
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fedcore.errors import ClientTaskError, ConfigError
 from fedcore.messages import FitIns, FitRes, bound_text
 from fedcore.mods import CallNext, ModContext, in_process
+from fedcore.stephooks import PRIVACY_ORDER, step_pre_handler
 
 log = logging.getLogger("fedcore.privacy")
 
@@ -60,24 +58,6 @@ MOD_NAME = "dp-sgd"
 STATE_GROUP = "dp-sgd"
 """Client state group: the accountant's history, arrays ``round``, ``noise_multiplier``, ``sample_rate``,
 ``steps`` (one entry per round)."""
-
-
-_Handler = Callable[[torch.optim.Optimizer], None]
-_handlers: dict[int, _Handler] = {}
-"""The active DP-SGD mods' step handlers, keyed by ``id`` of each parameter they privatize."""
-_handlers_lock = threading.Lock()
-
-
-def _dispatch(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    """The one global optimizer step pre-hook, registered once at import: torch iterates its global hooks without a
-    lock, so clients training in threads of one process must not add and remove hooks while others step."""
-    with _handlers_lock:
-        found = {id(h): h for group in optimizer.param_groups for p in group["params"] if (h := _handlers.get(id(p)))}
-    for handler in found.values():
-        handler(optimizer)
-
-
-register_optimizer_step_pre_hook(_dispatch)
 
 
 def model_problems(model: torch.nn.Module) -> list[str]:
@@ -171,7 +151,7 @@ class DPSGDMod:
                 "build_model with privacy.dp.sgd.make_private_model (BatchNorm becomes GroupNorm)"
             )
         batch_size = instruction.config.batch_size
-        params = {id(p) for p in model.parameters() if p.requires_grad}
+        params = [p for p in model.parameters() if p.requires_grad]
         optimizers: dict[int, DPOptimizer] = {}
         steps = 0
 
@@ -198,16 +178,11 @@ class DPSGDMod:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "full backward hook will not fire" for modules without params
             hooked = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
-        with _handlers_lock:
-            _handlers.update(dict.fromkeys(params, privatize))
         try:
-            with warnings.catch_warnings():  # Opacus' hooks on a first layer whose input needs no gradient
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                reply = call_next(instruction)
+            with step_pre_handler(params, privatize, PRIVACY_ORDER), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")  # a first layer's input
+                reply = call_next(instruction)  # needs no gradient: Opacus' hooks say so
         finally:
-            with _handlers_lock:
-                for key in params:
-                    _handlers.pop(key, None)
             hooked._close()  # removes the hooks and the per-example gradients; the model is the task's again
         if steps == 0:
             raise fail("the task took no torch.optim optimizer step on the model's parameters")
