@@ -54,6 +54,7 @@ import functools
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -167,6 +168,17 @@ class ClientShard:
     client_id: str
     x: torch.Tensor
     y: torch.Tensor
+
+    @functools.cached_property
+    def x_run(self) -> RowRun | None:
+        """Where ``x`` lies in its storage (:func:`_row_run`), read once for the shard's life: a shard's tensors
+        are data, not re-pointed at other memory while it trains."""
+        return _row_run(self.x)
+
+    @functools.cached_property
+    def y_run(self) -> RowRun | None:
+        """Where ``y`` lies in its storage (:func:`_row_run`), read once for the shard's life."""
+        return _row_run(self.y)
 
 
 @dataclass(frozen=True)
@@ -755,8 +767,8 @@ def _rows(
     """
     counts = np.asarray(sizes, dtype=np.int64)
     present = [shard for shard, n in zip(shards, sizes, strict=True) if n]
-    xs = _one_storage([shard.x for shard in present], device)
-    ys = _one_storage([shard.y for shard in present], device)
+    xs = _one_storage([shard.x for shard in present], device, [shard.x_run for shard in present])
+    ys = _one_storage([shard.y for shard in present], device, [shard.y_run for shard in present])
     if xs is not None and ys is not None and xs[1] == ys[1]:
         firsts = np.zeros(len(sizes), dtype=np.int64)
         firsts[counts > 0] = xs[1]
@@ -766,36 +778,48 @@ def _rows(
     return x_all, y_all, np.cumsum(counts) - counts
 
 
-def _one_storage(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[int]] | None:
+RowRun = tuple[tuple[Any, ...], int]
+"""Where a tensor lies in its storage as a contiguous run of whole rows (:func:`_row_run`): ``(key, first row)``."""
+
+
+def _row_run(tensor: torch.Tensor) -> RowRun | None:
+    """``(key, first row)`` of ``tensor`` when it is a contiguous run of whole rows of its storage, outside autograd,
+    with ``key`` = (the storage's address and bytes, dtype, trailing shape, device): tensors of one key view one
+    storage as rows of one layout. None for any other tensor (strided, not row-aligned, requiring grad, of
+    zero-sized rows)."""
+    trailing = tensor.shape[1:]
+    row = math.prod(trailing)
+    if row == 0 or tensor.requires_grad or not tensor.is_contiguous():
+        return None
+    storage = tensor.untyped_storage()
+    offset, size = tensor.storage_offset(), storage.nbytes()
+    if offset % row or offset // row + tensor.shape[0] > size // (row * tensor.element_size()):
+        return None
+    # two storages may begin at one address (numpy views of one buffer): the bytes tell them apart
+    return (storage.data_ptr(), size, tensor.dtype, trailing, tensor.device), offset // row
+
+
+def _one_storage(
+    tensors: Sequence[torch.Tensor], device: torch.device, runs: Sequence[RowRun | None] | None = None
+) -> tuple[torch.Tensor, list[int]] | None:
     """A tensor of all the rows of the storage every one of ``tensors`` views, and each tensor's first row in it;
     None unless each is a contiguous run of whole rows of that one storage on ``device``, of one dtype and trailing
-    shape, outside autograd."""
+    shape, outside autograd (``runs``: the tensors' :func:`_row_run`, when the caller holds them already)."""
     if not tensors:
         return None
+    runs = runs if runs is not None else [_row_run(tensor) for tensor in tensors]
+    if runs[0] is None or runs[0][0][4] != device:
+        return None
+    key = runs[0][0]
+    firsts: list[int] = []
+    for run in runs:
+        if run is None or run[0] != key:
+            return None
+        firsts.append(run[1])
     first = tensors[0]
-    storage = first.untyped_storage()
     trailing = first.shape[1:]
     row = math.prod(trailing)
-    if row == 0 or first.device != device:
-        return None
-    pointer, size, row_bytes = storage.data_ptr(), storage.nbytes(), row * first.element_size()
-    rows = size // row_bytes
-    firsts: list[int] = []
-    for tensor in tensors:
-        other = tensor.untyped_storage()
-        if (
-            other.data_ptr() != pointer
-            or other.nbytes() != size  # two storages may begin at one address (numpy views of one buffer)
-            or tensor.dtype != first.dtype
-            or tensor.shape[1:] != trailing
-            or tensor.device != first.device
-            or tensor.requires_grad
-            or not tensor.is_contiguous()
-            or tensor.storage_offset() % row
-            or tensor.storage_offset() // row + tensor.shape[0] > rows
-        ):
-            return None
-        firsts.append(tensor.storage_offset() // row)
+    rows = key[1] // (row * first.element_size())
     strides = [row]
     for size in trailing:  # a row's contiguous strides
         strides.append(strides[-1] // size)
@@ -1103,6 +1127,7 @@ class BatchedPool(PoolWrapper):
         self._said_not_deferred = False
         self._models: dict[Key, nn.Module] = {}
         self._buffers = StackBuffers()  # on the CPU: each batch trains in the memory of the one before
+        self._shards: OrderedDict[str, tuple[SupervisedTask, ClientShard, str | None, Key]] = OrderedDict()
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[PoolReply]:
         """Fit instructions: trained in batches; one reply per client in instruction order, or with ``weigh`` a
@@ -1148,27 +1173,53 @@ class BatchedPool(PoolWrapper):
             self._models[key] = model
         return model
 
+    def _known(self, client_id: str) -> tuple[SupervisedTask, ClientShard, str | None, Key] | None:
+        """Client ``client_id``'s task, its data as a shard, what makes them unusable (or None) and its model's key:
+        read once for as long as the pool keeps the task (a later round's shard keeps where its rows lie,
+        :attr:`ClientShard.x_run`); None for a task that is not supervised (after :func:`check_batchable`, which
+        raises unless it is batchable)."""
+        task = self._pool.task(client_id)
+        known = self._shards.get(client_id)
+        if known is not None and known[0] is task:
+            if self._pool.max_tasks is not None:
+                self._shards.move_to_end(client_id)
+            return known
+        if not isinstance(task, SupervisedTask):
+            check_batchable(task)  # raises: names what the task lacks
+            return None
+        shard = ClientShard(client_id, *task.training_data())
+        known = (task, shard, _data_problem(shard.x, shard.y), (task.model_fn, task.loss_fn))
+        self._shards[client_id] = known
+        if self._pool.max_tasks is not None and len(self._shards) > self._pool.max_tasks:
+            self._shards.popitem(last=False)  # no data kept beyond the tasks the pool keeps
+        return known
+
     def _fit(self, items: Sequence[tuple[str, FitIns]]) -> Iterator[PoolReply]:
         replies: dict[str, Reply] = {}
         groups: dict[Key, list[tuple[str, FitIns, SupervisedTask]]] = {}
         shards: dict[str, ClientShard] = {}
+        settings: dict[int, int] = {}  # id of an instruction -> the first of the instructions of its settings
+        firsts: dict[Key, int] = {}
         for cid, ins in items:
             if ins.mods or ins.groups or ins.config.report_validation:
                 raise ConfigError(
                     f"round {ins.round}: client {cid!r} was sent client mods, tensor groups or report_validation, "
                     "which batched clients do not run" + _ADVICE
                 )
-            task = self._pool.task(cid)
-            if not isinstance(task, SupervisedTask):
-                check_batchable(task)  # raises: names what the task lacks
+            known = self._known(cid)
+            if known is None:
                 continue
-            shard = ClientShard(cid, *task.training_data())
-            if (problem := _data_problem(shard.x, shard.y)) is not None:
+            task, shard, problem, task_key = known
+            if problem is not None:
                 replies[cid] = Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=problem)
                 continue
             shards[cid] = shard
-            key = (task.model_fn, task.loss_fn, id(ins.parameters), ins.config, ins.seed, ins.round)
-            groups.setdefault(key, []).append((cid, ins, task))
+            same = settings.get(id(ins))
+            if same is None:  # the round loop sends one instruction to all: its settings are hashed once
+                same = settings[id(ins)] = firsts.setdefault(
+                    (id(ins.parameters), ins.config, ins.seed, ins.round), id(ins)
+                )
+            groups.setdefault((task_key, same), []).append((cid, ins, task))
         batches: list[FitBatchRes] = []
         for members in groups.values():
             per_client, batch = self._train_group(members, [shards[cid] for cid, *_ in members])

@@ -50,44 +50,98 @@ def all_virtual_clients(client_ids: Sequence[str], num_clients: int) -> list[str
     return list(client_ids)
 
 
-def on_device(
-    task: Task, device: torch.device, moved: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-) -> Task:
+def on_device(task: Task, device: torch.device, copies: DeviceCopies | None = None) -> Task:
     """``task`` with its data on ``device``: a :class:`~fedcore.supervised.SupervisedTask`'s ``train_data`` and
     ``test_data`` tensors copied there (``dataclasses.replace``); any other task as it is (it gets the model on the
     device and moves its own data).
 
     Args:
-        moved: copies already made, by the source tensor's ``id`` (source kept alive beside its copy), of which
-            the last :data:`MOVED_KEPT` are kept: tensors that tasks share, such as one test set that every
-            client evaluates on, go to the device once rather than once per client.
+        copies: the copies already made (:class:`DeviceCopies`), so that data the tasks share go to the device
+            once: one test set that every client evaluates on, and the dataset whose rows the clients' shards view.
     """
     if not isinstance(task, SupervisedTask):
         return task
-    copies = moved if moved is not None else OrderedDict()
-
-    def to(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device == device:
-            return tensor
-        entry = copies.get(id(tensor))
-        if entry is not None and entry[0] is tensor:
-            copies.move_to_end(id(tensor))
-            return entry[1]
-        copy = tensor.to(device)
-        copies[id(tensor)] = (tensor, copy)
-        while len(copies) > MOVED_KEPT:
-            copies.popitem(last=False)
-        return copy
+    moved = copies if copies is not None else DeviceCopies(device)
 
     def pair(data: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if data is None else (to(data[0]), to(data[1]))
+        return None if data is None else (moved.to(data[0]), moved.to(data[1]))
 
     return replace(task, train_data=pair(task.train_data), test_data=pair(task.test_data))
 
 
 MOVED_KEPT = 8
-"""How many tensors :func:`on_device` remembers having copied (a client's own shard is copied once anyway; a
-shared test set stays among the last few copied while tasks keep referring to it)."""
+"""How many tensors, and how many storages, :class:`DeviceCopies` remembers having copied (a client's own shard is
+copied once anyway; a shared test set, or the dataset the shards view, stays among the last few copied while tasks
+keep referring to it)."""
+
+STORAGE_FRACTION = 0.25
+"""The largest share of a GPU's free memory that :class:`DeviceCopies` fills with one storage that tensors view:
+a larger one is copied view by view."""
+
+
+class DeviceCopies:
+    """Copies of CPU tensors on ``device``, made once for the tasks that share them.
+
+    A tensor that views part of a larger storage (a client's shard of one dataset,
+    :meth:`simulations.tasks.PreparedData.shard`) is copied by copying that whole storage once and viewing the
+    copy with the tensor's own offset, shape and strides: every client's shard then views one storage on the
+    device as on the CPU, so the batched backend gathers a round's mini-batches out of it directly
+    (:func:`simulations.batched._one_storage`) instead of concatenating the clients' data each round, and a new
+    client costs no copy at all. On a GPU a storage larger than :data:`STORAGE_FRACTION` of the free memory is
+    copied view by view instead (only the clients' rows that are used go there). Any other tensor is copied as it
+    is, and the same tensor object gives the same copy while it is among the last :data:`MOVED_KEPT` copied.
+
+    Args:
+        device: where the copies go.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tensors: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        # (address, bytes) of a CPU storage -> (that storage, kept alive so the address is not reused; its copy as
+        # uint8 on the device)
+        self.storages: OrderedDict[tuple[int, int], tuple[torch.UntypedStorage, torch.Tensor]] = OrderedDict()
+
+    def to(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the device: itself when it is there already, else a copy (made once, see the class)."""
+        if tensor.device == self.device:
+            return tensor
+        storage = tensor.untyped_storage()
+        # a view of part of a larger storage (data: outside autograd, which a view of a copied storage leaves)
+        if storage.nbytes() > tensor.numel() * tensor.element_size() and not tensor.requires_grad:
+            view = self._view(tensor, storage)
+            if view is not None:
+                return view
+        entry = self.tensors.get(id(tensor))
+        if entry is not None and entry[0] is tensor:
+            self.tensors.move_to_end(id(tensor))
+            return entry[1]
+        copy = tensor.to(self.device)
+        self.tensors[id(tensor)] = (tensor, copy)
+        while len(self.tensors) > MOVED_KEPT:
+            self.tensors.popitem(last=False)
+        return copy
+
+    def _view(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor | None:
+        """``tensor`` as a view of the copy of its whole ``storage`` (copied on first use); None when the storage is
+        too large to copy whole (:data:`STORAGE_FRACTION`)."""
+        key = (storage.data_ptr(), storage.nbytes())
+        entry = self.storages.get(key)
+        if entry is not None:
+            self.storages.move_to_end(key)
+        else:
+            if (
+                self.device.type == "cuda"
+                and storage.nbytes() > STORAGE_FRACTION * torch.cuda.mem_get_info(self.device)[0]
+            ):
+                return None
+            entry = (storage, torch.empty(0, dtype=torch.uint8).set_(storage).to(self.device, copy=True))
+            self.storages[key] = entry
+            while len(self.storages) > MOVED_KEPT:
+                self.storages.popitem(last=False)
+        return torch.empty(0, dtype=tensor.dtype, device=self.device).set_(
+            entry[1].untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
 
 
 class InMemoryPool:
@@ -106,7 +160,8 @@ class InMemoryPool:
             bound keeps memory flat when tasks make their own data, e.g. generated on demand).
         device: where the clients train (None or the CPU: where the tasks put their data and models). Another
             device gets the shared model (:class:`client.runner.ModelCache`) and, once per task built, a
-            :class:`~fedcore.supervised.SupervisedTask`'s training and test tensors (:func:`on_device`).
+            :class:`~fedcore.supervised.SupervisedTask`'s training and test tensors (:func:`on_device`; the
+            dataset that the clients' shards view goes there once, :class:`DeviceCopies`).
     """
 
     def __init__(
@@ -132,8 +187,13 @@ class InMemoryPool:
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         # on the CPU the models stay where the tasks build them (a task may put its own on a GPU)
         self._models = ModelCache(self._device if self._device.type != "cpu" else None)
-        self._moved: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._moved = DeviceCopies(self._device)
         self._stages = stages if stages is not None else ClientStages()
+
+    @property
+    def max_tasks(self) -> int | None:
+        """The most clients' tasks kept built (None: every task built)."""
+        return self._max_tasks
 
     def available(self) -> list[str]:
         """All virtual clients are always available."""

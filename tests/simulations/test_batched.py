@@ -192,6 +192,42 @@ def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
             np.testing.assert_allclose(got.parameters[name], value, rtol=1e-5, atol=1e-5)
 
 
+def test_batched_pool_reads_a_clients_data_once_while_the_pool_keeps_its_task() -> None:
+    """Over three rounds: the same results as in-process each round, a bad client failing each round, each client's
+    data read from its task once while the pool keeps the task, and with a pool bounded to 2 tasks (rebuilt as they
+    are dropped), no more than 2 clients' data kept and the same results."""
+    generator = torch.Generator().manual_seed(1)
+    data = {
+        cid: (torch.randn(n, 12, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+        for cid, n in (("a", 9), ("b", 5), ("c", 7))
+    }
+    data["bad"] = (torch.randn(4, 12), torch.zeros(3, dtype=torch.long))
+    built: list[str] = []
+
+    def make(cid: str) -> SupervisedTask:
+        built.append(cid)
+        return SupervisedTask(model_fn=small_mlp, train_data=data[cid])
+
+    torch.manual_seed(3)
+    start = from_state_dict(small_mlp().state_dict())
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    for max_tasks in (None, 2):
+        built.clear()
+        batched = BatchedPool(InMemoryPool(list(data), make, max_tasks=max_tasks))
+        inprocess = InMemoryPool(list(data), lambda cid: SupervisedTask(model_fn=small_mlp, train_data=data[cid]))
+        for rnd in (1, 2, 3):
+            instructions = {cid: FitIns(round=rnd, parameters=start, config=config, seed=SEED) for cid in data}
+            got, want = list(batched.run(instructions)), list(inprocess.run(instructions))
+            assert [r.client_id for r in got] == ["a", "b", "c", "bad"]
+            assert isinstance(got[3], Failure) and "4 samples but y has 3" in got[3].reason
+            for one, other in zip(got[:3], want[:3], strict=True):
+                assert isinstance(one, FitRes) and isinstance(other, FitRes)
+                for name, value in other.parameters.items():
+                    np.testing.assert_allclose(one.parameters[name], value, rtol=1e-5, atol=1e-5)
+            assert len(batched._shards) == (4 if max_tasks is None else 2)
+        assert built == (list(data) if max_tasks is None else list(data) * 3)
+
+
 SMALL = [
     "data.dataset=digits",
     "data.num_clients=8",

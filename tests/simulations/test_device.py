@@ -7,7 +7,6 @@ tasks once for all; a process worker's own pool). The CUDA runs themselves are b
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +22,10 @@ from fedcore.messages import Failure
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TaskContext, TrainContext, TrainResult
 from fedcore.tensors import from_state_dict
+from simulations.batched import _one_storage
 from simulations.config import BackendConfig, load_recipe, training_device, worker_device
 from simulations.harness import run_simulation
-from simulations.inmemory import MOVED_KEPT, on_device
+from simulations.inmemory import MOVED_KEPT, DeviceCopies, InMemoryPool, on_device
 from tests.simulations.test_harness import tiny_task
 from tests.simulations.test_setup_refusals import _simulate
 
@@ -120,7 +120,7 @@ def _task(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, to
 def test_each_tasks_tensors_go_to_the_device_once_and_a_shared_test_set_once_for_all() -> None:
     meta = torch.device("meta")
     test = (torch.randn(50, 3), torch.randint(0, 2, (50,)))
-    moved: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+    moved = DeviceCopies(meta)
     shards = [(torch.randn(n, 3), torch.randint(0, 2, (n,))) for n in (4, 7, 0)]
     tasks = [on_device(_task(shard, test), meta, moved) for shard in shards]
     for task, (x, y) in zip(tasks, shards, strict=True):
@@ -140,12 +140,58 @@ def test_each_tasks_tensors_go_to_the_device_once_and_a_shared_test_set_once_for
     assert tasks[0].test_data[0] is tasks[2].test_data[0] and tasks[0].test_data[1] is tasks[2].test_data[1]
     for _ in range(MOVED_KEPT):
         on_device(_task((torch.randn(2, 3), torch.zeros(2, dtype=torch.long)), test), meta, moved)
-    assert len(moved) == MOVED_KEPT and id(test[0]) in moved and id(shards[0][0]) not in moved
+    assert len(moved.tensors) == MOVED_KEPT and id(test[0]) in moved.tensors and id(shards[0][0]) not in moved.tensors
+    assert not moved.storages  # each shard has its own storage
     # the source tensors are not changed, and a task already on the device is left as it is
     assert shards[0][0].device.type == "cpu"
     cpu_task = _task(shards[0], test)
-    same = on_device(cpu_task, torch.device("cpu"), moved)
+    same = on_device(cpu_task, torch.device("cpu"), DeviceCopies(torch.device("cpu")))
     assert same.train_data is not None and same.train_data[0] is shards[0][0]
+
+
+def test_shards_of_one_dataset_go_to_the_device_as_views_of_one_copy_of_it() -> None:
+    """The clients' shards view one dataset: the dataset is copied once and each shard's copy views that copy at the
+    shard's own rows, so that the batched backend reads them in place (``_one_storage``) as it does on the CPU."""
+    x = torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
+    y = torch.arange(40, dtype=torch.int64) % 5
+    bounds = [(0, 7), (7, 7), (7, 19), (19, 40)]  # one client without data
+    # the CPU stands in for another device: _view makes the copy that ``to`` makes for a GPU
+    copies = DeviceCopies(torch.device("cpu"))
+    moved = [(copies._view(x[a:b], x.untyped_storage()), copies._view(y[a:b], y.untyped_storage())) for a, b in bounds]
+    assert len(copies.storages) == 2  # x's storage and y's, once each
+    for (mx, my), (a, b) in zip(moved, bounds, strict=True):
+        assert mx is not None and my is not None
+        assert torch.equal(mx, x[a:b]) and torch.equal(my, y[a:b]) and mx.dtype == x.dtype and my.dtype == y.dtype
+        assert mx.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        assert mx.storage_offset() == 3 * a and mx.stride() == (3, 1)
+    found = _one_storage([mx for mx, _ in moved if mx is not None], torch.device("cpu"))
+    assert found is not None and found[1] == [a for a, _ in bounds] and torch.equal(found[0], x)
+    x[0, 0] = -1.0  # a copy: the source's later changes do not reach it
+    assert moved[0][0] is not None and float(moved[0][0][0, 0]) == 0.0
+    # a shard that is its own storage, or takes part in autograd, is copied as it is
+    whole = torch.randn(4, 3)
+    assert DeviceCopies(torch.device("meta")).to(whole).shape == (4, 3)
+    meta = DeviceCopies(torch.device("meta"))
+    meta.to(torch.randn(8, 3, requires_grad=True)[2:4])
+    assert not meta.storages and len(meta.tensors) == 1
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (bench/gpu_check.sh runs it)")
+def test_a_pools_clients_on_the_gpu_view_one_copy_of_the_dataset() -> None:
+    x = torch.randn(60, 3)
+    y = torch.randint(0, 2, (60,))
+    test = (torch.randn(5, 3), torch.randint(0, 2, (5,)))
+    ids = [str(k) for k in range(6)]
+    pool = InMemoryPool(
+        ids,
+        lambda cid: _task((x[10 * int(cid) : 10 * int(cid) + 10], y[10 * int(cid) : 10 * int(cid) + 10]), test),
+        device="cuda",
+    )
+    shards = [pool.task(cid).train_data for cid in ids]
+    assert all(s is not None for s in shards)
+    found = _one_storage([s[0] for s in shards if s is not None], torch.device("cuda", 0))
+    assert found is not None and found[1] == [0, 10, 20, 30, 40, 50]
+    assert torch.equal(found[0].cpu(), x)
 
 
 def test_a_task_that_is_not_supervised_is_left_to_move_its_own_data() -> None:
