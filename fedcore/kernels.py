@@ -28,6 +28,22 @@ def fold_block(total: np.ndarray, update: np.ndarray, weight: float) -> None:  #
         total[i] += weight * np.float64(update[i])
 
 
+@njit(nogil=True)
+def fold_rows(  # pragma: no cover - compiled
+    total: np.ndarray, rows: np.ndarray, index: np.ndarray, weights: np.ndarray
+) -> None:
+    """:func:`fold_block` of ``rows[index[k]]`` with ``weights[k]`` for each ``k`` in turn, in one call: ``total`` a
+    float64 vector, ``rows`` a 2-D float32/float64 array of rows of ``total``'s length, ``index`` int64 and
+    ``weights`` float64 of one length. Each element is summed in the same order with the same operations as by
+    those calls one by one, so the result has the same bits (a batch of 1,000 clients' rows folded without 1,000
+    calls from Python)."""
+    for k in range(index.size):
+        row = index[k]
+        weight = weights[k]
+        for i in range(total.size):
+            total[i] += weight * np.float64(rows[row, i])
+
+
 @njit(nogil=True, fastmath={"reassoc"})
 def all_finite(block: np.ndarray) -> bool:  # pragma: no cover - compiled
     """True when no element of the float32/float64 ``block`` is NaN or infinite.
@@ -216,6 +232,37 @@ def torch_randperms(  # pragma: no cover - compiled
                 z = i + np.int64(word % np.uint64(n - i))
                 out[position + i], out[position + z] = out[position + z], out[position + i]
             position += n
+
+
+@njit(nogil=True)
+def batch_rows(  # pragma: no cover - compiled
+    drawn: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    per_epoch: np.ndarray,
+    steps: np.ndarray,
+    firsts: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Lay the clients' shuffles out as the rows each client's mini-batch takes at each step: for client ``c`` with
+    ``counts[c]`` samples (its rows ``firsts[c] + i``), ``per_epoch[c] >= 1`` batches an epoch and ``steps[c]``
+    steps, whose permutations lie one epoch after another from ``drawn[starts[c]]``, step ``t`` takes positions
+    ``(t mod per_epoch[c]) * B + j`` of the permutation of epoch ``t div per_epoch[c]``, ``B = out.shape[2]``:
+    ``out[c, t, j] = firsts[c] + drawn[...]`` where that position is below ``counts[c]`` and ``t < steps[c]``, and
+    0 elsewhere (a partial batch's padding, never read). ``out`` is int64 ``(clients, width, B)``, every other
+    array int64 ``(clients,)`` except ``drawn``."""
+    clients, width, batch = out.shape
+    for c in range(clients):
+        n, per, first = counts[c], per_epoch[c], firsts[c]
+        for t in range(width):
+            if t >= steps[c]:
+                for j in range(batch):
+                    out[c, t, j] = 0
+                continue
+            position = (t % per) * batch
+            base = starts[c] + (t // per) * n + position
+            for j in range(batch):
+                out[c, t, j] = drawn[base + j] + first if position + j < n else 0
 
 
 def warm_up() -> None:

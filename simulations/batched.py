@@ -54,6 +54,7 @@ import functools
 import logging
 import math
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -68,7 +69,7 @@ from fedcore.aggregation import MeanAggregator
 from fedcore.aggregation.blocks import check_weight
 from fedcore.aggregation.weights import update_weight
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, NonFiniteError
-from fedcore.kernels import FUSED_DTYPES, all_finite, fold_block
+from fedcore.kernels import FUSED_DTYPES, all_finite, batch_rows, fold_rows
 from fedcore.messages import (
     Failure,
     FitBatchRes,
@@ -168,6 +169,17 @@ class ClientShard:
     client_id: str
     x: torch.Tensor
     y: torch.Tensor
+
+    @functools.cached_property
+    def layout(self) -> tuple[str | None, int, tuple[int, ...]]:
+        """``(problem, samples, trailing shape of x)``: what makes the data unusable (:func:`_data_problem`, None
+        when they are fine; then 0 and ``()``), the number of samples and the input shape per sample, read once
+        for the shard's life (a round reads them for every client)."""
+        x_shape, y_shape = self.x.shape, self.y.shape
+        problem = _shape_problem(x_shape, y_shape)
+        if problem is not None:
+            return problem, 0, ()
+        return None, int(x_shape[0]), tuple(x_shape[1:])
 
     @functools.cached_property
     def x_run(self) -> RowRun | None:
@@ -559,15 +571,40 @@ def _schedule(n: int, config: FitConfig) -> tuple[int, int]:
 
 
 def _fused_chain(
-    model: nn.Module, loss_fn: LossFn, config: FitConfig, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module,
+    loss_fn: LossFn,
+    config: FitConfig,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    sample: Callable[[], torch.Tensor],
 ) -> _LinearChain | None:
     """The fused path's chain for ``model`` when the round trains it with plain SGD (no momentum, weight decay or
-    mu) on cross-entropy with class-index targets (``y`` 1-D int64), checked on the samples ``x`` (a few of the
-    clients' own); else None."""
+    mu) on cross-entropy with class-index targets (``y`` 1-D int64), checked (:meth:`_LinearChain.detect`) on
+    ``sample()``, a few of the clients' inputs ``x``; else None.
+
+    The check's answer is kept for the model while its modules and parameters are the same objects and the inputs
+    of the same shape per sample and dtype (:data:`_CHAINS`): a round does not check again what the first checked.
+    """
     plain_sgd = config.momentum == 0 and config.weight_decay == 0 and config.mu == 0
-    if plain_sgd and loss_fn is nn.functional.cross_entropy and y.dtype == torch.int64 and y.dim() == 1:
-        return _LinearChain.detect(model, x.cpu())
-    return None
+    if not (plain_sgd and loss_fn is nn.functional.cross_entropy and y.dtype == torch.int64 and y.dim() == 1):
+        return None
+    key = (
+        tuple(x.shape[1:]),
+        x.dtype,
+        tuple(map(id, model.modules())),
+        tuple(map(id, model.parameters())),
+    )
+    checked = _CHAINS.setdefault(model, {})
+    if key not in checked:
+        if len(checked) >= 8:  # a model rebuilt in place again and again: only the latest answers are kept
+            checked.clear()
+        checked[key] = _LinearChain.detect(model, sample().cpu())
+    return checked[key]
+
+
+_CHAINS: weakref.WeakKeyDictionary[nn.Module, dict[Key, _LinearChain | None]] = weakref.WeakKeyDictionary()
+""":func:`_fused_chain`'s answers by model (dropped with the model), then by input shape, dtype and the model's
+module and parameter objects."""
 
 
 def _first_rows(x_all: torch.Tensor, firsts: np.ndarray, sizes: Sequence[int], count: int = 2) -> torch.Tensor:
@@ -648,12 +685,12 @@ def train_stack(
     reuse = buffers if device.type == "cpu" else None
     lengths: list[int] = []
     shapes: set[tuple[int, ...]] = set()
-    for shard in clients:  # one pass, each shape read once: this runs for every client of every batch
-        x_shape, y_shape = shard.x.shape, shard.y.shape
-        if (problem := _shape_problem(x_shape, y_shape)) is not None:
+    for shard in clients:  # one pass over the shards' layouts, each read once a shard
+        problem, length, trailing = shard.layout
+        if problem is not None:
             raise ClientTaskError(problem, client_id=shard.client_id, round=round)
-        lengths.append(int(x_shape[0]))
-        shapes.add(tuple(x_shape[1:]))
+        lengths.append(length)
+        shapes.add(trailing)
     if len(shapes) > 1:
         raise ClientTaskError(
             f"the clients' inputs differ in shape per sample ({', '.join(map(str, sorted(shapes)[:3]))}); batched "
@@ -679,7 +716,7 @@ def train_stack(
         index = _batch_index(shards, sizes, plans, config, firsts, seed=seed, round=round).to(device)
         reference = {n: global_parameters[n].to(device) for n in names} if config.mu > 0 else {}
         momentum = {n: _zeros(params[n], reuse, f"momentum:{n}") for n in names} if config.momentum != 0 else {}
-        fused = _fused_chain(model, loss_fn, config, _first_rows(x_all, firsts, sizes), y_all)
+        fused = _fused_chain(model, loss_fn, config, x_all, y_all, lambda: _first_rows(x_all, firsts, sizes))
         table = _step_sizes(sizes, plans, config.batch_size, num_steps)
         window = fused.deferral(params, config.batch_size) if fused is not None and defer_first_layer else 0
         deferred = _DeferredFirst(fused, params, x_all, index, table, reuse) if fused and window else None
@@ -867,22 +904,14 @@ def _batch_index(
     ``sizes`` and ``plans``: each shard's number of samples and :func:`_schedule`.
     """
     num_steps = max((steps for _, steps in plans), default=0)
-    batch = config.batch_size
-    index = torch.zeros(len(shards), num_steps, batch, dtype=torch.int64)
+    index = np.zeros((len(shards), num_steps, config.batch_size), dtype=np.int64)
     counts, per_epoch, steps = _plan_arrays(sizes, plans)
     epochs = -(-steps // per_epoch)  # ceil; 0 for a client without data
     drawn = epoch_permutations(derive_seeds(seed, round, each=[shard.client_id for shard in shards]), counts, epochs)
-    if not drawn.size:
-        return index
-    starts = np.cumsum(epochs * counts) - epochs * counts  # each client's first draw in ``drawn``
-    t = np.arange(num_steps)[None, :, None]
-    j = np.arange(batch)[None, None, :]
-    count, per = counts[:, None, None], per_epoch[:, None, None]
-    position = (t % per) * batch + j
-    taken = (t < steps[:, None, None]) & (position < count)
-    source = np.where(taken, starts[:, None, None] + (t // per) * count + position, 0)
-    rows = np.where(taken, drawn[source] + np.asarray(firsts)[:, None, None], 0)
-    return torch.from_numpy(rows.astype(np.int64))
+    if drawn.size:
+        starts = np.cumsum(epochs * counts) - epochs * counts  # each client's first draw in ``drawn``
+        batch_rows(drawn, starts, counts, per_epoch, steps, np.asarray(firsts, dtype=np.int64), index)
+    return torch.from_numpy(index)
 
 
 def _sgd_step(
@@ -1024,7 +1053,7 @@ class TrainedClients:
         > 0 (``weights`` in the order of :attr:`clients`; give 0 to leave a client out, e.g. one whose update is not
         finite: its values are never read). Each client's parameters are cast to float64 and the products summed in
         float64, as :meth:`fedcore.aggregation.WeightedMean.add` sums updates one by one: on the CPU by the same
-        kernel (:func:`fedcore.kernels.fold_block`) in the order of :attr:`clients`, so that a round trained as one
+        kernel (:func:`fedcore.kernels.fold_rows`) in the order of :attr:`clients`, so that a round trained as one
         batch sums to the very bits of one-by-one folding; on a device by one matrix-vector product per chunk of
         :data:`SUM_CHUNK_BYTES` (another order: relative differences of about 1e-16), and only the sum leaves the
         device. A parameter that is not trained adds ``(Σ_k weights[k]) · global``.
@@ -1036,9 +1065,23 @@ class TrainedClients:
             raise ClientTaskError(f"{len(weights)} weights for a batch of {len(self.clients)} clients; give one each")
         row_of = {position: row for row, position in enumerate(self.order)}
         taken = [(row_of[position], float(w)) for position, w in enumerate(weights) if w > 0]  # in client order
-        sums = {name: _weighted_rows(stacked, taken) for name, stacked in self.params.items()}
+        rows = np.fromiter((row for row, _ in taken), dtype=np.int64, count=len(taken))
+        w64 = np.fromiter((w for _, w in taken), dtype=np.float64, count=len(taken))
+        sums: dict[str, np.ndarray] = {}
+        on_device: dict[str, torch.Tensor] = {}
+        for name, stacked in self.params.items():
+            if _on_cpu_fused(stacked):
+                sums[name] = _weighted_rows(stacked, rows, w64)
+            else:
+                on_device[name] = _device_weighted_rows(stacked, rows, w64)
+        if on_device:  # one copy to the CPU for all of them, not one wait and copy per tensor
+            flat = torch.cat([t.reshape(-1) for t in on_device.values()]).cpu().numpy()
+            begin = 0
+            for name, t in on_device.items():
+                sums[name] = flat[begin : begin + t.numel()].reshape(tuple(t.shape))
+                begin += t.numel()
         total = 0.0
-        for _, w in taken:
+        for w in w64.tolist():
             total += w
         result: dict[str, np.ndarray] = {}
         for name, canonical in self.canonical.items():
@@ -1054,23 +1097,27 @@ def _on_cpu_fused(stacked: torch.Tensor) -> bool:
     return stacked.device.type == "cpu" and np.dtype(str(stacked.dtype).removeprefix("torch.")) in FUSED_DTYPES
 
 
-def _weighted_rows(stacked: torch.Tensor, taken: Sequence[tuple[int, float]]) -> np.ndarray:
-    """``Σ w · stacked[row]`` over ``taken`` (``(row, w)`` pairs, in the order summed), float64 on the CPU."""
+def _weighted_rows(stacked: torch.Tensor, rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``Σ weights[k] · stacked[rows[k]]``, summed in that order, float64: the CPU's, by the aggregator's kernel
+    (:func:`fedcore.kernels.fold_rows`, the bits of folding the rows one by one)."""
     flat = stacked.detach().reshape(stacked.shape[0], -1)
-    if _on_cpu_fused(stacked):
-        rows = flat.numpy()
-        out = np.zeros(rows.shape[1], dtype=np.float64)
-        for row, w in taken:
-            fold_block(out, rows[row], w)
-        return out.reshape(stacked.shape[1:])
-    index = torch.tensor([row for row, _ in taken], dtype=torch.int64, device=flat.device)
-    w64 = torch.tensor([w for _, w in taken], dtype=torch.float64, device=flat.device)
+    out = np.zeros(flat.shape[1], dtype=np.float64)
+    fold_rows(out, flat.numpy(), rows, weights)
+    return out.reshape(stacked.shape[1:])
+
+
+def _device_weighted_rows(stacked: torch.Tensor, rows: np.ndarray, weights: np.ndarray) -> torch.Tensor:
+    """``Σ weights[k] · stacked[rows[k]]`` where ``stacked`` lies, float64: a matrix-vector product per chunk of
+    :data:`SUM_CHUNK_BYTES` (another order than the CPU's: relative differences of about 1e-16)."""
+    flat = stacked.detach().reshape(stacked.shape[0], -1)
+    index = torch.from_numpy(rows).to(flat.device)
+    w64 = torch.from_numpy(weights).to(flat.device)
     total = torch.zeros(flat.shape[1], dtype=torch.float64, device=flat.device)
     chunk = max(1, SUM_CHUNK_BYTES // max(flat.shape[1] * 8, 1))
-    for begin in range(0, len(taken), chunk):
+    for begin in range(0, rows.size, chunk):
         part = flat.index_select(0, index[begin : begin + chunk]).double()
         total.addmv_(part.t(), w64[begin : begin + chunk])
-    return total.view(stacked.shape[1:]).cpu().numpy()
+    return total.view(stacked.shape[1:])
 
 
 Key = tuple[Any, ...]
@@ -1157,7 +1204,8 @@ class BatchedPool(PoolWrapper):
         if device.type != "cpu":
             return count
         x, y = task.training_data()
-        if _data_problem(x, y) is None and len(x) and _fused_chain(self._model(task), task.loss_fn, config, x[:2], y):
+        model = self._model(task)
+        if _data_problem(x, y) is None and len(x) and _fused_chain(model, task.loss_fn, config, x, y, lambda: x[:2]):
             model_bytes = sum(p.numel() * p.element_size() for p in parameters)
             return max(1, min(count, FUSED_STACK_BYTES // max(model_bytes, 1)))
         largest = max((p.numel() * p.element_size() for p in parameters), default=1)
@@ -1188,7 +1236,7 @@ class BatchedPool(PoolWrapper):
             check_batchable(task)  # raises: names what the task lacks
             return None
         shard = ClientShard(client_id, *task.training_data())
-        known = (task, shard, _data_problem(shard.x, shard.y), (task.model_fn, task.loss_fn))
+        known = (task, shard, shard.layout[0], (task.model_fn, task.loss_fn))
         self._shards[client_id] = known
         if self._pool.max_tasks is not None and len(self._shards) > self._pool.max_tasks:
             self._shards.popitem(last=False)  # no data kept beyond the tasks the pool keeps

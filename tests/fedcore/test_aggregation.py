@@ -376,3 +376,21 @@ def test_the_finite_kernel_finds_every_nan_and_infinity_wherever_it_is(dtype: ty
             block[position] = bad
             assert not all_finite(block), (bad, position)
             assert not all_finite(block[position:]) and all_finite(block[position + 1 :])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fold_rows_gives_the_bits_of_folding_each_row_in_turn(dtype: type) -> None:
+    """The batched backend's one call over a batch's rows against the aggregator's fold of one update at a time,
+    rows taken out of order and one twice, weights of very different sizes: the same float64 bits."""
+    from fedcore.kernels import fold_block, fold_rows
+
+    rng = np.random.default_rng(9)
+    rows = (rng.standard_normal((7, 1000)) * 10.0 ** rng.integers(-6, 6, size=(7, 1))).astype(dtype)
+    index = np.array([3, 0, 6, 3, 2], dtype=np.int64)
+    weights = np.array([60.0, 1e-3, 7.5, 1e6, 0.1])
+    one_by_one = np.zeros(1000)
+    for row, weight in zip(index, weights, strict=True):
+        fold_block(one_by_one, rows[row], float(weight))
+    together = np.zeros(1000)
+    fold_rows(together, rows, index, weights)
+    assert together.tobytes() == one_by_one.tobytes()

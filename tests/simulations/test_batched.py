@@ -351,6 +351,35 @@ def test_the_fused_path_takes_only_a_plain_perceptron() -> None:
     assert _LinearChain.detect(SmallCNN(), torch.randn(2, 1, 8, 8)) is None
 
 
+def test_a_models_fused_path_is_checked_once_until_its_modules_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train_stack asks whether a model is a plain perceptron once per model and input shape, not every round: the
+    answer is kept while the model's modules and parameters are the same objects, and asked again when they are
+    not (a layer replaced in place)."""
+    import simulations.batched as batched
+
+    checks: list[int] = []
+    detect = batched._LinearChain.detect
+
+    def counted(model: nn.Module, sample: torch.Tensor) -> batched._LinearChain | None:
+        checks.append(len(sample))
+        return detect(model, sample)
+
+    monkeypatch.setattr(batched._LinearChain, "detect", staticmethod(counted))
+    model = small_mlp()
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    clients = shards([5, 3], (12,))
+    first = train_stack(model, start, clients, config, seed=SEED, round=ROUND)
+    again = train_stack(model, start, clients, config, seed=SEED, round=ROUND + 1)
+    assert checks == [2]
+    assert first.train_loss().shape == again.train_loss().shape == (2,)
+    model.net[1] = nn.Linear(12, 8)  # another first layer object, of the same shape: asked again
+    train_stack(model, start, clients, config, seed=SEED, round=ROUND)
+    assert checks == [2, 2]
+    train_stack(model, start, clients, replace(config, momentum=0.9), seed=SEED, round=ROUND)
+    assert checks == [2, 2]  # momentum: not the fused path, nothing to ask
+
+
 def test_a_module_held_under_two_names_is_refused() -> None:
     """functional_call on a module registered twice (``self.b = self.a``) leaves a batched tensor in it, which broke
     the cached model's next use; tied parameters (``b.weight = a.weight``) are trained."""

@@ -124,3 +124,38 @@ def test_any_integer_seed_draws_torchs_stream_from_its_low_32_bits() -> None:
         np.testing.assert_array_equal(
             shuffle.epoch_permutations([seed], [count], [epochs]), _torch_draws([(torch_seed, count, epochs)])
         )
+
+
+def test_batch_rows_lays_each_clients_permutations_out_step_by_step() -> None:
+    """The compiled layout against the one-by-one loop's batches written out in Python: client c's step t takes
+    positions (t mod p) * B .. of its epoch-(t div p) permutation, offset by its first row; 0 past its steps or its
+    samples. Clients of 0, 1 and 23 samples, several epochs, a step cap, batch sizes 1 to 7."""
+    from fedcore.kernels import batch_rows
+
+    rng = random.Random(4)
+    for _ in range(40):
+        batch = rng.randint(1, 7)
+        counts = np.array([rng.choice([0, 1, 5, 23, rng.randint(0, 40)]) for _ in range(rng.randint(1, 6))])
+        per_epoch = np.maximum(-(-counts // batch), 1)
+        epochs = np.array([rng.randint(1, 3) if n else 0 for n in counts])
+        steps = np.array([min(p * e, rng.choice([p * e, 1, 2])) for p, e in zip(per_epoch, epochs, strict=True)])
+        epochs = -(-steps // per_epoch)
+        firsts = np.cumsum(counts) - counts + 100
+        starts = np.cumsum(epochs * counts) - epochs * counts
+        drawn = np.concatenate(
+            [
+                np.concatenate([rng.sample(range(n), n) for _ in range(e)] or [[]])
+                for n, e in zip(counts, epochs, strict=True)
+            ]
+        ).astype(np.int64)
+        width = int(steps.max()) + rng.randint(0, 2)
+        out = np.full((len(counts), width, batch), -1, dtype=np.int64)
+        batch_rows(drawn, starts, counts, per_epoch, steps, firsts, out)
+        for c, n in enumerate(counts):
+            for t in range(width):
+                for j in range(batch):
+                    position = (t % per_epoch[c]) * batch + j
+                    want = 0
+                    if t < steps[c] and position < n:
+                        want = firsts[c] + drawn[starts[c] + (t // per_epoch[c]) * n + position]
+                    assert out[c, t, j] == want, (c, t, j)
