@@ -5,7 +5,8 @@
 #
 # 0. fedcore simulate on the GPU (bench/simulation_gpu.py): client updates/s of issue 12's workload at 100 and
 #    1,000 clients a round, in-process and batched, and their models against the CPU's (FedProx, SCAFFOLD, FedAvgM
-#    with local momentum too); about 2 minutes;
+#    with local momentum too); about 2 minutes; then bench/simulation_host.py on the GPU (one torch thread, 10 rounds:
+#    wall time a batched round and updates/s, logistic regression and the 2NN), about 20 s;
 # 1. the CUDA equivalence tests (tests/engine/test_cuda.py): engine vs single-device CPU training in fp32,
 #    with torch.compile, and in bf16 autocast within the tolerance stated there; 2-GPU plans when 2 are visible;
 #    and the prefetching loader's CUDA path (tests/engine/test_loader.py: pinned batches copied on a side stream
@@ -53,6 +54,7 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 step "simulation on cuda" 300 "$PYTHON" bench/simulation_gpu.py --json "$OUT/simulation_gpu.json"
+step "batched round's host work on cuda" 120 "$PYTHON" bench/simulation_host.py --device cuda --rounds 10
 step "cuda equivalence tests" 300 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_cuda.py
 step "prefetching loader on cuda" 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_loader.py
 step "batched clients on cuda" 180 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/simulations/test_presum.py tests/simulations/test_device.py

