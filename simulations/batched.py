@@ -54,7 +54,6 @@ import functools
 import logging
 import math
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -69,7 +68,7 @@ from fedcore.aggregation import MeanAggregator
 from fedcore.aggregation.blocks import check_weight
 from fedcore.aggregation.weights import update_weight
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, NonFiniteError
-from fedcore.kernels import FUSED_DTYPES, all_finite, batch_rows, fold_rows
+from fedcore.kernels import all_finite, batch_rows, fold_rows
 from fedcore.messages import (
     Failure,
     FitBatchRes,
@@ -370,8 +369,8 @@ class _LinearChain:
             return None
         layers = [m for _, m in leaves if not isinstance(m, nn.Flatten)]
         names = [
-            (f"{name}.weight", f"{name}.bias" if m.bias is not None else None)
-            for name, m in leaves
+            (f"{prefix}weight", f"{prefix}bias" if m.bias is not None else None)
+            for prefix, m in ((f"{name}." if name else "", m) for name, m in leaves)  # "": the model is the Linear
             if isinstance(m, nn.Linear)
         ]
         with torch.no_grad():
@@ -577,34 +576,25 @@ def _fused_chain(
     x: torch.Tensor,
     y: torch.Tensor,
     sample: Callable[[], torch.Tensor],
+    checks: dict[Key, _LinearChain | None] | None = None,
 ) -> _LinearChain | None:
     """The fused path's chain for ``model`` when the round trains it with plain SGD (no momentum, weight decay or
     mu) on cross-entropy with class-index targets (``y`` 1-D int64), checked (:meth:`_LinearChain.detect`) on
     ``sample()``, a few of the clients' inputs ``x``; else None.
 
-    The check's answer is kept for the model while its modules and parameters are the same objects and the inputs
-    of the same shape per sample and dtype (:data:`_CHAINS`): a round does not check again what the first checked.
+    Args:
+        checks: where the check's answers for this model are kept, by the inputs' shape per sample and dtype, when
+            the caller never changes the model (:class:`BatchedPool`'s own models); None: checked at every call.
     """
     plain_sgd = config.momentum == 0 and config.weight_decay == 0 and config.mu == 0
     if not (plain_sgd and loss_fn is nn.functional.cross_entropy and y.dtype == torch.int64 and y.dim() == 1):
         return None
-    key = (
-        tuple(x.shape[1:]),
-        x.dtype,
-        tuple(map(id, model.modules())),
-        tuple(map(id, model.parameters())),
-    )
-    checked = _CHAINS.setdefault(model, {})
-    if key not in checked:
-        if len(checked) >= 8:  # a model rebuilt in place again and again: only the latest answers are kept
-            checked.clear()
-        checked[key] = _LinearChain.detect(model, sample().cpu())
-    return checked[key]
-
-
-_CHAINS: weakref.WeakKeyDictionary[nn.Module, dict[Key, _LinearChain | None]] = weakref.WeakKeyDictionary()
-""":func:`_fused_chain`'s answers by model (dropped with the model), then by input shape, dtype and the model's
-module and parameter objects."""
+    if checks is None:
+        return _LinearChain.detect(model, sample().cpu())
+    key = (tuple(x.shape[1:]), x.dtype)
+    if key not in checks:
+        checks[key] = _LinearChain.detect(model, sample().cpu())
+    return checks[key]
 
 
 def _first_rows(x_all: torch.Tensor, firsts: np.ndarray, sizes: Sequence[int], count: int = 2) -> torch.Tensor:
@@ -647,6 +637,7 @@ def train_stack(
     device: torch.device | str | None = None,
     buffers: StackBuffers | None = None,
     defer_first_layer: bool = False,
+    fused_checks: dict[Key, Any] | None = None,
 ) -> TrainedClients:
     """Train ``clients`` together for one round, each from ``global_parameters``, as
     :func:`fedcore.training.train_supervised` trains each alone (see the module docstring), and keep the trained
@@ -671,6 +662,9 @@ def train_stack(
             order, and so a client whose pre-activation lands within rounding of 0 can take the other side of a
             ReLU and end far more than 1e-5 from one-by-one training (see
             :class:`simulations.config.BackendConfig`).
+        fused_checks: a dict in which to keep whether ``model`` takes the fused path (a plain perceptron under
+            plain SGD), for a caller that trains the same model object again and never changes it (its modules, which
+            parameters train, or what its forward does); None: asked at every call, on a few of the clients' inputs.
 
     Returns:
         The trained clients (:class:`TrainedClients`), in the order of ``clients``.
@@ -716,7 +710,9 @@ def train_stack(
         index = _batch_index(shards, sizes, plans, config, firsts, seed=seed, round=round).to(device)
         reference = {n: global_parameters[n].to(device) for n in names} if config.mu > 0 else {}
         momentum = {n: _zeros(params[n], reuse, f"momentum:{n}") for n in names} if config.momentum != 0 else {}
-        fused = _fused_chain(model, loss_fn, config, x_all, y_all, lambda: _first_rows(x_all, firsts, sizes))
+        fused = _fused_chain(
+            model, loss_fn, config, x_all, y_all, lambda: _first_rows(x_all, firsts, sizes), fused_checks
+        )
         table = _step_sizes(sizes, plans, config.batch_size, num_steps)
         window = fused.deferral(params, config.batch_size) if fused is not None and defer_first_layer else 0
         deferred = _DeferredFirst(fused, params, x_all, index, table, reuse) if fused and window else None
@@ -834,6 +830,15 @@ def _row_run(tensor: torch.Tensor) -> RowRun | None:
         return None
     # two storages may begin at one address (numpy views of one buffer): the bytes tell them apart
     return (storage.data_ptr(), size, tensor.dtype, trailing, tensor.device), offset // row
+
+
+def _fingerprint(x: torch.Tensor, y: torch.Tensor) -> Key | None:
+    """What :attr:`ClientShard.layout`, :attr:`ClientShard.x_run` and :attr:`ClientShard.y_run` depend on besides
+    the tensors' identity: their addresses, shapes and strides (None for tensors that are not strided, which are read
+    anew each time)."""
+    if x.layout != torch.strided or y.layout != torch.strided:
+        return None
+    return (x.data_ptr(), y.data_ptr(), x.shape, y.shape, x.stride(), y.stride())
 
 
 def _one_storage(
@@ -1094,7 +1099,12 @@ class TrainedClients:
 
 def _on_cpu_fused(stacked: torch.Tensor) -> bool:
     """Whether a stacked tensor is on the CPU in a dtype the aggregator's numba kernels take."""
-    return stacked.device.type == "cpu" and np.dtype(str(stacked.dtype).removeprefix("torch.")) in FUSED_DTYPES
+    return stacked.device.type == "cpu" and stacked.dtype in _FUSED_TORCH_DTYPES
+
+
+_FUSED_TORCH_DTYPES = frozenset({torch.float32, torch.float64})
+"""The torch dtypes of :data:`fedcore.kernels.FUSED_DTYPES` (bfloat16, which numpy has no dtype for, and float16 take
+the device path's matrix-vector products)."""
 
 
 def _weighted_rows(stacked: torch.Tensor, rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -1174,7 +1184,8 @@ class BatchedPool(PoolWrapper):
         self._said_not_deferred = False
         self._models: dict[Key, nn.Module] = {}
         self._buffers = StackBuffers()  # on the CPU: each batch trains in the memory of the one before
-        self._shards: OrderedDict[str, tuple[SupervisedTask, ClientShard, str | None, Key]] = OrderedDict()
+        self._shards: OrderedDict[str, tuple[SupervisedTask, ClientShard, str | None, Key, Key | None]] = OrderedDict()
+        self._checks: dict[int, dict[Key, Any]] = {}  # id of a model of self._models -> _fused_chain's answers
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[PoolReply]:
         """Fit instructions: trained in batches; one reply per client in instruction order, or with ``weigh`` a
@@ -1205,7 +1216,12 @@ class BatchedPool(PoolWrapper):
             return count
         x, y = task.training_data()
         model = self._model(task)
-        if _data_problem(x, y) is None and len(x) and _fused_chain(model, task.loss_fn, config, x, y, lambda: x[:2]):
+        checks = self._checks.setdefault(id(model), {})
+        if (
+            _data_problem(x, y) is None
+            and len(x)
+            and _fused_chain(model, task.loss_fn, config, x, y, lambda: x[:2], checks)
+        ):
             model_bytes = sum(p.numel() * p.element_size() for p in parameters)
             return max(1, min(count, FUSED_STACK_BYTES // max(model_bytes, 1)))
         largest = max((p.numel() * p.element_size() for p in parameters), default=1)
@@ -1222,25 +1238,32 @@ class BatchedPool(PoolWrapper):
         return model
 
     def _known(self, client_id: str) -> tuple[SupervisedTask, ClientShard, str | None, Key] | None:
-        """Client ``client_id``'s task, its data as a shard, what makes them unusable (or None) and its model's key:
-        read once for as long as the pool keeps the task (a later round's shard keeps where its rows lie,
-        :attr:`ClientShard.x_run`); None for a task that is not supervised (after :func:`check_batchable`, which
-        raises unless it is batchable)."""
+        """Client ``client_id``'s task, its data as a shard, what makes them unusable (or None) and its model's key;
+        None for a task that is not supervised (after :func:`check_batchable`, which raises unless it is batchable).
+
+        The task gives its data every round (:meth:`~fedcore.supervised.SupervisedTask.training_data` may give
+        other tensors each time); the shard read before, with its layout and check (:attr:`ClientShard.layout`,
+        :attr:`ClientShard.x_run`), is used again while they are the same tensor objects with the same addresses,
+        shapes and strides (:func:`_fingerprint`): values changed in place are read anew anyway, a tensor resized
+        or re-pointed in place is read again as new."""
         task = self._pool.task(client_id)
-        known = self._shards.get(client_id)
-        if known is not None and known[0] is task:
-            if self._pool.max_tasks is not None:
-                self._shards.move_to_end(client_id)
-            return known
         if not isinstance(task, SupervisedTask):
             check_batchable(task)  # raises: names what the task lacks
             return None
-        shard = ClientShard(client_id, *task.training_data())
-        known = (task, shard, shard.layout[0], (task.model_fn, task.loss_fn))
-        self._shards[client_id] = known
+        x, y = task.training_data()
+        layout = _fingerprint(x, y)
+        known = self._shards.get(client_id)
+        if known is not None:
+            if self._pool.max_tasks is not None:
+                self._shards.move_to_end(client_id)
+            held, shard, problem, key, held_layout = known
+            if held is task and shard.x is x and shard.y is y and layout is not None and layout == held_layout:
+                return task, shard, problem, key
+        shard = ClientShard(client_id, x, y)
+        self._shards[client_id] = (task, shard, shard.layout[0], (task.model_fn, task.loss_fn), layout)
         if self._pool.max_tasks is not None and len(self._shards) > self._pool.max_tasks:
             self._shards.popitem(last=False)  # no data kept beyond the tasks the pool keeps
-        return known
+        return task, shard, shard.layout[0], (task.model_fn, task.loss_fn)
 
     def _fit(self, items: Sequence[tuple[str, FitIns]]) -> Iterator[PoolReply]:
         replies: dict[str, Reply] = {}
@@ -1301,6 +1324,7 @@ class BatchedPool(PoolWrapper):
                 device=self._device,
                 buffers=self._buffers,
                 defer_first_layer=self._defer_first_layer,
+                fused_checks=self._checks.setdefault(id(model), {}),  # the pool's models are built once, never changed
             )
             if self._defer_first_layer and not trained.deferred and not self._said_not_deferred:
                 self._said_not_deferred = True  # once a run

@@ -91,6 +91,10 @@ class DeviceCopies:
     copied view by view instead (only the clients' rows that are used go there). Any other tensor is copied as it
     is, and the same tensor object gives the same copy while it is among the last :data:`MOVED_KEPT` copied.
 
+    A storage is copied as it is when the first task that views it moves (again if it was reallocated since): a
+    task made later that writes into the shared rows of the CPU's copy, rather than into tensors of its own (as
+    the label attacks do), is not seen on the device.
+
     Args:
         device: where the copies go.
     """
@@ -98,18 +102,16 @@ class DeviceCopies:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.tensors: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        # (address, bytes) of a CPU storage -> (that storage, kept alive so the address is not reused; its copy as
-        # uint8 on the device)
-        self.storages: OrderedDict[tuple[int, int], tuple[torch.UntypedStorage, torch.Tensor]] = OrderedDict()
+        # id of a CPU storage (torch keeps one Python object per storage) -> (that storage, kept alive so the id is
+        # not reused; its address and bytes when copied; the copy, as uint8 on the device)
+        self.storages: OrderedDict[int, tuple[torch.UntypedStorage, tuple[int, int], torch.Tensor]] = OrderedDict()
 
     def to(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on the device: itself when it is there already, else a copy (made once, see the class)."""
         if tensor.device == self.device:
             return tensor
-        storage = tensor.untyped_storage()
-        # a view of part of a larger storage (data: outside autograd, which a view of a copied storage leaves)
-        if storage.nbytes() > tensor.numel() * tensor.element_size() and not tensor.requires_grad:
-            view = self._view(tensor, storage)
+        if _views_part(tensor):
+            view = self._view(tensor, tensor.untyped_storage())
             if view is not None:
                 return view
         entry = self.tensors.get(id(tensor))
@@ -125,23 +127,32 @@ class DeviceCopies:
     def _view(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor | None:
         """``tensor`` as a view of the copy of its whole ``storage`` (copied on first use); None when the storage is
         too large to copy whole (:data:`STORAGE_FRACTION`)."""
-        key = (storage.data_ptr(), storage.nbytes())
-        entry = self.storages.get(key)
-        if entry is not None:
-            self.storages.move_to_end(key)
-        else:
-            if (
-                self.device.type == "cuda"
-                and storage.nbytes() > STORAGE_FRACTION * torch.cuda.mem_get_info(self.device)[0]
-            ):
+        where = (storage.data_ptr(), storage.nbytes())
+        entry = self.storages.get(id(storage))
+        if entry is not None and entry[0] is storage and entry[1] == where:
+            self.storages.move_to_end(id(storage))
+        else:  # first seen, or reallocated in place since (resized): copied as it is now
+            if self.device.type == "cuda" and where[1] > STORAGE_FRACTION * torch.cuda.mem_get_info(self.device)[0]:
                 return None
-            entry = (storage, torch.empty(0, dtype=torch.uint8).set_(storage).to(self.device, copy=True))
-            self.storages[key] = entry
+            entry = (storage, where, torch.empty(0, dtype=torch.uint8).set_(storage).to(self.device, copy=True))
+            self.storages[id(storage)] = entry
             while len(self.storages) > MOVED_KEPT:
                 self.storages.popitem(last=False)
         return torch.empty(0, dtype=tensor.dtype, device=self.device).set_(
-            entry[1].untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+            entry[2].untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
         )
+
+
+def _views_part(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain strided view of part of a larger storage, outside autograd (which a view of a
+    copied storage would leave), with no lazy conjugate or negative bit (which it would drop)."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+    )
 
 
 class InMemoryPool:

@@ -4,7 +4,7 @@ clients of unequal sizes included; what cannot be batched is refused before a ro
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -228,6 +228,53 @@ def test_batched_pool_reads_a_clients_data_once_while_the_pool_keeps_its_task() 
         assert built == (list(data) if max_tasks is None else list(data) * 3)
 
 
+def test_batched_pool_reads_data_that_a_task_gives_anew_or_that_change_shape_in_place() -> None:
+    """What a round trains on is what the task gives that round, as in-process: a task whose ``training_data``
+    gives other tensors each round, and tensors resized in place between rounds (shrunk, grown, x and y then of
+    different lengths: that client fails alone). The pool's kept shard must not hide either."""
+    generator = torch.Generator().manual_seed(5)
+    current: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @dataclass(frozen=True, kw_only=True, eq=False)
+    class Fresh(SupervisedTask):  # gives the client's data of the moment
+        client: str = ""
+
+        def training_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+            return current[self.client]
+
+    placeholder = (torch.zeros(1, 12), torch.zeros(1, dtype=torch.long))
+    fresh = {cid: Fresh(model_fn=small_mlp, train_data=placeholder, client=cid) for cid in "ab"}
+    resized = {
+        cid: (torch.randn(9, 12, generator=generator), torch.randint(0, 3, (9,), generator=generator)) for cid in "cd"
+    }
+    tasks = {**fresh, **{cid: SupervisedTask(model_fn=small_mlp, train_data=d) for cid, d in resized.items()}}
+    batched = BatchedPool(InMemoryPool(list(tasks), tasks.__getitem__))
+    inprocess = InMemoryPool(list(tasks), tasks.__getitem__)
+    start = from_state_dict(small_mlp().state_dict())
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    for rnd, (c_rows, d_rows) in enumerate([(9, 9), (4, 20), (6, 6)], start=1):
+        for k, cid in enumerate("ab"):
+            n = 3 + rnd + k
+            current[cid] = (torch.randn(n, 12, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+        resized["c"][0].resize_(c_rows, 12).normal_(generator=generator)
+        resized["c"][1].resize_(c_rows).random_(0, 3, generator=generator)
+        resized["d"][0].resize_(d_rows, 12).normal_(generator=generator)
+        resized["d"][1].resize_(d_rows if rnd < 3 else d_rows - 1).random_(0, 3, generator=generator)
+        instructions = {cid: FitIns(round=rnd, parameters=start, config=config, seed=SEED) for cid in tasks}
+        got, want = list(batched.run(instructions)), list(inprocess.run(instructions))
+        assert [r.client_id for r in got] == list(tasks)
+        for one, other in zip(got, want, strict=True):
+            assert type(one) is type(other), (rnd, one, other)
+            if isinstance(other, Failure):
+                assert isinstance(one, Failure) and "6 samples but y has 5" in one.reason
+                continue
+            assert isinstance(one, FitRes) and isinstance(other, FitRes)
+            assert one.num_examples == other.num_examples
+            for name, value in other.parameters.items():
+                np.testing.assert_allclose(one.parameters[name], value, rtol=1e-5, atol=1e-5)
+    assert [r.client_id for r in got if isinstance(r, Failure)] == ["d"]
+
+
 SMALL = [
     "data.dataset=digits",
     "data.num_clients=8",
@@ -351,10 +398,12 @@ def test_the_fused_path_takes_only_a_plain_perceptron() -> None:
     assert _LinearChain.detect(SmallCNN(), torch.randn(2, 1, 8, 8)) is None
 
 
-def test_a_models_fused_path_is_checked_once_until_its_modules_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    """train_stack asks whether a model is a plain perceptron once per model and input shape, not every round: the
-    answer is kept while the model's modules and parameters are the same objects, and asked again when they are
-    not (a layer replaced in place)."""
+def test_the_fused_path_is_checked_once_per_model_of_a_pool_and_at_each_call_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether a model is a plain perceptron is asked once per model and input shape when the caller keeps the
+    answers (BatchedPool, whose models it builds itself and never changes), and at every call of train_stack
+    otherwise: a caller's model may change between calls (a parameter frozen, a layer skipped by an attribute)."""
     import simulations.batched as batched
 
     checks: list[int] = []
@@ -369,15 +418,46 @@ def test_a_models_fused_path_is_checked_once_until_its_modules_change(monkeypatc
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
     config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
     clients = shards([5, 3], (12,))
-    first = train_stack(model, start, clients, config, seed=SEED, round=ROUND)
-    again = train_stack(model, start, clients, config, seed=SEED, round=ROUND + 1)
+    kept: dict = {}
+    for _ in range(3):
+        train_stack(model, start, clients, config, seed=SEED, round=ROUND, fused_checks=kept)
     assert checks == [2]
-    assert first.train_loss().shape == again.train_loss().shape == (2,)
-    model.net[1] = nn.Linear(12, 8)  # another first layer object, of the same shape: asked again
-    train_stack(model, start, clients, config, seed=SEED, round=ROUND)
-    assert checks == [2, 2]
-    train_stack(model, start, clients, replace(config, momentum=0.9), seed=SEED, round=ROUND)
-    assert checks == [2, 2]  # momentum: not the fused path, nothing to ask
+    for _ in range(2):
+        train_stack(model, start, clients, config, seed=SEED, round=ROUND)
+    assert checks == [2, 2, 2]
+    model.net[1].bias.requires_grad_(False)  # now a frozen parameter: the general path, not a stale fused answer
+    frozen = train_stack(model, start, clients, config, seed=SEED, round=ROUND).updates()
+    assert all(torch.equal(u.parameters["net.1.bias"], start["net.1.bias"]) for u in frozen)
+    checks.clear()
+    data = {cid: (torch.randn(6, 12), torch.randint(0, 3, (6,))) for cid in "abc"}
+    pool = BatchedPool(InMemoryPool(list(data), lambda cid: SupervisedTask(model_fn=small_mlp, train_data=data[cid])))
+    for rnd in (1, 2, 3):
+        list(
+            pool.run(
+                {
+                    cid: FitIns(
+                        round=rnd, parameters=from_state_dict(small_mlp().state_dict()), config=config, seed=SEED
+                    )
+                    for cid in data
+                }
+            )
+        )
+    assert len(checks) == 1
+
+
+def test_a_model_that_is_one_linear_layer_trains_on_the_fused_path() -> None:
+    """The fused path names a model's Linear weights by their module's name; a model that is itself the Linear has
+    them at the top ("weight", "bias"), which once raised KeyError('.weight')."""
+    torch.manual_seed(0)
+    model = nn.Linear(12, 3)
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    clients = shards([5, 3], (12,))
+    together = train_stack(model, start, clients, config, seed=SEED, round=ROUND).updates()
+    alone = one_by_one(lambda: nn.Linear(12, 3), clients, config, start)
+    for got, (want, _) in zip(together, alone, strict=True):
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(got.parameters[name], want[name], rtol=1e-5, atol=1e-6)
 
 
 def test_a_module_held_under_two_names_is_refused() -> None:
@@ -641,3 +721,21 @@ def test_views_and_copies_agree_on_odd_storages() -> None:
     later = ClientShard("b", torch.from_numpy(buffer)[40:50], torch.from_numpy(labels)[40:50])  # same address, 60
     assert first.x.untyped_storage().data_ptr() == later.x.untyped_storage().data_ptr()
     same([first, later])
+
+
+def test_a_bfloat16_batch_sums_its_updates() -> None:
+    """A stack of a dtype the CPU kernels do not take (bfloat16, which numpy has no dtype for) is summed by the
+    matrix-vector path; that once raised TypeError asking numpy for a 'bfloat16' dtype."""
+    torch.manual_seed(1)
+    model = small_mlp().to(torch.bfloat16)
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    clients = [ClientShard(s.client_id, s.x.to(torch.bfloat16), s.y) for s in shards([6, 4], (12,))]
+    trained = train_stack(
+        model, start, clients, FitConfig(local_epochs=1, batch_size=4, lr=0.1), seed=SEED, round=ROUND
+    )
+    total = trained.weighted_sum([1.0, 2.5])
+    updates = trained.updates()
+    for name, value in total.items():
+        want = sum(w * updates[k].parameters[name].double() for k, w in enumerate([1.0, 2.5]))
+        assert value.dtype == np.float64
+        np.testing.assert_allclose(value, want.numpy(), rtol=1e-12, atol=0)

@@ -25,7 +25,7 @@ from fedcore.tensors import from_state_dict
 from simulations.batched import _one_storage
 from simulations.config import BackendConfig, load_recipe, training_device, worker_device
 from simulations.harness import run_simulation
-from simulations.inmemory import MOVED_KEPT, DeviceCopies, InMemoryPool, on_device
+from simulations.inmemory import MOVED_KEPT, DeviceCopies, InMemoryPool, _views_part, on_device
 from tests.simulations.test_harness import tiny_task
 from tests.simulations.test_setup_refusals import _simulate
 
@@ -168,6 +168,15 @@ def test_shards_of_one_dataset_go_to_the_device_as_views_of_one_copy_of_it() -> 
     assert found is not None and found[1] == [a for a, _ in bounds] and torch.equal(found[0], x)
     x[0, 0] = -1.0  # a copy: the source's later changes do not reach it
     assert moved[0][0] is not None and float(moved[0][0][0, 0]) == 0.0
+    # a storage reallocated in place (resized) since it was copied is copied again, as it is now: not the old copy,
+    # nor another storage that took its old address
+    y.resize_(4000).fill_(3)
+    again = copies._view(y[10:20], y.untyped_storage())
+    assert again is not None and torch.equal(again, torch.full((10,), 3)) and len(copies.storages) == 2
+    # what a view of a copied storage cannot carry is copied as it is: a lazy conjugate, a sparse tensor
+    z = torch.randn(8, dtype=torch.complex64)
+    assert not _views_part(z[2:5].conj()) and not _views_part(z[2:5]._neg_view())
+    assert _views_part(z[2:5]) and not _views_part(torch.eye(4).to_sparse()) and not _views_part(z)
     # a shard that is its own storage, or takes part in autograd, is copied as it is
     whole = torch.randn(4, 3)
     assert DeviceCopies(torch.device("meta")).to(whole).shape == (4, 3)
