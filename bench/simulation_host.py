@@ -87,8 +87,8 @@ def measure(args: argparse.Namespace, model: str, per_round: int, device: str) -
         workload = argparse.Namespace(**{**vars(args), "model": model, "per_round": per_round})
         with tempfile.TemporaryDirectory() as out:
             config = recipe(workload, Path(out))
-            if device != "cpu":
-                config = replace(config, simulation=replace(config.simulation, device=device))
+            # always given: the recipe's default, auto, would take a GPU where one is visible even for --device cpu
+            config = replace(config, simulation=replace(config.simulation, device=device))
             run_fedcore(config, "batched", threads=1)
     finally:
         round_loop.release_memory = release
