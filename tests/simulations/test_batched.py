@@ -19,7 +19,7 @@ from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TrainResult
 from fedcore.tensors import from_state_dict
 from fedcore.training import train_supervised
-from simulations.batched import BatchedPool, ClientShard, check_batchable, train_stack
+from simulations.batched import BatchedPool, ClientShard, StackBuffers, check_batchable, train_stack
 from simulations.config import load_recipe
 from simulations.harness import run_simulation
 from simulations.inmemory import InMemoryPool
@@ -757,3 +757,30 @@ def test_what_the_pool_keeps_of_each_clients_data_leaves_the_round_end_collectio
         gc.collect()
     assert not any(gc.is_tracked(read) for read in kept) and not any(gc.is_tracked(p) for p in prints)
     assert kept[1][:3] == (None, 10, (3, 2)) and kept[1][3] is not None and kept[1][3][1] == 10
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2_500, 7_000])
+def test_the_fused_path_in_cache_sized_chunks_gives_the_bits_of_one_chunk(
+    monkeypatch: pytest.MonkeyPatch, chunk_bytes: int
+) -> None:
+    """On the CPU the fused path takes the clients a chunk at a time through all their steps (FUSED_CHUNK_BYTES):
+    clients of unequal sizes (chunks that end after different step counts, an empty client, E=2 and a step cap
+    mid-epoch) train to the very bits of one chunk, and their losses too; and within 1e-5 of one by one."""
+    import simulations.batched as batched
+
+    config = FitConfig(local_epochs=2, batch_size=4, lr=0.1, max_steps=7)
+    clients = shards([23, 0, 7, 10, 3, 23, 16, 1, 9], (12,))
+    torch.manual_seed(4)
+    start = {n: t.detach().clone() for n, t in small_mlp().state_dict().items()}
+    whole = train_stack(small_mlp(), start, clients, config, seed=SEED, round=ROUND, buffers=StackBuffers())
+    want = [u.parameters for u in whole.updates()]
+    want_loss = whole.train_loss()
+    monkeypatch.setattr(batched, "FUSED_CHUNK_BYTES", chunk_bytes)  # 1, 2 and 6 clients a chunk
+    chunked = train_stack(small_mlp(), start, clients, config, seed=SEED, round=ROUND, buffers=StackBuffers())
+    assert np.array_equal(chunked.train_loss(), want_loss, equal_nan=True)
+    for got, expected in zip(chunked.updates(), want, strict=True):
+        for name, value in expected.items():
+            assert torch.equal(got.parameters[name], value), name
+    for got, (alone, _) in zip(chunked.updates(), one_by_one(small_mlp, clients, config, start), strict=True):
+        for name, value in alone.items():
+            torch.testing.assert_close(got.parameters[name], value, rtol=1e-5, atol=1e-6)
