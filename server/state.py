@@ -150,12 +150,17 @@ def write_history(path: str | os.PathLike[str], rows: Sequence[Mapping[str, obje
         with tmp.open("w", newline="") as fh:
             writer = csv.writer(fh, lineterminator="\n")
             writer.writerow(columns)
-            writer.writerows([_cell(row.get(column)) for column in columns] for row in rows)
+            writer.writerows(_cells(row, columns) for row in rows)
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _cells(row: Mapping[str, object], columns: Sequence[str]) -> list[str]:
+    """One history row's CSV cells, in ``columns``' order (empty where the round has no value)."""
+    return [_cell(row.get(column)) for column in columns]
 
 
 class HistoryFile:
@@ -196,7 +201,7 @@ class HistoryFile:
             return
         self.rows.append(row)
         line = io.StringIO()
-        csv.writer(line, lineterminator="\n").writerow([_cell(row.get(column)) for column in self._columns])
+        csv.writer(line, lineterminator="\n").writerow(_cells(row, self._columns))
         try:
             with self.path.open("a", newline="") as fh:
                 fh.write(line.getvalue())  # one write: a process killed around it leaves the line whole or absent

@@ -68,7 +68,7 @@ from fedcore.aggregation import MeanAggregator
 from fedcore.aggregation.blocks import check_weight
 from fedcore.aggregation.weights import update_weight
 from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, NonFiniteError
-from fedcore.kernels import all_finite, batch_rows, fold_rows
+from fedcore.kernels import FUSED_DTYPES, all_finite, batch_rows, fold_rows
 from fedcore.messages import (
     Failure,
     FitBatchRes,
@@ -597,12 +597,13 @@ def _fused_chain(
     plain_sgd = config.momentum == 0 and config.weight_decay == 0 and config.mu == 0
     if not (plain_sgd and loss_fn is nn.functional.cross_entropy and y.dtype == torch.int64 and y.dim() == 1):
         return None
-    if checks is None:
-        return _LinearChain.detect(model, sample().cpu())
     key = (tuple(x.shape[1:]), x.dtype)
-    if key not in checks:
-        checks[key] = _LinearChain.detect(model, sample().cpu())
-    return checks[key]
+    if checks is not None and key in checks:
+        return checks[key]
+    chain = _LinearChain.detect(model, sample().cpu())
+    if checks is not None:
+        checks[key] = chain
+    return chain
 
 
 def _first_rows(x_all: torch.Tensor, firsts: np.ndarray, sizes: Sequence[int], count: int = 2) -> torch.Tensor:
@@ -612,7 +613,7 @@ def _first_rows(x_all: torch.Tensor, firsts: np.ndarray, sizes: Sequence[int], c
     return x_all.index_select(0, torch.tensor(rows, dtype=torch.int64, device=x_all.device))
 
 
-def _plan_arrays(sizes: Sequence[int], plans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _plan_arrays(sizes: Sequence[int], plans: Sequence[tuple[int, int]]) -> PlanArrays:
     """The clients' sample counts, batches per epoch (at least 1, so a client without data divides safely) and steps,
     as ``(clients,)`` int64 arrays; ``sizes`` and ``plans`` are the counts and :func:`_schedule`."""
     count = len(sizes)
@@ -622,11 +623,14 @@ def _plan_arrays(sizes: Sequence[int], plans: Sequence[tuple[int, int]]) -> tupl
     return n, per_epoch, steps
 
 
-def _step_sizes(sizes: Sequence[int], plans: Sequence[tuple[int, int]], batch_size: int, width: int) -> np.ndarray:
+PlanArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+""":func:`_plan_arrays`: the clients' sample counts, batches per epoch and steps."""
+
+
+def _step_sizes(arrays: PlanArrays, batch_size: int, width: int) -> np.ndarray:
     """``(clients, width)`` int64: each client's batch size at each step, as the one-by-one loop takes its batches
-    (the last batch of an epoch holds the rest), and 0 from its last step on; ``sizes`` and ``plans`` are the
-    clients' sample counts and :func:`_schedule`."""
-    n, per_epoch, steps = _plan_arrays(sizes, plans)
+    (the last batch of an epoch holds the rest), and 0 from its last step on; ``arrays``: :func:`_plan_arrays`."""
+    n, per_epoch, steps = arrays
     step = np.arange(width, dtype=np.int64)[None, :]
     last_of_epoch = step % per_epoch[:, None] == per_epoch[:, None] - 1
     table = np.where(last_of_epoch, (n - (per_epoch - 1) * batch_size)[:, None], batch_size)
@@ -715,13 +719,14 @@ def train_stack(
     deferred: _DeferredFirst | None = None
     if num_steps:
         x_all, y_all, firsts = _rows(shards, sizes, device, reuse, [reads[i] for i in order])
-        index = _batch_index(shards, sizes, plans, config, firsts, seed=seed, round=round).to(device)
+        arrays = _plan_arrays(sizes, plans)  # read by the index and the step table
+        index = _batch_index(shards, arrays, config, firsts, seed=seed, round=round).to(device)
         reference = {n: global_parameters[n].to(device) for n in names} if config.mu > 0 else {}
         momentum = {n: _zeros(params[n], reuse, f"momentum:{n}") for n in names} if config.momentum != 0 else {}
         fused = _fused_chain(
             model, loss_fn, config, x_all, y_all, lambda: _first_rows(x_all, firsts, sizes), fused_checks
         )
-        table = _step_sizes(sizes, plans, config.batch_size, num_steps)
+        table = _step_sizes(arrays, config.batch_size, num_steps)
         window = fused.deferral(params, config.batch_size) if fused is not None and defer_first_layer else 0
         deferred = _DeferredFirst(fused, params, x_all, index, table, reuse) if fused and window else None
         # on the CPU the fused path takes the clients a cache-sized chunk at a time through all their steps, so that a
@@ -921,8 +926,7 @@ def _gather(source: torch.Tensor, rows: torch.Tensor, buffers: StackBuffers | No
 
 def _batch_index(
     shards: Sequence[ClientShard],
-    sizes: Sequence[int],
-    plans: Sequence[tuple[int, int]],
+    arrays: PlanArrays,
     config: FitConfig,
     firsts: np.ndarray,
     *,
@@ -937,11 +941,10 @@ def _batch_index(
     The draws are the one-by-one loop's (:func:`simulations.shuffle.epoch_permutations`, every client's in one
     call), and the index is laid out for all clients at once: step ``t`` of a client with ``n`` samples and ``p``
     batches an epoch takes positions ``(t mod p) * batch_size + j`` of its permutation for epoch ``t div p``.
-    ``sizes`` and ``plans``: each shard's number of samples and :func:`_schedule`.
+    ``arrays``: the shards' :func:`_plan_arrays`.
     """
-    num_steps = max((steps for _, steps in plans), default=0)
-    index = np.zeros((len(shards), num_steps, config.batch_size), dtype=np.int64)
-    counts, per_epoch, steps = _plan_arrays(sizes, plans)
+    counts, per_epoch, steps = arrays
+    index = np.zeros((len(shards), int(steps.max(initial=0)), config.batch_size), dtype=np.int64)
     epochs = -(-steps // per_epoch)  # ceil; 0 for a client without data
     drawn = epoch_permutations(derive_seeds(seed, round, each=[shard.client_id for shard in shards]), counts, epochs)
     if drawn.size:
@@ -1033,10 +1036,11 @@ class TrainedClients:
         seen in it); NaN for a client without data."""
         values = self.losses.double().numpy()
         count, width = values.shape
-        _, per_epoch, steps = _plan_arrays(self.sizes, self.plans)
+        arrays = _plan_arrays(self.sizes, self.plans)
+        _, per_epoch, steps = arrays
         # each row's batch sizes over the steps of its last epoch begun, 0 elsewhere
         first = np.maximum(steps - 1, 0) // per_epoch * per_epoch
-        size = _step_sizes(self.sizes, self.plans, self.config.batch_size, width)
+        size = _step_sizes(arrays, self.config.batch_size, width)
         size = np.where(np.arange(width)[None, :] >= first[:, None], size, 0)
         # summed step by step in float64, left to right, as the one-by-one loop sums ``loss * batch``
         terms = np.where(size > 0, values, 0.0) * size  # a step outside the last epoch adds exactly 0.0
@@ -1133,7 +1137,7 @@ def _on_cpu_fused(stacked: torch.Tensor) -> bool:
     return stacked.device.type == "cpu" and stacked.dtype in _FUSED_TORCH_DTYPES
 
 
-_FUSED_TORCH_DTYPES = frozenset({torch.float32, torch.float64})
+_FUSED_TORCH_DTYPES = frozenset(getattr(torch, dtype.name) for dtype in FUSED_DTYPES)
 """The torch dtypes of :data:`fedcore.kernels.FUSED_DTYPES` (bfloat16, which numpy has no dtype for, and float16 take
 the device path's matrix-vector products)."""
 
