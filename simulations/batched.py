@@ -714,7 +714,11 @@ def train_stack(
     batched.to(device)
     names = list(batched.trainable)
     count = len(shards)
-    params = {n: _stacked(global_parameters[n].to(device), count, reuse, f"param:{n}") for n in names}
+    initial = {n: global_parameters[n].to(device) for n in names}
+    # on the CPU each chunk's rows get the global model just before the chunk's first step (below), written where
+    # that step reads them, in cache; elsewhere all rows now
+    by_chunk = reuse is not None and num_steps > 0
+    params = {n: _stacked(initial[n], count, reuse, f"param:{n}", fill=not by_chunk) for n in names}
     losses = torch.zeros(count, max(num_steps, 1), dtype=torch.float32, device=device)
     deferred: _DeferredFirst | None = None
     if num_steps:
@@ -735,6 +739,9 @@ def train_stack(
         cached = fused is not None and deferred is None and reuse is not None
         chunk = _fused_chunk(params, x_all, config.batch_size, count) if cached else count
         for lo in range(0, count, chunk):
+            if by_chunk:
+                for n, stacked in params.items():
+                    stacked[lo : lo + chunk].copy_(initial[n].expand_as(stacked[lo : lo + chunk]))
             for step in range(num_steps):
                 column = table[lo : lo + chunk, step]  # the clients still training are a prefix (largest first)
                 active = int(np.count_nonzero(column))
@@ -801,12 +808,16 @@ def _shape_problem(x_shape: torch.Size, y_shape: torch.Size) -> str | None:
     return None
 
 
-def _stacked(tensor: torch.Tensor, count: int, buffers: StackBuffers | None, key: str) -> torch.Tensor:
-    """``count`` copies of ``tensor`` stacked along a new leading dimension (in ``buffers`` when given)."""
+def _stacked(
+    tensor: torch.Tensor, count: int, buffers: StackBuffers | None, key: str, *, fill: bool = True
+) -> torch.Tensor:
+    """``count`` copies of ``tensor`` stacked along a new leading dimension (in ``buffers`` when given; with ``fill``
+    False, the memory in ``buffers`` is returned as it is, for the caller to fill)."""
     stacked = tensor.expand(count, *tensor.shape)
     if buffers is None:
         return stacked.clone()
-    return buffers.take(key, stacked.shape, tensor.dtype).copy_(stacked)
+    held = buffers.take(key, stacked.shape, tensor.dtype)
+    return held.copy_(stacked) if fill else held
 
 
 def _zeros(like: torch.Tensor, buffers: StackBuffers | None, key: str) -> torch.Tensor:
