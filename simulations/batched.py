@@ -428,9 +428,11 @@ class _LinearChain:
                 h = torch.relu(h)
                 inputs.append(h)
         batch = y.shape[1]
-        losses = (torch.logsumexp(h, -1) - h.gather(-1, y.unsqueeze(-1)).squeeze(-1)).mean(1)
-        delta = torch.softmax(h, -1)
-        delta.scatter_add_(-1, y.unsqueeze(-1), torch.full_like(delta[..., :1], -1.0)).div_(batch)
+        target = y.unsqueeze(-1)
+        log_p = torch.log_softmax(h, -1)  # as cross-entropy computes it
+        losses = log_p.gather(-1, target).squeeze(-1).mean(1).neg_()
+        delta = log_p.exp_()  # softmax, as log_softmax's backward takes it
+        delta.scatter_add_(-1, target, torch.full_like(delta[..., :1], -1.0)).div_(batch)
         linear_back = iter(reversed(self.names))
         for index in range(len(self.layers) - 1, -1, -1):
             layer, below = self.layers[index], inputs[index]
@@ -446,7 +448,7 @@ class _LinearChain:
                     break
                 delta = grad_in
             else:
-                delta = delta.mul_(below > 0)
+                delta = torch.ops.aten.threshold_backward(delta, below, 0.0)  # autograd's ReLU backward (0 at 0)
         return losses, None
 
     def deferral(self, params: Mapping[str, torch.Tensor], batch_size: int) -> int:
