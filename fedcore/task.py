@@ -302,7 +302,14 @@ def load_task_factory(spec: str) -> TaskFactory:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"cannot import task module {module_name!r}: {exc}") from exc
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name is not None
+        if missing and (module_name == exc.name or module_name.startswith(f"{exc.name}.")):  # not found itself
+            raise ConfigError(
+                f"cannot import task module {module_name!r}: {exc}. Install the package that holds it (pip install), "
+                "or put the directory that holds it on PYTHONPATH (e.g. PYTHONPATH=. for a module in the current "
+                "directory), for the server and for each client daemon"
+            ) from exc
+        raise ConfigError(f"cannot import task module {module_name!r}: importing it raised {exc!r}") from exc
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise ConfigError(f"{module_name!r} has no callable {attr!r}; a task factory takes a TaskContext")

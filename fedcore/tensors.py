@@ -96,6 +96,13 @@ def check_finite(
             )
 
 
+SAME_MODEL = (
+    "The client must train the same model architecture as the server (client daemons: start them with the server's "
+    "--task and --task-option values)."
+)
+"""The advice of :func:`check_spec`'s name and shape mismatches."""
+
+
 def check_spec(
     arrays: Mapping[str, np.ndarray],
     expected: Sequence[TensorSpec],
@@ -110,8 +117,7 @@ def check_spec(
     want = {s.name: s for s in expected}
     if mismatch := name_mismatch(arrays, want):
         raise PayloadError(
-            f"tensor names do not match the global model: {mismatch}. "
-            "The client must train the same model architecture as the server.",
+            f"tensor names do not match the global model: {mismatch}. {SAME_MODEL}",
             round=round,
             client_id=client_id,
         )
@@ -119,7 +125,7 @@ def check_spec(
         array = arrays[name]
         if tuple(array.shape) != spec.shape:
             raise PayloadError(
-                f"tensor {_name(name)} has shape {tuple(array.shape)}, expected {spec.shape}.",
+                f"tensor {_name(name)} has shape {tuple(array.shape)}, expected {spec.shape}. {SAME_MODEL}",
                 round=round,
                 client_id=client_id,
             )

@@ -662,8 +662,8 @@ def _fit_round(
         except FedcoreError as exc:
             if attempt == config.max_round_attempts:
                 raise RoundFailed(
-                    f"round failed after {attempt} attempt(s): {exc.message}. The global model stays at round "
-                    f"{state.round}; check the failing clients' logs, lower the quorum, or raise the deadline.",
+                    f"round failed after {attempt} attempt(s): {exc.message.rstrip('.')}. The global model stays at "
+                    f"round {state.round}; check the failing clients' logs, lower the quorum, or raise the deadline.",
                     round=rnd,
                 ) from exc
             log.warning("round %d attempt %d failed (%s); retrying with a fresh selection", rnd, attempt, exc)

@@ -137,6 +137,25 @@ def test_round_without_quorum_fails_and_keeps_the_model(shards: list[tuple[torch
     assert all(np.isfinite(a).all() for a in initial.values())
 
 
+def test_clients_of_another_model_fail_the_round_with_one_readable_message(
+    shards: list[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Every client trains another architecture (a daemon started without the server's --task): the round's error
+    names the mismatch once, says to give the daemons the server's --task, and reads as sentences (no '..')."""
+    initial = initial_parameters(model_fn, seed=1)
+
+    def other_model() -> torch.nn.Module:
+        return MLP2NN(num_inputs=64, num_classes=10, hidden=16)
+
+    every = {i: (lambda i=i: SupervisedTask(model_fn=other_model, train_data=shards[i])) for i in range(NUM_CLIENTS)}
+    with pytest.raises(RoundFailed) as caught:
+        run_rounds(make_pool(shards, every), all_clients(), initial, RoundConfig(num_rounds=1, max_round_attempts=1))  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert "round failed after 1 attempt(s)" in message
+    assert "start them with the server's --task and --task-option values" in message
+    assert ".." not in message
+
+
 class ZeroExamplesTask(NaNTask):
     def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
         return TrainResult(num_examples=0, metrics={})
