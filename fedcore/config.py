@@ -94,8 +94,15 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T:
+def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "", base: T | None = None) -> T:
     """Build the dataclass ``cls`` from ``data`` (nested tables become nested dataclasses).
+
+    A table changes only the keys it gives: the others keep the values of ``base`` when given, else of the field's
+    default (so a table given for a field whose default is not the class's own, such as ``fedcore simulate``'s
+    FedAvgM strategy or a server's ``fraction_fit = 1.0``, changes those keys of that default and keeps the rest).
+    A class that names a kind field (``CONFIG_KIND``, e.g. :class:`fedcore.strategy.StrategyConfig`'s ``name``)
+    starts from its own class defaults when a table gives another kind than the base's: the base's settings of
+    one strategy are not carried into another.
 
     Raises:
         ConfigError: an unknown key (with the known ones listed), a value of the wrong type, or whatever the
@@ -111,13 +118,33 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "") -> T
             f"unknown key(s) {', '.join(repr(k) for k in unknown)} in [{where or 'top level'}]; "
             f"known keys: {', '.join(sorted(fields))}" + _homes(unknown, fields, hints, where)
         )
-    kwargs = {name: _coerce(value, hints[name], f"{where}.{name}" if where else name) for name, value in data.items()}
+    kind = getattr(cls, "CONFIG_KIND", None)
+    if base is not None and isinstance(kind, str) and kind in data and data[kind] != getattr(base, kind):
+        base = None  # another kind: from the class's own defaults
+    kwargs: dict[str, Any] = {} if base is None else {name: getattr(base, name) for name in fields}
+    for name, value in data.items():
+        here = f"{where}.{name}" if where else name
+        table_base = getattr(base, name) if base is not None else _default_value(fields[name])
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(table_base) and not isinstance(table_base, type):
+            kwargs[name] = from_mapping(type(table_base), value, where=here, base=table_base)
+        else:
+            kwargs[name] = _coerce(value, hints[name], here)
     try:
         return cls(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"[{where or 'top level'}] {exc.message}") from None
     except TypeError as exc:
         raise ConfigError(f"[{where or 'top level'}] {exc}") from None
+
+
+def _default_value(field: dataclasses.Field[Any]) -> Any:
+    """The default of a dataclass field when it is not its type's own defaults: the value its default factory
+    makes (``lambda: SamplingConfig(fraction_fit=1.0)``) or its default value; None for a field without one, or
+    whose factory is a class (its defaults are what a table starts from anyway; not built, since a class such as
+    the TLS settings may refuse its own defaults until a table fills them in)."""
+    if field.default_factory is not dataclasses.MISSING:
+        return None if isinstance(field.default_factory, type) else field.default_factory()
+    return None if field.default is dataclasses.MISSING else field.default
 
 
 def _homes(keys: list[str], fields: Mapping[str, dataclasses.Field[Any]], hints: Mapping[str, Any], where: str) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from fedcore.aggregation import (
     Aggregator,
@@ -263,6 +263,10 @@ class StrategyConfig:
         A rule's parameters are ignored by the other aggregators, so that one recipe can be run with another
         aggregator (``--aggregator mean``) to compare.
     """
+
+    CONFIG_KIND: ClassVar[str] = "name"
+    """A table that names another strategy than the default's starts from this class's defaults
+    (:func:`fedcore.config.from_mapping`): ``--strategy fedadam`` does not inherit the default FedAvgM's momentum."""
 
     name: str = "fedavg"
     weighting: WeightRule = "examples"

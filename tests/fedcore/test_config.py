@@ -98,3 +98,48 @@ def test_fit_config_validates_on_construction() -> None:
         FitConfig(batch_size=0)
     with pytest.raises(ConfigError, match="mu"):
         FitConfig(mu=-0.1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "name", "momentum", "server_lr", "aggregator"),
+    [
+        (["strategy.server_lr=0.5"], "fedavgm", 0.7, 0.5, "mean"),  # --server-lr alone keeps the default FedAvgM
+        (["strategy.aggregator=trimmed_mean"], "fedavgm", 0.7, 1.0, "trimmed_mean"),
+        (["strategy.name=fedavgm"], "fedavgm", 0.7, 1.0, "mean"),  # the default's own kind: its momentum stays
+        (["strategy.server_momentum=0.9"], "fedavgm", 0.9, 1.0, "mean"),
+        (["strategy.name=fedadam", "strategy.server_lr=0.01"], "fedadam", 0.0, 0.01, "mean"),  # another kind
+        (["strategy.name=fedavg"], "fedavg", 0.0, 1.0, "mean"),
+    ],
+)
+def test_a_strategy_flag_changes_only_its_key_of_the_default_strategy(
+    overrides: list[str], name: str, momentum: float, server_lr: float, aggregator: str
+) -> None:
+    """`fedcore simulate --server-lr 0.5` (no recipe) is the default run (FedAvgM, momentum 0.7) with that server
+    lr, not plain FedAvg rebuilt from the class defaults; naming another strategy starts from that strategy's own
+    defaults (FedAvgM's momentum is not carried into FedAdam, where it would be refused)."""
+    strategy = load_recipe(None, overrides).strategy
+    assert (strategy.name, strategy.server_momentum, strategy.server_lr, strategy.aggregator) == (
+        name,
+        momentum,
+        server_lr,
+        aggregator,
+    )
+
+
+def test_a_sampling_or_train_flag_keeps_the_other_defaults_of_its_table() -> None:
+    config = load_recipe(None, ["sampling.min_fit_clients=5", "train.lr=0.1"])
+    assert (config.sampling.fraction_fit, config.sampling.min_fit_clients) == (0.1, 5)
+    assert (config.train.local_epochs, config.train.batch_size, config.train.lr) == (1, 32, 0.1)
+
+
+def test_a_server_min_fit_clients_flag_keeps_the_servers_fraction_fit() -> None:
+    """A server trains every connected client by default (fraction_fit 1.0): --min-fit-clients 3 must not bring
+    back the class default 0.1."""
+    from server.config import load_server_config
+
+    flags = {"tls": {"insecure": True}, "task": "simulations.tasks:demo_task"}
+    assert load_server_config(None, [], flags).sampling.fraction_fit == 1.0
+    sampling = load_server_config(None, ["sampling.min_fit_clients=3"], flags).sampling
+    assert (sampling.fraction_fit, sampling.min_fit_clients) == (1.0, 3)
+    sampling = load_server_config(None, [], {**flags, "sampling": {"min_fit_clients": 3}}).sampling
+    assert (sampling.fraction_fit, sampling.min_fit_clients) == (1.0, 3)
