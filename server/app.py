@@ -175,7 +175,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     def commit_round(record: RoundRecord, state: ServerState) -> ServerState | None:
         mapped: ServerState | None = None
         if record.round > 0:
-            path = store.save_checkpoint(state)
+            path = store.save_checkpoint(state, record)  # the record too: a stop before its row loses nothing
             # continue from the checkpoint's clean file pages; the anonymous arrays of this round are freed
             mapped = load_checkpoint(path, mapped=True, verify=False)  # just written; verified when resumed
             metrics.rounds.inc()

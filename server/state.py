@@ -9,8 +9,9 @@ Layout of a state directory::
                                     global model ("param/<name>"), server optimizer state ("opt/<name>"), the
                                     server state of each tensor group ("group/<group>/<name>", e.g. SCAFFOLD's
                                     control variate), the aggregator's state ("aggregator/<name>", e.g. adaptive
-                                    clipping's norm), the round, and the file's own SHA-256 (header metadata
-                                    "fedcore.sha256")
+                                    clipping's norm), the round, the round's record (header metadata
+                                    "fedcore.round_record": its history row, failures and selection feedback) and
+                                    the file's own SHA-256 (header metadata "fedcore.sha256")
     history.csv                     one row per round (the current rows of the rounds table), see write_history
     spill/                          payload files in flight (emptied at start)
 
@@ -24,7 +25,10 @@ wrote that round's checkpoint: another run's), and holds it against the records 
 round is R:
 
 - no checkpoint and no trained round recorded: a fresh run (a round-0 row is simply written again);
-- C = R, or C = R + 1 (the server stopped between writing round C's checkpoint and its row): resume after C;
+- C = R: resume after C;
+- C = R + 1 (the server stopped between writing round C's checkpoint and its row): round C's record, which the
+  checkpoint keeps in its header (``fedcore.round_record``), is stored (its history row, failures and selection
+  feedback), and the run resumes after C;
 - C < R (the newer checkpoints are damaged or gone): resume after C; the rows of rounds C+1..R stay in state.db
   but are marked superseded (``superseded`` > 0: the k-th such fallback) and leave history.csv, and the rounds
   run again — the old rows are never mixed with the new ones;
@@ -396,41 +400,45 @@ class StateStore:
         Raises:
             StateError: the database or history.csv cannot be written.
         """
-        row = record.as_row()
-        with self._lock, self._sqlite(f"recording round {record.round}"), self._transaction():
-            self._db.execute("DELETE FROM rounds WHERE round = ? AND superseded = 0", (record.round,))
+        self._store_round(round_rows(record))
+
+    def _store_round(self, rows: Mapping[str, object]) -> None:
+        """:meth:`record_round` of a record's rows (:func:`round_rows`)."""
+        rnd = _int(rows["round"])
+        row, failures, observations = rows["row"], rows["failures"], rows["observations"]
+        if not isinstance(row, Mapping) or not isinstance(failures, list) or not isinstance(observations, list):
+            raise StateError(f"a stored record of round {rnd} is not a round record (row, failures, observations)")
+        with self._lock, self._sqlite(f"recording round {rnd}"), self._transaction():
+            self._db.execute("DELETE FROM rounds WHERE round = ? AND superseded = 0", (rnd,))
             self._db.execute(
                 "INSERT INTO rounds (round, finished_at, seconds, attempts, selected, accepted, failures) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
-                    record.round,
+                    rnd,
                     time.time(),
-                    record.seconds,
-                    record.attempts,
-                    len(record.selected),
-                    len(record.accepted),
-                    len(record.failures),
+                    rows["seconds"],
+                    rows["attempts"],
+                    rows["selected"],
+                    rows["accepted"],
+                    len(failures),
                 ),
             )
-            self._db.execute("DELETE FROM round_metrics WHERE round = ? AND superseded = 0", (record.round,))
+            self._db.execute("DELETE FROM round_metrics WHERE round = ? AND superseded = 0", (rnd,))
             self._db.executemany(
                 "INSERT INTO round_metrics (round, key, value) VALUES (?, ?, ?)",
-                [(record.round, k, _to_sql(v)) for k, v in row.items() if k != "round"],
+                [(rnd, k, _to_sql(v)) for k, v in row.items() if k != "round"],
             )
-            self._db.execute("DELETE FROM failures WHERE round = ? AND superseded = 0", (record.round,))
+            self._db.execute("DELETE FROM failures WHERE round = ? AND superseded = 0", (rnd,))
             self._db.executemany(
                 "INSERT INTO failures (round, client_id, stage, reason) VALUES (?, ?, ?, ?)",
-                [(f.round, f.client_id[:_MAX_TEXT], f.stage.value, f.reason[:_MAX_TEXT]) for f in record.failures],
+                [(f_round, cid[:_MAX_TEXT], stage, reason[:_MAX_TEXT]) for f_round, cid, stage, reason in failures],
             )
-            self._db.execute("DELETE FROM selection WHERE round = ? AND superseded = 0", (record.round,))
+            self._db.execute("DELETE FROM selection WHERE round = ? AND superseded = 0", (rnd,))
             self._db.executemany(
                 "INSERT INTO selection (round, client_id, num_examples, loss, seconds) VALUES (?, ?, ?, ?, ?)",
-                [
-                    (record.round, o.client_id[:_MAX_TEXT], o.num_examples, o.loss, o.seconds)
-                    for o in record.observations
-                ],
+                [(rnd, cid[:_MAX_TEXT], n, loss, seconds) for cid, n, loss, seconds in observations],
             )
-        self._export_round(record.round)
+        self._export_round(rnd)
 
     def _export_round(self, rnd: int) -> None:
         """history.csv after round ``rnd`` was recorded: its row appended when it follows the rounds the file holds
@@ -590,6 +598,8 @@ class StateStore:
                 + ": they are of different runs (or state.db was replaced). Restore the matching state.db, or "
                 + _NEW_RUN
             )
+        if state.round == last + 1:  # stopped between the checkpoint and its round's record: the record is in it
+            self._restore_record(state.round)
         if state.round < last:
             superseded = self._supersede_after(state.round)
             log.warning(
@@ -601,18 +611,45 @@ class StateStore:
             self.export_csv()
         return state
 
+    def _restore_record(self, rnd: int) -> None:
+        """Store round ``rnd``'s record from its checkpoint (the server stopped after writing the checkpoint, before
+        the record); a checkpoint without one leaves the round without a history row, with a warning."""
+        rows = _checkpoint_record(self.checkpoints / f"round-{rnd:06d}.safetensors")
+        if rows is None or rows.get("round") != rnd:
+            log.warning(
+                "round %d's checkpoint holds no record of the round (written by an earlier fedcore): the run resumes "
+                "after it, and the history has no row for round %d",
+                rnd,
+                rnd,
+            )
+            return
+        try:
+            self._store_round(rows)
+        except (KeyError, TypeError, ValueError, StateError) as exc:
+            raise StateError(
+                f"round {rnd}'s checkpoint holds a round record that cannot be stored ({exc!r}); it is damaged: "
+                "restore it from a backup, or " + _NEW_RUN
+            ) from exc
+        log.info("round %d's record restored from its checkpoint (the server stopped before writing it)", rnd)
+
     # -------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, state: ServerState) -> Path:
+    def save_checkpoint(self, state: ServerState, record: RoundRecord | None = None) -> Path:
         """Write the global model and optimizer state of ``state.round`` atomically, with its digest; keep the
         newest two.
+
+        Args:
+            record: the round's record, kept in the checkpoint's header (:data:`RECORD_KEY`) as well, so that a
+                server stopped after writing the checkpoint but before :meth:`record_round` loses nothing: the
+                restart (:meth:`resume`) stores the record from the checkpoint.
 
         Raises:
             StateError: the file cannot be written (disk full, file size limit); the previous checkpoints are
                 untouched and a restart resumes from them.
         """
         path = self.checkpoints / f"round-{state.round:06d}.safetensors"
+        extra = {} if record is None else {RECORD_KEY: json.dumps(round_rows(record), allow_nan=True)}
         try:
-            written = _write_state(path, state, self_digest=True)
+            written = _write_state(path, state, self_digest=True, extra=extra)
         except OSError as exc:
             raise StateError(
                 f"cannot write the checkpoint {str(path)!r}: {exc}. The previous checkpoints are intact; free disk "
@@ -755,13 +792,54 @@ def _mapped_copy(path: Path, state: ServerState) -> ServerState:
         path.unlink(missing_ok=True)
 
 
-def _write_state(path: Path, state: ServerState, *, self_digest: bool, durable: bool = True) -> PayloadFile:
+def _write_state(
+    path: Path, state: ServerState, *, self_digest: bool, durable: bool = True, extra: Mapping[str, str] | None = None
+) -> PayloadFile:
     arrays: dict[str, np.ndarray] = {_PARAM + n: a for n, a in state.parameters.items()}
     arrays.update({_OPT + n: a for n, a in state.optimizer_state.items()})
     for group, tensors in state.groups.items():
         arrays.update({f"{_GROUP}{group}/{n}": a for n, a in tensors.items()})
     arrays.update({_AGGREGATOR + n: a for n, a in state.aggregator_state.items()})
-    return save_payload(path, arrays, {"round": str(state.round)}, self_digest=self_digest, durable=durable)
+    metadata = {"round": str(state.round), **(extra or {})}
+    return save_payload(path, arrays, metadata, self_digest=self_digest, durable=durable)
+
+
+RECORD_KEY = "fedcore.round_record"
+"""The header metadata key under which a checkpoint keeps its round's record (:func:`round_rows`, as JSON)."""
+
+
+def round_rows(record: RoundRecord) -> dict[str, object]:
+    """What :meth:`StateStore.record_round` stores of ``record``, as plain JSON values: the round, its seconds,
+    attempts and client counts, its history row (:meth:`RoundRecord.as_row`), its failures ``[round, client,
+    stage, reason]`` and its selection observations ``[client, examples, loss, seconds]``."""
+    return {
+        "round": record.round,
+        "seconds": record.seconds,
+        "attempts": record.attempts,
+        "selected": len(record.selected),
+        "accepted": len(record.accepted),
+        "row": record.as_row(),
+        "failures": [[f.round, f.client_id, f.stage.value, f.reason] for f in record.failures],
+        "observations": [[o.client_id, o.num_examples, o.loss, o.seconds] for o in record.observations],
+    }
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise StateError(f"a stored round record holds {value!r} where a round number belongs")
+    return value
+
+
+def _checkpoint_record(path: Path) -> dict[str, object] | None:
+    """The round record a checkpoint keeps (:data:`RECORD_KEY`), or None for a checkpoint without one (written by
+    an earlier fedcore) or one whose record cannot be read."""
+    try:
+        _, metadata, _ = read_safetensors_header(path)
+        text = metadata.get(RECORD_KEY)
+        rows = json.loads(text) if text is not None else None
+    except (PayloadError, OSError, ValueError):
+        return None
+    return rows if isinstance(rows, dict) else None
 
 
 MAP_STATE_BYTES = 16 << 20

@@ -21,6 +21,7 @@ import pytest
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.messages import Failure, Stage
 from fedcore.payload import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
+from fedcore.selection import ClientObservation
 from fedcore.strategy import StrategyConfig
 from server.round_loop import RoundRecord, ServerState
 from server.state import HISTORY_COLUMNS, HistoryFile, StateStore, load_checkpoint, write_history
@@ -50,7 +51,7 @@ def _run(directory: Path, rounds: int) -> StateStore:
     store.check_strategy(StrategyConfig())
     store.record_round(_record(0, 0.0))
     for rnd in range(1, rounds + 1):
-        store.save_checkpoint(_state(rnd))  # the server's order: checkpoint, then the round's row
+        store.save_checkpoint(_state(rnd), _record(rnd, 1.0 / rnd))  # the server's order: checkpoint, then row
         store.record_round(_record(rnd, 1.0 / rnd))
     return store
 
@@ -100,16 +101,59 @@ def test_checkpoints_newer_than_the_records_are_refused(tmp_path: Path) -> None:
     store.close()
 
 
-def test_a_checkpoint_one_round_ahead_of_its_record_resumes_after_it(tmp_path: Path) -> None:
-    """Killed between writing round 3's checkpoint and its row: resume after round 3, nothing superseded."""
+def test_a_checkpoint_one_round_ahead_of_its_record_resumes_after_it_with_the_record_restored(
+    tmp_path: Path,
+) -> None:
+    """Killed between writing round 3's checkpoint and its row: the row, failures and selection feedback come from
+    the checkpoint, history.csv has round 3 as an uninterrupted run's, and the run resumes after round 3."""
+    record = replace(
+        _record(3, 1.0 / 3),
+        selected=("a", "b", "c"),
+        failures=(Failure(client_id="c", round=3, stage=Stage.FIT, reason="it holds NaN"),),
+        observations=(ClientObservation("a", 10, 0.5, 1.25), ClientObservation("b", 20, None, None)),
+        eval_loss=float("nan"),
+    )
+    uninterrupted = _run(tmp_path / "whole", 2)
+    uninterrupted.save_checkpoint(_state(3), record)
+    uninterrupted.record_round(record)
+    uninterrupted.close()
+    store = _run(tmp_path / "killed", 2)
+    store.save_checkpoint(_state(3), record)
+    store.close()  # killed here: no row for round 3
+    store = StateStore(tmp_path / "killed")
+    assert store.recorded_rounds() == [0, 1, 2]
+    resumed = store.resume()
+    assert resumed is not None and resumed.round == 3
+    np.testing.assert_array_equal(resumed.parameters["w"], [3.0, 3.5, 3.25])
+    assert store.recorded_rounds() == [0, 1, 2, 3]
+    assert (tmp_path / "killed" / "history.csv").read_bytes() == (tmp_path / "whole" / "history.csv").read_bytes()
+    assert store.selection_history()[-1] == (3, list(record.observations))
+    store.close()
+    store, whole = StateStore(tmp_path / "killed"), StateStore(tmp_path / "whole")
+    for table in ("rounds", "round_metrics", "failures", "selection"):
+        query = f"SELECT * FROM {table} ORDER BY 1, 2"
+        got = [row for row in store._db.execute(query)]
+        want = [row for row in whole._db.execute(query)]
+        if table == "rounds":  # finished_at: when each was stored
+            got, want = [row[:1] + row[2:] for row in got], [row[:1] + row[2:] for row in want]
+        assert got == want, table
+    whole.close()
+    store.close()
+
+
+def test_a_checkpoint_without_a_record_one_round_ahead_resumes_after_it_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint of an earlier fedcore (no record in it), one round ahead of the records: resume after it."""
     store = _run(tmp_path, 2)
     store.save_checkpoint(_state(3))
     store.close()
     store = StateStore(tmp_path)
-    resumed = store.resume()
+    with caplog.at_level(logging.WARNING, logger="fedcore.server"):
+        resumed = store.resume()
     assert resumed is not None and resumed.round == 3
-    np.testing.assert_array_equal(resumed.parameters["w"], [3.0, 3.5, 3.25])
     assert store.recorded_rounds() == [0, 1, 2]
+    assert "holds no record of the round" in caplog.text
     store.close()
 
 
