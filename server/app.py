@@ -293,6 +293,7 @@ def _open_run(
     """The state to start from: resumed from the state directory, refused if that holds a run of another strategy
     or model, or fresh."""
     store.check_strategy(config.strategy)
+    store.check_seed(config.seed)
     resumed = store.resume(mapped=True)
     if resumed is None:
         return _fresh_state(config, server_task, strategy, store, echo)

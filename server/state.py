@@ -35,8 +35,9 @@ round is R:
 - trained rounds recorded but no intact checkpoint, or C > R + 1 (state.db replaced): refused with
   :class:`~fedcore.errors.StateError`, which says what to do.
 
-The run's strategy is recorded at the first start; a restart with another strategy, or with settings that give
-the stored server optimizer state another meaning, is refused (:meth:`StateStore.check_strategy`). Every SQLite
+The run's strategy and seed are recorded at the first start; a restart with another strategy, with settings that
+give the stored server optimizer state another meaning, or with another seed is refused
+(:meth:`StateStore.check_strategy`, :meth:`StateStore.check_seed`). Every SQLite
 failure (a damaged file, a full disk) surfaces as a StateError that names the file.
 """
 
@@ -531,6 +532,34 @@ class StateStore:
         return rounds
 
     # ------------------------------------------------------------------ the run
+    def check_seed(self, seed: int) -> None:
+        """Record the run's seed at its first start; refuse a restart with another one (the seed keys the client
+        selection and every client's randomness: a run resumed under another seed would match neither seed's
+        run). A state directory where nothing was trained yet, or one whose run recorded no seed (an earlier
+        fedcore's), takes the given seed.
+
+        Raises:
+            ConfigError: the state directory holds a run of another seed (both are named, with what to do).
+            StateError: the recorded seed cannot be read.
+        """
+        recorded = self._meta("seed")
+        started = any(r > 0 for r in self.recorded_rounds()) or any(self.checkpoints.glob("round-*.safetensors"))
+        if recorded is not None and started:
+            try:
+                previous = int(recorded)
+            except ValueError as exc:
+                raise StateError(
+                    f"the state database {str(self.database)!r} holds an unreadable seed record; {_NEW_RUN}"
+                ) from exc
+            if previous != seed:
+                raise ConfigError(
+                    f"the state directory {str(self.directory)!r} holds a run started with --seed {previous}, but "
+                    f"this server is configured with --seed {seed}: the resumed rounds would select and train as "
+                    f"neither run does. Resume with --seed {previous}, or {_NEW_RUN}"
+                )
+            return
+        self._set_meta("seed", str(seed))
+
     def check_strategy(self, config: StrategyConfig) -> None:
         """Record the run's strategy at its first start; refuse a restart with another one.
 

@@ -724,3 +724,23 @@ def test_two_states_of_one_round_mapped_into_one_directory_keep_their_own_values
     mapped = [map_round_state(state, tmp_path) for state in states]
     assert [float(m.optimizer_state["m/w"][0]) for m in mapped] == [1.0, 2.0]
     assert [float(m.optimizer_state["m/w"][-1]) for m in mapped] == [1.0, 2.0]
+
+
+def test_a_restart_with_another_seed_is_refused_and_the_same_seed_resumes(tmp_path: Path) -> None:
+    """The seed keys selection and every client's randomness: a run resumed under another seed would match
+    neither run, so it is refused with both seeds named; the same seed resumes; nothing trained yet takes any."""
+    store = StateStore(tmp_path / "fresh")
+    store.check_seed(7)
+    store.check_seed(8)  # nothing trained yet: the new seed is taken
+    store.close()
+    store = _run(tmp_path / "run", 2)
+    store.check_seed(7)
+    store.close()
+    store = StateStore(tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"started with --seed 7, but this server is configured with --seed 0.*"
+                       r"Resume with --seed 7, or use a new --state-dir"):  # fmt: skip
+        store.check_seed(0)
+    store.check_seed(7)
+    resumed = store.resume()
+    assert resumed is not None and resumed.round == 2
+    store.close()
