@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import random
 import socket
@@ -169,8 +170,11 @@ class DaemonConfig:
             raise ConfigError("give both --cert and --key for mutual TLS, or neither")
         if self.insecure and (self.cert is not None or self.ca_cert is not None):
             raise ConfigError("--insecure cannot be combined with certificates")
-        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
-            raise ConfigError("need 0 < backoff_initial_s <= backoff_max_s")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s or not math.isfinite(self.backoff_max_s):
+            raise ConfigError(
+                "backoff_initial_s and backoff_max_s (--backoff-initial-s, --backoff-max-s) must be finite seconds "
+                f"with 0 < initial <= max, got {self.backoff_initial_s} and {self.backoff_max_s}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if not self.poll_s > 0:
@@ -180,6 +184,8 @@ class DaemonConfig:
         if self.max_payload_bytes < 1:
             raise ConfigError(f"max_payload_bytes must be >= 1, got {self.max_payload_bytes}")
         pid, count = self.partition_id, self.num_partitions
+        if count is not None and count < 1:
+            raise ConfigError(f"num_partitions (--num-partitions) must be >= 1, got {count}")
         if pid is not None and count is not None and not 0 <= pid < count:
             raise ConfigError(
                 f"partition_id (--partition-id) {pid} is not in 0..{count - 1} (--num-partitions {count})"

@@ -84,9 +84,11 @@ def stepped(name: str, a: np.ndarray, trainable: frozenset[str] | None) -> bool:
     return _is_float(a) and (trainable is None or name in trainable)
 
 
-def _check_finite_number(
+def check_finite_number(
     name: str, value: float, *, low: float, high: float | None = None, low_open: bool = False
 ) -> None:
+    """Raise :class:`ConfigError` naming ``name`` unless ``value`` is a finite number ``>= low`` (``> low`` with
+    ``low_open``) and ``< high`` when given."""
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = value > low if low_open else value >= low
@@ -198,8 +200,8 @@ class ServerSGD:
     """Server momentum β in [0, 1); 0 disables momentum (no state kept)."""
 
     def __post_init__(self) -> None:
-        _check_finite_number("ServerSGD.lr", self.lr, low=0.0, low_open=True)
-        _check_finite_number("ServerSGD.momentum", self.momentum, low=0.0, high=1.0)
+        check_finite_number("ServerSGD.lr", self.lr, low=0.0, low_open=True)
+        check_finite_number("ServerSGD.momentum", self.momentum, low=0.0, high=1.0)
 
     @property
     def _is_fedavg(self) -> bool:
@@ -281,10 +283,10 @@ class ServerAdaptive:
     def __post_init__(self) -> None:
         if self.kind not in ("adagrad", "adam", "yogi"):
             raise ConfigError(f"ServerAdaptive.kind must be 'adagrad', 'adam' or 'yogi', got {self.kind!r}")
-        _check_finite_number("ServerAdaptive.lr", self.lr, low=0.0, low_open=True)
-        _check_finite_number("ServerAdaptive.beta1", self.beta1, low=0.0, high=1.0)
-        _check_finite_number("ServerAdaptive.beta2", self.beta2, low=0.0, high=1.0)
-        _check_finite_number("ServerAdaptive.tau", self.tau, low=0.0, low_open=True)
+        check_finite_number("ServerAdaptive.lr", self.lr, low=0.0, low_open=True)
+        check_finite_number("ServerAdaptive.beta1", self.beta1, low=0.0, high=1.0)
+        check_finite_number("ServerAdaptive.beta2", self.beta2, low=0.0, high=1.0)
+        check_finite_number("ServerAdaptive.tau", self.tau, low=0.0, low_open=True)
 
     def init(self, params: NamedArrays, *, trainable: frozenset[str] | None = None) -> NamedArrays:
         """State ``"m/<name>"`` = 0 and ``"v/<name>"`` = τ² for each stepped tensor (see :func:`stepped`), in its

@@ -46,7 +46,7 @@ from fedcore.mods import ServerInverse, check_mods
 from fedcore.payload import check_group_name
 from fedcore.selection import SELECTION_NAMES, SelectionConfig, Selector
 from fedcore.selection import sample_clients as sample_clients  # re-exported: its home before selection policies
-from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
+from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD, check_finite_number
 from fedcore.stages import RoundProtocol
 from fedcore.task import FitConfig
 from fedcore.tensors import NamedArrays
@@ -304,8 +304,13 @@ class StrategyConfig:
         if self.weighting not in WEIGHT_RULES:
             raise ConfigError(f"weighting must be one of {', '.join(WEIGHT_RULES)}, got {self.weighting!r}")
         self.quality_weights()  # their own checks, now
-        if not self.server_lr > 0:
-            raise ConfigError(f"server_lr must be > 0, got {self.server_lr}")
+        # the server optimizer's settings, named as the user sets them (the optimizers check them again, by their
+        # own names, for a caller that builds one directly)
+        check_finite_number("server_lr (--server-lr)", self.server_lr, low=0.0, low_open=True)
+        check_finite_number("server_momentum (--server-momentum)", self.server_momentum, low=0.0, high=1.0)
+        check_finite_number("beta1 (--beta1)", self.beta1, low=0.0, high=1.0)
+        check_finite_number("beta2 (--beta2)", self.beta2, low=0.0, high=1.0)
+        check_finite_number("tau (--tau)", self.tau, low=0.0, low_open=True)
         if self.name == "fedavgm" and self.server_momentum == 0:
             raise ConfigError("fedavgm needs server_momentum > 0 (e.g. 0.9); with 0 it is plain fedavg")
         if self.server_momentum != 0 and self.name != "fedavgm":

@@ -79,8 +79,10 @@ def check_finite(
     *,
     round: int | None = None,
     client_id: str | None = None,
+    advice: str = "the update is rejected. Check the client's learning rate and input data.",
 ) -> None:
-    """Raise :class:`NonFiniteError` naming the first tensor that holds NaN or Inf.
+    """Raise :class:`NonFiniteError` naming the first tensor that holds NaN or Inf, followed by ``advice`` (what
+    happens and what to do; by default, for a client's update).
 
     Integer and boolean tensors are always finite and are skipped. Large tensors are checked in blocks of
     ``_FINITE_BLOCK`` elements, so the check needs no temporary the size of the model.
@@ -89,8 +91,7 @@ def check_finite(
         if array.dtype.kind in "fc" and not _all_finite(array):
             bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
             raise NonFiniteError(
-                f"tensor {name!r} holds {bad} NaN/Inf value(s); the update is rejected. "
-                "Check the client's learning rate and input data.",
+                f"tensor {name!r} holds {bad} NaN/Inf value(s); {advice}",
                 round=round,
                 client_id=client_id,
             )

@@ -641,11 +641,18 @@ def _fit_round(
             aggregation = dict(accumulator.report()) if isinstance(accumulator, Reporting) else {}
             del accumulator
             _trace(rnd, "average")
-            parameters, optimizer_state = strategy.server_optimizer.step(  # the new model in the average's memory
-                state.parameters, average, state.optimizer_state, trainable=state.trainable, reuse_average=True
-            )
+            with np.errstate(over="ignore", invalid="ignore"):  # a non-finite step is reported below, by tensor
+                parameters, optimizer_state = strategy.server_optimizer.step(  # the new model in the average's memory
+                    state.parameters, average, state.optimizer_state, trainable=state.trainable, reuse_average=True
+                )
             del average
-            check_finite(parameters, round=rnd)  # block by block: no model-sized temporary
+            server_lr = getattr(strategy.server_optimizer, "lr", None)
+            check_finite(  # block by block: no model-sized temporary
+                parameters,
+                round=rnd,
+                advice="the server step made the new global model non-finite from a finite average of the "
+                f"clients' updates, and it is not kept. Lower the server learning rate (--server-lr, now {server_lr})",
+            )
             norm = update_norm(parameters, state.parameters, state.trainable)
             groups = {
                 name: rule.update(
@@ -657,13 +664,20 @@ def _fit_round(
                 for name, rule in strategy.groups.items()
             }
             for name in groups:
-                check_finite(groups[name], round=rnd)
+                check_finite(
+                    groups[name],
+                    round=rnd,
+                    advice=f"the server's update of tensor group {name!r} is not finite, and it is not kept. Lower "
+                    f"the server learning rate (--server-lr, now {server_lr})",
+                )
             _trace(rnd, "server step")
         except FedcoreError as exc:
             if attempt == config.max_round_attempts:
+                # too few valid updates (rather than a failed server step): what the operator can change
+                advice = "; check the failing clients' logs, lower the quorum, or raise the deadline"
                 raise RoundFailed(
                     f"round failed after {attempt} attempt(s): {exc.message.rstrip('.')}. The global model stays at "
-                    f"round {state.round}; check the failing clients' logs, lower the quorum, or raise the deadline.",
+                    f"round {state.round}{advice if isinstance(exc, RoundFailed) else ''}.",
                     round=rnd,
                 ) from exc
             log.warning("round %d attempt %d failed (%s); retrying with a fresh selection", rnd, attempt, exc)

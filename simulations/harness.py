@@ -32,7 +32,7 @@ from tqdm import tqdm
 from client.state import ClientStateStore
 from fedcore.config import check_creatable_dir, to_mapping
 from fedcore.convergence import Convergence, Stop
-from fedcore.errors import ConfigError
+from fedcore.errors import ConfigError, FedcoreError
 from fedcore.payload import save_payload
 from fedcore.seeding import numpy_rng
 from fedcore.strategy import build_strategy
@@ -259,7 +259,8 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
     Raises:
         ConfigError, DatasetNotFoundError, PartitionError: before the first round (ConfigError also for an
             output.dir that is a server's state directory).
-        RoundFailed: a round could not reach its quorum.
+        RoundFailed: a round could not reach its quorum (or its server step failed); the last finished round's
+            global model is written to ``model.safetensors`` first, beside the history of the rounds that finished.
     """
     threads = config.simulation.threads
     if threads is None:
@@ -400,6 +401,8 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
     if config.output.progress:
         say(" ".join(f"{c:>10}" for c in columns))
 
+    finished: list[ServerState] = []  # the last finished round's state
+
     def on_round_end(record: RoundRecord, state: ServerState) -> ServerState:
         row = record.as_row()
         history_file.add(row)
@@ -416,6 +419,7 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         # a large global model and FedAvgM's momentum (FedAdam's moments) wait for the next round in a file: the
         # clients read the model from it block by block, and the momentum sits untouched until the server step
         mapped = map_round_state(state, out_dir)
+        finished[:] = [mapped]  # written as the model if a later round fails (at most a small model held, or a mapping)
         nonlocal first_round_frozen
         if record.round > 0 and not first_round_frozen:
             _freeze_first_round()
@@ -465,6 +469,12 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             validate_fn=validate_fn,
             keep_records=False,  # each round's row is written as it ends; a record holds an observation per client
         )
+    except FedcoreError:  # a round failed: the rounds that finished keep their model as well as their history
+        if finished and finished[0].round > 0:
+            last = finished[0]
+            save_payload(out_dir / "model.safetensors", last.parameters, {"round": str(last.round)}, self_digest=True)
+            echo(f"round {last.round}'s global model, the last round that finished, is in {out_dir}/model.safetensors")
+        raise
     finally:
         gc.unfreeze()  # the run's objects go back to the collector (gc cannot unfreeze only some)
         if frozen_by_caller:  # what the caller froze stays frozen (with what is alive of the run now)

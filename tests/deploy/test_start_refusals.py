@@ -100,3 +100,20 @@ def test_the_daemon_warns_of_a_token_file_others_may_read(tmp_path: Path, caplog
         f"token_file (--token-file) {str(token)!r} has mode 0640: its group may read it, and with it this secret; "
         f"make it readable by its owner only: chmod 600 {token}"
     ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--backoff-max-s", "nan"], "must be finite seconds with 0 < initial <= max, got 0.5 and nan"),
+        (["--backoff-initial-s", "5", "--backoff-max-s", "1"], "got 5.0 and 1.0"),
+        (["--num-partitions", "0"], "num_partitions (--num-partitions) must be >= 1, got 0"),
+        (["--num-partitions", "0", "--partition-id", "0"], "num_partitions (--num-partitions) must be >= 1, got 0"),
+    ],
+)
+def test_a_daemons_bad_backoff_or_partition_count_is_refused_with_the_value(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["client", "start", "--insecure", "--server", "127.0.0.1:1", "--client-id", "c0", *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err

@@ -66,6 +66,10 @@ def test_overrides_are_typed_and_do_not_mutate_the_input() -> None:
         (["sampling.fraction_fit=1.5"], r"fraction_fit must be in \(0, 1\]"),
         (["sampling.min_fit_clients=500"], "exceeds data.num_clients=100"),
         (["novalue"], "must look like section.key=value"),
+        (["strategy.server_lr=inf"], r"server_lr \(--server-lr\) must be a finite number > 0"),
+        (["strategy.name='fedadam'", "strategy.tau=0"], r"tau \(--tau\) must be a finite number > 0"),
+        (["strategy.name='fedadam'", "strategy.beta1=nan"], r"beta1 \(--beta1\) must be a finite number >= 0"),
+        (["strategy.server_momentum=1.5"], r"server_momentum \(--server-momentum\) must be .* < 1"),
     ],
 )
 def test_invalid_values_raise_a_clear_config_error(overrides: list[str], message: str) -> None:

@@ -218,6 +218,8 @@ def test_contradictions_and_missing_files_are_refused_before_anything_is_created
         (["--insecure", "--rounds", "0"], "num_rounds must be >= 1"),
         (["--insecure", "--max-workers", "2"], "max_workers must be >= 8"),
         (["--insecure", "--max-workers", "100000000"], "max_workers must be <= 100,000"),
+        (["--insecure", "--server-lr", "inf"], "server_lr (--server-lr) must be a finite number > 0"),
+        (["--insecure", "--strategy", "fedavgm", "--server-momentum", "nan"], "server_momentum (--server-momentum)"),
     ]
     for extra, message in cases:
         assert main([*base, *extra]) == 2, extra

@@ -285,3 +285,54 @@ def test_what_the_caller_froze_stays_frozen_after_a_run(tmp_path: Path) -> None:
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+FAILING_ROUND_4 = [  # clients without data (min_partition_size 0): round 4's selection holds only empty ones
+    "data.dataset=digits",
+    "data.num_clients=100",
+    "data.partition=dirichlet",
+    "data.alpha=0.001",
+    "data.min_partition_size=0",
+    "model.name=2nn",
+    "sampling.fraction_fit=0.02",
+    "rounds=15",
+    "evaluate_every=1",
+    "output.progress=false",
+    "output.plot=false",
+    "simulation.threads=1",
+]
+
+
+def test_a_failed_round_keeps_the_last_finished_rounds_model(tmp_path: Path) -> None:
+    """Round 4 fails (its clients hold no data): the run raises, and model.safetensors holds round 3's model, bit for
+    bit the model of the same run stopped after 3 rounds, beside the history of rounds 0-3."""
+    from fedcore.errors import RoundFailed
+
+    lines: list[str] = []
+    failing = load_recipe(None, [*FAILING_ROUND_4, f"output.dir={str(tmp_path / 'failed')!r}"])
+    with pytest.raises(RoundFailed, match=r"round 4.*sum to 0.*The global model stays at round 3\.$"):
+        run_simulation(failing, echo=lines.append)
+    assert any("round 3's global model, the last round that finished" in line for line in lines)
+    assert list(pd.read_csv(tmp_path / "failed" / "history.csv")["round"]) == [0, 1, 2, 3]
+    three = load_recipe(None, [*FAILING_ROUND_4, "rounds=3", f"output.dir={str(tmp_path / 'three')!r}"])
+    run_simulation(three, echo=lambda _: None)
+    got = decode((tmp_path / "failed" / "model.safetensors").read_bytes())
+    want = decode((tmp_path / "three" / "model.safetensors").read_bytes())
+    assert set(got) == set(want)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+
+
+def test_a_server_step_that_overflows_names_the_server_lr_not_the_clients(tmp_path: Path) -> None:
+    config = load_recipe(
+        None,
+        [*SMALL, "rounds=1", "strategy.name='fedavg'", "strategy.server_lr=1e300", f"output.dir={str(tmp_path)!r}"],
+    )
+    from fedcore.errors import RoundFailed
+
+    with pytest.raises(RoundFailed) as caught:
+        run_simulation(config, echo=lambda _: None)
+    message = str(caught.value)
+    assert "the server step made the new global model non-finite" in message
+    assert "Lower the server learning rate (--server-lr, now 1e+300)" in message
+    assert "Check the client's" not in message and "lower the quorum" not in message
