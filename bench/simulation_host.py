@@ -45,9 +45,11 @@ TRAINING_CALLS = (
     (batched, "_sgd_step"),
     (batched, "_gather"),
     (batched, "_stacked"),
+    (batched, "_fill_rows"),
 )
 """What a batched round spends in the training itself: the SGD steps (the fused path's for the 2NN and logreg,
-else vmap's gradients and the stacked update), the mini-batch gathers, the stacked copies of the global model."""
+else vmap's gradients and the stacked update), the mini-batch gathers, the stacked copies of the global model (made
+all at once, or a chunk of clients at a time on the CPU's fused path)."""
 SUM_CALLS = ((batched.TrainedClients, "weighted_sum"),)
 """The batch's weighted sum of its clients' updates (on the CPU a pass over every update; on a GPU a matrix-vector
 product per tensor there)."""

@@ -742,8 +742,7 @@ def train_stack(
         chunk = _fused_chunk(params, x_all, config.batch_size, count) if cached else count
         for lo in range(0, count, chunk):
             if by_chunk:
-                for n, stacked in params.items():
-                    stacked[lo : lo + chunk].copy_(initial[n].expand_as(stacked[lo : lo + chunk]))
+                _fill_rows(params, initial, lo, lo + chunk)
             for step in range(num_steps):
                 column = table[lo : lo + chunk, step]  # the clients still training are a prefix (largest first)
                 active = int(np.count_nonzero(column))
@@ -820,6 +819,13 @@ def _stacked(
         return stacked.clone()
     held = buffers.take(key, stacked.shape, tensor.dtype)
     return held.copy_(stacked) if fill else held
+
+
+def _fill_rows(params: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], start: int, stop: int) -> None:
+    """Set rows ``start:stop`` of each stacked tensor ``params[n]`` to ``values[n]`` (the global model)."""
+    for name, stacked in params.items():
+        rows = stacked[start:stop]
+        rows.copy_(values[name].expand_as(rows))
 
 
 def _zeros(like: torch.Tensor, buffers: StackBuffers | None, key: str) -> torch.Tensor:
