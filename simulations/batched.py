@@ -743,20 +743,16 @@ def train_stack(
         for lo in range(0, count, chunk):
             if by_chunk:
                 _fill_rows(params, initial, lo, lo + chunk)
-            for step in range(num_steps):
-                column = table[lo : lo + chunk, step]  # the clients still training are a prefix (largest first)
-                active = int(np.count_nonzero(column))
-                if not active:  # nor at any later step: this chunk is done
-                    break
+            whole = {n: params[n][lo : lo + chunk] for n in names}  # the chunk's rows: most runs take them all
+            for step, runs in enumerate(_step_runs(table[lo : lo + chunk])):  # until no client of the chunk trains
                 if deferred is not None and step % window == 0:
-                    deferred.begin(step, min(step + window, num_steps), active)
-                cuts = (np.flatnonzero(column[1:active] != column[: active - 1]) + 1).tolist()
-                for first, last in zip([0, *cuts], [*cuts, active], strict=True):  # runs of one batch size
-                    size = int(column[first])
+                    deferred.begin(step, min(step + window, num_steps), runs[-1][1])
+                for first, last, size in runs:  # runs of clients of one batch size
                     start, end = lo + first, lo + last  # rows of the stack
                     rows = index[start:end, step, :size].reshape(-1)
                     yb = _gather(y_all, rows, reuse, "yb").view(end - start, size, *y_all.shape[1:])
-                    views = {n: params[n][start:end] for n in names}
+                    full = first == 0 and end - start == whole[names[0]].shape[0]
+                    views = whole if full else {n: params[n][start:end] for n in names}
                     if deferred is not None:  # the first layer's updates wait for the window's end
                         losses[start:end, step] = deferred.step(step, start, end, views, yb, config.lr)
                         continue
@@ -783,6 +779,30 @@ def train_stack(
         borrowed=reuse is not None,
         deferred=deferred is not None,
     )
+
+
+def _step_runs(table: np.ndarray) -> list[list[tuple[int, int, int]]]:
+    """For ``table`` (``(clients, steps)`` int64 batch sizes, :func:`_step_sizes` of clients sorted largest first,
+    so that at each step the clients still training are a prefix and clients of one batch size are neighbours), each
+    step's runs of clients of one batch size, ``(first, last, size)`` with rows ``first:last`` of ``table``, up to
+    the first step at which no client trains (every later step has none either). Drawn up once for all the steps,
+    not step by step in the training loop, where each small NumPy call costs far more than its work."""
+    clients, width = table.shape
+    if not clients or not width:
+        return []
+    by_step = np.ascontiguousarray(table.T)
+    cuts = np.ones((width, clients + 1), dtype=bool)  # a run begins (or the column ends) at each True
+    np.not_equal(by_step[:, 1:], by_step[:, :-1], out=cuts[:, 1:clients])
+    steps, at = np.nonzero(cuts)  # step by step, row by row
+    size_at = by_step[steps, np.minimum(at, clients - 1)]
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(width)]
+    same_step = (steps[1:] == steps[:-1]).tolist()  # a run ends at the next cut of its own step
+    pairs = zip(steps[:-1].tolist(), at[:-1].tolist(), at[1:].tolist(), size_at[:-1].tolist(), same_step, strict=True)
+    for step, first, last, size, same in pairs:
+        if same and size:
+            runs[step].append((first, last, size))
+    done = next((step for step, step_runs in enumerate(runs) if not step_runs), width)
+    return runs[:done]
 
 
 def _fused_chunk(params: Mapping[str, torch.Tensor], x_all: torch.Tensor, batch_size: int, count: int) -> int:

@@ -19,7 +19,7 @@ from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TrainResult
 from fedcore.tensors import from_state_dict
 from fedcore.training import train_supervised
-from simulations.batched import BatchedPool, ClientShard, StackBuffers, check_batchable, train_stack
+from simulations.batched import BatchedPool, ClientShard, StackBuffers, _step_runs, check_batchable, train_stack
 from simulations.config import load_recipe
 from simulations.harness import run_simulation
 from simulations.inmemory import InMemoryPool
@@ -784,3 +784,16 @@ def test_the_fused_path_in_cache_sized_chunks_gives_the_bits_of_one_chunk(
     for got, (alone, _) in zip(chunked.updates(), one_by_one(small_mlp, clients, config, start), strict=True):
         for name, value in alone.items():
             torch.testing.assert_close(got.parameters[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_step_runs_are_each_steps_runs_of_one_batch_size_up_to_the_first_idle_step() -> None:
+    # four clients sorted largest first (25, 23, 13, 7 samples at B=10, one epoch): their batch size at each step
+    table = np.array([[10, 10, 5, 0], [10, 10, 3, 0], [10, 3, 0, 0], [7, 0, 0, 0]], dtype=np.int64)
+    assert _step_runs(table) == [
+        [(0, 3, 10), (3, 4, 7)],
+        [(0, 2, 10), (2, 3, 3)],
+        [(0, 1, 5), (1, 2, 3)],
+    ]  # step 3 trains no client: the runs end there
+    assert _step_runs(table[:1]) == [[(0, 1, 10)], [(0, 1, 10)], [(0, 1, 5)]]
+    assert _step_runs(np.zeros((3, 2), dtype=np.int64)) == []
+    assert _step_runs(np.zeros((0, 4), dtype=np.int64)) == []
