@@ -57,7 +57,7 @@ def epoch_permutations(
     Raises:
         ConfigError: the three are not one entry per client, or a count or epoch count is not an integer >= 0.
     """
-    seed_array = np.fromiter((int(seed) & 0xFFFFFFFF for seed in seeds), dtype=np.int64)
+    seed_array = _low_words(seeds)
     count_array = _whole_numbers("counts", counts)
     epoch_array = _whole_numbers("epochs", epochs)
     if not seed_array.shape == count_array.shape == epoch_array.shape:
@@ -72,6 +72,15 @@ def epoch_permutations(
         torch_randperms(seed_array, count_array, epoch_array, out)
         return out
     return _drawn_by_torch(seed_array, count_array, epoch_array)
+
+
+def _low_words(seeds: Sequence[int]) -> np.ndarray:
+    """The low 32 bits of each seed (what torch's CPU generator is seeded with), int64 ``(len(seeds),)``: in one
+    NumPy pass for seeds that fit in int64 (all of :func:`fedcore.seeding.derive_seed`'s), else one by one."""
+    try:
+        return np.asarray(seeds, dtype=np.int64).reshape(-1) & 0xFFFFFFFF
+    except (OverflowError, TypeError, ValueError):  # wider integers (or objects int() takes): Python's own ints
+        return np.fromiter((int(seed) & 0xFFFFFFFF for seed in seeds), dtype=np.int64)
 
 
 def _whole_numbers(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:

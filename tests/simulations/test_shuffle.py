@@ -159,3 +159,10 @@ def test_batch_rows_lays_each_clients_permutations_out_step_by_step() -> None:
                     if t < steps[c] and position < n:
                         want = firsts[c] + drawn[starts[c] + (t // per_epoch[c]) * n + position]
                     assert out[c, t, j] == want, (c, t, j)
+
+
+def test_seeds_wider_than_int64_draw_as_their_low_32_bits() -> None:
+    wide = [2**64 + 5, 2**70 + 123_456_789, 2**63]
+    cases = [(seed, 60, 2) for seed in wide]
+    low = [(seed & 0xFFFFFFFF, count, epochs) for seed, count, epochs in cases]
+    np.testing.assert_array_equal(shuffle.epoch_permutations(*_columns(cases)), _torch_draws(low))
