@@ -106,7 +106,8 @@ def recipe(args: argparse.Namespace, out_dir: Path) -> SimulationConfig:
             "strategy": {"name": "fedavg"},
             "sampling": {"fraction_fit": args.per_round / args.clients, "min_fit_clients": 1},
             "train": {"local_epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr},
-            "output": {"dir": str(out_dir), "progress": False, "plot": False},
+            # no checkpoints: no other system here writes any (their cost: bench/simulation_checkpoints.py)
+            "output": {"dir": str(out_dir), "progress": False, "plot": False, "checkpoints": False},
         },
     )
 

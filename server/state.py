@@ -264,11 +264,16 @@ def _rounds_text(rounds: Sequence[int]) -> str:
     return f"round {rounds[0]}" if len(rounds) == 1 else f"rounds {rounds[0]}-{rounds[-1]}"
 
 
+SERVER_IN_USE = "by another fedcore server{pid}; stop it first, or give this one another --state-dir"
+"""The refusal of a server's state directory that another process holds (``{pid}``: " (pid N)" when known)."""
+
+
 class StateStore:
     """The state directory of one run. Thread-safe (one connection behind a lock).
 
     Args:
         directory: created if missing.
+        in_use: what the refusal of a directory another process holds says (who holds it, what to do).
 
     Raises:
         ConfigError: the directory cannot be created or written.
@@ -277,7 +282,7 @@ class StateStore:
             (history.csv, a simulation's files) that the server would overwrite (the message says what to do).
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, in_use: str = SERVER_IN_USE) -> None:
         self.directory = Path(directory)
         self.checkpoints = self.directory / "checkpoints"
         self.spill = self.directory / "spill"
@@ -287,7 +292,7 @@ class StateStore:
             self.checkpoints.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot use {str(self.directory)!r} as the state directory: {exc}") from exc
-        self._owner = _lock_directory(self.directory)  # before anything in it is cleaned or opened
+        self._owner = lock_directory(self.directory, in_use=in_use)  # before anything in it is cleaned or opened
         try:
             for torn in self.checkpoints.glob(".*.tmp-*"):  # a write interrupted by a crash; never a checkpoint
                 torn.unlink()
@@ -754,12 +759,16 @@ def _refuse_results_of_another_kind(directory: Path, database: Path) -> None:
         )
 
 
-def _lock_directory(directory: Path) -> int:
+def lock_directory(directory: Path, *, in_use: str = SERVER_IN_USE) -> int:
     """Hold an exclusive lock on ``directory``'s ``state.lock`` (released when the returned descriptor is closed, or
-    the process ends), so that two servers never write one state directory.
+    the process ends), so that two processes never write one state directory.
+
+    Args:
+        in_use: the end of the refusal, after "is in use " (``{pid}``: the holder's pid, when it wrote one).
 
     Raises:
-        StateError: another process holds it (its pid is named when it wrote one).
+        ConfigError: the lock file cannot be opened.
+        StateError: another process holds it.
     """
     path = directory / "state.lock"
     try:
@@ -771,11 +780,8 @@ def _lock_directory(directory: Path) -> int:
     except OSError as exc:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise StateError(
-            f"the state directory {str(directory)!r} is in use by another fedcore server"
-            + (f" (pid {holder})" if holder.isdigit() else "")
-            + "; stop it first, or give this one another --state-dir"
-        ) from exc
+        pid = f" (pid {holder})" if holder.isdigit() else ""
+        raise StateError(f"the state directory {str(directory)!r} is in use " + in_use.format(pid=pid)) from exc
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -918,6 +924,21 @@ def map_round_state(state: ServerState, directory: str | os.PathLike[str]) -> Se
         )
         return state
     return replace(mapped, trainable=state.trainable)
+
+
+def continue_from(state: ServerState, checkpoint: str | os.PathLike[str]) -> ServerState:
+    """The state to go on from once ``state`` was written to ``checkpoint``: mapped read-only from that file when it
+    holds :data:`MAP_STATE_BYTES` or more (clean file pages between rounds, as :func:`map_round_state` gives without
+    a checkpoint), else ``state`` itself, whose small arrays clients read faster from memory than from a mapping
+    they drop as they read.
+
+    Raises:
+        PayloadError: the checkpoint cannot be read back.
+    """
+    arrays = [state.parameters, state.optimizer_state, state.aggregator_state, *state.groups.values()]
+    if sum(num_bytes(tensors) for tensors in arrays) < MAP_STATE_BYTES:
+        return state
+    return replace(load_checkpoint(checkpoint, mapped=True, verify=False), trainable=state.trainable)
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, mapped: bool = False, verify: bool = True) -> ServerState:

@@ -215,15 +215,28 @@ class OutputConfig:
         dir: the run's output directory (history.csv, history.png, model.safetensors, config.json).
         progress: show a progress bar and the per-round table on the console.
         plot: write the PNG plot of accuracy and loss per round.
+        checkpoints: after every round, write the round's server state (global model, server optimizer state,
+            tensor groups, aggregator state) and record under the output dir, in state/ (the deployment server's
+            format, :class:`server.state.StateStore`), so that a killed or failed run can go on with --resume.
+        resume: go on from the newest checkpoint under the output dir (the rounds after it run again, with the
+            results of a run never stopped); --rounds may be raised to train longer, [output] and [simulation] may
+            change, the rest of the recipe must be the recorded run's. Without a checkpoint a new run starts.
     """
 
     dir: Path = Path("runs/latest")
     progress: bool = True
     plot: bool = True
+    checkpoints: bool = True
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if str(self.dir).strip() in ("", "."):
             raise ConfigError("output.dir is empty; give a directory for the run's results (e.g. runs/my-run)")
+        if self.resume and not self.checkpoints:
+            raise ConfigError(
+                "output.resume goes on from the run's checkpoints, and output.checkpoints is off; turn checkpoints on "
+                "(drop --no-checkpoints) to resume"
+            )
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")

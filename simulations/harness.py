@@ -32,7 +32,7 @@ from tqdm import tqdm
 from client.state import ClientStateStore
 from fedcore.config import check_creatable_dir, to_mapping
 from fedcore.convergence import Convergence, Stop
-from fedcore.errors import ConfigError, FedcoreError
+from fedcore.errors import ConfigError, FedcoreError, PayloadError
 from fedcore.payload import save_payload
 from fedcore.seeding import numpy_rng
 from fedcore.strategy import build_strategy
@@ -49,6 +49,7 @@ from fedcore.task import (
     state_elements,
     trainable_names,
 )
+from fedcore.tensors import check_spec, state_spec
 from fedcore.training import STEP_IN_BACKWARD_MIN_ELEMENTS
 from privacy.dp.config import apply_dp
 from server.pool import ClientPool
@@ -61,7 +62,15 @@ from server.round_loop import (
     return_large_blocks_to_the_os,
     run_rounds,
 )
-from server.state import MAPPED_STATE_PREFIX, HistoryFile, history_columns, map_round_state
+from server.state import (
+    MAPPED_STATE_PREFIX,
+    HistoryFile,
+    StateStore,
+    continue_from,
+    history_columns,
+    lock_directory,
+    map_round_state,
+)
 from simulations.attacks import (
     LABEL_ATTACKS,
     REWRITE_ATTACKS,
@@ -91,7 +100,16 @@ COLUMNS = ("round", "clients", "train_loss", "test_loss", "test_accuracy", "seco
 OUTPUT_FILES = ("config.json", "history.csv", "history.png", "model.safetensors")
 CLIENT_STATE_DIR = "client-state"
 """The virtual clients' persistent state under output.dir (one file per client that keeps state, e.g. SCAFFOLD's
-control variate); emptied when a simulation starts."""
+control variate); emptied when a simulation starts, kept when it resumes."""
+RUN_STATE_DIR = "state"
+"""The run's checkpoints and round records under output.dir (``[output] checkpoints``): a
+:class:`server.state.StateStore`, as a deployment server keeps them; emptied when a simulation starts, gone on from
+when it resumes (``[output] resume``)."""
+SIMULATION_IN_USE = "by another simulation{pid} writing to this output.dir; wait for it to end, or give another --out"
+"""The refusal of an output.dir whose checkpoints another simulation holds."""
+RESUMABLE_CHANGES = ("rounds", "output", "simulation")
+"""The recipe's keys (top-level) a resumed run may change: how many rounds, where and how results are written, how
+the clients are run. Any other change would make the resumed rounds those of another run."""
 MAX_TASKS = 1024
 """The most virtual clients' tasks (data shards) kept built at once, in this process or in each worker; a client
 used less recently is built again when it is sampled, so memory does not grow with the number of clients."""
@@ -209,19 +227,28 @@ def worker_count(config: SimulationConfig) -> int | None:
     return sim.workers
 
 
-def prepare_output(out_dir: Path, config: SimulationConfig) -> None:
-    """Make the run's output directory, remove an earlier run's results, client state and mapped round state (a
-    killed run's file, :func:`server.state.map_round_state`) from it, and write the recipe (config.json). Called
-    once the run's setup has succeeded, so that a recipe refused in its setup leaves no directory behind.
+def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = False) -> None:
+    """Make the run's output directory, remove an earlier run's results, client state, checkpoints and mapped round
+    state (a killed run's file, :func:`server.state.map_round_state`) from it, and write the recipe (config.json).
+    Called once the run's setup has succeeded, so that a recipe refused in its setup leaves no directory behind.
+
+    Args:
+        resumed: the run goes on from the checkpoints in the directory: its client state and checkpoints stay (its
+            history.csv is written again from the checkpoints' records).
 
     Raises:
         ConfigError: the directory or config.json cannot be written.
+        StateError: another simulation holds the directory's checkpoints (it is running).
     """
+    if not resumed and (out_dir / RUN_STATE_DIR / "state.db").exists():  # nothing removed under a running one
+        os.close(lock_directory(out_dir / RUN_STATE_DIR, in_use=SIMULATION_IN_USE))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
             (out_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)  # nor an earlier run's client state
+        if not resumed:  # nor an earlier run's client state and checkpoints
+            shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)
+            shutil.rmtree(out_dir / RUN_STATE_DIR, ignore_errors=True)
         for pattern in (f"{MAPPED_STATE_PREFIX}*", f".{MAPPED_STATE_PREFIX}*"):  # nor a killed run's mapped state
             for stale in out_dir.glob(pattern):
                 if not stale.is_dir():  # a directory of that name is the user's
@@ -229,6 +256,109 @@ def prepare_output(out_dir: Path, config: SimulationConfig) -> None:
         (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
     except OSError as exc:
         raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
+
+
+def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
+    """Refuse to resume the run in ``out_dir`` with a recipe that differs from its recorded one (config.json) in
+    anything but :data:`RESUMABLE_CHANGES`.
+
+    Raises:
+        ConfigError: config.json is missing or unreadable, or the recipe differs (each differing key with both
+            values, and what to do).
+    """
+    path = out_dir / "config.json"
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot resume the run in {str(out_dir)!r}: its recipe {str(path)!r} cannot be read ({exc}); run "
+            "without --resume to start afresh there, or give another --out"
+        ) from None
+    if not isinstance(recorded, dict):
+        raise ConfigError(f"cannot resume the run in {str(out_dir)!r}: {str(path)!r} is not a recipe")
+    now = json.loads(json.dumps(recipe_record(config)))  # as config.json holds it (lists, not tuples)
+    differ = [
+        f"{key}: {_shown(recorded, key)} recorded, {_shown(now, key)} now"
+        for key in sorted(_flat(recorded) | _flat(now))
+        if key.split(".")[0] not in RESUMABLE_CHANGES and _value(recorded, key) != _value(now, key)
+    ]
+    if differ:
+        raise ConfigError(
+            f"cannot resume the run in {str(out_dir)!r} with another recipe ({'; '.join(differ[:6])}"
+            f"{'; ...' if len(differ) > 6 else ''}): its rounds would not be the ones it ran. Resume with the "
+            "recorded recipe (its config.json; only rounds, [output] and [simulation] may change), or run without "
+            "--resume, or give another --out"
+        )
+
+
+_RESUME_HINT = "Run the same command with --resume (output.resume = true) to go on"
+"""How a run with checkpoints goes on after a failed round or a stop."""
+
+
+def _open_store(out_dir: Path, config: SimulationConfig) -> StateStore:
+    """The run's checkpoints and records (:data:`RUN_STATE_DIR`), with its strategy and seed recorded (or checked
+    against the recorded ones when it resumes).
+
+    Raises:
+        ConfigError: the directory cannot be used, or holds a run of another strategy or seed.
+        StateError: another process uses it (a second simulation into the same output.dir), or it is damaged.
+    """
+    store = StateStore(out_dir / RUN_STATE_DIR, in_use=SIMULATION_IN_USE)
+    try:
+        store.check_strategy(config.strategy)
+        store.check_seed(config.seed)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _resumed_state(state: ServerState, server_task: Task, out_dir: Path) -> ServerState:
+    """A resumed checkpoint's state with the trainable names of the task's model (not in the checkpoint: a
+    property of the model), once its tensors are found to be that model's.
+
+    Raises:
+        ConfigError: the checkpoint holds another model than the task builds (e.g. a task factory changed since).
+    """
+    with torch.random.fork_rng(devices=[]):  # building the model draws nothing from the run's generators
+        model = server_task.build_model()
+    try:
+        check_spec(state.parameters, state_spec(model.state_dict()))
+    except PayloadError as exc:
+        raise ConfigError(
+            f"the checkpoint in {str(out_dir / RUN_STATE_DIR)!r} (round {state.round}) is of another model than the "
+            f"task builds ({exc.message}); resume with the task of the recorded run, or run without --resume"
+        ) from None
+    return replace(state, trainable=trainable_names(model))
+
+
+_MISSING = object()
+
+
+def _flat(record: Mapping[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys of ``record``'s leaves."""
+    keys: set[str] = set()
+    for key, value in record.items():
+        if isinstance(value, Mapping) and value:
+            keys |= _flat(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
+
+
+def _value(record: Mapping[str, Any], key: str) -> object:
+    """The value at dotted ``key`` of ``record``, or :data:`_MISSING`."""
+    value: object = record
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _shown(record: Mapping[str, Any], key: str) -> str:
+    value = _value(record, key)
+    return "unset" if value is _MISSING else json.dumps(value)
 
 
 def _freeze_first_round() -> None:
@@ -282,6 +412,11 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             "its own output.dir"
         )
     check_creatable_dir(out_dir, what="output.dir (--out)")  # created once the setup below has succeeded
+    resuming = config.output.resume and (out_dir / RUN_STATE_DIR / "state.db").exists()
+    if resuming:
+        check_resumable(out_dir, config)  # before the setup, which may load a dataset
+    elif config.output.resume:
+        echo(f"nothing to resume in {out_dir} (no {RUN_STATE_DIR}/state.db there): starting a new run")
     demo = config.task.factory == DEMO_TASK
     factory: TaskFactory = demo_task if demo else load_task_factory(config.task.factory)
     options = task_options(config) if demo else dict(config.task.options)
@@ -382,20 +517,52 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         strategy.selection, config.devices, ids, seed=config.seed, sizes=lambda: partition_sizes(config, ids)
     )
     strategy = replace(strategy, selection=selection)
+    store: StateStore | None = None
+    resumed: ServerState | None = None
     try:
-        prepare_output(out_dir, config)
+        if resuming:
+            store = _open_store(out_dir, config)
+            resumed = store.resume(mapped=True)
+            if resumed is None:  # nothing trained yet: a new run
+                store.close()
+                store = None
+                echo(f"nothing to resume in {out_dir} (no round finished): starting a new run")
+            else:
+                resumed = _resumed_state(resumed, server_task, out_dir)
+        prepare_output(out_dir, config, resumed=resumed is not None)
+        if store is None and config.output.checkpoints:
+            store = _open_store(out_dir, config)
     except BaseException:
+        if store is not None:
+            store.close()
         if process is not None:
             process.close()
         raise
 
+    resumed_round = resumed.round if resumed is not None else 0
+    start = [resumed] if resumed is not None else []  # handed to the round loop, which drops it after round 1
+    del resumed
     csv_path = out_dir / "history.csv"
     history_file = HistoryFile(csv_path)  # the server's writer: one schema for both history files
+    earlier: list[dict[str, float | int | None]] = []  # a resumed run's rounds before it
+    if store is not None and start:
+        earlier = store.history()
+        history_file.reset(earlier)
+        # the selector's learned state (losses, durations), rebuilt from the recorded rounds as a server's is
+        strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= resumed_round)
+        echo(f"resuming after round {resumed_round} from {out_dir / RUN_STATE_DIR}")
     divergent_rounds: list[int] = []
     first_round_frozen = False  # the run's lasting objects frozen out of the collector (after its first round)
     # The bar only on a terminal: piped into a file or `tee`, its redraws would garble the per-round table.
     bar = config.output.progress and sys.stderr.isatty()
-    progress = tqdm(total=config.rounds, desc="rounds", unit="round", disable=not bar, leave=False)
+    progress = tqdm(
+        total=config.rounds,
+        initial=resumed_round,
+        desc="rounds",
+        unit="round",
+        disable=not bar,
+        leave=False,
+    )
     say = tqdm.write if config.output.progress else echo
     columns = (*COLUMNS[:-1], "epsilon", COLUMNS[-1]) if config.privacy.enabled else COLUMNS
     if config.output.progress:
@@ -418,7 +585,14 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
                 progress.set_postfix(acc=f"{acc:.4f}")
         # a large global model and FedAvgM's momentum (FedAdam's moments) wait for the next round in a file: the
         # clients read the model from it block by block, and the momentum sits untouched until the server step
-        mapped = map_round_state(state, out_dir)
+        if store is not None and record.round > 0:
+            path = store.save_checkpoint(state, record)  # the record too: a kill before its row loses nothing
+            store.record_round(record)
+            mapped = continue_from(state, path)
+        else:
+            if store is not None:
+                store.record_round(record)  # round 0: the initial model's evaluation
+            mapped = map_round_state(state, out_dir)
         finished[:] = [mapped]  # written as the model if a later round fails (at most a small model held, or a mapping)
         nonlocal first_round_frozen
         if record.round > 0 and not first_round_frozen:
@@ -462,20 +636,31 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             pool,
             strategy,
             # made in the call, so that no reference here keeps the initial model alive for the whole run
-            initial_state(initial_parameters(server_task.build_model, config.seed), strategy, trainable=trainable),
+            start.pop()
+            if start
+            else initial_state(initial_parameters(server_task.build_model, config.seed), strategy, trainable=trainable),
             round_config,
             evaluate_fn=evaluate_fn,
             on_round_end=on_round_end,
             validate_fn=validate_fn,
             keep_records=False,  # each round's row is written as it ends; a record holds an observation per client
+            history=earlier,  # a resumed run's stop rules count on
         )
     except FedcoreError:  # a round failed: the rounds that finished keep their model as well as their history
         if finished and finished[0].round > 0:
             last = finished[0]
             save_payload(out_dir / "model.safetensors", last.parameters, {"round": str(last.round)}, self_digest=True)
             echo(f"round {last.round}'s global model, the last round that finished, is in {out_dir}/model.safetensors")
+        if store is not None:
+            echo(f"{_RESUME_HINT} after the last round that finished")
+        raise
+    except KeyboardInterrupt:
+        if store is not None:
+            echo(f"stopped; {_RESUME_HINT[0].lower()}{_RESUME_HINT[1:]} after the last round that finished")
         raise
     finally:
+        if store is not None:
+            store.close()
         gc.unfreeze()  # the run's objects go back to the collector (gc cannot unfreeze only some)
         if frozen_by_caller:  # what the caller froze stays frozen (with what is alive of the run now)
             gc.freeze()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -169,6 +171,17 @@ def test_a_task_factory_that_raises_or_returns_no_task_is_a_one_line_error(
     assert "the task factory 'os:getcwd' raised TypeError" in capsys.readouterr().err
 
 
+def _recorded(function: Callable[[Any, Any], Any], into: list[Any]) -> Callable[[Any, Any], Any]:
+    """``function``, also keeping each of its results in ``into``."""
+
+    def call(state: Any, where: Any) -> Any:
+        result = function(state, where)
+        into.append(result)
+        return result
+
+    return call
+
+
 @pytest.mark.parametrize(
     ("strategy", "backend"), [("fedavgm", "inprocess"), ("fedadam", "inprocess"), ("fedavgm", "batched")]
 )
@@ -183,18 +196,11 @@ def test_a_mapped_round_state_gives_the_same_run(
 
     extra = [f"strategy.name={strategy!r}", "rounds=3", "data.num_clients=6", "sampling.min_fit_clients=3"]
     extra += ["strategy.server_momentum=0.9"] if strategy == "fedavgm" else ["strategy.server_lr=0.01"]
-    extra += [f"simulation.backend={backend!r}"]
+    extra += [f"simulation.backend={backend!r}", "output.checkpoints=false"]  # with them: the next test
     kept = simulate(tmp_path / "kept", *extra).drop(columns="seconds")
     mapped_states: list[ServerState] = []
-    real = server.state.map_round_state
-
-    def record(state: ServerState, directory: str | Path) -> ServerState:
-        result = real(state, directory)
-        mapped_states.append(result)
-        return result
-
     monkeypatch.setattr(server.state, "MAP_STATE_BYTES", 0)  # every state is mapped
-    monkeypatch.setattr("simulations.harness.map_round_state", record)
+    monkeypatch.setattr("simulations.harness.map_round_state", _recorded(server.state.map_round_state, mapped_states))
     mapped = simulate(tmp_path / "mapped", *extra).drop(columns="seconds")
     pd.testing.assert_frame_equal(kept, mapped, check_exact=True)
     assert len(mapped_states) == 4  # round 0's evaluation and three rounds
@@ -204,6 +210,32 @@ def test_a_mapped_round_state_gives_the_same_run(
     model_mapped = decode((tmp_path / "mapped" / "model.safetensors").read_bytes())
     assert all(np.array_equal(model_kept[n], model_mapped[n]) for n in model_kept)
     assert [p.name for p in (tmp_path / "mapped").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_round_state_mapped_from_its_checkpoint_gives_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With checkpoints, a state of MAP_STATE_BYTES or more goes on mapped from the checkpoint just written (no
+    second file), a smaller one from memory; either way the run is the run without checkpoints."""
+    import server.state
+    from server.round_loop import ServerState
+
+    extra = ["strategy.name='fedavgm'", "strategy.server_momentum=0.9", "rounds=3", "data.num_clients=6"]
+    extra += ["sampling.min_fit_clients=3"]
+    plain = simulate(tmp_path / "plain", *extra, "output.checkpoints=false").drop(columns="seconds")
+    continued: list[ServerState] = []
+    monkeypatch.setattr("simulations.harness.continue_from", _recorded(server.state.continue_from, continued))
+    small = simulate(tmp_path / "small", *extra).drop(columns="seconds")
+    assert len(continued) == 3 and not any(isinstance(a, np.memmap) for s in continued for a in s.parameters.values())
+    continued.clear()
+    monkeypatch.setattr(server.state, "MAP_STATE_BYTES", 0)  # every state is mapped
+    mapped = simulate(tmp_path / "mapped", *extra).drop(columns="seconds")
+    assert len(continued) == 3
+    assert all(isinstance(a, np.memmap) for s in continued for a in s.optimizer_state.values() if a.size)
+    assert all(isinstance(a, np.memmap) for s in continued for a in s.parameters.values() if a.size)
+    pd.testing.assert_frame_equal(plain, small, check_exact=True)
+    pd.testing.assert_frame_equal(plain, mapped, check_exact=True)
+    assert [p.name for p in (tmp_path / "mapped").iterdir() if p.name.startswith(".")] == []  # no second file
 
 
 def test_only_a_large_model_has_its_blocks_returned_to_the_os(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,7 +39,12 @@ def _simulate(out: Path, *extra: str) -> dict[str, bytes]:
         *extra,
     ]
     run_simulation(load_recipe(None, overrides), echo=lambda _: None)
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    return _files(out)
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    """The bytes of each file in ``out`` (not in its directories: state/, the checkpoints)."""
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
 
 
 def _without_seconds(text: bytes) -> list[list[str]]:
@@ -53,6 +58,7 @@ def test_two_same_seed_simulations_write_the_same_bytes(tmp_path: Path) -> None:
     first = _simulate(out)
     second = _simulate(out)  # the same output directory: config.json records it
     assert sorted(first) == ["config.json", "history.csv", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["state"]  # the checkpoints
     assert first["model.safetensors"] == second["model.safetensors"]
     assert first["config.json"] == second["config.json"]
     # history.csv: every byte but the wall-time column
@@ -114,7 +120,7 @@ def test_a_simulation_and_a_server_never_share_a_directory(tmp_path: Path) -> No
     with pytest.raises(StateError, match=r"not a server state directory \(no state\.db\) but holds history\.csv, "
                        r"config\.json, model\.safetensors.*new or empty directory"):  # fmt: skip
         StateStore(out)
-    assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == written
+    assert _files(out) == written
     # and a simulation given a server's state directory as output.dir
     StateStore(tmp_path / "server").close()
     with pytest.raises(ConfigError, match=r"is a server's state directory \(it holds state\.db\)"):
