@@ -23,12 +23,10 @@ from dataclasses import replace
 from types import FrameType
 from typing import Any
 
-import torch
-
 from fedcore.aggregation.weights import check_weight_metric
 from fedcore.config import Address, parse_host
 from fedcore.convergence import Convergence
-from fedcore.errors import ConfigError, PayloadError, StateError
+from fedcore.errors import ConfigError, StateError
 from fedcore.kernels import warm_up as warm_up_kernels
 from fedcore.strategy import Strategy, build_strategy
 from fedcore.task import (
@@ -41,7 +39,6 @@ from fedcore.task import (
     load_task_factory,
     trainable_names,
 )
-from fedcore.tensors import check_spec, state_spec
 from privacy.dp.config import apply_dp
 from privacy.tls import SERVER_FLAGS, exposure_warning, load_ca_bundle, load_identity
 from server.config import ServerConfig, check_server_config
@@ -58,7 +55,7 @@ from server.round_loop import (
     run_rounds,
 )
 from server.service import AuthPolicy, CoordinatorService, build_server, load_tokens
-from server.state import StateStore, load_checkpoint
+from server.state import StateStore, load_checkpoint, resumed_for_model
 
 log = logging.getLogger("fedcore.server")
 
@@ -298,19 +295,12 @@ def _open_run(
     if resumed is None:
         return _fresh_state(config, server_task, strategy, store, echo)
     if server_task is not None:
-        with torch.random.fork_rng(devices=[]):
-            model = server_task.build_model()
-        expected, trainable = state_spec(model.state_dict()), trainable_names(model)
-        del model
-        resumed = replace(resumed, trainable=trainable)  # not in the checkpoint: a property of the model
-        try:
-            check_spec(resumed.parameters, expected)
-        except PayloadError as exc:
-            raise ConfigError(
-                f"the checkpoint in {str(config.state_dir)!r} (round {resumed.round}) is of another model than "
-                f"the task builds ({exc.message}); use a new --state-dir for a new run, or the task options "
-                "of the run being resumed"
-            ) from None
+        resumed = resumed_for_model(
+            resumed,
+            server_task.build_model,
+            where=str(config.state_dir),
+            advice="use a new --state-dir for a new run, or the task options of the run being resumed",
+        )
     echo(f"resuming after round {resumed.round} from {config.state_dir}")
     return resumed
 

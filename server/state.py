@@ -55,12 +55,13 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.payload import (
@@ -73,7 +74,8 @@ from fedcore.payload import (
 )
 from fedcore.selection import ClientObservation
 from fedcore.strategy import StrategyConfig
-from fedcore.tensors import NamedArrays, num_bytes
+from fedcore.task import trainable_names
+from fedcore.tensors import NamedArrays, check_spec, num_bytes, state_spec
 from server.round_loop import RoundRecord, ServerState
 
 log = logging.getLogger("fedcore.server")
@@ -268,12 +270,40 @@ SERVER_IN_USE = "by another fedcore server{pid}; stop it first, or give this one
 """The refusal of a server's state directory that another process holds (``{pid}``: " (pid N)" when known)."""
 
 
+@dataclass(frozen=True)
+class StateAdvice:
+    """What a :class:`StateStore`'s refusals call the run and tell its user to do, in the words of the command that
+    opened it (a server's flags, or a simulation's).
+
+    Attributes:
+        who: the run, as the subject of "... is configured with" (e.g. "this server").
+        new_run: how to start a new run instead, after "or" (a lower-case clause).
+        resume: how to go on once a problem outside the directory is fixed (a lower-case clause).
+        in_use: the end of the refusal of a directory another process holds, after "is in use " (``{pid}``: the
+            holder's pid, " (pid N)", when known).
+    """
+
+    who: str
+    new_run: str
+    resume: str
+    in_use: str
+
+
+SERVER_ADVICE = StateAdvice(
+    who="this server",
+    new_run=_NEW_RUN,
+    resume="restart with the same --state-dir to resume",
+    in_use=SERVER_IN_USE,
+)
+"""A deployment server's state directory (``--state-dir``)."""
+
+
 class StateStore:
     """The state directory of one run. Thread-safe (one connection behind a lock).
 
     Args:
         directory: created if missing.
-        in_use: what the refusal of a directory another process holds says (who holds it, what to do).
+        advice: what its refusals tell the user to do (:class:`StateAdvice`; default: a server's flags).
 
     Raises:
         ConfigError: the directory cannot be created or written.
@@ -282,7 +312,8 @@ class StateStore:
             (history.csv, a simulation's files) that the server would overwrite (the message says what to do).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, in_use: str = SERVER_IN_USE) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, advice: StateAdvice = SERVER_ADVICE) -> None:
+        self._advice = advice
         self.directory = Path(directory)
         self.checkpoints = self.directory / "checkpoints"
         self.spill = self.directory / "spill"
@@ -292,7 +323,7 @@ class StateStore:
             self.checkpoints.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot use {str(self.directory)!r} as the state directory: {exc}") from exc
-        self._owner = lock_directory(self.directory, in_use=in_use)  # before anything in it is cleaned or opened
+        self._owner = lock_directory(self.directory, in_use=advice.in_use)  # before anything in it is cleaned or opened
         try:
             for torn in self.checkpoints.glob(".*.tmp-*"):  # a write interrupted by a crash; never a checkpoint
                 torn.unlink()
@@ -326,7 +357,7 @@ class StateStore:
         if tables and "meta" not in tables:
             raise StateError(
                 f"the state database {str(self.database)!r} was written by an older fedcore (no format record) "
-                f"and cannot be resumed; {_NEW_RUN}"
+                f"and cannot be resumed; {self._advice.new_run}"
             )
         self._db.executescript(_SCHEMA)
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (_FORMAT,))
@@ -334,7 +365,7 @@ class StateStore:
         if found != _FORMAT:
             raise StateError(
                 f"the state database {str(self.database)!r} has format {str(found)[:20]!r}, this fedcore reads "
-                f"format {_FORMAT}; use the fedcore that wrote it, or {_NEW_RUN}"
+                f"format {_FORMAT}; use the fedcore that wrote it, or {self._advice.new_run}"
             )
 
     @contextmanager
@@ -346,7 +377,7 @@ class StateStore:
             raise StateError(
                 f"the state database {str(self.database)!r} failed while {doing}: {exc}. If it is damaged "
                 "('not a database', 'malformed'), move the state directory aside and "
-                f"{_NEW_RUN}; if the disk is full or read-only, fix that and restart (the run resumes)"
+                f"{self._advice.new_run}; if the disk is full or read-only, fix that and {self._advice.resume}"
             ) from exc
 
     @contextmanager
@@ -554,13 +585,13 @@ class StateStore:
                 previous = int(recorded)
             except ValueError as exc:
                 raise StateError(
-                    f"the state database {str(self.database)!r} holds an unreadable seed record; {_NEW_RUN}"
+                    f"the state database {str(self.database)!r} holds an unreadable seed record; {self._advice.new_run}"
                 ) from exc
             if previous != seed:
                 raise ConfigError(
                     f"the state directory {str(self.directory)!r} holds a run started with --seed {previous}, but "
-                    f"this server is configured with --seed {seed}: the resumed rounds would select and train as "
-                    f"neither run does. Resume with --seed {previous}, or {_NEW_RUN}"
+                    f"{self._advice.who} is configured with --seed {seed}: the resumed rounds would select and train "
+                    f"as neither run does. Resume with --seed {previous}, or {self._advice.new_run}"
                 )
             return
         self._set_meta("seed", str(seed))
@@ -587,21 +618,22 @@ class StateStore:
                 f"the state directory {str(self.directory)!r} holds "
                 + (f"checkpoints ({files[-1].name})" if files else f"records of {_rounds_text(trained)}")
                 + " but state.db records no strategy for them (the database was replaced or deleted); "
-                + _NEW_RUN
+                + self._advice.new_run
             )
         if recorded is not None and started:
             try:
                 previous = json.loads(recorded)
             except json.JSONDecodeError as exc:
                 raise StateError(
-                    f"the state database {str(self.database)!r} holds an unreadable strategy record; {_NEW_RUN}"
+                    f"the state database {str(self.database)!r} holds an unreadable strategy record; "
+                    f"{self._advice.new_run}"
                 ) from exc
             if previous != identity:
                 raise ConfigError(
                     f"the state directory {str(self.directory)!r} holds a run of strategy {_describe(previous)}, "
-                    f"but this server is configured for {_describe(identity)}: the stored server optimizer state "
-                    f"would be read as something else. Resume with the recorded strategy (--strategy "
-                    f"{previous.get('name')} and its settings), or {_NEW_RUN}"
+                    f"but {self._advice.who} is configured for {_describe(identity)}: the stored server optimizer "
+                    f"state would be read as something else. Resume with the recorded strategy (--strategy "
+                    f"{previous.get('name')} and its settings), or {self._advice.new_run}"
                 )
             return
         self._set_meta("strategy", json.dumps(identity, sort_keys=True))
@@ -622,7 +654,7 @@ class StateStore:
             if trained:
                 raise StateError(
                     f"state.db in {str(self.directory)!r} records {_rounds_text(trained)} but checkpoints/ holds no "
-                    "checkpoint: resuming would mix two runs. Restore the checkpoints, or " + _NEW_RUN
+                    "checkpoint: resuming would mix two runs. Restore the checkpoints, or " + self._advice.new_run
                 )
             return None
         if state.round > last + 1:
@@ -630,7 +662,7 @@ class StateStore:
                 f"the newest checkpoint in {str(self.checkpoints)!r} is of round {state.round} but state.db "
                 + (f"records only up to round {last}" if trained else "records no trained round")
                 + ": they are of different runs (or state.db was replaced). Restore the matching state.db, or "
-                + _NEW_RUN
+                + self._advice.new_run
             )
         if state.round == last + 1:  # stopped between the checkpoint and its round's record: the record is in it
             self._restore_record(state.round)
@@ -662,7 +694,7 @@ class StateStore:
         except (KeyError, TypeError, ValueError, StateError) as exc:
             raise StateError(
                 f"round {rnd}'s checkpoint holds a round record that cannot be stored ({exc!r}); it is damaged: "
-                "restore it from a backup, or " + _NEW_RUN
+                "restore it from a backup, or " + self._advice.new_run
             ) from exc
         log.info("round %d's record restored from its checkpoint (the server stopped before writing it)", rnd)
 
@@ -687,7 +719,7 @@ class StateStore:
         except OSError as exc:
             raise StateError(
                 f"cannot write the checkpoint {str(path)!r}: {exc}. The previous checkpoints are intact; free disk "
-                "space (or raise the file size limit) and restart with the same --state-dir to resume",
+                f"space (or raise the file size limit) and {self._advice.resume}",
                 round=state.round,
             ) from exc
         with self._lock, self._sqlite(f"recording the checkpoint of round {state.round}"):
@@ -731,7 +763,7 @@ class StateStore:
         if damaged:
             raise StateError(
                 f"no intact checkpoint in {str(self.checkpoints)!r} ({'; '.join(damaged)}). Restore one from a "
-                "backup, or " + _NEW_RUN
+                "backup, or " + self._advice.new_run
             )
         return None
 
@@ -908,8 +940,7 @@ def map_round_state(state: ServerState, directory: str | os.PathLike[str]) -> Se
     A file that cannot be written or read back (disk full, permissions) leaves the state in memory, with a warning
     that says why: the run goes on as it would without this.
     """
-    arrays = [state.parameters, state.optimizer_state, state.aggregator_state, *state.groups.values()]
-    if sum(num_bytes(tensors) for tensors in arrays) < MAP_STATE_BYTES:
+    if _state_bytes(state) < MAP_STATE_BYTES:
         return state
     # unique: two runs of one process may map the same round into one directory
     path = Path(directory) / f"{MAPPED_STATE_PREFIX}r{state.round:06d}-{os.getpid()}-{secrets.token_hex(8)}.safetensors"
@@ -926,6 +957,41 @@ def map_round_state(state: ServerState, directory: str | os.PathLike[str]) -> Se
     return replace(mapped, trainable=state.trainable)
 
 
+def resumed_for_model(
+    state: ServerState, build_model: Callable[[], torch.nn.Module], *, where: str, advice: str
+) -> ServerState:
+    """A resumed checkpoint's state, once its tensors are found to be those of the model ``build_model`` builds, with
+    that model's trainable names (a property of the model, not kept in a checkpoint). The model is built with the
+    global random generators forked, so that building it draws nothing from the run's.
+
+    Args:
+        where: the state directory, as the refusal names it.
+        advice: what the refusal tells the user to do (after the mismatch).
+
+    Raises:
+        ConfigError: the checkpoint holds another model than ``build_model`` builds (round, what differs, advice).
+    """
+    with torch.random.fork_rng(devices=[]):
+        model = build_model()
+    expected, trainable = state_spec(model.state_dict()), trainable_names(model)
+    del model
+    try:
+        check_spec(state.parameters, expected)
+    except PayloadError as exc:
+        raise ConfigError(
+            f"the checkpoint in {where!r} (round {state.round}) is of another model than the task builds "
+            f"({exc.message}); {advice}"
+        ) from None
+    return replace(state, trainable=trainable)
+
+
+def _state_bytes(state: ServerState) -> int:
+    """The bytes of ``state``'s arrays: the global model, the server optimizer's, the aggregator's and the tensor
+    groups' state."""
+    arrays = [state.parameters, state.optimizer_state, state.aggregator_state, *state.groups.values()]
+    return sum(num_bytes(tensors) for tensors in arrays)
+
+
 def continue_from(state: ServerState, checkpoint: str | os.PathLike[str]) -> ServerState:
     """The state to go on from once ``state`` was written to ``checkpoint``: mapped read-only from that file when it
     holds :data:`MAP_STATE_BYTES` or more (clean file pages between rounds, as :func:`map_round_state` gives without
@@ -935,8 +1001,7 @@ def continue_from(state: ServerState, checkpoint: str | os.PathLike[str]) -> Ser
     Raises:
         PayloadError: the checkpoint cannot be read back.
     """
-    arrays = [state.parameters, state.optimizer_state, state.aggregator_state, *state.groups.values()]
-    if sum(num_bytes(tensors) for tensors in arrays) < MAP_STATE_BYTES:
+    if _state_bytes(state) < MAP_STATE_BYTES:
         return state
     return replace(load_checkpoint(checkpoint, mapped=True, verify=False), trainable=state.trainable)
 

@@ -743,6 +743,7 @@ def train_stack(
         for lo in range(0, count, chunk):
             if by_chunk:
                 _fill_rows(params, initial, lo, lo + chunk)
+            rows_in_chunk = min(chunk, count - lo)
             whole = {n: params[n][lo : lo + chunk] for n in names}  # the chunk's rows: most runs take them all
             for step, runs in enumerate(_step_runs(table[lo : lo + chunk])):  # until no client of the chunk trains
                 if deferred is not None and step % window == 0:
@@ -751,8 +752,7 @@ def train_stack(
                     start, end = lo + first, lo + last  # rows of the stack
                     rows = index[start:end, step, :size].reshape(-1)
                     yb = _gather(y_all, rows, reuse, "yb").view(end - start, size, *y_all.shape[1:])
-                    full = first == 0 and end - start == whole[names[0]].shape[0]
-                    views = whole if full else {n: params[n][start:end] for n in names}
+                    views = whole if (first, last) == (0, rows_in_chunk) else {n: params[n][start:end] for n in names}
                     if deferred is not None:  # the first layer's updates wait for the window's end
                         losses[start:end, step] = deferred.step(step, start, end, views, yb, config.lr)
                         continue

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from client.state import ClientStateStore
 from fedcore.config import check_creatable_dir, to_mapping
 from fedcore.convergence import Convergence, Stop
-from fedcore.errors import ConfigError, FedcoreError, PayloadError
+from fedcore.errors import ConfigError, FedcoreError
 from fedcore.payload import save_payload
 from fedcore.seeding import numpy_rng
 from fedcore.strategy import build_strategy
@@ -49,7 +49,6 @@ from fedcore.task import (
     state_elements,
     trainable_names,
 )
-from fedcore.tensors import check_spec, state_spec
 from fedcore.training import STEP_IN_BACKWARD_MIN_ELEMENTS
 from privacy.dp.config import apply_dp
 from server.pool import ClientPool
@@ -65,11 +64,13 @@ from server.round_loop import (
 from server.state import (
     MAPPED_STATE_PREFIX,
     HistoryFile,
+    StateAdvice,
     StateStore,
     continue_from,
     history_columns,
     lock_directory,
     map_round_state,
+    resumed_for_model,
 )
 from simulations.attacks import (
     LABEL_ATTACKS,
@@ -105,8 +106,13 @@ RUN_STATE_DIR = "state"
 """The run's checkpoints and round records under output.dir (``[output] checkpoints``): a
 :class:`server.state.StateStore`, as a deployment server keeps them; emptied when a simulation starts, gone on from
 when it resumes (``[output] resume``)."""
-SIMULATION_IN_USE = "by another simulation{pid} writing to this output.dir; wait for it to end, or give another --out"
-"""The refusal of an output.dir whose checkpoints another simulation holds."""
+SIMULATION_ADVICE = StateAdvice(
+    who="this simulation",
+    new_run="run without --resume to start a new run (or give another --out)",
+    resume="run the same command with --resume to go on",
+    in_use="by another simulation{pid} writing to this output.dir; wait for it to end, or give another --out",
+)
+"""What the refusals of a simulation's checkpoints (:data:`RUN_STATE_DIR`) tell its user to do."""
 RESUMABLE_CHANGES = ("rounds", "output", "simulation")
 """The recipe's keys (top-level) a resumed run may change: how many rounds, where and how results are written, how
 the clients are run. Any other change would make the resumed rounds those of another run."""
@@ -241,7 +247,7 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
         StateError: another simulation holds the directory's checkpoints (it is running).
     """
     if not resumed and (out_dir / RUN_STATE_DIR / "state.db").exists():  # nothing removed under a running one
-        os.close(lock_directory(out_dir / RUN_STATE_DIR, in_use=SIMULATION_IN_USE))
+        os.close(lock_directory(out_dir / RUN_STATE_DIR, in_use=SIMULATION_ADVICE.in_use))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
@@ -277,11 +283,10 @@ def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
     if not isinstance(recorded, dict):
         raise ConfigError(f"cannot resume the run in {str(out_dir)!r}: {str(path)!r} is not a recipe")
     now = json.loads(json.dumps(recipe_record(config)))  # as config.json holds it (lists, not tuples)
-    differ = [
-        f"{key}: {_shown(recorded, key)} recorded, {_shown(now, key)} now"
-        for key in sorted(_flat(recorded) | _flat(now))
-        if key.split(".")[0] not in RESUMABLE_CHANGES and _value(recorded, key) != _value(now, key)
-    ]
+    for key in RESUMABLE_CHANGES:
+        recorded.pop(key, None)
+        now.pop(key, None)
+    differ = _differences(recorded, now)
     if differ:
         raise ConfigError(
             f"cannot resume the run in {str(out_dir)!r} with another recipe ({'; '.join(differ[:6])}"
@@ -291,7 +296,7 @@ def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
         )
 
 
-_RESUME_HINT = "Run the same command with --resume (output.resume = true) to go on"
+_RESUME_HINT = "run the same command with --resume (output.resume = true) to go on after the last round that finished"
 """How a run with checkpoints goes on after a failed round or a stop."""
 
 
@@ -303,7 +308,7 @@ def _open_store(out_dir: Path, config: SimulationConfig) -> StateStore:
         ConfigError: the directory cannot be used, or holds a run of another strategy or seed.
         StateError: another process uses it (a second simulation into the same output.dir), or it is damaged.
     """
-    store = StateStore(out_dir / RUN_STATE_DIR, in_use=SIMULATION_IN_USE)
+    store = StateStore(out_dir / RUN_STATE_DIR, advice=SIMULATION_ADVICE)
     try:
         store.check_strategy(config.strategy)
         store.check_seed(config.seed)
@@ -313,52 +318,21 @@ def _open_store(out_dir: Path, config: SimulationConfig) -> StateStore:
     return store
 
 
-def _resumed_state(state: ServerState, server_task: Task, out_dir: Path) -> ServerState:
-    """A resumed checkpoint's state with the trainable names of the task's model (not in the checkpoint: a
-    property of the model), once its tensors are found to be that model's.
-
-    Raises:
-        ConfigError: the checkpoint holds another model than the task builds (e.g. a task factory changed since).
-    """
-    with torch.random.fork_rng(devices=[]):  # building the model draws nothing from the run's generators
-        model = server_task.build_model()
-    try:
-        check_spec(state.parameters, state_spec(model.state_dict()))
-    except PayloadError as exc:
-        raise ConfigError(
-            f"the checkpoint in {str(out_dir / RUN_STATE_DIR)!r} (round {state.round}) is of another model than the "
-            f"task builds ({exc.message}); resume with the task of the recorded run, or run without --resume"
-        ) from None
-    return replace(state, trainable=trainable_names(model))
-
-
 _MISSING = object()
 
 
-def _flat(record: Mapping[str, Any], prefix: str = "") -> set[str]:
-    """The dotted keys of ``record``'s leaves."""
-    keys: set[str] = set()
-    for key, value in record.items():
-        if isinstance(value, Mapping) and value:
-            keys |= _flat(value, f"{prefix}{key}.")
-        else:
-            keys.add(f"{prefix}{key}")
-    return keys
-
-
-def _value(record: Mapping[str, Any], key: str) -> object:
-    """The value at dotted ``key`` of ``record``, or :data:`_MISSING`."""
-    value: object = record
-    for part in key.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return _MISSING
-        value = value[part]
-    return value
-
-
-def _shown(record: Mapping[str, Any], key: str) -> str:
-    value = _value(record, key)
-    return "unset" if value is _MISSING else json.dumps(value)
+def _differences(recorded: object, now: object, key: str = "") -> list[str]:
+    """The dotted keys at which two recipes (as config.json holds them) differ, sorted, each with both values."""
+    if isinstance(recorded, Mapping) and isinstance(now, Mapping):
+        return [
+            difference
+            for name in sorted(set(recorded) | set(now))
+            for difference in _differences(recorded.get(name, _MISSING), now.get(name, _MISSING), f"{key}{name}.")
+        ]
+    if recorded == now:
+        return []
+    shown = ["unset" if value is _MISSING else json.dumps(value) for value in (recorded, now)]
+    return [f"{key[:-1]}: {shown[0]} recorded, {shown[1]} now"]
 
 
 def _freeze_first_round() -> None:
@@ -528,7 +502,12 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
                 store = None
                 echo(f"nothing to resume in {out_dir} (no round finished): starting a new run")
             else:
-                resumed = _resumed_state(resumed, server_task, out_dir)
+                resumed = resumed_for_model(
+                    resumed,
+                    server_task.build_model,
+                    where=str(out_dir / RUN_STATE_DIR),
+                    advice="resume with the task of the recorded run, or run without --resume",
+                )
         prepare_output(out_dir, config, resumed=resumed is not None)
         if store is None and config.output.checkpoints:
             store = _open_store(out_dir, config)
@@ -542,7 +521,7 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
     resumed_round = resumed.round if resumed is not None else 0
     start = [resumed] if resumed is not None else []  # handed to the round loop, which drops it after round 1
     del resumed
-    csv_path = out_dir / "history.csv"
+    csv_path, model_path = out_dir / "history.csv", out_dir / "model.safetensors"
     history_file = HistoryFile(csv_path)  # the server's writer: one schema for both history files
     earlier: list[dict[str, float | int | None]] = []  # a resumed run's rounds before it
     if store is not None and start:
@@ -585,14 +564,12 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
                 progress.set_postfix(acc=f"{acc:.4f}")
         # a large global model and FedAvgM's momentum (FedAdam's moments) wait for the next round in a file: the
         # clients read the model from it block by block, and the momentum sits untouched until the server step
-        if store is not None and record.round > 0:
-            path = store.save_checkpoint(state, record)  # the record too: a kill before its row loses nothing
+        checkpoint = None  # round 0 (the initial model's evaluation) has none
+        if store is not None:
+            if record.round > 0:  # the record in it too: a kill before the record's row loses nothing
+                checkpoint = store.save_checkpoint(state, record)
             store.record_round(record)
-            mapped = continue_from(state, path)
-        else:
-            if store is not None:
-                store.record_round(record)  # round 0: the initial model's evaluation
-            mapped = map_round_state(state, out_dir)
+        mapped = continue_from(state, checkpoint) if checkpoint is not None else map_round_state(state, out_dir)
         finished[:] = [mapped]  # written as the model if a later round fails (at most a small model held, or a mapping)
         nonlocal first_round_frozen
         if record.round > 0 and not first_round_frozen:
@@ -649,14 +626,19 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
     except FedcoreError:  # a round failed: the rounds that finished keep their model as well as their history
         if finished and finished[0].round > 0:
             last = finished[0]
-            save_payload(out_dir / "model.safetensors", last.parameters, {"round": str(last.round)}, self_digest=True)
-            echo(f"round {last.round}'s global model, the last round that finished, is in {out_dir}/model.safetensors")
+            what = f"round {last.round}'s global model, the last round that finished,"
+            try:
+                save_payload(model_path, last.parameters, {"round": str(last.round)}, self_digest=True)
+            except OSError as exc:  # e.g. the disk that failed the round is full: the round's error is the one raised
+                echo(f"{what} could not be written to {model_path}: {exc}")
+            else:
+                echo(f"{what} is in {model_path}")
         if store is not None:
-            echo(f"{_RESUME_HINT} after the last round that finished")
+            echo(f"checkpoints kept: {_RESUME_HINT}")
         raise
     except KeyboardInterrupt:
         if store is not None:
-            echo(f"stopped; {_RESUME_HINT[0].lower()}{_RESUME_HINT[1:]} after the last round that finished")
+            echo(f"stopped; {_RESUME_HINT}")
         raise
     finally:
         if store is not None:
@@ -667,7 +649,6 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         progress.close()
         if process is not None:
             process.close()
-    model_path = out_dir / "model.safetensors"
     save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
     rows = history_file.rows
     history = pd.DataFrame(rows, columns=history_columns(rows))
