@@ -321,6 +321,10 @@ def check_creatable_dir(path: Path, *, what: str) -> None:
         raise ConfigError(f"{what} {str(path)!r} is a file; give a directory (it is created)")
     parent = next((p for p in (path.absolute(), *path.absolute().parents) if p.exists()), None)
     if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        if parent is not None and parent == path.absolute():
+            raise ConfigError(
+                f"{what} {str(path)!r} is not writable; give it write permission, or give another directory"
+            )
         raise ConfigError(f"{what} {str(path)!r} cannot be created: {str(parent)!r} is not a writable directory")
 
 

@@ -558,7 +558,10 @@ def _fit_round(
         needed = max(strategy.sampling.min_fit_clients, config.min_fit_results)
         available = _candidates(strategy, pool.wait_for(needed, config.wait_for_clients_s), needed, rnd)
         num = min(strategy.sampling.num_fit(len(available)), len(available))
-        strategy.aggregator.check(num)
+        try:
+            strategy.aggregator.check(num)
+        except ConfigError as exc:  # too few clients this round for the rule: say which round
+            raise ConfigError(exc.message, round=rnd) from None
         stage = "fit" if attempt == 1 else f"fit-attempt-{attempt}"
         selected = strategy.selection.select(available, num, seed=config.seed, round=rnd, stage=stage)
         fit = FitIns(  # one instruction for all: it names no client (frozen; a stage that changes one replaces it)

@@ -791,31 +791,46 @@ def _refuse_results_of_another_kind(directory: Path, database: Path) -> None:
         )
 
 
-def lock_directory(directory: Path, *, in_use: str = SERVER_IN_USE) -> int:
-    """Hold an exclusive lock on ``directory``'s ``state.lock`` (released when the returned descriptor is closed, or
-    the process ends), so that two processes never write one state directory.
+def lock_directory(
+    directory: Path, *, in_use: str = SERVER_IN_USE, name: str = "state.lock", what: str = "the state directory"
+) -> int:
+    """Hold an exclusive lock on ``directory``'s lock file ``name`` (released when the returned descriptor is
+    closed, or the process ends), so that two processes never write one directory (a server's state directory, a
+    simulation's output directory).
 
     Args:
         in_use: the end of the refusal, after "is in use " (``{pid}``: the holder's pid, when it wrote one).
+        name: the lock file's name in ``directory`` (written with the holder's pid).
+        what: the directory in the refusals, before its path (e.g. "the state directory").
 
     Raises:
-        ConfigError: the lock file cannot be opened.
+        ConfigError: the lock file cannot be opened (e.g. a directory of that name is in the way).
         StateError: another process holds it.
     """
-    path = directory / "state.lock"
+    path = directory / name
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # a link is not followed
     except OSError as exc:
-        raise ConfigError(f"cannot use {str(directory)!r} as the state directory: {exc}") from exc
+        raise ConfigError(
+            f"cannot use {what} {str(directory)!r}: its lock file {str(path)!r} cannot be opened "
+            f"({exc.strerror or exc}); move what is in the way, or use another directory"
+        ) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
         pid = f" (pid {holder})" if holder.isdigit() else ""
-        raise StateError(f"the state directory {str(directory)!r} is in use " + in_use.format(pid=pid)) from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        raise StateError(f"{what} {str(directory)!r} is in use " + in_use.format(pid=pid)) from exc
+    try:
+        os.ftruncate(fd, 0)  # e.g. EINVAL for a FIFO or a device of that name
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(
+            f"cannot use {what} {str(directory)!r}: its lock file {str(path)!r} cannot be written "
+            f"({exc.strerror or exc}); move what is in the way (it must be a plain file), or use another directory"
+        ) from exc
     return fd
 
 

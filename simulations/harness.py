@@ -106,6 +106,9 @@ RUN_STATE_DIR = "state"
 """The run's checkpoints and round records under output.dir (``[output] checkpoints``): a
 :class:`server.state.StateStore`, as a deployment server keeps them; emptied when a simulation starts, gone on from
 when it resumes (``[output] resume``)."""
+RUN_LOCK = ".run.lock"
+"""The lock file under output.dir that a simulation holds from before it reads or removes anything there until it
+ends (with checkpoints or without), so that two simulations never write one output.dir."""
 SIMULATION_ADVICE = StateAdvice(
     who="this simulation",
     new_run="run without --resume to start a new run (or give another --out)",
@@ -233,28 +236,46 @@ def worker_count(config: SimulationConfig) -> int | None:
     return sim.workers
 
 
+def lock_output(out_dir: Path) -> int:
+    """Hold the simulation's lock on ``out_dir`` (:data:`RUN_LOCK`; released when the returned descriptor is closed,
+    or the process ends). The directory must exist.
+
+    Raises:
+        ConfigError: the lock file cannot be opened (e.g. a directory of that name is in the way).
+        StateError: another simulation holds it (it is running).
+    """
+    return lock_directory(out_dir, name=RUN_LOCK, what="output.dir", in_use=_OUTPUT_IN_USE)
+
+
+_OUTPUT_IN_USE = "by another simulation{pid}; wait for it to end, or give another --out"
+
+
 def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = False) -> None:
-    """Make the run's output directory, remove an earlier run's results, client state, checkpoints and mapped round
-    state (a killed run's file, :func:`server.state.map_round_state`) from it, and write the recipe (config.json).
-    Called once the run's setup has succeeded, so that a recipe refused in its setup leaves no directory behind.
+    """Remove an earlier run's results, client state, checkpoints and mapped round state (a killed run's file,
+    :func:`server.state.map_round_state`) from the run's output directory, and write the recipe (config.json).
+    Called once the run's setup has succeeded, so that a recipe refused in its setup leaves no directory behind; the
+    caller holds the directory's lock (:func:`lock_output`), so nothing is removed under a running simulation.
 
     Args:
         resumed: the run goes on from the checkpoints in the directory: its client state and checkpoints stay (its
             history.csv is written again from the checkpoints' records).
 
     Raises:
-        ConfigError: the directory or config.json cannot be written.
-        StateError: another simulation holds the directory's checkpoints (it is running).
+        ConfigError: the directory or config.json cannot be written, or a file named :data:`RUN_STATE_DIR` is where
+            the run's checkpoints go.
     """
-    if not resumed and (out_dir / RUN_STATE_DIR / "state.db").exists():  # nothing removed under a running one
-        os.close(lock_directory(out_dir / RUN_STATE_DIR, in_use=SIMULATION_ADVICE.in_use))
+    checkpoints = out_dir / RUN_STATE_DIR
+    if config.output.checkpoints and (checkpoints.exists() or checkpoints.is_symlink()) and not checkpoints.is_dir():
+        raise ConfigError(
+            f"{str(checkpoints)!r} is a file, where this simulation keeps its checkpoints; move it, or give another "
+            "--out (or run with --no-checkpoints)"
+        )
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
         for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
             (out_dir / name).unlink(missing_ok=True)
         if not resumed:  # nor an earlier run's client state and checkpoints
             shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)
-            shutil.rmtree(out_dir / RUN_STATE_DIR, ignore_errors=True)
+            shutil.rmtree(checkpoints, ignore_errors=True)
         for pattern in (f"{MAPPED_STATE_PREFIX}*", f".{MAPPED_STATE_PREFIX}*"):  # nor a killed run's mapped state
             for stale in out_dir.glob(pattern):
                 if not stale.is_dir():  # a directory of that name is the user's
@@ -266,12 +287,15 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
 
 def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
     """Refuse to resume the run in ``out_dir`` with a recipe that differs from its recorded one (config.json) in
-    anything but :data:`RESUMABLE_CHANGES`.
+    anything but :data:`RESUMABLE_CHANGES`. A run with no checkpoint (no round finished) has nothing to resume and
+    is not checked: it starts anew.
 
     Raises:
         ConfigError: config.json is missing or unreadable, or the recipe differs (each differing key with both
             values, and what to do).
     """
+    if not any((out_dir / RUN_STATE_DIR / "checkpoints").glob("round-*.safetensors")):
+        return  # no round finished: nothing to resume, and the run starts anew (whatever its recipe)
     path = out_dir / "config.json"
     try:
         recorded = json.loads(path.read_text())
@@ -362,7 +386,10 @@ def run_simulation(config: SimulationConfig, *, echo: Callable[[str], None] = pr
 
     Raises:
         ConfigError, DatasetNotFoundError, PartitionError: before the first round (ConfigError also for an
-            output.dir that is a server's state directory).
+            output.dir that is a server's state directory, and for a resume with a changed recipe or with fewer
+            rounds than it finished).
+        StateError: another simulation is writing to output.dir (it holds :data:`RUN_LOCK`), or its checkpoints
+            cannot be resumed (the message says why and what to do).
         RoundFailed: a round could not reach its quorum (or its server step failed); the last finished round's
             global model is written to ``model.safetensors`` first, beside the history of the rounds that finished.
     """
@@ -385,12 +412,26 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             f"output.dir {str(out_dir)!r} is a server's state directory (it holds state.db); give the simulation "
             "its own output.dir"
         )
-    check_creatable_dir(out_dir, what="output.dir (--out)")  # created once the setup below has succeeded
+    check_creatable_dir(out_dir, what="output.dir (--out)")  # created once the setup has succeeded
+    held: list[int] = []  # the output directory's lock (lock_output), held until the run ends
+    try:
+        if out_dir.is_dir():  # before anything there is read (a new directory's is taken once it is made)
+            held.append(lock_output(out_dir))
+        return _simulate(config, echo, out_dir, held, started)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _simulate(
+    config: SimulationConfig, echo: Callable[[str], None], out_dir: Path, held: list[int], started: float
+) -> SimulationResult:
     resuming = config.output.resume and (out_dir / RUN_STATE_DIR / "state.db").exists()
     if resuming:
         check_resumable(out_dir, config)  # before the setup, which may load a dataset
-    elif config.output.resume:
-        echo(f"nothing to resume in {out_dir} (no {RUN_STATE_DIR}/state.db there): starting a new run")
+    notices = []  # said once the directory is this run's (held), not by a run that another one then refuses
+    if config.output.resume and not resuming:
+        notices.append(f"nothing to resume in {out_dir} (no {RUN_STATE_DIR}/state.db there): starting a new run")
     demo = config.task.factory == DEMO_TASK
     factory: TaskFactory = demo_task if demo else load_task_factory(config.task.factory)
     options = task_options(config) if demo else dict(config.task.options)
@@ -508,6 +549,21 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
                     where=str(out_dir / RUN_STATE_DIR),
                     advice="resume with the task of the recorded run, or run without --resume",
                 )
+                if resumed.round > config.rounds:  # refused before config.json records the lower count
+                    raise ConfigError(
+                        f"cannot resume the run in {str(out_dir)!r} with rounds = {config.rounds}: it has finished "
+                        f"{resumed.round} rounds already. Resume with rounds >= {resumed.round} (--rounds "
+                        f"{resumed.round} writes its results again and trains no round), or run without --resume to "
+                        f"start a new run of {config.rounds} rounds"
+                    )
+        if not held:  # a new directory, made now that the setup has succeeded
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"cannot create output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
+            held.append(lock_output(out_dir))
+        for notice in notices:
+            echo(notice)
         prepare_output(out_dir, config, resumed=resumed is not None)
         if store is None and config.output.checkpoints:
             store = _open_store(out_dir, config)
@@ -547,7 +603,8 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
     if config.output.progress:
         say(" ".join(f"{c:>10}" for c in columns))
 
-    finished: list[ServerState] = []  # the last finished round's state
+    # the last finished round's state (a resumed run's checkpoint, mapped, until this run finishes a round)
+    finished: list[ServerState] = start[:1]
 
     def on_round_end(record: RoundRecord, state: ServerState) -> ServerState:
         row = record.as_row()
@@ -623,21 +680,28 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
             keep_records=False,  # each round's row is written as it ends; a record holds an observation per client
             history=earlier,  # a resumed run's stop rules count on
         )
-    except FedcoreError:  # a round failed: the rounds that finished keep their model as well as their history
+    except FedcoreError as exc:  # a round failed: the rounds that finished keep their model as well as their history
         if finished and finished[0].round > 0:
             last = finished[0]
             what = f"round {last.round}'s global model, the last round that finished,"
             try:
                 save_payload(model_path, last.parameters, {"round": str(last.round)}, self_digest=True)
-            except OSError as exc:  # e.g. the disk that failed the round is full: the round's error is the one raised
-                echo(f"{what} could not be written to {model_path}: {exc}")
+            except OSError as unwritten:  # e.g. the disk that failed the round is full: the round's error is raised
+                echo(f"{what} could not be written to {model_path}: {unwritten}")
             else:
                 echo(f"{what} is in {model_path}")
-        if store is not None:
+        checkpointed = store is not None and bool(finished) and finished[0].round > 0
+        if checkpointed and isinstance(exc, ConfigError):  # the same recipe would fail the same round again
+            echo(
+                "checkpoints kept, but the error is in the recipe, and a resumed run may change only rounds, "
+                "[output] and [simulation]: after a fix there, run the same command with --resume; a fix anywhere "
+                "else needs a new run (without --resume)"
+            )
+        elif checkpointed:
             echo(f"checkpoints kept: {_RESUME_HINT}")
         raise
     except KeyboardInterrupt:
-        if store is not None:
+        if store is not None and finished and finished[0].round > 0:
             echo(f"stopped; {_RESUME_HINT}")
         raise
     finally:

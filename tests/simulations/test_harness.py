@@ -19,7 +19,7 @@ from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext, build_server_task
 from fedcore.tensors import decode
 from simulations.config import load_recipe
-from simulations.harness import run_simulation
+from simulations.harness import RUN_LOCK, run_simulation
 
 SMALL = [
     "data.dataset=digits",
@@ -209,7 +209,8 @@ def test_a_mapped_round_state_gives_the_same_run(
     model_kept = decode((tmp_path / "kept" / "model.safetensors").read_bytes())
     model_mapped = decode((tmp_path / "mapped" / "model.safetensors").read_bytes())
     assert all(np.array_equal(model_kept[n], model_mapped[n]) for n in model_kept)
-    assert [p.name for p in (tmp_path / "mapped").iterdir() if p.name.startswith(".")] == []
+    # no mapped state left behind (only the run's lock file, which stays so that no two runs ever hold two locks)
+    assert [p.name for p in (tmp_path / "mapped").iterdir() if p.name.startswith(".")] == [RUN_LOCK]
 
 
 def test_a_round_state_mapped_from_its_checkpoint_gives_the_same_run(
@@ -235,7 +236,7 @@ def test_a_round_state_mapped_from_its_checkpoint_gives_the_same_run(
     assert all(isinstance(a, np.memmap) for s in continued for a in s.parameters.values() if a.size)
     pd.testing.assert_frame_equal(plain, small, check_exact=True)
     pd.testing.assert_frame_equal(plain, mapped, check_exact=True)
-    assert [p.name for p in (tmp_path / "mapped").iterdir() if p.name.startswith(".")] == []  # no second file
+    assert [p.name for p in (tmp_path / "mapped").iterdir() if p.name.startswith(".")] == [RUN_LOCK]  # no 2nd file
 
 
 def test_only_a_large_model_has_its_blocks_returned_to_the_os(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

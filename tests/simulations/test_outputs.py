@@ -14,7 +14,7 @@ from fedcore.config import from_mapping
 from fedcore.payload import check_digest
 from server.state import HISTORY_COLUMNS, history_columns, load_checkpoint
 from simulations.config import SimulationConfig, load_recipe
-from simulations.harness import run_simulation
+from simulations.harness import RUN_LOCK, run_simulation
 
 TINY = "tests.simulations.test_harness:tiny_task"  # a user's own task: a linear model on a fixed problem
 
@@ -57,7 +57,7 @@ def test_two_same_seed_simulations_write_the_same_bytes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = _simulate(out)
     second = _simulate(out)  # the same output directory: config.json records it
-    assert sorted(first) == ["config.json", "history.csv", "model.safetensors"]
+    assert sorted(first) == [RUN_LOCK, "config.json", "history.csv", "model.safetensors"]
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["state"]  # the checkpoints
     assert first["model.safetensors"] == second["model.safetensors"]
     assert first["config.json"] == second["config.json"]

@@ -3,6 +3,7 @@ the very history and model of the run never stopped; a resume with another recip
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -14,11 +15,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedcore.errors import ConfigError, StateError
+from fedcore.errors import ConfigError, RoundFailed, StateError
 from fedcore.tensors import decode
-from server.state import lock_directory
+from server.state import load_checkpoint
 from simulations.config import load_recipe
-from simulations.harness import RUN_STATE_DIR, run_simulation
+from simulations.harness import RUN_LOCK, RUN_STATE_DIR, client_ids, lock_output, run_simulation
 from tests.simulations import test_harness
 
 SMALL = [
@@ -112,6 +113,13 @@ def test_a_killed_run_resumes_to_the_same_model(tmp_path: Path) -> None:
     while not list(checkpoints.glob("round-00000[3-9].safetensors")) and proc.poll() is None:
         assert time.monotonic() < deadline, "no checkpoint of round 3 within 240 s"
         time.sleep(0.005)
+    # a second simulation into the output.dir of the running one is refused, with checkpoints or without, and
+    # changes nothing there (the running one goes on to be killed below)
+    for extra in (["output.checkpoints=false"], [], ["output.resume=true"]):
+        with pytest.raises(StateError, match=rf"in use by another simulation \(pid {proc.pid}\).*another --out"):
+            simulate(killed, "rounds=1", *extra)
+    assert proc.poll() is None, "the run ended before it could be killed; give it more rounds"
+    assert (killed / RUN_STATE_DIR / "state.db").exists()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed; give it more rounds"
@@ -161,11 +169,119 @@ def test_no_checkpoints_leaves_no_state_and_a_new_run_clears_the_old_ones(tmp_pa
 def test_a_second_simulation_into_a_running_ones_output_dir_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
     simulate(out, "rounds=1")
-    held = lock_directory(out / RUN_STATE_DIR)  # as the running simulation holds it
+    held = lock_output(out)  # as the running simulation holds it (a real one: test_a_killed_run_resumes_...)
     try:
-        for extra in ([], ["output.resume=true"]):
-            with pytest.raises(StateError, match=r"in use by another simulation \(pid \d+\).*another --out"):
+        for extra in ([], ["output.resume=true"], ["output.checkpoints=false"]):
+            with pytest.raises(StateError, match=r"output\.dir .* is in use by another simulation \(pid \d+\)"):
                 simulate(out, "rounds=2", *extra)
     finally:
         os.close(held)
     assert list(pd.read_csv(out / "history.csv")["round"]) == [0, 1]
+    simulate(out, "rounds=1", "output.checkpoints=false")  # once it has ended, the directory is free again
+    lock_output(out)  # ... and so when the run has ended (closed at once: the test process keeps no lock)
+
+
+def test_resume_with_fewer_rounds_than_finished_is_refused_and_the_same_count_rewrites_the_results(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    simulate(out, "rounds=2")
+    recipe, history, weights = (out / "config.json").read_text(), (out / "history.csv").read_text(), model(out)
+    with pytest.raises(ConfigError, match=r"with rounds = 1: it has finished 2 rounds already.*rounds >= 2"):
+        simulate(out, "rounds=1", "output.resume=true")
+    assert (out / "config.json").read_text() == recipe  # the recorded recipe still says 2 rounds
+    assert (out / "history.csv").read_text() == history
+    lines: list[str] = []
+    again = simulate(out, "rounds=2", "output.resume=true", lines=lines)  # nothing to train: the results again
+    assert "resuming after round 2 from " + str(out / RUN_STATE_DIR) in lines
+    assert list(again["round"]) == [0, 1, 2]
+    pd.testing.assert_frame_equal(
+        pd.read_csv(out / "history.csv").drop(columns="seconds"),
+        pd.read_csv(io.StringIO(history)).drop(columns="seconds"),
+        check_exact=True,
+    )
+    assert all(np.array_equal(weights[name], array) for name, array in model(out).items())
+
+
+def test_a_round_that_fails_on_the_recipe_does_not_advise_a_plain_resume(tmp_path: Path) -> None:
+    """The coordinate-wise median with byzantine = 3 needs 7 clients a round: round 1 has all 10, round 2 only the
+    5 online (a csv trace), and fails on the recipe, which a plain --resume would fail on again."""
+    trace = tmp_path / "online.csv"
+    trace.write_text("client,from_round,to_round\n" + "".join(f"{cid},1,1\n" for cid in client_ids(10)[5:]))
+    median = [
+        "sampling.fraction_fit=1.0",
+        "sampling.min_fit_clients=3",
+        "strategy.aggregator='median'",
+        "strategy.byzantine=3",
+        "devices.availability='csv'",
+        f"devices.availability_file={str(trace)!r}",
+    ]
+    out, lines = tmp_path / "run", []
+    with pytest.raises(ConfigError, match=r"^\[round 2\] the coordinate-wise median tolerates 3 .* got 5"):
+        simulate(out, "rounds=3", *median, lines=lines)
+    assert any("the error is in the recipe" in line and "[simulation]" in line for line in lines)
+    assert not any(line.startswith("checkpoints kept: run the same command") for line in lines)
+    assert list(pd.read_csv(out / "history.csv")["round"]) == [0, 1]  # round 1's row and model stay
+
+
+def test_a_resumed_run_whose_first_round_fails_keeps_its_model_and_says_how_to_go_on(tmp_path: Path) -> None:
+    """Clients 1-9 are online in rounds 1-2 only (a csv trace): round 3 finds 1 of the 2 clients it needs and
+    fails, in the run resumed after round 2, before it finished a round of its own."""
+    trace = tmp_path / "online.csv"
+    trace.write_text("client,from_round,to_round\n" + "".join(f"{cid},1,2\n" for cid in client_ids(10)[1:]))
+    recipe = ["sampling.min_fit_clients=2", "devices.availability='csv'", f"devices.availability_file={str(trace)!r}"]
+    out = tmp_path / "run"
+    simulate(out, *recipe, "rounds=2")
+    round_2 = model(out)
+    lines: list[str] = []
+    with pytest.raises(RoundFailed, match=r"^\[round 3\] only 1 of 10 clients are online"):
+        simulate(out, *recipe, "rounds=4", "output.resume=true", lines=lines)
+    assert any(line.startswith("checkpoints kept: run the same command with --resume") for line in lines)
+    assert load_checkpoint(str(out / "model.safetensors")).round == 2  # the resumed run's model is not lost
+    assert all(np.array_equal(round_2[name], array) for name, array in model(out).items())
+    assert list(pd.read_csv(out / "history.csv")["round"]) == [0, 1, 2]
+
+
+def test_resume_of_a_run_with_no_finished_round_starts_anew_whatever_its_recipe(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    trace = tmp_path / "online.csv"  # round 1 fails: 5 clients online, the median with byzantine = 3 needs 7
+    trace.write_text("client,from_round,to_round\n" + "".join(f"{cid},2,9\n" for cid in client_ids(10)[5:]))
+    failing = ["strategy.aggregator='median'", "strategy.byzantine=3", "sampling.fraction_fit=1.0",
+               "devices.availability='csv'", f"devices.availability_file={str(trace)!r}"]  # fmt: skip
+    lines: list[str] = []
+    with pytest.raises(ConfigError, match="at least 7"):
+        simulate(out, "rounds=2", *failing, lines=lines)
+    assert not any("checkpoints kept" in line or "--resume" in line for line in lines)  # none to go on from
+    assert (out / RUN_STATE_DIR / "state.db").exists()
+    lines.clear()
+    history = simulate(out, "rounds=2", "output.resume=true", "train.lr=0.05", lines=lines)  # another recipe
+    assert any("nothing to resume" in line and "starting a new run" in line for line in lines)
+    assert list(history["round"]) == [0, 1, 2]
+
+
+def test_a_file_in_the_way_of_the_checkpoints_or_the_lock_is_refused_in_words(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RUN_STATE_DIR).write_text("notes")
+    with pytest.raises(ConfigError, match=r"is a file, where this simulation keeps its checkpoints; move it"):
+        simulate(out, "rounds=1")
+    assert (out / RUN_STATE_DIR).read_text() == "notes"  # not removed
+    history = simulate(out, "rounds=1", "output.checkpoints=false")  # it is not in the way of a run without them
+    assert list(history["round"]) == [0, 1]
+    (out / RUN_STATE_DIR).unlink()
+    (out / RUN_LOCK).unlink()
+    (out / RUN_LOCK).mkdir()
+    with pytest.raises(ConfigError, match=r"output\.dir .*: its lock file .* cannot be opened .*move what is in"):
+        simulate(out, "rounds=1")
+    (out / RUN_LOCK).rmdir()
+    os.mkfifo(out / RUN_LOCK)
+    with pytest.raises(ConfigError, match=r"its lock file .* cannot be written .*must be a plain file"):
+        simulate(out, "rounds=1")
+    (out / RUN_LOCK).unlink()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine")
+    (out / RUN_LOCK).symlink_to(precious)  # never followed: its target is not overwritten with a pid
+    with pytest.raises(ConfigError, match=r"its lock file .* cannot be opened"):
+        simulate(out, "rounds=1")
+    assert precious.read_text() == "mine"
+    assert list(pd.read_csv(out / "history.csv")["round"]) == [0, 1]  # the run before all this is intact
