@@ -291,7 +291,7 @@ def _open_run(
     or model, or fresh."""
     store.check_strategy(config.strategy)
     store.check_seed(config.seed)
-    resumed = store.resume(mapped=True)
+    resumed = store.resume(mapped=True, rounds=config.round.rounds)
     if resumed is None:
         return _fresh_state(config, server_task, strategy, store, echo)
     if server_task is not None:

@@ -638,11 +638,17 @@ class StateStore:
             return
         self._set_meta("strategy", json.dumps(identity, sort_keys=True))
 
-    def resume(self, *, mapped: bool = False) -> ServerState | None:
+    def resume(self, *, mapped: bool = False, rounds: int | None = None) -> ServerState | None:
         """The state to continue from: the newest intact checkpoint, held against the round records (see the
         module docstring), or None for a fresh run. Rounds recorded after the checkpoint are marked superseded.
 
+        Args:
+            mapped: the checkpoint's arrays mapped read-only from its file (see :func:`load_checkpoint`).
+            rounds: the rounds the resumed run is configured for: a run that finished more is refused before
+                anything is changed (None: not checked).
+
         Raises:
+            ConfigError: the newest intact checkpoint is of a round after ``rounds``.
             StateError: the records and the checkpoints disagree (trained rounds recorded but no intact checkpoint,
                 or checkpoints newer than the records by more than one round), or checkpoints exist and none is
                 intact. The message says which files and what to do.
@@ -663,6 +669,12 @@ class StateStore:
                 + (f"records only up to round {last}" if trained else "records no trained round")
                 + ": they are of different runs (or state.db was replaced). Restore the matching state.db, or "
                 + self._advice.new_run
+            )
+        if rounds is not None and state.round > rounds:
+            raise ConfigError(
+                f"cannot resume the run in {str(self.directory)!r} with rounds = {rounds}: it has finished "
+                f"{state.round} rounds already. Resume with rounds >= {state.round} (rounds = {state.round} trains no "
+                f"round and writes its results again), or {self._advice.new_run}"
             )
         if state.round == last + 1:  # stopped between the checkpoint and its round's record: the record is in it
             self._restore_record(state.round)

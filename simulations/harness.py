@@ -109,11 +109,13 @@ when it resumes (``[output] resume``)."""
 RUN_LOCK = ".run.lock"
 """The lock file under output.dir that a simulation holds from before it reads or removes anything there until it
 ends (with checkpoints or without), so that two simulations never write one output.dir."""
+SIMULATION_IN_USE = "by another simulation{pid}; wait for it to end, or give another --out"
+"""The refusal of an output.dir (or its checkpoints) that another simulation holds (``{pid}``: " (pid N)")."""
 SIMULATION_ADVICE = StateAdvice(
     who="this simulation",
     new_run="run without --resume to start a new run (or give another --out)",
     resume="run the same command with --resume to go on",
-    in_use="by another simulation{pid} writing to this output.dir; wait for it to end, or give another --out",
+    in_use=SIMULATION_IN_USE,
 )
 """What the refusals of a simulation's checkpoints (:data:`RUN_STATE_DIR`) tell its user to do."""
 RESUMABLE_CHANGES = ("rounds", "output", "simulation")
@@ -237,17 +239,19 @@ def worker_count(config: SimulationConfig) -> int | None:
 
 
 def lock_output(out_dir: Path) -> int:
-    """Hold the simulation's lock on ``out_dir`` (:data:`RUN_LOCK`; released when the returned descriptor is closed,
-    or the process ends). The directory must exist.
+    """Make ``out_dir`` if it is missing and hold the simulation's lock on it (:data:`RUN_LOCK`; released when the
+    returned descriptor is closed, or the process ends).
 
     Raises:
-        ConfigError: the lock file cannot be opened (e.g. a directory of that name is in the way).
+        ConfigError: the directory cannot be made, or the lock file cannot be opened (e.g. a directory of that name
+            is in the way).
         StateError: another simulation holds it (it is running).
     """
-    return lock_directory(out_dir, name=RUN_LOCK, what="output.dir", in_use=_OUTPUT_IN_USE)
-
-
-_OUTPUT_IN_USE = "by another simulation{pid}; wait for it to end, or give another --out"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
+    return lock_directory(out_dir, name=RUN_LOCK, what="output.dir", in_use=SIMULATION_IN_USE)
 
 
 def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = False) -> None:
@@ -429,9 +433,9 @@ def _simulate(
     resuming = config.output.resume and (out_dir / RUN_STATE_DIR / "state.db").exists()
     if resuming:
         check_resumable(out_dir, config)  # before the setup, which may load a dataset
-    notices = []  # said once the directory is this run's (held), not by a run that another one then refuses
+    notice = None  # said once the directory is this run's (held), not by a run that another one then refuses
     if config.output.resume and not resuming:
-        notices.append(f"nothing to resume in {out_dir} (no {RUN_STATE_DIR}/state.db there): starting a new run")
+        notice = f"nothing to resume in {out_dir} (no {RUN_STATE_DIR}/state.db there): starting a new run"
     demo = config.task.factory == DEMO_TASK
     factory: TaskFactory = demo_task if demo else load_task_factory(config.task.factory)
     options = task_options(config) if demo else dict(config.task.options)
@@ -537,7 +541,7 @@ def _simulate(
     try:
         if resuming:
             store = _open_store(out_dir, config)
-            resumed = store.resume(mapped=True)
+            resumed = store.resume(mapped=True, rounds=config.rounds)  # refused before config.json records fewer
             if resumed is None:  # nothing trained yet: a new run
                 store.close()
                 store = None
@@ -549,20 +553,9 @@ def _simulate(
                     where=str(out_dir / RUN_STATE_DIR),
                     advice="resume with the task of the recorded run, or run without --resume",
                 )
-                if resumed.round > config.rounds:  # refused before config.json records the lower count
-                    raise ConfigError(
-                        f"cannot resume the run in {str(out_dir)!r} with rounds = {config.rounds}: it has finished "
-                        f"{resumed.round} rounds already. Resume with rounds >= {resumed.round} (--rounds "
-                        f"{resumed.round} writes its results again and trains no round), or run without --resume to "
-                        f"start a new run of {config.rounds} rounds"
-                    )
         if not held:  # a new directory, made now that the setup has succeeded
-            try:
-                out_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ConfigError(f"cannot create output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
             held.append(lock_output(out_dir))
-        for notice in notices:
+        if notice:
             echo(notice)
         prepare_output(out_dir, config, resumed=resumed is not None)
         if store is None and config.output.checkpoints:
@@ -603,7 +596,7 @@ def _simulate(
     if config.output.progress:
         say(" ".join(f"{c:>10}" for c in columns))
 
-    # the last finished round's state (a resumed run's checkpoint, mapped, until this run finishes a round)
+    # the last trained round's state (a resumed run's checkpoint, mapped, until this run finishes a round)
     finished: list[ServerState] = start[:1]
 
     def on_round_end(record: RoundRecord, state: ServerState) -> ServerState:
@@ -627,7 +620,8 @@ def _simulate(
                 checkpoint = store.save_checkpoint(state, record)
             store.record_round(record)
         mapped = continue_from(state, checkpoint) if checkpoint is not None else map_round_state(state, out_dir)
-        finished[:] = [mapped]  # written as the model if a later round fails (at most a small model held, or a mapping)
+        if record.round > 0:  # written as the model if a later round fails (a small model held, or a mapping)
+            finished[:] = [mapped]
         nonlocal first_round_frozen
         if record.round > 0 and not first_round_frozen:
             _freeze_first_round()
@@ -681,7 +675,7 @@ def _simulate(
             history=earlier,  # a resumed run's stop rules count on
         )
     except FedcoreError as exc:  # a round failed: the rounds that finished keep their model as well as their history
-        if finished and finished[0].round > 0:
+        if finished:
             last = finished[0]
             what = f"round {last.round}'s global model, the last round that finished,"
             try:
@@ -690,7 +684,7 @@ def _simulate(
                 echo(f"{what} could not be written to {model_path}: {unwritten}")
             else:
                 echo(f"{what} is in {model_path}")
-        checkpointed = store is not None and bool(finished) and finished[0].round > 0
+        checkpointed = store is not None and bool(finished)
         if checkpointed and isinstance(exc, ConfigError):  # the same recipe would fail the same round again
             echo(
                 "checkpoints kept, but the error is in the recipe, and a resumed run may change only rounds, "
@@ -701,7 +695,7 @@ def _simulate(
             echo(f"checkpoints kept: {_RESUME_HINT}")
         raise
     except KeyboardInterrupt:
-        if store is not None and finished and finished[0].round > 0:
+        if store is not None and finished:
             echo(f"stopped; {_RESUME_HINT}")
         raise
     finally:

@@ -23,6 +23,7 @@ from fedcore.messages import Failure, Stage
 from fedcore.payload import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
 from fedcore.selection import ClientObservation
 from fedcore.strategy import StrategyConfig
+from server.config import RoundSettings
 from server.round_loop import RoundRecord, ServerState
 from server.state import HISTORY_COLUMNS, HistoryFile, StateStore, load_checkpoint, write_history
 
@@ -366,6 +367,21 @@ def test_the_server_refuses_another_strategy_before_it_listens(tmp_path: Path) -
     _run(tmp_path, 2).close()
     match = r"holds a run of strategy fedavg, but this server is configured for fedadam"
     _refused_before_listening(tmp_path, ConfigError, match, strategy=StrategyConfig(name="fedadam"))
+
+
+def test_the_server_refuses_fewer_rounds_than_it_finished_before_it_listens_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    _run(tmp_path, 3).close()
+    history = (tmp_path / "history.csv").read_bytes()
+    match = r"with rounds = 2: it has finished 3 rounds already\. Resume with rounds >= 3 .*new --state-dir"
+    _refused_before_listening(tmp_path, ConfigError, match, round=RoundSettings(rounds=2))
+    assert (tmp_path / "history.csv").read_bytes() == history
+    store = StateStore(tmp_path)
+    assert store.recorded_rounds() == [0, 1, 2, 3]  # nothing superseded
+    resumed = store.resume(rounds=3)  # as many rounds as finished: resumed (the run then ends at once)
+    assert resumed is not None and resumed.round == 3
+    store.close()
 
 
 def test_the_server_refuses_records_without_checkpoints_before_it_listens(tmp_path: Path) -> None:

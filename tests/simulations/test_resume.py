@@ -178,7 +178,7 @@ def test_a_second_simulation_into_a_running_ones_output_dir_is_refused(tmp_path:
         os.close(held)
     assert list(pd.read_csv(out / "history.csv")["round"]) == [0, 1]
     simulate(out, "rounds=1", "output.checkpoints=false")  # once it has ended, the directory is free again
-    lock_output(out)  # ... and so when the run has ended (closed at once: the test process keeps no lock)
+    os.close(lock_output(out))  # ... and so when the run has ended
 
 
 def test_resume_with_fewer_rounds_than_finished_is_refused_and_the_same_count_rewrites_the_results(
