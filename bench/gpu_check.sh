@@ -6,7 +6,9 @@
 # 0. fedcore simulate on the GPU (bench/simulation_gpu.py): client updates/s of issue 12's workload at 100 and
 #    1,000 clients a round, in-process and batched, and their models against the CPU's (FedProx, SCAFFOLD, FedAvgM
 #    with local momentum too); about 2 minutes; then bench/simulation_host.py on the GPU (one torch thread, 10 rounds:
-#    wall time a batched round and updates/s, logistic regression and the 2NN), about 20 s;
+#    wall time a batched round and updates/s, logistic regression and the 2NN), about 20 s, and again with --profile
+#    for the 2NN (cProfile and torch.profiler of its rounds, into OUT_DIR/profile: where the round's time goes, and
+#    how long the GPU is busy in it), about a minute;
 # 1. the CUDA equivalence tests (tests/engine/test_cuda.py): engine vs single-device CPU training in fp32,
 #    with torch.compile, and in bf16 autocast within the tolerance stated there; 2-GPU plans when 2 are visible;
 #    and the prefetching loader's CUDA path (tests/engine/test_loader.py: pinned batches copied on a side stream
@@ -55,6 +57,8 @@ fi
 
 step "simulation on cuda" 300 "$PYTHON" bench/simulation_gpu.py --json "$OUT/simulation_gpu.json"
 step "batched round's host work on cuda" 120 "$PYTHON" bench/simulation_host.py --device cuda --rounds 10
+step "batched round's profile on cuda" 180 "$PYTHON" bench/simulation_host.py --device cuda --rounds 6 --model 2nn \
+    --per-round 100 1000 --profile "$OUT/profile"
 step "cuda equivalence tests" 300 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_cuda.py
 step "prefetching loader on cuda" 120 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/engine/test_loader.py
 step "batched clients on cuda" 180 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/simulations/test_presum.py tests/simulations/test_device.py

@@ -3,6 +3,7 @@
     python bench/simulation_host.py                          # logreg and the 2NN, 100 and 1,000 clients a round
     python bench/simulation_host.py --model logreg --per-round 1000 --rounds 12
     python bench/simulation_host.py --device cuda            # on a GPU (the training there, the host's work here)
+    python bench/simulation_host.py --model 2nn --per-round 100 --profile prof   # and where a round's time goes
 
 Issue 12's workload (Fashion-MNIST, 1000 IID clients of 60, E=1, B=10, lr 0.05, FedAvg; bench/simulation.py's
 recipe) with ``backend = "batched"`` on one torch thread. A batched round's time is the training's (the stacked
@@ -17,12 +18,21 @@ ends with), the parts spent in the training's calls and in the batch's weighted 
 they are asynchronous, so there this split is not meaningful and only the wall time and updates/s are), the rest
 per client, and client updates per second, as medians over the rounds after the second (the first pays for
 compiling and building the tasks).
+
+With ``--profile DIR``, each configuration then runs twice more, its rounds after the second profiled: once under
+cProfile (Python's time by function: ``DIR/<model>-<clients>.pstats``, and its top functions by own and by
+cumulative time in ``DIR/<model>-<clients>-python.txt``) and once under torch.profiler (each op's time on the host
+and, on a GPU, the device's kernels: ``DIR/<model>-<clients>-torch.txt``). The summary line printed for each gives
+the device's busy milliseconds a round beside the wall time: far below it, the round waits on the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
+import pstats
 import statistics
 import sys
 import tempfile
@@ -31,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -73,10 +85,7 @@ def measure(args: argparse.Namespace, model: str, per_round: int, device: str) -
 
         return call
 
-    release = round_loop.release_memory
-
     def round_end() -> None:
-        release()
         ends.append(time.perf_counter())
         marks.append(dict(spent))
 
@@ -84,16 +93,9 @@ def measure(args: argparse.Namespace, model: str, per_round: int, device: str) -
         for owner, name in calls:
             originals.append((owner, name, getattr(owner, name)))
             setattr(owner, name, timed(getattr(owner, name), part))
-    round_loop.release_memory = round_end
     try:
-        workload = argparse.Namespace(**{**vars(args), "model": model, "per_round": per_round})
-        with tempfile.TemporaryDirectory() as out:
-            config = recipe(workload, Path(out))
-            # always given: the recipe's default, auto, would take a GPU where one is visible even for --device cpu
-            config = replace(config, simulation=replace(config.simulation, device=device))
-            run_fedcore(config, "batched", threads=1)
+        run_batched(args, model, per_round, device, round_end)
     finally:
-        round_loop.release_memory = release
         for owner, name, function in originals:
             setattr(owner, name, function)
     got = {"wall": statistics.median(b - a for a, b in itertools.pairwise(ends[1:]))}  # rounds 3.. (ends[0]: round 1)
@@ -104,6 +106,88 @@ def measure(args: argparse.Namespace, model: str, per_round: int, device: str) -
     return got
 
 
+def profile(args: argparse.Namespace, model: str, per_round: int, device: str, out: Path, top: int) -> str:
+    """Two more runs of one configuration, rounds 3.. profiled (cProfile, then torch.profiler), written under
+    ``out`` (see the module docstring); returns a one-line summary: the profiled rounds' wall and device busy
+    milliseconds a round, and the Python functions of most own time."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{model}-{per_round}"
+    python = cProfile.Profile()
+    wall, rounds = _profiled_run(args, model, per_round, device, python.enable, python.disable)
+    python.dump_stats(f"{stem}.pstats")
+    text = io.StringIO()
+    stats = pstats.Stats(python, stream=text)
+    text.write(f"{rounds} rounds profiled, {1e3 * wall / max(rounds, 1):.1f} ms a round under cProfile\n")
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    Path(f"{stem}-python.txt").write_text(text.getvalue())
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    ops = torch.profiler.profile(activities=activities)
+    wall, rounds = _profiled_run(args, model, per_round, device, ops.start, ops.stop)
+    averages = ops.key_averages()
+    sort = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    table = averages.table(sort_by=sort, row_limit=top)
+    kernels = [event for event in averages if str(getattr(event, "device_type", "")).endswith("CUDA")]
+    busy = sum(event.self_device_time_total for event in kernels) / 1e3 / max(rounds, 1)  # the kernels', once each
+    Path(f"{stem}-torch.txt").write_text(
+        f"{rounds} rounds profiled, {1e3 * wall / max(rounds, 1):.1f} ms a round under torch.profiler, device busy "
+        f"{busy:.1f} ms a round\n{table}\n"
+    )
+    ranked = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:5]  # type: ignore[attr-defined]
+    heaviest = ", ".join(f"{key[2]} {1e3 * row[2] / max(rounds, 1):.2f}" for key, row in ranked)
+    return f"{model} {per_round}: device busy {busy:.1f} ms a round; most own time (ms a round): {heaviest}"
+
+
+def _profiled_run(
+    args: argparse.Namespace,
+    model: str,
+    per_round: int,
+    device: str,
+    start: Callable[[], Any],
+    stop: Callable[[], Any],
+) -> tuple[float, int]:
+    """Run one configuration with ``start()`` called at the end of round 2 and ``stop()`` at the end of the run;
+    returns the profiled rounds' wall seconds and their number."""
+    ends: list[float] = []
+
+    def round_end() -> None:
+        ends.append(time.perf_counter())
+        if len(ends) == 2:
+            start()
+
+    try:
+        run_batched(args, model, per_round, device, round_end)
+    finally:
+        if len(ends) >= 2:
+            stop()
+    return (ends[-1] - ends[1], len(ends) - 2) if len(ends) > 2 else (0.0, 0)
+
+
+def run_batched(
+    args: argparse.Namespace, model: str, per_round: int, device: str, round_end: Callable[[], None]
+) -> None:
+    """One batched run of the workload (``args`` with ``model`` and ``per_round``) on ``device`` and one torch
+    thread, ``round_end()`` called at each round's end, after the collection each round ends with."""
+    release = round_loop.release_memory
+
+    def collected() -> None:
+        release()
+        round_end()
+
+    round_loop.release_memory = collected
+    try:
+        workload = argparse.Namespace(**{**vars(args), "model": model, "per_round": per_round})
+        with tempfile.TemporaryDirectory() as out:
+            config = recipe(workload, Path(out))
+            # always given: the recipe's default, auto, would take a GPU where one is visible even for --device cpu
+            config = replace(config, simulation=replace(config.simulation, device=device))
+            run_fedcore(config, "batched", threads=1)
+    finally:
+        round_loop.release_memory = release
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", nargs="+", default=["logreg", "2nn"], help="logreg, 2nn")
@@ -111,6 +195,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8, help="rounds of each run (>= 4; the first two left out)")
     parser.add_argument("--device", default="cpu", help="where the batched clients train (cpu, cuda)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=Path, help="also profile each configuration, into this directory")
+    parser.add_argument("--top", type=int, default=40, help="functions and ops listed in each profile")
     args = parser.parse_args()
     if args.rounds < 4:
         parser.error("--rounds must be at least 4: the first two rounds are left out")
@@ -127,6 +213,11 @@ def main() -> int:
                 f"{model:8} {per_round:8d} {1e3 * got['wall']:9.1f} {1e3 * got['training']:12.1f} "
                 f"{1e3 * got['sum']:7.1f} {got['host_us']:15.1f} {got['rate']:10.0f}"
             )
+    if args.profile is not None:
+        for model in args.model:
+            for per_round in args.per_round:
+                print(profile(workload, model, per_round, args.device, args.profile, args.top))
+        print(f"profiles in {args.profile}")
     return 0
 
 

@@ -1258,7 +1258,7 @@ class BatchedPool(PoolWrapper):
         self._said_not_deferred = False
         self._models: dict[Key, nn.Module] = {}
         self._buffers = StackBuffers()  # on the CPU: each batch trains in the memory of the one before
-        self._shards: OrderedDict[str, tuple[SupervisedTask, ClientShard, Key | None]] = OrderedDict()
+        self._shards: OrderedDict[str, tuple[SupervisedTask, ClientShard, Key | None, Key]] = OrderedDict()
         self._model_keys: dict[Key, Key] = {}
         self._checks: dict[int, dict[Key, Any]] = {}  # id of a model of self._models -> _fused_chain's answers
 
@@ -1331,15 +1331,16 @@ class BatchedPool(PoolWrapper):
         if known is not None:
             if self._pool.max_tasks is not None:
                 self._shards.move_to_end(client_id)
-            held, shard, held_fingerprint = known
+            held, shard, held_fingerprint, key = known
             same = held is task and shard.x is x and shard.y is y
             if same and fingerprint is not None and fingerprint == held_fingerprint:
-                return task, shard, self._model_key(task)
+                return task, shard, key  # a task is frozen: its model_fn and loss_fn are those the key was made of
         shard = ClientShard(client_id, x, y, read_shard(x, y))
-        self._shards[client_id] = (task, shard, fingerprint)
+        key = self._model_key(task)
+        self._shards[client_id] = (task, shard, fingerprint, key)
         if self._pool.max_tasks is not None and len(self._shards) > self._pool.max_tasks:
             self._shards.popitem(last=False)  # no data kept beyond the tasks the pool keeps
-        return task, shard, self._model_key(task)
+        return task, shard, key
 
     def _model_key(self, task: SupervisedTask) -> Key:
         """``(model_fn, loss_fn)`` of ``task``, one tuple object for all the tasks that share them."""
@@ -1375,7 +1376,7 @@ class BatchedPool(PoolWrapper):
             groups.setdefault((task_key, same), []).append((cid, ins, task))
         batches: list[FitBatchRes] = []
         for members in groups.values():
-            per_client, batch = self._train_group(members, [shards[cid] for cid, *_ in members])
+            per_client, batch = self._train_group(members, [shards[member[0]] for member in members])
             replies.update(per_client)
             if batch is not None:
                 batches.append(batch)
@@ -1465,7 +1466,7 @@ class BatchedPool(PoolWrapper):
         rnd = members[0][1].round
         update_bytes = num_bytes(members[0][1].parameters)  # an update is the model's size (packed_nbytes of a FitRes)
         count = len(members)
-        ids = [cid for cid, *_ in members]
+        ids = [member[0] for member in members]
         num_examples = trained.num_examples()
         seconds = (time.perf_counter() - started) / count
         metrics = {"train_loss": trained.train_loss(), "fit_seconds": np.full(count, seconds)}

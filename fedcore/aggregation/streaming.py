@@ -120,13 +120,13 @@ class WeightedMean:
         ConfigError: the spec is empty, has duplicate names or a complex / non-numeric dtype, or ``threads`` < 1.
         PayloadError: ``reference`` does not match the spec.
 
-    Memory: one float64 array per tensor (2x a float32 model; a float32 one per float32 tensor with a
-    ``reference``: 1x), plus one fixed scratch block per thread; the pages
-    of a sum are only allocated when the first update touches them. An update given as read-only file mappings
-    (``np.memmap`` with mode ``"r"``, as the server maps spilled updates) has its pages unmapped block by block
-    right after they were read, so folding it adds no resident memory however large it is (the file stays the
-    source of the data). ``result(release=True)`` turns the sums into the result in place (peak: the sums, 2x;
-    after it: the result, 1x).
+    Memory: one float64 array per tensor (2x a float32 model; a float32 one per float32 tensor with a ``reference``:
+    1x), plus one fixed scratch block per thread; a sum of 1 MiB or more is allocated whole when the accumulator is
+    made (the first update writes all of it anyway), in a mapping of its own. An update given as read-only file
+    mappings (``np.memmap`` with mode ``"r"``, as the server maps spilled updates) has its pages unmapped block by
+    block right after they were read, so folding it adds no resident memory however large it is (the file stays the
+    source of the data). ``result(release=True)`` turns the sums into the result in place (peak: the sums, 2x; after
+    it: the result, 1x).
     Not thread-safe: one caller at a time per instance (the instance runs its own helper threads).
     """
 
@@ -460,16 +460,20 @@ def _flat(array: np.ndarray) -> np.ndarray:
 
 
 def _zeros(n: int, dtype: type[np.floating]) -> np.ndarray:
-    """A zero vector of ``dtype``; a large one in its own private anonymous mapping (pages allocated on first touch).
+    """A zero vector of ``dtype``; a large one in its own private anonymous mapping, its pages allocated at once.
 
     Private, not mmap's default MAP_SHARED: ``MADV_DONTNEED`` frees private anonymous pages, while shared ones stay
     allocated in shared memory (they only leave the resident set), so
-    :func:`~fedcore.aggregation.blocks.release_tail` would free nothing.
+    :func:`~fedcore.aggregation.blocks.release_tail` would free nothing. Populated (``MAP_POPULATE``, where the
+    platform has it) because the round's first update writes every page anyway: one call that allocates them all
+    costs about half of a page fault per page (measured on the 2-core VM, the first fold into the sum: 0.43 against
+    0.88 ms for 1.2 MB, 90 against 150 ms for 200 MB).
     """
     size = n * np.dtype(dtype).itemsize
     if size < _MAPPED_SUM_BYTES:
         return np.zeros(n, dtype)
     private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    private |= getattr(mmap, "MAP_POPULATE", 0) if private else 0
     buffer = mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size)
     return np.frombuffer(buffer, dtype=dtype, count=n)
 
