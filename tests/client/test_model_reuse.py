@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -29,6 +30,8 @@ BUILDS: list[int] = []
 class Net(nn.Module):
     """BatchNorm (running statistics), dropout (global torch RNG) and a buffer left out of the state dict that
     training changes (a fresh model starts it at 0, so a reused one must too)."""
+
+    calls: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -154,7 +157,10 @@ def test_a_simulation_builds_the_model_once_and_matches_fresh_models() -> None:
         ]
         fits = [r for r in replies if isinstance(r, FitRes)]
         total = sum(r.num_examples for r in fits)
-        averages = {n: sum(r.parameters[n].astype(np.float64) * r.num_examples for r in fits) / total for n in INITIAL}
+        averages = {
+            n: cast(np.ndarray, sum(r.parameters[n].astype(np.float64) * r.num_examples for r in fits) / total)
+            for n in INITIAL
+        }
         state = {
             n: (np.rint(v) if INITIAL[n].dtype.kind == "i" else v).astype(INITIAL[n].dtype) for n, v in averages.items()
         }
@@ -188,6 +194,7 @@ def test_an_update_lends_the_models_memory_and_a_held_one_never_changes() -> Non
     held = fit("a", models)
     model = models._model
     assert model is not None
+    assert isinstance(model, Net)
     assert np.shares_memory(held.parameters["fc2.weight"], model.fc2.weight.detach().numpy())
     before = {name: array.copy() for name, array in held.parameters.items()}
     view = fit("b", models).parameters["fc1.weight"][2:].reshape(-1)  # the FitRes itself is dropped at once
@@ -264,7 +271,7 @@ def test_mapped_tied_weights_load_as_load_state_dict_does(tmp_path: Path) -> Non
     """Tied weights mapped from a file with different values, in the reverse of the model's order: the model keeps
     the value load_state_dict gives it (the later key in the model's order), not the order of the arrays."""
 
-    def build() -> nn.Module:
+    def build() -> nn.Sequential:
         model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
         model[1].weight = model[0].weight
         return model
@@ -276,5 +283,6 @@ def test_mapped_tied_weights_load_as_load_state_dict_does(tmp_path: Path) -> Non
     expected.load_state_dict({n: torch.from_numpy(a.copy()) for n, a in values.items()})
     loaded = build()
     load_parameters(loaded, mapped, round=1, client_id="c0")
+    assert isinstance(expected[0], nn.Linear) and isinstance(loaded[0], nn.Linear)
     assert float(expected[0].weight[0, 0]) == 2.0
     assert torch.equal(loaded[0].weight, expected[0].weight)

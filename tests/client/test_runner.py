@@ -55,8 +55,8 @@ def test_evaluate_reports_loss_and_accuracy() -> None:
     task = engine_tasks.mlp_task(context("b"))
     initial = engine_tasks.initial_parameters(engine_tasks.mlp)
     reply = run_instruction(task, EvaluateIns(round=1, parameters=initial), "b")
-    assert reply.num_examples == 24  # type: ignore[union-attr]
-    assert 0.0 <= reply.metrics["accuracy"] <= 1.0  # type: ignore[union-attr]
+    assert reply.num_examples == 24
+    assert 0.0 <= reply.metrics["accuracy"] <= 1.0
 
 
 @pytest.mark.slow
@@ -94,12 +94,12 @@ class Reports:
     def train(self, model, config, context):  # type: ignore[no-untyped-def]
         from fedcore.task import TrainResult
 
-        return TrainResult(num_examples=self.num_examples, metrics=self.metrics)  # type: ignore[arg-type]
+        return TrainResult(num_examples=self.num_examples, metrics=self.metrics)
 
     def evaluate(self, model, batch_size):  # type: ignore[no-untyped-def]
         from fedcore.task import EvalResult
 
-        return EvalResult(loss=self.loss, num_examples=self.num_examples, metrics=self.metrics)  # type: ignore[arg-type]
+        return EvalResult(loss=self.loss, num_examples=self.num_examples, metrics=self.metrics)
 
 
 @pytest.mark.parametrize("count", [True, 2.5, -1, "3", None])

@@ -7,10 +7,17 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypedDict
 
 from client.daemon import ClientDaemon, DaemonConfig
 from fedcore.task import Task, TaskContext
 from tests.deploy.test_service import Harness
+
+
+class _StateDir(TypedDict, total=False):
+    """The optional ``state_dir`` keyword of :class:`DaemonConfig`."""
+
+    state_dir: Path
 
 
 @contextmanager
@@ -22,7 +29,7 @@ def daemon_threads(
     daemons: list[ClientDaemon] = []
     threads: list[threading.Thread] = []
     for cid in ids:
-        extra = {} if state_root is None else {"state_dir": state_root / f"state-{cid}"}
+        extra: _StateDir = {} if state_root is None else {"state_dir": state_root / f"state-{cid}"}
         config = DaemonConfig(server=f"127.0.0.1:{h.port}", client_id=cid, task="unused:factory", insecure=True,
                               poll_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.2, exit_when_finished=False,
                               **extra)  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from client.state import ClientStateStore
-from fedcore.messages import ModSpec
+from fedcore.messages import ModParam, ModSpec
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, initial_parameters
@@ -45,13 +45,14 @@ def make_task(cid: str) -> SupervisedTask:
 
 # entire-model top-k with one warm-up round: 10% of the 16,448 entries in round 1, 1% (165) in round 2, split over
 # the weight and the bias as their magnitudes fall (a tensor may send none: an empty tensor on the wire)
-MODEL_WIDE = {"method": "topk", "fraction": 0.01, "scope": "model", "warmup_rounds": 1}
+MODEL_WIDE: dict[str, ModParam] = {"method": "topk", "fraction": 0.01, "scope": "model", "warmup_rounds": 1}
 
 
 def strategy(method: str | None) -> Strategy:
-    params = MODEL_WIDE if method == "topk-model" else {"method": method, "fraction": 0.01}
-    mods = () if method is None else (ModSpec("compress", params),)
-    return Strategy(fit=FIT, sampling=SAMPLING, mods=mods)
+    if method is None:
+        return Strategy(fit=FIT, sampling=SAMPLING, mods=())
+    params: dict[str, ModParam] = MODEL_WIDE if method == "topk-model" else {"method": method, "fraction": 0.01}
+    return Strategy(fit=FIT, sampling=SAMPLING, mods=(ModSpec("compress", params),))
 
 
 def simulated(tmp: Path, method: str | None) -> ServerState:

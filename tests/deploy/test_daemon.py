@@ -19,7 +19,7 @@ from fedcore.messages import Failure, FitIns
 from fedcore.payload import iter_data_chunks, payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.task import FitConfig, Task, TaskContext
-from fedcore.tensors import decode
+from fedcore.tensors import NamedArrays, decode
 from fedcore.wire import BackgroundDigest, chunk_body, parse_result_chunk, parse_task_chunk, serialize_chunk
 from tests.deploy.test_service import Harness
 
@@ -80,7 +80,7 @@ def _receive(stream: list[object], limit: int = 1 << 20) -> object:
 
 
 def test_receive_task_decodes_views_of_one_checked_buffer() -> None:
-    arrays = {"w": np.arange(1000, dtype=np.float32).reshape(10, 100), "step": np.array(4, np.int64)}
+    arrays: NamedArrays = {"w": np.arange(1000, dtype=np.float32).reshape(10, 100), "step": np.array(4, np.int64)}
     got = _receive(_task_stream(_payload(arrays), chunk_bytes=333))
     assert isinstance(got, tuple)
     header, params, metadata = got
@@ -110,7 +110,7 @@ def test_receive_task_names_the_task_it_cannot_use() -> None:
 
 
 def test_result_chunks_stream_the_update_without_an_encoded_copy() -> None:
-    update = {"w": np.linspace(0, 1, 5000, dtype=np.float32), "b": np.ones(3, np.float64)}
+    update: NamedArrays = {"w": np.linspace(0, 1, 5000, dtype=np.float32), "b": np.ones(3, np.float64)}
     segments = payload_segments(update)
     header = pb.ResultHeader(task_id="t1", round=2, payload_bytes=sum(len(s) for s in segments))
     messages = list(result_chunks(header, segments, BackgroundDigest(segments), 4096))

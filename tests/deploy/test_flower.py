@@ -267,6 +267,7 @@ def test_a_standard_client_fn_gets_partition_0_of_1_on_the_server() -> None:
 
     assert isinstance(flower_app.app, ClientApp)  # the module is a real Flower app
     server_task = load_task_factory("tests.deploy.flower_app:factory")(TaskContext(role="server", options=APP_OPTIONS))
+    assert isinstance(server_task, FlowerTask)
     client = cast(flower_app.LinearClient, server_task.client)
     x, y, x_test, _ = flower_app.load_data(0, 1)  # the whole data set as one partition
     np.testing.assert_array_equal(client.x, x)
@@ -306,8 +307,10 @@ def test_a_standard_flower_app_runs_rounds_and_the_server_evaluates_with_it() ->
 def test_a_named_server_fn_serves_the_server_and_clients_keep_client_fn() -> None:
     factory = load_task_factory("tests.deploy.flower_app:factory_with_server_fn")
     server = factory(TaskContext(role="server", options=APP_OPTIONS))
+    assert isinstance(server, FlowerTask)
     assert len(cast(Any, server.client).y_test) == 20
     client = factory(TaskContext(client_id="c1", partition_id=1, num_partitions=2, options=APP_OPTIONS))
+    assert isinstance(client, FlowerTask)
     assert len(cast(Any, client.client).y) == 48
 
 
@@ -323,6 +326,7 @@ def test_a_key_the_client_fn_was_not_given_is_a_clear_error() -> None:
         flower_task_factory(flower_app.client_fn)(TaskContext(client_id="c3", options=APP_OPTIONS))
     custom = flower_task_factory(flower_app.client_fn, server_node_config={"partition-id": 1, "num-partitions": 4})
     task = custom(TaskContext(role="server", options=APP_OPTIONS))
+    assert isinstance(task, FlowerTask)
     assert len(cast(Any, task.client).y) == 24  # 80% of partition 1 of 4 (30 examples)
     with pytest.raises(ConfigError, match="server_node_config is a Flower node_config: it needs context='flower'"):
         flower_task_factory(flower_app.client_fn, context="fedcore", server_node_config={"partition-id": 0})

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedcore.messages import FitIns, FitRes, Reply, ServerMessage, StageIns, StageRes
+from fedcore.messages import FitIns, FitRes, PoolReply, ServerMessage, StageIns, StageRes
 from fedcore.tensors import encode, safetensors_header
 from fedcore.wire import stage_message_to_pb
 from privacy.secagg.codec import MASKED
@@ -33,9 +33,9 @@ class Tally(PoolWrapper):
     def __init__(self, pool: object) -> None:
         super().__init__(pool)  # type: ignore[arg-type]
         self.sent: list[ServerMessage] = []
-        self.received: list[Reply] = []
+        self.received: list[PoolReply] = []
 
-    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[PoolReply]:
         self.sent += instructions.values()
         for reply in self._pool.run(instructions, timeout_s=timeout_s):
             self.received.append(reply)

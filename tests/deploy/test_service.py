@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import grpc
 import numpy as np
@@ -355,7 +355,7 @@ def test_a_refused_push_stays_refused_and_one_push_per_task_is_read_at_a_time(ha
         yield pb.ResultChunk(data=payload[:10])
         release.wait(10)
 
-    first = stub.PushResult.future(stalled(), metadata=session_metadata(session))
+    first = cast(grpc.StreamUnaryMultiCallable, stub.PushResult).future(stalled(), metadata=session_metadata(session))
     spill = harness.pool.config.spill_dir
     deadline = time.monotonic() + 10
     while not list(spill.glob(f"update-{header.task_id}-*.part")) and time.monotonic() < deadline:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import grpc
 import numpy as np
@@ -58,7 +59,11 @@ def test_a_stream_without_credentials_is_refused_before_it_is_read(h: Harness) -
     ]  # 8 streams on each of 8 connections (16 may be open on one)
     release = threading.Event()
     started = time.monotonic()
-    calls = [stub.PushResult.future(_never(release), timeout=20) for stub in stubs for _ in range(8)]
+    calls = [
+        cast(grpc.StreamUnaryMultiCallable, stub.PushResult).future(_never(release), timeout=20)
+        for stub in stubs
+        for _ in range(8)
+    ]
     for call in calls:
         with pytest.raises(grpc.RpcError) as info:
             call.result(10)
@@ -102,7 +107,9 @@ def test_one_waiting_pull_per_session_and_a_limit_on_calls_per_client(tmp_path: 
         release = threading.Event()
         held = []
         for _ in range(3):
-            held.append(stub.PushResult.future(_never(release), metadata=meta, timeout=20))
+            held.append(
+                cast(grpc.StreamUnaryMultiCallable, stub.PushResult).future(_never(release), metadata=meta, timeout=20)
+            )
         time.sleep(0.3)
         with pytest.raises(grpc.RpcError) as info:
             stub.Heartbeat(pb.HeartbeatRequest(session=session), metadata=meta, timeout=5)
@@ -130,7 +137,7 @@ def test_an_announced_8_gib_update_reserves_no_space_and_a_stalled_push_is_cut_o
         yield b"x"
         release.wait(20)
 
-    call = stub.PushResult.future(
+    call = cast(grpc.StreamUnaryMultiCallable, stub.PushResult).future(
         _push_stream(session, header, 8 << 30, one_byte_then_stall(), b"0" * 32),
         metadata=session_metadata(session),
         timeout=25,
@@ -241,7 +248,7 @@ def test_a_live_session_keeps_its_client_id(tmp_path: Path, caplog: pytest.LogCa
             pb.PullTaskRequest(session=third, wait_s=20), metadata=session_metadata(third), timeout=25
         )
         time.sleep(0.3)
-        waiting.cancel()
+        cast(grpc.Call, waiting).cancel()
         channel.close()
         time.sleep(0.3)
         started = time.monotonic()

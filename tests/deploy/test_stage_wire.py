@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedcore.errors import PayloadError
-from fedcore.messages import Failure, StageIns, StageRes
+from fedcore.messages import Failure, StageIns, StageRes, StageValue
 from fedcore.payload import payload_segments
 from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.wire import (
@@ -26,7 +26,13 @@ from tests.deploy.test_service import Harness, _pull
 
 pytestmark = pytest.mark.timeout(60)
 
-FIELDS = {"key": b"\x00\xffpk", "count": -(1 << 63), "big": (1 << 63) - 1, "label": "grüße", "empty": b""}
+FIELDS: dict[str, StageValue] = {
+    "key": b"\x00\xffpk",
+    "count": -(1 << 63),
+    "big": (1 << 63) - 1,
+    "label": "grüße",
+    "empty": b"",
+}
 
 
 def test_a_stage_instruction_and_reply_survive_the_protobuf_round_trip() -> None:

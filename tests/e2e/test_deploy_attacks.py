@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import grpc
 import numpy as np
@@ -186,7 +187,9 @@ def _silent_streams(hostile: Hostile, stop: threading.Event) -> None:
     def hold(stub: pb_grpc.CoordinatorStub, join: grpc.StreamUnaryMultiCallable) -> None:
         while not stop.is_set():
             try:
-                calls = [stub.PushResult.future(never(), timeout=60) for _ in range(8)]
+                calls = [
+                    cast(grpc.StreamUnaryMultiCallable, stub.PushResult).future(never(), timeout=60) for _ in range(8)
+                ]
                 calls += [join.future(never(), timeout=60) for _ in range(8)]
             except GONE:
                 return

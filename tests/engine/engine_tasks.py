@@ -206,6 +206,9 @@ def run_plan(
 class RunningSum(nn.Module):
     """An identity layer that sums the samples it sees into a buffer (a custom running statistic)."""
 
+    running_sum: torch.Tensor
+    calls: torch.Tensor
+
     def __init__(self, features: int) -> None:
         super().__init__()
         self.register_buffer("running_sum", torch.zeros(features))
@@ -312,6 +315,7 @@ def _probed(model: nn.Sequential, path: str) -> nn.Sequential:
     layer = model.get_submodule("blocks.0.attn.q")
 
     def record(module: nn.Module, args: object) -> None:
+        assert isinstance(module.weight, torch.Tensor)
         _note(path, str(_local(module.weight).shape[0]))
 
     layer.register_forward_pre_hook(record)
@@ -323,7 +327,9 @@ class HeadsOnlyPlanTask(SupervisedTask):
 
     def tensor_parallel_plan(self, model: nn.Module, degree: int) -> dict[str, object]:
         styles: dict[str, object] = {}
-        for i in range(len(model.get_submodule("blocks"))):
+        blocks = model.get_submodule("blocks")
+        assert isinstance(blocks, nn.Sequential)
+        for i in range(len(blocks)):
             styles.update({f"blocks.{i}.attn.{n}": ColwiseParallel() for n in ("q", "k", "v")})
             styles[f"blocks.{i}.attn.proj"] = RowwiseParallel()
         return styles
@@ -338,6 +344,8 @@ class InitProbeLinear(nn.Linear):
     """An ``nn.Linear`` that appends ``"<RANK> init meta|real"`` to ``path`` each time it initializes its weights
     (``reset_parameters``): ``real`` is a full-size random initialization with storage, ``meta`` one on the meta
     device (no storage, no cost)."""
+
+    _probe_path: str
 
     def __init__(self, in_features: int, out_features: int, path: str) -> None:
         object.__setattr__(self, "_probe_path", path)  # reset_parameters runs inside nn.Linear.__init__

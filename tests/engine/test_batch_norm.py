@@ -8,10 +8,16 @@ cumulative average (momentum None), whose running statistics depend on ``num_bat
 
 from __future__ import annotations
 
-import engine_tasks
 import numpy as np
 import pytest
-from engine_tasks import (
+from torch import nn
+
+from fedcore.engine import ParallelPlan, train_with_plan
+from fedcore.engine.batch_stats import batch_statistics_modules
+from fedcore.errors import ConfigError, EngineError
+from fedcore.task import FitConfig, TaskContext
+from tests.engine import engine_tasks
+from tests.engine.engine_tasks import (
     assert_same_state,
     bn_mlp,
     bn_task,
@@ -20,12 +26,6 @@ from engine_tasks import (
     run_plan,
     running_sum_model,
 )
-from torch import nn
-
-from fedcore.engine import ParallelPlan, train_with_plan
-from fedcore.engine.batch_stats import batch_statistics_modules
-from fedcore.errors import ConfigError, EngineError
-from fedcore.task import FitConfig, TaskContext
 
 FACTORY = f"{engine_tasks.__name__}:bn_task"
 CONFIG = FitConfig(local_epochs=2, batch_size=8, lr=0.1, momentum=0.9, weight_decay=1e-3, mu=0.1)

@@ -12,16 +12,24 @@ bench/gpu_check.sh runs these on a GPU machine. Tolerances:
 
 from __future__ import annotations
 
-import engine_tasks
 import numpy as np
 import pytest
 import torch
-from engine_tasks import assert_same_state, gpt_task, initial_parameters, mlp, mlp_task, reference, tiny_gpt
 
 from fedcore.aggregation import WeightedMean
 from fedcore.engine import ParallelPlan, train_with_plan
 from fedcore.task import FitConfig, TaskContext
 from fedcore.tensors import NamedArrays, spec_of
+from tests.engine import engine_tasks
+from tests.engine.engine_tasks import (
+    assert_same_state,
+    gpt_task,
+    initial_parameters,
+    mlp,
+    mlp_task,
+    reference,
+    tiny_gpt,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run bench/gpu_check.sh)")
 
@@ -88,4 +96,4 @@ def test_federated_round_with_cuda_clients_aggregates_to_the_cpu_model() -> None
         engine.add(update, float(result.num_examples), client_id=cid)
         update, result = reference(mlp_task, ctx, global_parameters, CONFIG, seed=9, round=1, client_id=cid)
         single.add(update, float(result.num_examples), client_id=cid)
-    assert_same_state(engine.result(), single.result(), atol=1e-4, rtol=1e-3)  # type: ignore[arg-type]
+    assert_same_state(engine.result(), single.result(), atol=1e-4, rtol=1e-3)

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import engine_tasks
 import pytest
-from engine_tasks import assert_same_state, deep_mlp, deep_task, initial_parameters, mlp, mlp_task, reference
 
 from fedcore.aggregation import WeightedMean
 from fedcore.engine import ParallelPlan, train_with_plan
 from fedcore.errors import EngineError
 from fedcore.task import FitConfig, TaskContext
 from fedcore.tensors import spec_of
+from tests.engine import engine_tasks
+from tests.engine.engine_tasks import (
+    assert_same_state,
+    deep_mlp,
+    deep_task,
+    initial_parameters,
+    mlp,
+    mlp_task,
+    reference,
+)
 
 pytestmark = pytest.mark.slow
 

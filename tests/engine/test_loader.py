@@ -4,11 +4,11 @@ bit for bit the same; on CUDA (skipped without one, run by bench/gpu_check.sh) t
 from __future__ import annotations
 
 import threading
+from collections.abc import Generator
 
 import numpy as np
 import pytest
 import torch
-from engine_tasks import initial_parameters, mlp, mlp_task
 
 from fedcore.engine import ParallelPlan
 from fedcore.engine.loader import Batch, BatchLoader, Rows, all_rows, part
@@ -16,6 +16,7 @@ from fedcore.engine.runner import RankResult, train_rank
 from fedcore.engine.runtime import single_process_env
 from fedcore.errors import ConfigError
 from fedcore.task import FitConfig, TaskContext
+from tests.engine.engine_tasks import initial_parameters, mlp, mlp_task
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run bench/gpu_check.sh)")
 CPU = torch.device("cpu")
@@ -117,6 +118,7 @@ def _loader_threads() -> list[threading.Thread]:
 def test_a_background_epoch_stopped_early_leaves_no_thread() -> None:
     x, y = torch.randn(40, 2), torch.zeros(40)
     batches = BatchLoader(x, y, CPU, background=True).epoch(torch.arange(40), 4)
+    assert isinstance(batches, Generator)
     first = next(batches)
     assert first.x is not None and torch.equal(first.x, x[:4])
     assert len(_loader_threads()) == 1  # batch 1 is being gathered there

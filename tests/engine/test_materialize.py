@@ -9,20 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
-import engine_tasks
 import numpy as np
 import pytest
 import torch
-from engine_tasks import (
-    assert_same_state,
-    initial_parameters,
-    probe_mlp,
-    probe_task,
-    reference,
-    tiny_gpt,
-    tiny_gpt_untied,
-)
 from torch import nn
 
 from fedcore.engine import ParallelPlan, train_with_plan
@@ -37,6 +28,16 @@ from fedcore.engine.materialize import (
 from fedcore.engine.pipeline import other_ranks_state_names
 from fedcore.task import FitConfig, TaskContext
 from fedcore.tensors import NamedArrays
+from tests.engine import engine_tasks
+from tests.engine.engine_tasks import (
+    assert_same_state,
+    initial_parameters,
+    probe_mlp,
+    probe_task,
+    reference,
+    tiny_gpt,
+    tiny_gpt_untied,
+)
 
 
 def test_only_the_rank_s_stage_gets_storage_holding_the_global_values() -> None:
@@ -57,7 +58,7 @@ def test_only_the_rank_s_stage_gets_storage_holding_the_global_values() -> None:
     assert model.get_submodule("head.out").weight is model.get_submodule("embed.token").weight  # still tied
     assert all(p.requires_grad for p in model.get_submodule("blocks.0").parameters())
     with torch.no_grad():
-        model.get_submodule("blocks.0.attn.q").weight.add_(1.0)
+        cast(nn.Linear, model.get_submodule("blocks.0.attn.q")).weight.add_(1.0)
     assert np.array_equal(arrays["blocks.0.attn.q.weight"], initial_parameters(tiny_gpt)["blocks.0.attn.q.weight"])
 
 

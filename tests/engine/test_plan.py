@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_tasks import deep_mlp, mlp
 from torch import nn
 
 from fedcore.engine import ParallelPlan, Schedule, bubble_fraction
@@ -17,6 +16,7 @@ from fedcore.engine.schedules import (
     stages_of_rank,
 )
 from fedcore.errors import ConfigError
+from tests.engine.engine_tasks import deep_mlp, mlp
 
 
 def test_default_plan_is_single_process() -> None:
@@ -26,7 +26,13 @@ def test_default_plan_is_single_process() -> None:
 
 
 def test_degrees_and_derived_properties() -> None:
-    plan = ParallelPlan(data_parallel=2, pipeline=2, split_points=("2",), microbatches=4, schedule="1f1b")
+    plan = ParallelPlan(
+        data_parallel=2,
+        pipeline=2,
+        split_points=("2",),
+        microbatches=4,
+        schedule="1f1b",  # type: ignore[arg-type]  # deliberate: a name, coerced to the Schedule
+    )
     assert plan.total_ranks == 4 and plan.dp_enabled and plan.pp_enabled and not plan.fsdp_enabled
     assert plan.schedule is Schedule.ONE_F_ONE_B
 
@@ -120,7 +126,7 @@ class _Block(nn.Module):
         self.inner = nn.Linear(2, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x)  # type: ignore[no-any-return]
+        return self.inner(x)
 
 
 def test_tied_weights_across_stages_are_rejected() -> None:

@@ -15,18 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-import engine_tasks
 import pytest
-from engine_tasks import (
-    WithUnusedModule,
-    assert_same_state,
-    initial_parameters,
-    mlp,
-    reference,
-    run_plan,
-    tied_mlp,
-    unused_module_task,
-)
 
 from client.daemon import ClientDaemon, DaemonConfig
 from fedcore.engine import ParallelPlan
@@ -36,6 +25,17 @@ from fedcore.messages import Failure, FitIns
 from fedcore.task import FitConfig, TaskContext
 from server.grpc_pool import GrpcClientPool, PoolConfig
 from tests.e2e.deploy_helpers import Proc, client_args, server_args
+from tests.engine import engine_tasks
+from tests.engine.engine_tasks import (
+    WithUnusedModule,
+    assert_same_state,
+    initial_parameters,
+    mlp,
+    reference,
+    run_plan,
+    tied_mlp,
+    unused_module_task,
+)
 
 CTX = TaskContext(client_id="c1", seed=3, options={"n": "24"})
 CONFIG = FitConfig(local_epochs=1, batch_size=8, lr=0.1)

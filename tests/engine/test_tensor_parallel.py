@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import engine_tasks
 import pytest
 import torch
-from engine_tasks import assert_same_state, gpt_task, initial_parameters, reference, tiny_gpt, tiny_gpt_untied
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -22,6 +20,15 @@ from fedcore.engine.transformer import flops_per_token, gpt, lm_loss
 from fedcore.errors import ConfigError
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TaskContext
+from tests.engine import engine_tasks
+from tests.engine.engine_tasks import (
+    assert_same_state,
+    gpt_task,
+    initial_parameters,
+    reference,
+    tiny_gpt,
+    tiny_gpt_untied,
+)
 
 CONFIG = FitConfig(local_epochs=2, batch_size=6, lr=0.2, momentum=0.9, weight_decay=1e-3, mu=0.1)
 CTX = TaskContext(client_id="c1", seed=3, options={"n": "16"})  # 16 = 2 batches of 6 + a last batch of 4

@@ -9,11 +9,11 @@ import pytest
 from fedcore.aggregation import MeanAggregator, SumAccumulator, WeightedMean
 from fedcore.aggregation.robust import MedianAggregator
 from fedcore.errors import NonFiniteError, PayloadError, UpdateRejected
-from fedcore.tensors import spec_of
+from fedcore.tensors import NamedArrays, spec_of
 
-U0 = {"w": np.array([2.0, 0.0, -2.0], np.float32), "n": np.array([4, 8], np.int64)}
-U1 = {"w": np.array([1.0, 2.0, 3.0], np.float32), "n": np.array([1, 2], np.int64)}
-U2 = {"w": np.array([4.0, 5.0, 6.0], np.float32), "n": np.array([3, 6], np.int64)}
+U0: NamedArrays = {"w": np.array([2.0, 0.0, -2.0], np.float32), "n": np.array([4, 8], np.int64)}
+U1: NamedArrays = {"w": np.array([1.0, 2.0, 3.0], np.float32), "n": np.array([1, 2], np.int64)}
+U2: NamedArrays = {"w": np.array([4.0, 5.0, 6.0], np.float32), "n": np.array([3, 6], np.int64)}
 SPEC = spec_of(U0)
 
 
@@ -29,7 +29,7 @@ def test_a_batch_sum_gives_the_mean_computed_by_hand() -> None:
     assert acc.count == 3 and acc.total_weight == 6.0
     mean = acc.result()
     # (2*[2, 0, -2] + 1*[1, 2, 3] + 3*[4, 5, 6]) / 6 = [17, 17, 17] / 6; (2*[4, 8] + [1, 2] + 3*[3, 6]) / 6 = [3, 6]
-    np.testing.assert_array_equal(mean["w"], np.float32([17 / 6, 17 / 6, 17 / 6]))
+    np.testing.assert_array_equal(mean["w"], np.array([17 / 6, 17 / 6, 17 / 6], np.float32))
     np.testing.assert_array_equal(mean["n"], np.array([3, 6], np.int64))
     assert mean["w"].dtype == np.float32 and mean["n"].dtype == np.int64
 
@@ -40,8 +40,8 @@ def test_a_batch_sum_equals_adding_each_update(delta: bool) -> None:
     the float64 rounding of the other order. With ``delta`` (float32 sum of differences from the global model), the
     sum is taken relative to the reference as add() does."""
     rng = np.random.default_rng(0)
-    reference = {"w": rng.standard_normal(1000).astype(np.float32), "n": np.zeros(2, np.int64)}
-    updates = [
+    reference: NamedArrays = {"w": rng.standard_normal(1000).astype(np.float32), "n": np.zeros(2, np.int64)}
+    updates: list[NamedArrays] = [
         {"w": reference["w"] + rng.standard_normal(1000).astype(np.float32) * 0.01, "n": np.array([k, 2 * k])}
         for k in range(1, 6)
     ]

@@ -11,14 +11,16 @@ from flwr.server.strategy.aggregate import aggregate, aggregate_inplace
 
 from fedcore.aggregation import MetricAverages, WeightedMean, mean, streaming, weighted_average, weighted_metrics
 from fedcore.errors import AggregationError, ConfigError, NonFiniteError, PayloadError, UpdateRejected
-from fedcore.tensors import encode, spec_of
+from fedcore.tensors import NamedArrays, encode, spec_of
 
 
 def _snapshot(acc: WeightedMean) -> tuple[dict[str, np.ndarray], float, int]:
     return {n: t.copy() for n, t in acc._sums.items()}, acc.total_weight, acc.count
 
 
-def _assert_same_snapshot(a: tuple[dict[str, np.ndarray], float, int], b: tuple[dict[str, np.ndarray], float, int]):
+def _assert_same_snapshot(
+    a: tuple[dict[str, np.ndarray], float, int], b: tuple[dict[str, np.ndarray], float, int]
+) -> None:
     assert a[1] == b[1] and a[2] == b[2]
     for name in a[0]:
         assert np.array_equal(a[0][name], b[0][name])
@@ -97,7 +99,9 @@ def test_matches_flwr_aggregate_and_aggregate_inplace() -> None:
         ({"w": np.zeros(3, np.float32)}, float("inf"), UpdateRejected, "weight"),
     ],
 )
-def test_rejected_update_leaves_accumulator_unchanged(bad_update, weight, error, words) -> None:
+def test_rejected_update_leaves_accumulator_unchanged(
+    bad_update: NamedArrays, weight: float, error: type[PayloadError | UpdateRejected], words: str
+) -> None:
     acc = WeightedMean(spec_of({"w": np.zeros(3, np.float32)}))
     acc.add({"w": np.array([1.0, 2.0, 3.0], np.float32)}, 2.0, client_id="good")
     before = _snapshot(acc)
@@ -282,7 +286,7 @@ def test_threads_argument_validated() -> None:
 
 def _mixed_updates(n: int = 3) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
     rng = np.random.default_rng(7)
-    base = {
+    base: NamedArrays = {
         "big": rng.standard_normal(300_001).astype(np.float32),  # > 1 MiB of float64: its own mapping
         "half": rng.standard_normal((5, 7)).astype(np.float16),
         "steps": np.array([3], np.int64),
@@ -321,8 +325,9 @@ def test_result_release_frees_the_unused_half_of_a_large_sum() -> None:
     np.testing.assert_array_equal(out, 1.0)
     # the float64 sum's mapping: past the float32 result its pages were handed back, so they read as zeros now
     # (before, they held the sums 2.0); pages still allocated would keep those bytes
-    buffer = out
+    buffer: object = out
     while not isinstance(buffer, mmap.mmap):
+        assert isinstance(buffer, np.ndarray | memoryview)
         buffer = buffer.obj if isinstance(buffer, memoryview) else buffer.base
     tail = np.frombuffer(buffer, np.uint8)[out.nbytes :]
     assert tail.size == out.nbytes and not tail.any()
@@ -363,7 +368,7 @@ def test_a_rejected_mapped_update_leaves_the_sum_untouched(tmp_path) -> None:  #
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_the_finite_kernel_finds_every_nan_and_infinity_wherever_it_is(dtype: type) -> None:
+def test_the_finite_kernel_finds_every_nan_and_infinity_wherever_it_is(dtype: type[np.floating]) -> None:
     from fedcore.kernels import all_finite
 
     rng = np.random.default_rng(0)
@@ -379,7 +384,7 @@ def test_the_finite_kernel_finds_every_nan_and_infinity_wherever_it_is(dtype: ty
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_fold_rows_gives_the_bits_of_folding_each_row_in_turn(dtype: type) -> None:
+def test_fold_rows_gives_the_bits_of_folding_each_row_in_turn(dtype: type[np.floating]) -> None:
     """The batched backend's one call over a batch's rows against the aggregator's fold of one update at a time,
     rows taken out of order and one twice, weights of very different sizes: the same float64 bits."""
     from fedcore.kernels import fold_block, fold_rows

@@ -9,16 +9,17 @@ import pytest
 
 from fedcore.convergence import Convergence, Stop, StopRules, row_accuracy, stop_columns, update_norm
 from fedcore.errors import ConfigError
+from fedcore.tensors import NamedArrays
 
 
 def test_update_norm_by_hand_over_stepped_tensors_only() -> None:
-    old = {
+    old: NamedArrays = {
         "w": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32),
         "b": np.array([0.5], np.float64),
         "running_mean": np.array([10.0], np.float32),
         "steps": np.array([3], np.int64),
     }
-    new = {
+    new: NamedArrays = {
         "w": np.array([[1.0, 2.0], [0.0, 8.0]], np.float32),  # (0, 0, -3, 4): 25
         "b": np.array([-11.5], np.float64),  # -12: 144
         "running_mean": np.array([0.0], np.float32),  # a buffer: left out when trainable is given
@@ -31,8 +32,8 @@ def test_update_norm_by_hand_over_stepped_tensors_only() -> None:
 
 def test_update_norm_goes_block_by_block_and_mixes_dtypes() -> None:
     rng = np.random.default_rng(0)
-    old = {"big": rng.standard_normal(3 * (1 << 20) + 5).astype(np.float32), "h": np.ones(4, np.float16)}
-    new = {"big": old["big"] + np.float32(0.5), "h": np.full(4, 2.0, np.float16)}
+    old: NamedArrays = {"big": rng.standard_normal(3 * (1 << 20) + 5).astype(np.float32), "h": np.ones(4, np.float16)}
+    new: NamedArrays = {"big": old["big"] + np.float32(0.5), "h": np.full(4, 2.0, np.float16)}
     diff = new["big"].astype(np.float64) - old["big"].astype(np.float64)
     expected = math.sqrt(float(diff @ diff) + 4.0)
     assert update_norm(new, old) == pytest.approx(expected, rel=1e-12)
@@ -85,7 +86,7 @@ def test_no_target_no_report_and_bad_rules_are_refused() -> None:
     )
     for bad in ({"target_accuracy": 0.0}, {"target_accuracy": 1.5}, {"patience": 0}, {"min_delta": -0.1}):
         with pytest.raises(ConfigError):
-            StopRules(**bad)  # type: ignore[arg-type]
+            StopRules(**bad)
 
 
 def test_rules_that_no_evaluated_round_could_fire_are_refused() -> None:

@@ -102,7 +102,11 @@ def test_identical_updates_average_to_within_a_unit_of_themselves_and_the_refere
 
 
 def test_other_dtypes_keep_float64_sums_and_the_aggregator_passes_the_reference() -> None:
-    x = {"w": np.array([1.0, 2.0], np.float32), "h": np.array([1.0, 3.0], np.float64), "n": np.array(3, np.int64)}
+    x: NamedArrays = {
+        "w": np.array([1.0, 2.0], np.float32),
+        "h": np.array([1.0, 3.0], np.float64),
+        "n": np.array(3, np.int64),
+    }
     ups = [
         {"w": np.array([1.5, 2.5], np.float32), "h": np.array([2.0, 5.0]), "n": np.array(4, np.int64)},
         {"w": np.array([2.0, 3.0], np.float32), "h": np.array([4.0, 6.0]), "n": np.array(7, np.int64)},

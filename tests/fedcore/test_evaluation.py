@@ -6,13 +6,16 @@ batches or by 3·4, differs from the true per-example mean, so a loss or accurac
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import cast
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from client.runner import run_instruction
-from fedcore.messages import EvaluateIns
+from fedcore.messages import EvaluateIns, EvaluateRes
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, central_evaluation, initial_parameters
 from fedcore.tensors import NamedArrays, to_state_dict
@@ -31,7 +34,7 @@ def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def reference(parameters: NamedArrays, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """Mean cross-entropy per example and accuracy, in one plain forward pass in float64."""
     model = model_fn().double()
-    model.load_state_dict({k: v.double() for k, v in to_state_dict(parameters).items()})
+    model.load_state_dict({k: cast(torch.Tensor, v).double() for k, v in to_state_dict(parameters).items()})
     with torch.no_grad():
         out = model(x.double())
         loss = float(nn.functional.cross_entropy(out, y))
@@ -65,6 +68,7 @@ def test_client_side_evaluation_equals_plain_torch(parameters: NamedArrays) -> N
     x, y = data(10, seed=2)
     task = SupervisedTask(model_fn=model_fn, train_data=data(6, seed=9), test_data=(x, y))
     res = run_instruction(task, EvaluateIns(round=2, parameters=parameters, batch_size=4), "c0")
+    assert isinstance(res, EvaluateRes)
     check(res.loss, res.metrics["accuracy"], res.num_examples, parameters, x, y)
 
 
@@ -79,6 +83,7 @@ def test_an_empty_split_reports_nan_with_zero_examples(parameters: NamedArrays) 
     x, y = data(10, seed=4)
     task = SupervisedTask(model_fn=model_fn, train_data=(x, y), test_data=(x[:0], y[:0]))
     res = run_instruction(task, EvaluateIns(round=1, parameters=parameters, batch_size=4), "c0")
+    assert isinstance(res, EvaluateRes)
     assert res.num_examples == 0 and np.isnan(res.loss) and res.metrics == {}
 
 
@@ -102,8 +107,10 @@ def test_train_loss_is_the_per_example_mean_of_the_last_epoch(parameters: NamedA
             ref.zero_grad()
             (loss / len(idx)).backward()
             with torch.no_grad():
-                for p in ref.parameters():
-                    p -= 0.1 * p.grad  # type: ignore[operator]
+                params: Iterator[torch.Tensor] = ref.parameters()  # a Parameter's -= gives a Tensor
+                for p in params:
+                    assert p.grad is not None
+                    p -= 0.1 * p.grad
     assert result.num_examples == 10
     assert result.metrics["train_loss"] == pytest.approx(sum(losses) / 10, rel=1e-5)
     for name, tensor in model.state_dict().items():

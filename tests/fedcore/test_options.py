@@ -17,7 +17,7 @@ import pytest
 from client.daemon import DaemonConfig, load_daemon_config
 from fedcore.cli import build_parser, client_options, main, server_options, simulate_options
 from fedcore.errors import ConfigError
-from fedcore.options import add_options, derive_options, given_values, plain_text, to_overrides
+from fedcore.options import Option, add_options, derive_options, given_values, plain_text, to_overrides
 from fedcore.strategy import StrategyConfig
 from fedcore.task import FitConfig
 from fedcore.tensors import encode
@@ -132,7 +132,7 @@ def test_flags_come_with_their_fields_help_and_default() -> None:
     assert lr.help == "local SGD learning rate (eta_l). > 0." and lr.default == 0.05
 
 
-def _parse(options: tuple, argv: list[str]) -> dict:  # type: ignore[type-arg]
+def _parse(options: tuple[Option, ...], argv: list[str]) -> dict[str, typing.Any]:
     parser = argparse.ArgumentParser()
     add_options(parser, options)
     return given_values(parser.parse_args(argv), options)

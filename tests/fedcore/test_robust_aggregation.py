@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +24,18 @@ from fedcore.aggregation import (
 )
 from fedcore.errors import AggregationError, ConfigError, NonFiniteError, PayloadError, UpdateRejected
 from fedcore.payload import open_safetensors, save_payload
-from fedcore.tensors import spec_of
+from fedcore.tensors import NamedArrays, spec_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _vector(values: list[float]) -> dict[str, np.ndarray]:
+def _vector(values: Sequence[float]) -> dict[str, np.ndarray]:
     return {"w": np.array(values, np.float32)}
 
 
-def _aggregate(aggregator: Aggregator, updates: list[dict[str, np.ndarray]], weights: list[float] | None = None):
+def _aggregate(
+    aggregator: Aggregator, updates: list[dict[str, np.ndarray]], weights: list[float] | None = None
+) -> NamedArrays:
     accumulator = aggregator.start(spec_of(updates[0]), round=1)
     for k, update in enumerate(updates):
         accumulator.add(update, 1.0 if weights is None else weights[k], client_id=f"c{k:02d}", round=1)

@@ -207,7 +207,7 @@ def test_size_buckets_by_hand() -> None:
 
 def test_config_and_attribute_checks() -> None:
     with pytest.raises(ConfigError, match="unknown selection"):
-        StrategyConfig(selection="random")
+        StrategyConfig(selection="random")  # type: ignore[arg-type]  # deliberate: an unknown name
     with pytest.raises(ConfigError, match="unknown selection"):
         Selector("best")
     bad_values: list[dict[str, object]] = [

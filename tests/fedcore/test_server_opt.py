@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from fedcore.errors import ConfigError, PayloadError
 from fedcore.payload import open_safetensors, save_payload
 from fedcore.server_opt import ServerAdaptive, ServerOptimizer, ServerSGD
+from fedcore.tensors import NamedArrays
 from tests.residency import mapping_rss, needs_smaps
 
 
@@ -25,8 +27,8 @@ def _assert_unchanged(before: dict[str, np.ndarray], after: dict[str, np.ndarray
 
 def test_fedavg_returns_the_average_exactly() -> None:
     rng = np.random.default_rng(0)
-    params = {"w": rng.standard_normal(1000).astype(np.float32), "n": np.array(5, np.int64)}
-    average = {"w": rng.standard_normal(1000).astype(np.float32) * 1e-3 + 1e4, "n": np.array(7, np.int64)}
+    params: NamedArrays = {"w": rng.standard_normal(1000).astype(np.float32), "n": np.array(5, np.int64)}
+    average: NamedArrays = {"w": rng.standard_normal(1000).astype(np.float32) * 1e-3 + 1e4, "n": np.array(7, np.int64)}
     opt: ServerOptimizer = ServerSGD()
     state = opt.init(params)
     assert state == {}
@@ -136,7 +138,7 @@ def test_fedavgm_does_not_mutate_inputs() -> None:
         lambda: ServerAdaptive(kind="adagrad", lr=float("inf")),
     ],
 )
-def test_invalid_configs_raise_config_error(make) -> None:
+def test_invalid_configs_raise_config_error(make: Callable[[], object]) -> None:
     with pytest.raises(ConfigError):
         make()
 
@@ -146,7 +148,7 @@ def test_configs_are_frozen_and_keyword_only() -> None:
     with pytest.raises(AttributeError):
         opt.lr = 2.0  # type: ignore[misc]
     with pytest.raises(TypeError):
-        ServerSGD(0.5)  # type: ignore[misc]
+        ServerSGD(0.5)  # type: ignore[call-arg]
 
 
 OPTIMIZERS = [
@@ -162,7 +164,7 @@ OPTIMIZER_IDS = ["fedavgm", "sgd-lr", "fedadagrad", "fedadam", "fedyogi"]
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=OPTIMIZER_IDS)
 def test_buffers_take_the_average_and_only_trainable_parameters_are_stepped(opt: ServerOptimizer) -> None:
     # A BatchNorm layer: weight/bias are trainable, running statistics and the counter are buffers.
-    params = {
+    params: NamedArrays = {
         "bn.weight": np.array([1.0, 1.0], np.float32),
         "bn.running_var": np.array([1.0, 1.0], np.float32),
         "bn.running_mean": np.array([0.0, 0.0], np.float32),
@@ -170,7 +172,7 @@ def test_buffers_take_the_average_and_only_trainable_parameters_are_stepped(opt:
     }
     # the clients' running variance shrank to 0.01: Adam's normalized step (lr·m/(√v+τ) ≈ lr·sign(Δ)) would move
     # it by about -1 and below zero; the example-weighted average is the right value
-    average = {
+    average: NamedArrays = {
         "bn.weight": np.array([0.5, 2.0], np.float32),
         "bn.running_var": np.array([0.01, 0.02], np.float32),
         "bn.running_mean": np.array([0.3, -0.3], np.float32),
@@ -250,7 +252,7 @@ def test_block_wise_step_equals_the_whole_array_formula_and_may_reuse_the_averag
 
 
 def test_fedavg_with_reuse_returns_the_average_itself() -> None:
-    average = {"w": np.arange(3, dtype=np.float32), "n": np.array(4, np.int64)}
+    average: NamedArrays = {"w": np.arange(3, dtype=np.float32), "n": np.array(4, np.int64)}
     new, state = ServerSGD().step(
         {"w": np.zeros(3, np.float32), "n": np.array(1, np.int64)}, average, {}, reuse_average=True
     )

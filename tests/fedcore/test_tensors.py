@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
 from fedcore.errors import NonFiniteError, PayloadError
-from fedcore.tensors import TensorSpec, check_finite, check_spec, decode, encode, read_metadata, spec_of
+from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, decode, encode, read_metadata, spec_of
 
 
 def _model() -> dict[str, np.ndarray]:
@@ -22,7 +24,7 @@ def _model() -> dict[str, np.ndarray]:
     }
 
 
-def _rewrite_header(payload: bytes, edit) -> bytes:
+def _rewrite_header(payload: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     (n,) = struct.unpack("<Q", payload[:8])
     header = json.loads(payload[8 : 8 + n])
     edit(header)
@@ -64,7 +66,7 @@ def test_decode_without_copy_shares_a_writable_buffer_and_copies_what_it_must() 
     copied = decode(bytes(buffer), copy=False)
     assert all(a.flags.writeable and not np.shares_memory(a, raw) for a in copied.values())
     # a float32 tensor right after 3 bytes of int8 is misaligned in the buffer: copied, values intact
-    odd = {"i8": np.array([1, 2, 3], np.int8), "f32": np.array([0.5, -2.0], np.float32)}
+    odd: NamedArrays = {"i8": np.array([1, 2, 3], np.int8), "f32": np.array([0.5, -2.0], np.float32)}
     misaligned = bytearray(b"".join(bytes(s) for s in payload_segments(odd)))
     out = decode(misaligned, copy=False)
     assert np.shares_memory(out["i8"], np.frombuffer(misaligned, np.uint8))
@@ -112,7 +114,7 @@ def test_header_rename_is_caught_against_spec() -> None:
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_nonfinite_values_rejected_naming_tensor(bad: float, dtype: type) -> None:
+def test_nonfinite_values_rejected_naming_tensor(bad: float, dtype: type[np.floating]) -> None:
     model = _model()
     w = np.ones(4, dtype)
     w[2] = bad

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 from torch import nn
@@ -14,14 +16,14 @@ from fedcore.training import train_supervised
 CONFIG = FitConfig(local_epochs=2, batch_size=7, lr=0.05, momentum=0.9, weight_decay=1e-3, mu=0.1)
 
 
-def net() -> nn.Module:
+def net() -> nn.Sequential:
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     model[2].bias.requires_grad_(False)  # a frozen parameter is left alone either way
     return model
 
 
-def train(threshold: int, monkeypatch: pytest.MonkeyPatch) -> tuple[nn.Module, float, list[int]]:
+def train(threshold: int, monkeypatch: pytest.MonkeyPatch) -> tuple[nn.Sequential, float, list[int]]:
     """Train ``net()`` with the in-backward step from ``threshold`` elements on; also returns, for each parameter's
     completed gradient, how many parameters held a gradient at that moment (a hook registered before fedcore's)."""
     monkeypatch.setattr(training, "STEP_IN_BACKWARD_MIN_ELEMENTS", threshold)
@@ -45,8 +47,8 @@ def test_the_step_inside_backward_trains_the_same_model_bit_for_bit(monkeypatch:
     for (name, a), b in zip(whole.state_dict().items(), fused.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert fused_loss == whole_loss
-    assert not torch.equal(whole[0].weight, net()[0].weight)  # it did train
-    assert torch.equal(whole[2].bias, net()[2].bias)
+    assert not torch.equal(cast(nn.Linear, whole[0]).weight, cast(nn.Linear, net()[0]).weight)  # it did train
+    assert torch.equal(cast(nn.Linear, whole[2]).bias, cast(nn.Linear, net()[2]).bias)
     # one optimizer: every gradient exists by the last one's completion; in backward: at most the current one
     trainable = 5
     assert max(whole_holding) == trainable and max(fused_holding) == 1

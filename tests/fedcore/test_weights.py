@@ -63,7 +63,7 @@ def test_missing_or_unusable_values_are_rejected_or_take_the_fallback() -> None:
         {"train_loss": "0.1"},
     ):
         with pytest.raises(UpdateRejected, match="no usable 'train_loss'"):
-            update_weight("metric", strict, 10, metrics)  # type: ignore[arg-type]
+            update_weight("metric", strict, 10, metrics)
     lenient = QualityWeights(metric="train_loss", fallback=10.0)
     assert update_weight("metric", lenient, 10, {}) == math.exp(-10.0)
     assert update_weight("metric", lenient, 10, {"train_loss": float("nan")}) == math.exp(-10.0)
@@ -101,7 +101,7 @@ def test_bad_settings_are_refused() -> None:
     for bad in ({"metric": ""}, {"temperature": 0.0}, {"temperature": math.inf}, {"transform": "log"},
                 {"fallback": math.nan}, {"transform": "proportional", "fallback": -1.0}):  # fmt: skip
         with pytest.raises(ConfigError):
-            QualityWeights(**bad)  # type: ignore[arg-type]
+            QualityWeights(**bad)
     with pytest.raises(ConfigError, match="weighting must be one of"):
         StrategyConfig(weighting="loss")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="secure_aggregation"):

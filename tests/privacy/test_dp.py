@@ -18,7 +18,7 @@ from fedcore.messages import FitIns, FitRes
 from fedcore.mods import ModContext, check_mods
 from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
 from fedcore.task import FitConfig
-from fedcore.tensors import spec_of
+from fedcore.tensors import NamedArrays, spec_of
 from privacy.dp.accounting import epsilon
 from privacy.dp.aggregator import DPFedAvgAggregator
 from privacy.dp.config import PrivacyConfig, apply_dp
@@ -201,7 +201,7 @@ def test_noise_shares_sum_to_the_central_std() -> None:
 
 def test_distributed_mod_clips_before_adding_its_share() -> None:
     mod = ClipAndNoiseMod(clipping_norm=1.0, noise_stddev=0.0)
-    reference = {"w": np.array([1.0, 1.0], np.float32), "n": np.array([3], np.int64)}
+    reference: NamedArrays = {"w": np.array([1.0, 1.0], np.float32), "n": np.array([3], np.int64)}
     out = mod.privatize(reference, {"w": np.array([4.0, 5.0], np.float32), "n": np.array([8], np.int64)})
     np.testing.assert_allclose(out["w"], [1.6, 1.8], rtol=1e-6)
     assert out["w"].dtype == np.float32 and out["n"][0] == 3

@@ -21,10 +21,10 @@ from fedcore.errors import ClientTaskError, ConfigError, RoundFailed
 from fedcore.messages import FitIns, FitRes
 from fedcore.mods import ModContext
 from fedcore.options import add_options, given_values
-from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
+from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, initial_parameters, trainable_names
-from fedcore.tensors import TensorSpec
+from fedcore.tensors import NamedArrays, TensorSpec
 from privacy.dp.accounting import epsilon
 from privacy.dp.config import PrivacyConfig, apply_dp
 from privacy.dp.ddgauss import (
@@ -53,7 +53,8 @@ from privacy.secagg.inmemory import run_round
 from privacy.secagg.messages import Stage
 from privacy.secagg.quantize import quantize
 from privacy.secagg.rounds import SecAggClientMachine, SecAggMod
-from server.round_loop import RoundConfig, initial_state, run_rounds
+from privacy.secagg.server import SecAggResult
+from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from simulations.inmemory import InMemoryPool
 from tests.privacy.secagg.test_rounds import Recording
 
@@ -163,7 +164,7 @@ SECAGG = SecAggConfig(field_bits=32, clip=2.0, max_weight=1)
 PRIVACY = PrivacyConfig(dp="distributed", clipping_norm=0.5, noise_multiplier=1.0, population=4)
 
 
-def secure_dp(privacy: PrivacyConfig = PRIVACY):
+def secure_dp(privacy: PrivacyConfig = PRIVACY) -> Strategy:
     strategy = build_strategy(StrategyConfig(secure_aggregation=True, secagg=SECAGG), FIT, SAMPLING)
     return apply_dp(strategy, privacy)
 
@@ -295,10 +296,15 @@ ADAPTIVE = dataclasses.replace(
 COUNT_SPEC = (TensorSpec("w", (3,), "float32"), TensorSpec(COUNT_TENSOR, (1,), "float64"))
 
 
-def count_round(config: SecAggConfig, bits: dict[str, bool], scale: int, sigma: float, rng: np.random.Generator):
+def count_round(
+    config: SecAggConfig, bits: dict[str, bool], scale: int, sigma: float, rng: np.random.Generator
+) -> tuple[SecAggResult, dict[str, int]]:
     """One secure sum of 4 clients whose updates are 0 and whose count coordinates carry ``count_share``; returns
     the result and the count noise each client drew."""
     params = config.resolve(len(bits))
+    updates: dict[str, tuple[NamedArrays, int]]
+    noises: dict[str, np.ndarray]
+    drawn: dict[str, int]
     updates, noises, drawn = {}, {}, {}
     for cid, bit in bits.items():
         share = count_share(bit, scale, sigma, rng)
@@ -357,7 +363,7 @@ def test_adaptive_clipping_under_secure_aggregation_announces_steps_and_accounts
     assert params["count_scale"] == 128 and params["count_noise"] == 64.0  # S = 2^ceil(log2(64 * 2 / 1)); S / 2
     models = [initial_parameters(model_fn, SEED)]
 
-    def keep(record, state):
+    def keep(record: RoundRecord, state: ServerState) -> None:
         models.append(state.parameters)
 
     state = initial_state(models[0], strategy, trainable=trainable_names(model_fn))
@@ -448,7 +454,7 @@ def test_an_adaptive_client_refuses_a_round_that_announced_no_clipping_norm_befo
     machine = SecAggClientMachine("a")
     machine.ready = True
     machine.spec = (TensorSpec("w", (3,), "float32"), TensorSpec(COUNT_TENSOR, (1,), "float64"))
-    context = ModContext(client_id="a", model=None, state=None, stages=_Stages(machine))  # type: ignore[arg-type]
+    context = ModContext(client_id="a", model=None, state=None, stages=_Stages(machine))
     instruction = FitIns(round=1, parameters={"w": np.zeros(3, np.float32)}, config=FIT, seed=0)
     trained: list[int] = []
 

@@ -96,6 +96,7 @@ def test_batchnorm_is_refused_and_converted(tmp_path: Path) -> None:
         mod(ins, ctx, lambda i: pytest.fail("trained a model Opacus cannot handle"))
     fixed, changes = make_private_model(model)
     assert changes == ["1: BatchNorm1d -> GroupNorm"]
+    assert isinstance(fixed, nn.Sequential)
     assert isinstance(fixed[1], nn.GroupNorm)
 
 

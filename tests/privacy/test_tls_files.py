@@ -7,6 +7,7 @@ as a closed socket, retried forever.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,11 @@ def _empty(certs: Path, tmp: Path) -> Path:
     return _write(tmp / "empty.pem", b"\n")
 
 
+#: a file relative to the certs directory, or a maker of one from (certs directory, temporary directory)
+CaseFile = str | Callable[[Path, Path], Path]
+
 # case: (certificate, key) relative to the certs directory, or a maker, and the expected message
-CASES = {
+CASES: dict[str, tuple[CaseFile, CaseFile, str]] = {
     "encrypted key": ("server.pem", _encrypted_key, "--tls-key '{key}' is encrypted with a passphrase, which gRPC "
                       "cannot ask for; write an unencrypted copy"),
     "key of another certificate": ("server.pem", "clients/client-000.key", "--tls-key '{key}' is not the private "

@@ -17,7 +17,7 @@ from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig
 from fedcore.task import EvalResult, FitConfig, TaskContext, initial_parameters, load_task_factory
 from fedcore.tensors import NamedArrays
 from server.app import run_server
-from server.round_loop import RoundConfig, RoundRecord, ServerState, run_rounds
+from server.round_loop import EvaluateFn, RoundConfig, RoundRecord, ServerState, run_rounds
 from server.state import StateStore
 from tests.deploy.test_service import _demo_server_config
 from tests.server.test_round_loop import all_clients, make_pool, model_fn, shards  # noqa: F401 - fixture
@@ -32,7 +32,7 @@ def two_clients() -> Strategy:
                     sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2))  # fmt: skip
 
 
-def scripted(accuracies: dict[int, float]) -> object:
+def scripted(accuracies: dict[int, float]) -> EvaluateFn:
     """A server evaluation that reports the given accuracy for each round."""
 
     def evaluate(parameters: NamedArrays, rnd: int) -> EvalResult:

@@ -5,6 +5,7 @@ client's own run; a client without the metric is rejected or takes the fallback.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 import pytest
@@ -52,7 +53,10 @@ def local_replies(shards: Shards, initial: NamedArrays) -> list[FitRes]:  # noqa
 def weighted_mean(replies: list[FitRes], weights: list[float]) -> dict[str, np.ndarray]:
     total = sum(weights)
     return {
-        name: sum(w * r.parameters[name].astype(np.float64) for r, w in zip(replies, weights, strict=True)) / total
+        name: cast(
+            np.ndarray,
+            sum(w * r.parameters[name].astype(np.float64) for r, w in zip(replies, weights, strict=True)) / total,
+        )
         for name in replies[0].parameters
     }
 

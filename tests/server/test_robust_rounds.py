@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import pytest
 
 from fedcore.errors import ConfigError
-from fedcore.messages import FitIns, FitRes, Instruction, Reply
+from fedcore.messages import FitIns, FitRes, Reply, ServerMessage
 from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
 from fedcore.task import FitConfig
 from server.round_loop import RoundConfig, run_rounds
@@ -17,7 +17,7 @@ from server.round_loop import RoundConfig, run_rounds
 class ShiftingClients:
     """A client pool whose client ``i`` answers every fit instruction with the global model plus ``shifts[i]``."""
 
-    def __init__(self, shifts: list[list[float]]) -> None:
+    def __init__(self, shifts: Sequence[Sequence[float]]) -> None:
         self.shifts = [np.array(s, np.float32) for s in shifts]
         self.ids = [f"c{i}" for i in range(len(shifts))]
         self.runs = 0
@@ -28,7 +28,7 @@ class ShiftingClients:
     def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
         return self.available()
 
-    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None) -> Iterator[Reply]:
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
         self.runs += 1
         for cid, instruction in instructions.items():
             assert isinstance(instruction, FitIns)
@@ -36,7 +36,7 @@ class ShiftingClients:
             yield FitRes(client_id=cid, round=instruction.round, parameters=update, num_examples=10)
 
 
-def _run(config: StrategyConfig, shifts: list[list[float]]) -> np.ndarray:
+def _run(config: StrategyConfig, shifts: Sequence[Sequence[float]]) -> np.ndarray:
     pool = ShiftingClients(shifts)
     sampling = SamplingConfig(fraction_fit=1.0, min_fit_clients=len(shifts))
     strategy = build_strategy(config, FitConfig(), sampling)

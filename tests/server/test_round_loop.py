@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from client.runner import run_instruction
 from fedcore.errors import RoundFailed
-from fedcore.messages import Failure, FitIns, Stage
+from fedcore.messages import Failure, FitIns, FitRes, Stage
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import EvalResult, FitConfig, Task, TrainContext, TrainResult, initial_parameters
@@ -39,7 +40,7 @@ def model_fn() -> torch.nn.Module:
 
 
 def make_pool(
-    shards: list[tuple[torch.Tensor, torch.Tensor]], override: dict[int, Callable[[], Task]] | None = None
+    shards: list[tuple[torch.Tensor, torch.Tensor]], override: Mapping[int, Callable[[], Task]] | None = None
 ) -> InMemoryPool:
     ids = [f"c{i}" for i in range(len(shards))]
 
@@ -94,6 +95,7 @@ def test_one_round_equals_weighted_mean_of_local_models(shards: list[tuple[torch
         task = SupervisedTask(model_fn=model_fn, train_data=shard)
         ins = FitIns(round=1, parameters=initial, config=strategy.fit, seed=3)
         res = run_instruction(task, ins, f"c{i}")
+        assert isinstance(res, FitRes)
         for n in expected:
             expected[n] += res.parameters[n].astype(np.float64) * len(shard[1]) / total
     for n, a in state.parameters.items():
@@ -131,7 +133,7 @@ def test_bad_updates_are_rejected_and_never_reach_the_global_model(
 def test_round_without_quorum_fails_and_keeps_the_model(shards: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     initial = initial_parameters(model_fn, seed=1)
     every = {i: (lambda i=i: NaNTask(shards[i])) for i in range(NUM_CLIENTS)}
-    pool = make_pool(shards, every)  # type: ignore[arg-type]
+    pool = make_pool(shards, every)
     with pytest.raises(RoundFailed, match=r"round 1.*0 of 4 selected clients returned a valid update"):
         run_rounds(pool, all_clients(), initial, RoundConfig(num_rounds=2, seed=0, max_round_attempts=2))
     assert all(np.isfinite(a).all() for a in initial.values())
@@ -149,7 +151,7 @@ def test_clients_of_another_model_fail_the_round_with_one_readable_message(
 
     every = {i: (lambda i=i: SupervisedTask(model_fn=other_model, train_data=shards[i])) for i in range(NUM_CLIENTS)}
     with pytest.raises(RoundFailed) as caught:
-        run_rounds(make_pool(shards, every), all_clients(), initial, RoundConfig(num_rounds=1, max_round_attempts=1))  # type: ignore[arg-type]
+        run_rounds(make_pool(shards, every), all_clients(), initial, RoundConfig(num_rounds=1, max_round_attempts=1))
     message = str(caught.value)
     assert "round failed after 1 attempt(s)" in message
     assert "start them with the server's --task and --task-option values" in message
@@ -167,7 +169,7 @@ def test_zero_total_examples_fails_the_round_with_a_clear_error(
     initial = initial_parameters(model_fn, seed=1)
     every = {i: (lambda i=i: ZeroExamplesTask(shards[i])) for i in range(NUM_CLIENTS)}
     with pytest.raises(RoundFailed, match="weight"):
-        run_rounds(make_pool(shards, every), all_clients(), initial, RoundConfig(num_rounds=1, max_round_attempts=1))  # type: ignore[arg-type]
+        run_rounds(make_pool(shards, every), all_clients(), initial, RoundConfig(num_rounds=1, max_round_attempts=1))
 
 
 def test_same_seed_same_model_to_the_last_bit(shards: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -213,9 +215,9 @@ def test_fedprox_mu_zero_equals_fedavg_and_mu_positive_changes_updates(
 
 
 def test_on_round_end_may_hand_back_the_state_and_records_need_not_be_kept(
-    shards: list[tuple[torch.Tensor, torch.Tensor]], tmp_path
-) -> None:  # type: ignore[no-untyped-def]
-    from server.round_loop import ServerState
+    shards: list[tuple[torch.Tensor, torch.Tensor]], tmp_path: Path
+) -> None:
+    from server.round_loop import RoundRecord, ServerState
     from server.state import StateStore, load_checkpoint
 
     initial = initial_parameters(model_fn, seed=1)
@@ -224,7 +226,7 @@ def test_on_round_end_may_hand_back_the_state_and_records_need_not_be_kept(
     store = StateStore(tmp_path / "state")
     seen: list[int] = []
 
-    def mapped_from_checkpoint(record, state: ServerState) -> ServerState:  # type: ignore[no-untyped-def]
+    def mapped_from_checkpoint(record: RoundRecord, state: ServerState) -> ServerState:
         seen.append(record.round)
         return load_checkpoint(store.save_checkpoint(state), mapped=True)
 
@@ -259,7 +261,8 @@ def test_many_failures_log_a_few_lines_not_one_per_client(
         def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
             raise ValueError("the model's forward is broken")
 
-    pool = make_pool(many, {i: (lambda i=i: Broken(many[i])) for i in range(2, 12)})
+    broken = {i: (lambda i=i: Broken(many[i])) for i in range(2, 12)}
+    pool = make_pool(many, broken)
     strategy = Strategy(fit=FitConfig(local_epochs=1, batch_size=16, lr=0.1), sampling=SamplingConfig(fraction_fit=1.0))
     with caplog.at_level(logging.WARNING, logger="server.round_loop"):
         _, records = run_rounds(pool, strategy, initial_parameters(model_fn, seed=1), RoundConfig(num_rounds=1))
@@ -279,6 +282,8 @@ def test_a_batchs_simulated_seconds_give_the_rounds_duration_as_each_clients_wou
     batch = MetricColumns(np.ones(5, dtype=np.int64), {"simulated_seconds": seconds})
     rows = [(1, {"simulated_seconds": float(s)}) for s in seconds]
     for got, want in ((_simulated_duration([batch]), _simulated_duration(rows)), (_simulated_duration([]), None)):
-        assert got == want and (got is None or math.copysign(1.0, got) == math.copysign(1.0, want))
+        assert got == want and (
+            got is None or (want is not None and math.copysign(1.0, got) == math.copysign(1.0, want))
+        )
     late = MetricColumns(np.ones(2, dtype=np.int64), {"simulated_seconds": np.array([2.5, 7.0])})
     assert _simulated_duration([(1, {"simulated_seconds": 3.0}), late, (1, {})]) == 7.0

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from client.runner import run_instruction
-from fedcore.messages import EvaluateIns, FitIns, FitRes, Instruction, Reply
+from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes, Reply, ServerMessage
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult, initial_parameters
@@ -55,7 +55,10 @@ class Reporting:
 
     def train(self, model: nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
         result = self.inner.train(model, config, context)
-        return TrainResult(num_examples=result.num_examples, metrics={**result.metrics, **self.extra})
+        return TrainResult(
+            num_examples=result.num_examples,
+            metrics={**result.metrics, **self.extra},  # type: ignore[dict-item]  # deliberate: values of any kind
+        )
 
     def evaluate(self, model: nn.Module, batch_size: int) -> EvalResult:
         return self.inner.evaluate(model, batch_size)
@@ -120,6 +123,7 @@ def test_a_client_with_an_empty_test_split_is_left_out_of_federated_evaluation()
     # the reference: the two other clients' evaluations of the final model, weighted 60 : 40
     ins = EvaluateIns(round=1, parameters=params, batch_size=16)
     res = {cid: run_instruction(tasks[cid], ins, cid) for cid in ("c0", "c2")}
+    assert isinstance(res["c0"], EvaluateRes) and isinstance(res["c2"], EvaluateRes)
     assert record.federated_eval_loss == pytest.approx((60 * res["c0"].loss + 40 * res["c2"].loss) / 100, rel=1e-12)
     accuracy = (60 * res["c0"].metrics["accuracy"] + 40 * res["c2"].metrics["accuracy"]) / 100
     assert record.federated_eval_metrics["accuracy"] == pytest.approx(accuracy, rel=1e-12)
@@ -136,7 +140,14 @@ def test_when_every_client_has_an_empty_test_split_the_round_records_no_federate
 
 
 def test_bool_huge_missing_and_non_numeric_fit_metrics_never_fail_a_round(caplog: pytest.LogCaptureFixture) -> None:
-    odd: dict[str, object] = {"flag": True, "huge": 10**400, "text": "high", "none": None, 7: 1.0, "big": 1e308}
+    odd: dict[str, object] = {
+        "flag": True,
+        "huge": 10**400,
+        "text": "high",
+        "none": None,
+        7: 1.0,  # type: ignore[dict-item]  # deliberate: a name that is not a str
+        "big": 1e308,
+    }
     tasks = {"c0": Reporting("c0", odd), "c1": Reporting("c1", {"flag": False, "big": 1e308}), "c2": Reporting("c2")}
     with caplog.at_level(logging.WARNING):
         params, records = run(tasks)
@@ -153,7 +164,11 @@ def test_bool_huge_missing_and_non_numeric_fit_metrics_never_fail_a_round(caplog
 
 def failing_evaluations() -> list[object]:
     def nan_loss(params: NamedArrays, rnd: int) -> EvalResult:
-        return EvalResult(loss=math.nan, num_examples=5, metrics={"accuracy": "n/a", "ok": True, "inf": math.inf})
+        return EvalResult(
+            loss=math.nan,
+            num_examples=5,
+            metrics={"accuracy": "n/a", "ok": True, "inf": math.inf},  # type: ignore[dict-item]  # deliberate: "n/a"
+        )
 
     def empty_split(params: NamedArrays, rnd: int) -> EvalResult:
         return EvalResult(loss=math.nan, num_examples=0, metrics={"accuracy": 0.0})
@@ -201,7 +216,7 @@ class DirectPool:
     def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
         return self.available()
 
-    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None) -> Iterator[Reply]:
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
         for cid, ins in instructions.items():
             assert isinstance(ins, FitIns)
             moved = {n: a + np.asarray(1, a.dtype) for n, a in ins.parameters.items()}
@@ -256,6 +271,7 @@ def test_a_clients_infinite_evaluation_loss_is_left_out_not_a_failure() -> None:
     record = records[-1]
     ins = EvaluateIns(round=1, parameters=params, batch_size=16)
     res = {cid: run_instruction(tasks[cid], ins, cid) for cid in ("c0", "c2")}
+    assert isinstance(res["c0"], EvaluateRes) and isinstance(res["c2"], EvaluateRes)
     assert record.failures == () and record.metrics_left_out == 1  # c1's loss only
     assert record.federated_eval_loss == pytest.approx((60 * res["c0"].loss + 40 * res["c2"].loss) / 100, rel=1e-12)
     accuracy = (60 * res["c0"].metrics["accuracy"] + 20 * 1.0 + 40 * res["c2"].metrics["accuracy"]) / 120

@@ -29,7 +29,7 @@ FIT = FitConfig(local_epochs=K, batch_size=64, lr=LR)
 SAMPLING = SamplingConfig(fraction_fit=0.5, min_fit_clients=2)  # 2 of 3 clients a round: |S| / N = 2/3
 
 
-def model_fn() -> nn.Module:
+def model_fn() -> nn.Linear:
     return nn.Linear(4, 3)
 
 
@@ -75,6 +75,7 @@ def reference(
                     model.bias.copy_(y["bias"])
                 model.zero_grad()
                 nn.functional.cross_entropy(model(inputs), targets).backward()
+                assert model.weight.grad is not None and model.bias.grad is not None
                 grads = {"weight": model.weight.grad, "bias": model.bias.grad}
                 y = {n: y[n] - LR * (grads[n] + c[n] - c_i[cid][n]) for n in y}
             new = {n: c_i[cid][n] - c[n] + (x[n] - y[n]) / (K * LR) for n in x}

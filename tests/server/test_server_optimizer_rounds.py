@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from client.runner import run_instruction
-from fedcore.messages import FitIns
+from fedcore.messages import FitIns, FitRes
 from fedcore.strategy import SamplingConfig, Strategy, StrategyConfig, build_strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TaskContext, central_evaluation, initial_parameters, trainable_names
@@ -69,6 +69,7 @@ def hand_average(parameters: NamedArrays, rnd: int) -> NamedArrays:
     for name, x in parameters.items():
         acc = np.zeros(x.shape, np.float64)
         for cid, res in updates.items():
+            assert isinstance(res, FitRes)
             acc = acc + SIZES[cid] * res.parameters[name].astype(np.float64)
         mean = acc / total
         out[name] = (np.rint(mean) if x.dtype.kind == "i" else mean).astype(x.dtype)

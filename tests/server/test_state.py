@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from fedcore.messages import Failure, Stage
 from fedcore.payload import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
 from fedcore.selection import ClientObservation
 from fedcore.strategy import StrategyConfig
+from fedcore.tensors import NamedArrays
 from server.config import RoundSettings
 from server.round_loop import RoundRecord, ServerState
 from server.state import HISTORY_COLUMNS, HistoryFile, StateStore, load_checkpoint, write_history
@@ -248,7 +250,7 @@ def test_every_database_call_of_an_open_store_fails_with_a_state_error(tmp_path:
     sqlite3 error on any path: registry, rounds, history, superseding, the strategy record."""
     store = _run(tmp_path, 2)
     store._db.close()  # every later statement raises sqlite3.ProgrammingError, a sqlite3.Error
-    calls = [
+    calls: list[Callable[[], object]] = [
         lambda: store.record_join("c"),
         store.clients,
         lambda: store.record_round(_record(3, 0.1)),
@@ -534,7 +536,7 @@ def test_a_diverged_rounds_nan_and_inf_values_survive_the_database(tmp_path: Pat
 
 
 def test_write_history_pads_every_row_and_writes_counts_as_integers(tmp_path: Path) -> None:
-    rows = [
+    rows: list[dict[str, object]] = [
         {"round": 0, "clients": 0, "failures": 0, "test_loss": 2.5, "test_accuracy": 0.125, "seconds": 0.0},
         {
             "round": 1,
@@ -567,9 +569,12 @@ def test_a_history_file_appends_rows_and_always_holds_write_historys_bytes(
 
     rewrites: list[int] = []
     original = server.state.write_history
-    monkeypatch.setattr(
-        server.state, "write_history", lambda path, rows: rewrites.append(len(rows)) or original(path, rows)
-    )
+
+    def counted(path: str | os.PathLike[str], rows: Sequence[Mapping[str, object]]) -> Path:
+        rewrites.append(len(rows))
+        return original(path, rows)
+
+    monkeypatch.setattr(server.state, "write_history", counted)
     rows: list[dict[str, object]] = [
         {"round": 0, "clients": 0, "failures": 0, "test_loss": 2.5, "seconds": 0.0},
         {"round": 1, "clients": 2, "failures": 0, "train_loss": 0.75, "seconds": 0.5},
@@ -648,7 +653,7 @@ def test_the_same_tensors_and_metadata_always_give_the_same_bytes(tmp_path: Path
     writer sorts it, in memory (encode) and on disk (save_payload) alike."""
     from fedcore.tensors import encode
 
-    arrays = {"b": np.arange(3, dtype=np.float32), "a": np.ones((2, 2), np.int64)}
+    arrays: NamedArrays = {"b": np.arange(3, dtype=np.float32), "a": np.ones((2, 2), np.int64)}
     payloads = {encode(arrays, {"round": "3", "x": "y"}) for _ in range(50)} | {
         encode(arrays, {"x": "y", "round": "3"})
     }

@@ -12,7 +12,7 @@ import pytest
 
 from fedcore.aggregation import Aggregator, MeanAggregator
 from fedcore.errors import ConfigError, PayloadError
-from fedcore.messages import FitIns, FitRes, Instruction, ModSpec, Reply, payload_arrays
+from fedcore.messages import FitIns, FitRes, ModSpec, Reply, ServerMessage, payload_arrays
 from fedcore.payload import GROUPS_KEY, pack_groups, unpack_groups
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.task import FitConfig
@@ -130,7 +130,7 @@ class ScriptedPool:
     def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
         return self.available()
 
-    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None) -> Iterator[Reply]:
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
         for cid, ins in instructions.items():
             assert isinstance(ins, FitIns)
             self.seen.append(ins.groups)

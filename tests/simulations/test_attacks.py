@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedcore.errors import ConfigError
-from fedcore.messages import Failure, FitIns, FitRes, Instruction, Reply
+from fedcore.messages import Failure, FitBatchRes, FitIns, FitRes, Instruction, Reply, ServerMessage
 from fedcore.seeding import numpy_rng
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig
@@ -61,7 +61,7 @@ class EchoClients:
     def wait_for(self, num_clients: int, timeout_s: float) -> list[str]:
         return self.available()
 
-    def run(self, instructions: Mapping[str, Instruction], *, timeout_s: float | None) -> Iterator[Reply]:
+    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None) -> Iterator[Reply]:
         for cid, ins in instructions.items():
             assert isinstance(ins, FitIns)
             if cid == "c":
@@ -77,7 +77,10 @@ def test_attacked_pool_rewrites_only_the_attackers_fit_results() -> None:
     ins: dict[str, Instruction] = {
         cid: FitIns(round=2, parameters={"w": g}, config=FitConfig(), seed=3) for cid in ("a", "b", "c")
     }
-    replies = {r.client_id: r for r in pool.run(ins, timeout_s=None)}
+    replies: dict[str, Reply] = {}
+    for r in pool.run(ins, timeout_s=None):
+        assert not isinstance(r, FitBatchRes)
+        replies[r.client_id] = r
     assert isinstance(replies["a"], FitRes) and isinstance(replies["b"], FitRes)
     np.testing.assert_array_equal(replies["a"].parameters["w"], g + 1)
     noise = numpy_rng(3, "attack", 2, "b").normal(0.0, 0.5, size=4)

@@ -3,9 +3,10 @@ clients of unequal sizes included; what cannot be batched is refused before a ro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from fedcore.errors import ConfigError
-from fedcore.messages import Failure, FitIns, FitRes
+from fedcore.messages import Failure, FitBatchRes, FitIns, FitRes, PoolReply, Reply
 from fedcore.seeding import derive_seed
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TrainResult
@@ -41,7 +42,12 @@ class SmallCNN(nn.Module):
         return self.fc(torch.flatten(self.pool(torch.relu(self.conv(x))), 1))
 
 
-def small_mlp() -> nn.Module:
+def one_per_client(replies: Sequence[PoolReply]) -> TypeGuard[Sequence[Reply]]:
+    """No reply is a batch's :class:`FitBatchRes`: what a pool without a pre-sum weight sends, one per client."""
+    return not any(isinstance(r, FitBatchRes) for r in replies)
+
+
+def small_mlp() -> MLP2NN:
     return MLP2NN(num_inputs=12, num_classes=3, hidden=8)
 
 
@@ -180,6 +186,7 @@ def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
     instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in data}
     batched = list(BatchedPool(InMemoryPool(list(data), tasks.__getitem__), batch_clients=1).run(instructions))
     inprocess = list(InMemoryPool(list(data), tasks.__getitem__).run(instructions))
+    assert one_per_client(batched)
     assert [r.client_id for r in batched] == ["a", "b", "c", "d"]
     assert isinstance(batched[1], Failure) and "6 samples but y has 5" in batched[1].reason
     assert isinstance(batched[3], Failure) and "x is a 0-dim tensor" in batched[3].reason
@@ -218,6 +225,7 @@ def test_batched_pool_reads_a_clients_data_once_while_the_pool_keeps_its_task() 
         for rnd in (1, 2, 3):
             instructions = {cid: FitIns(round=rnd, parameters=start, config=config, seed=SEED) for cid in data}
             got, want = list(batched.run(instructions)), list(inprocess.run(instructions))
+            assert one_per_client(got)
             assert [r.client_id for r in got] == ["a", "b", "c", "bad"]
             assert isinstance(got[3], Failure) and "4 samples but y has 3" in got[3].reason
             for one, other in zip(got[:3], want[:3], strict=True):
@@ -262,6 +270,7 @@ def test_batched_pool_reads_data_that_a_task_gives_anew_or_that_change_shape_in_
         resized["d"][1].resize_(d_rows if rnd < 3 else d_rows - 1).random_(0, 3, generator=generator)
         instructions = {cid: FitIns(round=rnd, parameters=start, config=config, seed=SEED) for cid in tasks}
         got, want = list(batched.run(instructions)), list(inprocess.run(instructions))
+        assert one_per_client(got)
         assert [r.client_id for r in got] == list(tasks)
         for one, other in zip(got, want, strict=True):
             assert type(one) is type(other), (rnd, one, other)
@@ -360,12 +369,10 @@ def test_defer_first_layer_says_once_when_it_defers_nothing(tmp_path: Path, capl
     assert not any("deferred nothing" in r.getMessage() for r in caplog.records)
     torch.manual_seed(0)
     clients = shards([9, 12, 4], (12,))
-    config = FitConfig(local_epochs=1, batch_size=1, lr=0.05)
+    fit = FitConfig(local_epochs=1, batch_size=1, lr=0.05)
     start = wide_first_layer().state_dict()
-    assert train_stack(
-        wide_first_layer(), start, clients, config, seed=SEED, round=ROUND, defer_first_layer=True
-    ).deferred
-    assert not train_stack(wide_first_layer(), start, clients, config, seed=SEED, round=ROUND).deferred
+    assert train_stack(wide_first_layer(), start, clients, fit, seed=SEED, round=ROUND, defer_first_layer=True).deferred
+    assert not train_stack(wide_first_layer(), start, clients, fit, seed=SEED, round=ROUND).deferred
 
 
 def test_backend_is_a_recipe_key_and_a_flag() -> None:
@@ -649,8 +656,8 @@ def test_a_clients_infinite_sample_stays_in_its_own_model() -> None:
     config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
     torch.manual_seed(4)
     start = wide_linear().state_dict()
-    updates = train_stack(wide_linear(), start, clients, config, seed=SEED, round=ROUND, defer_first_layer=True)
-    updates = updates.updates()
+    trained = train_stack(wide_linear(), start, clients, config, seed=SEED, round=ROUND, defer_first_layer=True)
+    updates = trained.updates()
     expected = one_by_one(wide_linear, clients, config, start)
     assert not all(bool(torch.isfinite(t).all()) for t in expected[0][0].values())  # it diverges alone too
     for update, (state, _) in list(zip(updates, expected, strict=True))[1:]:
@@ -737,6 +744,7 @@ def test_a_bfloat16_batch_sums_its_updates() -> None:
     updates = trained.updates()
     for name, value in total.items():
         want = sum(w * updates[k].parameters[name].double() for k, w in enumerate([1.0, 2.5]))
+        assert isinstance(want, torch.Tensor)
         assert value.dtype == np.float64
         np.testing.assert_allclose(value, want.numpy(), rtol=1e-12, atol=0)
 

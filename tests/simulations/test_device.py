@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -124,6 +125,7 @@ def test_each_tasks_tensors_go_to_the_device_once_and_a_shared_test_set_once_for
     shards = [(torch.randn(n, 3), torch.randint(0, 2, (n,))) for n in (4, 7, 0)]
     tasks = [on_device(_task(shard, test), meta, moved) for shard in shards]
     for task, (x, y) in zip(tasks, shards, strict=True):
+        assert isinstance(task, SupervisedTask)
         assert task.train_data is not None and task.test_data is not None
         tx, ty = task.train_data
         assert (tx.device, tx.shape, tx.dtype, ty.device, ty.shape, ty.dtype) == (
@@ -136,6 +138,7 @@ def test_each_tasks_tensors_go_to_the_device_once_and_a_shared_test_set_once_for
         )
         assert task.test_data[0].device == meta and task.test_data[0].shape == (50, 3)
     # one copy of the test set for the three tasks (the same tensors), kept while the shards' copies age out
+    assert isinstance(tasks[0], SupervisedTask) and isinstance(tasks[2], SupervisedTask)
     assert tasks[0].test_data is not None and tasks[2].test_data is not None
     assert tasks[0].test_data[0] is tasks[2].test_data[0] and tasks[0].test_data[1] is tasks[2].test_data[1]
     for _ in range(MOVED_KEPT):
@@ -146,6 +149,7 @@ def test_each_tasks_tensors_go_to_the_device_once_and_a_shared_test_set_once_for
     assert shards[0][0].device.type == "cpu"
     cpu_task = _task(shards[0], test)
     same = on_device(cpu_task, torch.device("cpu"), DeviceCopies(torch.device("cpu")))
+    assert isinstance(same, SupervisedTask)
     assert same.train_data is not None and same.train_data[0] is shards[0][0]
 
 
@@ -196,7 +200,7 @@ def test_a_pools_clients_on_the_gpu_view_one_copy_of_the_dataset() -> None:
         lambda cid: _task((x[10 * int(cid) : 10 * int(cid) + 10], y[10 * int(cid) : 10 * int(cid) + 10]), test),
         device="cuda",
     )
-    shards = [pool.task(cid).train_data for cid in ids]
+    shards = [cast(SupervisedTask, pool.task(cid)).train_data for cid in ids]
     assert all(s is not None for s in shards)
     found = _one_storage([s[0] for s in shards if s is not None], torch.device("cuda", 0))
     assert found is not None and found[1] == [0, 10, 20, 30, 40, 50]
@@ -223,6 +227,7 @@ def test_the_model_cache_builds_its_model_on_the_device_once() -> None:
         second = cache.load(task, arrays, round=2, client_id="b")
     assert second is first and {p.device.type for p in first.parameters()} == {"meta"}
     on_cpu = ModelCache().load(task, arrays, round=1, client_id="a")
+    assert isinstance(on_cpu, nn.Linear)
     assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
     np.testing.assert_array_equal(on_cpu.weight.detach().numpy(), arrays["weight"])
 

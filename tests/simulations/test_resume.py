@@ -216,6 +216,7 @@ def test_a_round_that_fails_on_the_recipe_does_not_advise_a_plain_resume(tmp_pat
         "devices.availability='csv'",
         f"devices.availability_file={str(trace)!r}",
     ]
+    lines: list[str]
     out, lines = tmp_path / "run", []
     with pytest.raises(ConfigError, match=r"^\[round 2\] the coordinate-wise median tolerates 3 .* got 5"):
         simulate(out, "rounds=3", *median, lines=lines)

@@ -112,7 +112,7 @@ def test_inputs_that_are_not_one_per_client_or_not_counts_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"counts must be integers >= 0, got \[-3\]"):
         shuffle.epoch_permutations([1], [-3], [-2])
     with pytest.raises(ConfigError, match=r"counts must be integers >= 0, got \[2.9\]"):
-        shuffle.epoch_permutations([1], [2.9], [1])
+        shuffle.epoch_permutations([1], [2.9], [1])  # type: ignore[list-item]  # deliberate: a fractional count
     with pytest.raises(ConfigError, match="epochs must be integers >= 0"):
         shuffle.epoch_permutations([1], [3], [-1])
 

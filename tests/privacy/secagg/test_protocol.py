@@ -13,6 +13,7 @@ from fedcore.errors import ConfigError, ProtocolError, RoundFailed, UpdateReject
 from fedcore.tensors import TensorSpec, spec_of
 from privacy.secagg import (
     AdvertiseKeysIns,
+    AdvertiseKeysRes,
     ClientMessage,
     MaskedInputIns,
     MaskedInputRes,
@@ -330,6 +331,7 @@ def test_server_rejects_bad_replies_and_keeps_nothing_of_them() -> None:
     server, clients, updates = _start_round(10, config)
     outbox = server.start()
     keys = clients["client-0"].handle(outbox["client-0"])
+    assert isinstance(keys, AdvertiseKeysRes)
     server.receive(keys)
     with pytest.raises(UpdateRejected, match="already advertised by another client"):
         server.receive(dataclasses.replace(keys, client_id="client-1"))

@@ -24,7 +24,7 @@ from fedcore.task import FitConfig, TaskContext, initial_parameters, trainable_n
 from privacy.secagg.codec import MASKED
 from privacy.secagg.config import SecAggConfig
 from privacy.secagg.rounds import secure_aggregation
-from server.round_loop import RoundConfig, ServerState, initial_state, run_rounds
+from server.round_loop import RoundConfig, RoundRecord, ServerState, initial_state, run_rounds
 from simulations.inmemory import InMemoryPool
 
 IDS = ["a", "b", "c", "d"]
@@ -86,7 +86,9 @@ def start_state(strategy: Strategy) -> ServerState:
     return initial_state(initial_parameters(model_fn, SEED), strategy, trainable=trainable_names(model_fn))
 
 
-def one_round(strategy: Strategy, state: ServerState, ids: list[str], drop: set[tuple[str, str]] | None = None):
+def one_round(
+    strategy: Strategy, state: ServerState, ids: list[str], drop: set[tuple[str, str]] | None = None
+) -> tuple[ServerState, RoundRecord, Recording]:
     pool = Recording(InMemoryPool(ids, make_task), drop=drop)
     final, records = run_rounds(pool, strategy, state, RoundConfig(num_rounds=state.round + 1, seed=SEED))
     return final, records[-1], pool
