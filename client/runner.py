@@ -106,7 +106,7 @@ def _copy_into(model: torch.nn.Module, parameters: NamedArrays) -> None:
             own = model.state_dict()
             storages = [tensor.untyped_storage().data_ptr() for tensor in own.values() if tensor.numel()]
             for name in mapped:
-                array, source, target = parameters[name], cast(torch.Tensor, state[name]), own.get(name)
+                array, source, target = parameters[name], state[name], own.get(name)
                 if target is None or target.shape != source.shape or target.dtype != source.dtype:
                     continue  # load_state_dict copies it whole (or says what does not match)
                 if not (array.flags.c_contiguous and target.is_contiguous()):

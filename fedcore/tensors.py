@@ -14,10 +14,14 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fedcore.errors import NonFiniteError, PayloadError
+
+if TYPE_CHECKING:  # for the annotations only: importing this module does not import torch (to_state_dict does)
+    import torch
 
 NamedArrays = dict[str, np.ndarray]
 """Ordered ``name -> array`` mapping; insertion order is the parameter order."""
@@ -465,7 +469,7 @@ def from_state_dict(state: Mapping[str, object]) -> NamedArrays:
     return arrays
 
 
-def to_state_dict(arrays: Mapping[str, np.ndarray]) -> dict[str, object]:
+def to_state_dict(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """Convert named numpy arrays to a ``torch`` state dict (tensors share memory with the arrays)."""
     import torch
 

@@ -35,7 +35,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -469,7 +469,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         request: pb.PullTaskRequest,
         context: grpc.ServicerContext,
         cancelled: threading.Event | None = None,
-    ) -> Iterator[pb.TaskChunk | DataChunk]:
+    ) -> Generator[pb.TaskChunk | DataChunk, None, None]:
         client_id = self._session_client(request.session, context)
         try:
             got = self._pool.pull(request.session, request.wait_s, cancelled)

@@ -51,7 +51,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -175,7 +175,9 @@ class VirtualClients(ABC):
         self._affinity = StageAffinity()
         self._closed = False
 
-    def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[Reply]:
+    def run(
+        self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None
+    ) -> Generator[Reply, None, None]:
         """Hand the instructions to the workers and yield each reply as it comes (one per client, in the order the
         workers finish); a client whose task raised, or whose worker died, yields a Failure.
 

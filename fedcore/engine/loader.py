@@ -30,7 +30,7 @@ the batches hold the same values in the same order, and so training gives the sa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -163,7 +163,7 @@ class BatchLoader:
         """True when batches are gathered on the host and copied on a side CUDA stream (large data on CUDA)."""
         return self._stream is not None
 
-    def epoch(self, order: torch.Tensor, batch_size: int) -> Iterator[Batch]:
+    def epoch(self, order: torch.Tensor, batch_size: int) -> Generator[Batch, None, None]:
         """The batches of one epoch: ``order[s : s + batch_size]`` for ``s = 0, batch_size, ...`` (the last one may
         be shorter), each cut to this rank's rows.
 
