@@ -131,13 +131,15 @@ def profile(args: argparse.Namespace, model: str, per_round: int, device: str, o
     table = averages.table(sort_by=sort, row_limit=top)
     kernels = [event for event in averages if str(getattr(event, "device_type", "")).endswith("CUDA")]
     busy = sum(event.self_device_time_total for event in kernels) / 1e3 / max(rounds, 1)  # the kernels', once each
+    busy_text = f", device busy {busy:.1f} ms a round" if device.startswith("cuda") else ""
     Path(f"{stem}-torch.txt").write_text(
-        f"{rounds} rounds profiled, {1e3 * wall / max(rounds, 1):.1f} ms a round under torch.profiler, device busy "
-        f"{busy:.1f} ms a round\n{table}\n"
+        f"{rounds} rounds profiled, {1e3 * wall / max(rounds, 1):.1f} ms a round under torch.profiler{busy_text}\n"
+        f"{table}\n"
     )
     ranked = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:5]  # type: ignore[attr-defined]
     heaviest = ", ".join(f"{key[2]} {1e3 * row[2] / max(rounds, 1):.2f}" for key, row in ranked)
-    return f"{model} {per_round}: device busy {busy:.1f} ms a round; most own time (ms a round): {heaviest}"
+    device_busy = f"device busy {busy:.1f} ms a round" if device.startswith("cuda") else "no device"
+    return f"{model} {per_round}: {device_busy}; most own time (ms a round): {heaviest}"
 
 
 def _profiled_run(
@@ -148,19 +150,26 @@ def _profiled_run(
     start: Callable[[], Any],
     stop: Callable[[], Any],
 ) -> tuple[float, int]:
-    """Run one configuration with ``start()`` called at the end of round 2 and ``stop()`` at the end of the run;
-    returns the profiled rounds' wall seconds and their number."""
+    """Run one configuration with ``start()`` called at the end of round 2 and ``stop()`` at the end of the last
+    round (before the run saves its results; on an error, as the run ends); returns the profiled rounds' wall
+    seconds and their number."""
     ends: list[float] = []
+    running = False
 
     def round_end() -> None:
+        nonlocal running
         ends.append(time.perf_counter())
         if len(ends) == 2:
             start()
+            running = True
+        elif running and len(ends) == args.rounds:
+            stop()
+            running = False
 
     try:
         run_batched(args, model, per_round, device, round_end)
     finally:
-        if len(ends) >= 2:
+        if running:
             stop()
     return (ends[-1] - ends[1], len(ends) - 2) if len(ends) > 2 else (0.0, 0)
 

@@ -34,6 +34,7 @@ from fedcore.aggregation.blocks import (
     check_weight,
     drop_read,
     file_mapping,
+    populate,
     release_tail,
     run_blocks,
 )
@@ -121,12 +122,12 @@ class WeightedMean:
         PayloadError: ``reference`` does not match the spec.
 
     Memory: one float64 array per tensor (2x a float32 model; a float32 one per float32 tensor with a ``reference``:
-    1x), plus one fixed scratch block per thread; a sum of 1 MiB or more is allocated whole when the accumulator is
-    made (the first update writes all of it anyway), in a mapping of its own. An update given as read-only file
-    mappings (``np.memmap`` with mode ``"r"``, as the server maps spilled updates) has its pages unmapped block by
-    block right after they were read, so folding it adds no resident memory however large it is (the file stays the
-    source of the data). ``result(release=True)`` turns the sums into the result in place (peak: the sums, 2x; after
-    it: the result, 1x).
+    1x), plus one fixed scratch block per thread; the pages of a sum are only allocated when the first update with a
+    weight > 0 is folded into them (by :meth:`add_sum`, all at once first: it writes every one). An update given as
+    read-only file mappings (``np.memmap`` with mode ``"r"``, as the server maps spilled updates) has its pages
+    unmapped block by block right after they were read, so folding it adds no resident memory however large it is
+    (the file stays the source of the data). ``result(release=True)`` turns the sums into the result in place (peak:
+    the sums, 2x; after it: the result, 1x).
     Not thread-safe: one caller at a time per instance (the instance runs its own helper threads).
     """
 
@@ -162,6 +163,7 @@ class WeightedMean:
         self._clients: list[str] = []
         self._count = 0
         self._released = False
+        self._populated = False  # the sums' pages, allocated in one call before the first fold that writes them
 
     @property
     def spec(self) -> tuple[TensorSpec, ...]:
@@ -302,6 +304,7 @@ class WeightedMean:
             np.add(scratch, total_block, out=scratch)
             np.copyto(total_block, scratch, casting="same_kind")
 
+        self._populate()
         self._parallel(len(self._blocks), fold)
         self._total_weight = total
         self._count += len(ids)
@@ -386,6 +389,20 @@ class WeightedMean:
         if reference is not None:
             np.add(out, reference[i:j], out=out)
 
+    def _populate(self) -> None:
+        """Before :meth:`add_sum` folds a batch's sum: the sums' pages in one call each
+        (:func:`~fedcore.aggregation.blocks.populate`), not one page fault per page as the fold writes them (a
+        batched simulation round folds only that one sum, so those faults were most of its fold). Not when the
+        accumulator is made: a server makes it before it writes the round's task payload, and sums allocated then
+        would add to that write's peak. Not for :meth:`add`'s per-client updates either: on a server the first fold
+        overlaps other clients' uploads, so a sum whole from that fold's start could only raise the peak (the quick
+        bench/server_memory.py --part a --mib 64 --clients 4 spreads 4.0-4.8x run to run, too much to tell), for a
+        few milliseconds a round."""
+        if not self._populated:
+            self._populated = True
+            for total in self._sums.values():
+                populate(total)
+
     def _check_open(self) -> None:
         if self._released:
             raise AggregationError(
@@ -460,20 +477,16 @@ def _flat(array: np.ndarray) -> np.ndarray:
 
 
 def _zeros(n: int, dtype: type[np.floating]) -> np.ndarray:
-    """A zero vector of ``dtype``; a large one in its own private anonymous mapping, its pages allocated at once.
+    """A zero vector of ``dtype``; a large one in its own private anonymous mapping (pages allocated on first touch).
 
     Private, not mmap's default MAP_SHARED: ``MADV_DONTNEED`` frees private anonymous pages, while shared ones stay
     allocated in shared memory (they only leave the resident set), so
-    :func:`~fedcore.aggregation.blocks.release_tail` would free nothing. Populated (``MAP_POPULATE``, where the
-    platform has it) because the round's first update writes every page anyway: one call that allocates them all
-    costs about half of a page fault per page (measured on the 2-core VM, the first fold into the sum: 0.43 against
-    0.88 ms for 1.2 MB, 90 against 150 ms for 200 MB).
+    :func:`~fedcore.aggregation.blocks.release_tail` would free nothing.
     """
     size = n * np.dtype(dtype).itemsize
     if size < _MAPPED_SUM_BYTES:
         return np.zeros(n, dtype)
     private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    private |= getattr(mmap, "MAP_POPULATE", 0) if private else 0
     buffer = mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size)
     return np.frombuffer(buffer, dtype=dtype, count=n)
 

@@ -12,6 +12,7 @@ from flwr.server.strategy.aggregate import aggregate, aggregate_inplace
 from fedcore.aggregation import MetricAverages, WeightedMean, mean, streaming, weighted_average, weighted_metrics
 from fedcore.errors import AggregationError, ConfigError, NonFiniteError, PayloadError, UpdateRejected
 from fedcore.tensors import NamedArrays, encode, spec_of
+from tests.residency import mapping_rss, needs_smaps
 
 
 def _snapshot(acc: WeightedMean) -> tuple[dict[str, np.ndarray], float, int]:
@@ -333,6 +334,33 @@ def test_result_release_frees_the_unused_half_of_a_large_sum() -> None:
     assert tail.size == out.nbytes and not tail.any()
     out[:] = 5.0  # the result is an ordinary writable array
     assert out.flags.writeable and out.sum() == 5.0 * (1 << 20)
+
+
+@needs_smaps
+def test_a_large_sum_takes_memory_only_once_a_weighted_update_is_folded() -> None:
+    """A server makes the round's accumulator before it writes the round's task payload from the global model, so a
+    large sum must take no memory until the first update with a weight is folded into it (else it adds to that
+    write's peak); then all of it is allocated and holds the sum (for a batch's sum, in one call first where Linux
+    has MADV_POPULATE_WRITE). Measured as differences of its mapping's resident bytes, which a neighbouring mapping
+    merged with it shares."""
+    n = 1 << 20  # 8 MiB of float64 sum: a mapping of its own
+    ignored, update = np.ones(n, np.float32), np.full(n, 3.0, np.float32)  # resident before the first measurement
+    acc = WeightedMean(spec_of({"w": update}), threads=1)
+    total = acc._sums["w"]  # white box: the running sum, whose mapping is measured
+    made = mapping_rss(total)
+    acc.add({"w": ignored}, 0.0)  # a weight of 0 writes nothing
+    assert mapping_rss(total) - made < 1 << 20
+    acc.add({"w": update}, 2.0)
+    assert mapping_rss(total) - made >= 8 * n - (1 << 20)
+    np.testing.assert_array_equal(acc.result()["w"], 3.0)
+    # a batch's pre-summed update (add_sum) has the pages allocated in one call first, with the same result
+    summed = {"w": update.astype(np.float64) * 2.0}
+    batch = WeightedMean(spec_of({"w": update}), threads=1)
+    total = batch._sums["w"]
+    made = mapping_rss(total)
+    batch.add_sum(summed, [2.0])
+    assert mapping_rss(total) - made >= 8 * n - (1 << 20)
+    np.testing.assert_array_equal(batch.result()["w"], 3.0)
 
 
 def test_updates_mapped_from_files_fold_like_in_memory_ones(tmp_path) -> None:  # type: ignore[no-untyped-def]
