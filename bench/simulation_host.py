@@ -121,24 +121,23 @@ def profile(args: argparse.Namespace, model: str, per_round: int, device: str, o
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
     Path(f"{stem}-python.txt").write_text(text.getvalue())
+    on_cuda = device.startswith("cuda")
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.startswith("cuda"):
+    if on_cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     ops = torch.profiler.profile(activities=activities)
     wall, rounds = _profiled_run(args, model, per_round, device, ops.start, ops.stop)
     averages = ops.key_averages()
-    sort = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-    table = averages.table(sort_by=sort, row_limit=top)
+    table = averages.table(sort_by="self_device_time_total" if on_cuda else "self_cpu_time_total", row_limit=top)
     kernels = [event for event in averages if str(getattr(event, "device_type", "")).endswith("CUDA")]
     busy = sum(event.self_device_time_total for event in kernels) / 1e3 / max(rounds, 1)  # the kernels', once each
-    busy_text = f", device busy {busy:.1f} ms a round" if device.startswith("cuda") else ""
+    device_busy = f"device busy {busy:.1f} ms a round" if on_cuda else "no device"
     Path(f"{stem}-torch.txt").write_text(
-        f"{rounds} rounds profiled, {1e3 * wall / max(rounds, 1):.1f} ms a round under torch.profiler{busy_text}\n"
-        f"{table}\n"
+        f"{rounds} rounds profiled, {1e3 * wall / max(rounds, 1):.1f} ms a round under torch.profiler, "
+        f"{device_busy}\n{table}\n"
     )
     ranked = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:5]  # type: ignore[attr-defined]
     heaviest = ", ".join(f"{key[2]} {1e3 * row[2] / max(rounds, 1):.2f}" for key, row in ranked)
-    device_busy = f"device busy {busy:.1f} ms a round" if device.startswith("cuda") else "no device"
     return f"{model} {per_round}: {device_busy}; most own time (ms a round): {heaviest}"
 
 

@@ -579,7 +579,7 @@ class StateStore:
             StateError: the recorded seed cannot be read.
         """
         recorded = self._meta("seed")
-        started = any(r > 0 for r in self.recorded_rounds()) or any(self.checkpoints.glob("round-*.safetensors"))
+        started = any(r > 0 for r in self.recorded_rounds()) or bool(checkpoint_files(self.directory))
         if recorded is not None and started:
             try:
                 previous = int(recorded)
@@ -611,7 +611,7 @@ class StateStore:
         identity = _strategy_identity(config)
         recorded = self._meta("strategy")
         trained = [r for r in self.recorded_rounds() if r > 0]
-        files = sorted(self.checkpoints.glob("round-*.safetensors"))
+        files = checkpoint_files(self.directory)
         started = bool(trained or files)
         if recorded is None and started:
             raise StateError(
@@ -736,7 +736,7 @@ class StateStore:
             ) from exc
         with self._lock, self._sqlite(f"recording the checkpoint of round {state.round}"):
             self._db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?)", (state.round, written.sha256.hex()))
-        for old in sorted(self.checkpoints.glob("round-*.safetensors"))[:-_KEEP_CHECKPOINTS]:
+        for old in checkpoint_files(self.directory)[:-_KEEP_CHECKPOINTS]:
             old.unlink(missing_ok=True)
         return path
 
@@ -758,7 +758,7 @@ class StateStore:
         Raises:
             StateError: checkpoints exist but none is intact (the message lists each and why).
         """
-        found = sorted(self.checkpoints.glob("round-*.safetensors"), reverse=True)
+        found = checkpoint_files(self.directory)[::-1]
         with self._lock, self._sqlite("reading the checkpoint records"):
             recorded = {int(r): str(d) for r, d in self._db.execute("SELECT round, sha256 FROM checkpoints")}
         damaged: list[str] = []
@@ -780,6 +780,12 @@ class StateStore:
         return None
 
 
+def checkpoint_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoint files of the state directory ``directory`` (``checkpoints/round-NNNNNN.safetensors``), oldest
+    round first; empty when there are none (or no such directory)."""
+    return sorted((Path(directory) / "checkpoints").glob("round-*.safetensors"))
+
+
 _RESULT_FILES = ("history.csv", "config.json", "model.safetensors", "history.png")
 """Files that, in a directory without state.db, are results of another run (a simulation's output directory, or a
 server's history whose database is gone) that a fresh server would overwrite or mix with its own."""
@@ -792,7 +798,7 @@ def _refuse_results_of_another_kind(directory: Path, database: Path) -> None:
     Raises:
         StateError: names the files found and what to do.
     """
-    if database.exists() or not directory.is_dir() or any((directory / "checkpoints").glob("round-*.safetensors")):
+    if database.exists() or not directory.is_dir() or checkpoint_files(directory):
         return  # (checkpoints without state.db are refused later, with a message about them)
     found = [name for name in _RESULT_FILES if (directory / name).exists()]
     if found:
@@ -820,13 +826,17 @@ def lock_directory(
         StateError: another process holds it.
     """
     path = directory / name
+
+    def unusable(doing: str, exc: OSError, must: str = "") -> ConfigError:
+        return ConfigError(
+            f"cannot use {what} {str(directory)!r}: its lock file {str(path)!r} cannot be {doing} "
+            f"({exc.strerror or exc}); move what is in the way{must}, or use another directory"
+        )
+
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)  # a link is not followed
     except OSError as exc:
-        raise ConfigError(
-            f"cannot use {what} {str(directory)!r}: its lock file {str(path)!r} cannot be opened "
-            f"({exc.strerror or exc}); move what is in the way, or use another directory"
-        ) from exc
+        raise unusable("opened", exc) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -839,10 +849,7 @@ def lock_directory(
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except OSError as exc:
         os.close(fd)
-        raise ConfigError(
-            f"cannot use {what} {str(directory)!r}: its lock file {str(path)!r} cannot be written "
-            f"({exc.strerror or exc}); move what is in the way (it must be a plain file), or use another directory"
-        ) from exc
+        raise unusable("written", exc, " (it must be a plain file)") from exc
     return fd
 
 

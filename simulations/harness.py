@@ -66,6 +66,7 @@ from server.state import (
     HistoryFile,
     StateAdvice,
     StateStore,
+    checkpoint_files,
     continue_from,
     history_columns,
     lock_directory,
@@ -298,7 +299,7 @@ def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
         ConfigError: config.json is missing or unreadable, or the recipe differs (each differing key with both
             values, and what to do).
     """
-    if not any((out_dir / RUN_STATE_DIR / "checkpoints").glob("round-*.safetensors")):
+    if not checkpoint_files(out_dir / RUN_STATE_DIR):
         return  # no round finished: nothing to resume, and the run starts anew (whatever its recipe)
     path = out_dir / "config.json"
     try:
