@@ -53,7 +53,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -126,6 +128,13 @@ GPU_STACK_FRACTION = 0.5
 round's clients for a small model: 1,000 2NNs take 2.4 GB; 20M-parameter models, 240 MB each, about 290 at a time
 on an empty H200); the rest of it is left to the activations and the data."""
 _ADVICE = "; run it with [simulation] backend = 'inprocess' (--backend inprocess)"
+_MOD_OPTIONS = {
+    "compress": "[strategy] compression (--compression)",
+    "dp-clip": "[privacy] dp = 'distributed' (--dp distributed)",
+    "dp-sgd": "[privacy] dp_sgd (--dp-sgd)",
+    "secagg": "secure aggregation (--secure-aggregation)",
+}
+"""The recipe key (and flag) that adds each built-in client mod to a strategy, named when batched clients refuse it."""
 
 
 class StackBuffers:
@@ -250,7 +259,7 @@ def check_model(model: nn.Module) -> None:
         )
 
 
-def check_batchable(task: Task, strategy: Strategy | None = None) -> None:
+def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
     """Refuse, before the first round, what batched clients cannot train exactly as the in-process backend.
 
     Builds the task's model (global RNG untouched) and runs one batched gradient on the task's first two samples,
@@ -259,6 +268,11 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> None:
     Args:
         task: a client's task (its model and data stand for every client's).
         strategy: the run's strategy, whose client mods and tensor groups are refused; None to check the task only.
+
+    Returns:
+        The ops of the model's training step that ``torch.func.vmap`` has no batching rule for (e.g.
+        ``aten::mkldnn_rnn_layer``, an LSTM's on the CPU), sorted: vmap runs each of them one client at a time, so
+        such a model may train slower batched than in-process (the caller says so). Empty for most models.
 
     Raises:
         ConfigError: what is missing, and that ``backend = "inprocess"`` runs it.
@@ -270,10 +284,14 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> None:
                 "train.report_validation off" + _ADVICE
             )
         if strategy.mods:
-            names = ", ".join(mod.name for mod in strategy.mods)
+            names = ", ".join(
+                f"{mod.name}, from {_MOD_OPTIONS[mod.name]}" if mod.name in _MOD_OPTIONS else mod.name
+                for mod in strategy.mods
+            )
             raise ConfigError(
                 f"batched clients train plain or FedProx SGD; strategy {strategy.name!r} declares client mods "
-                f"({names}), which run per client" + _ADVICE
+                f"({names}), which run per client; run it with [simulation] backend = 'inprocess' (--backend "
+                "inprocess), or 'process' for every core"
             )
         if strategy.groups:
             raise ConfigError(
@@ -296,17 +314,30 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> None:
     check_model(model)
     x, y = task.train_data
     if len(x) == 0:
-        return
+        return []
     trial = _Batched(model, task.loss_fn)
     params = {n: p.detach().unsqueeze(0) for n, p in trial.trainable.items()}
     try:
-        trial.grad(params, x[None, :2].cpu(), y[None, :2].cpu())  # the trial model is on the CPU, x may not be
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trial._grad(params, trial.frozen, x[None, :2].cpu(), y[None, :2].cpu())  # x may not be on the CPU
     except RuntimeError as exc:
         raise ConfigError(
             f"batched clients could not vmap the model's training step ({type(exc).__name__}: "
             f"{str(exc)[:300]}); a model whose forward draws random numbers or writes to its own tensors cannot be "
             "batched" + _ADVICE
         ) from None
+    unbatched: set[str] = set()
+    for warning in caught:
+        if match := _NO_BATCHING_RULE.search(str(warning.message)):
+            unbatched.add(match.group(1))
+        else:  # not ours to keep
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return sorted(unbatched)
+
+
+_NO_BATCHING_RULE = re.compile(r"not yet implemented the batching rule for ([\w:.]*\w)")
+"""torch.func's warning that vmap runs an op in a loop over the batch (here: over the clients)."""
 
 
 class _Batched:
@@ -339,8 +370,13 @@ class _Batched:
     def grad(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Gradients ``(clients, *shape)`` of each client's mean loss, and the losses ``(clients,)``."""
-        grads, losses = self._grad(params, self.frozen, x, y)
+        """Gradients ``(clients, *shape)`` of each client's mean loss, and the losses ``(clients,)``.
+
+        torch's warning that an op has no batching rule is not repeated at every step (the run said so once,
+        from :func:`check_batchable`'s answer)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+            grads, losses = self._grad(params, self.frozen, x, y)
         return grads, losses
 
 
@@ -723,6 +759,7 @@ def train_stack(
     params = {n: _stacked(initial[n], count, reuse, f"param:{n}", fill=not by_chunk) for n in names}
     losses = torch.zeros(count, max(num_steps, 1), dtype=torch.float32, device=device)
     deferred: _DeferredFirst | None = None
+    not_deferred = "no client of the batch has data to train on" if defer_first_layer else ""
     if num_steps:
         x_all, y_all, firsts = _rows(shards, sizes, device, reuse, [reads[i] for i in order])
         arrays = _plan_arrays(sizes, plans)  # read by the index and the step table
@@ -735,6 +772,8 @@ def train_stack(
         table = _step_sizes(arrays, config.batch_size, num_steps)
         window = fused.deferral(params, config.batch_size) if fused is not None and defer_first_layer else 0
         deferred = _DeferredFirst(fused, params, x_all, index, table, reuse) if fused and window else None
+        if defer_first_layer:
+            not_deferred = "" if deferred is not None else _not_deferred(fused, config, loss_fn, params)
         # on the CPU the fused path takes the clients a cache-sized chunk at a time through all their steps, so that a
         # chunk's stacked models stay in cache from one step to the next (each client's arithmetic is its own: the
         # same bits whatever the chunk); elsewhere, and when deferring, all of them step by step
@@ -778,6 +817,29 @@ def train_stack(
         config=config,
         borrowed=reuse is not None,
         deferred=deferred is not None,
+        not_deferred=not_deferred,
+    )
+
+
+def _not_deferred(
+    fused: _LinearChain | None, config: FitConfig, loss_fn: LossFn, params: Mapping[str, torch.Tensor]
+) -> str:
+    """Why ``defer_first_layer`` does not apply to a round of :func:`train_stack` (a sentence for the run's log)."""
+    other = [
+        f"{what} {value}"
+        for what, value in (("momentum", config.momentum), ("weight decay", config.weight_decay), ("mu", config.mu))
+        if value != 0
+    ]
+    if other:
+        return f"the clients train with {', '.join(other)}, and it needs plain SGD"
+    if loss_fn is not nn.functional.cross_entropy:
+        return "the task's loss is not torch's cross-entropy, and it needs that loss"
+    if fused is None:
+        return "the model is not a chain of Flatten, Linear and ReLU modules trained on class indices"
+    first = params[fused.names[0][0]]
+    return (
+        f"the first Linear maps {first.shape[-1]} inputs to {first.shape[-2]} outputs, too narrow at batch size "
+        f"{config.batch_size} for a window of steps to save work"
     )
 
 
@@ -1043,6 +1105,7 @@ class TrainedClients:
         borrowed: :attr:`params` live in a :class:`StackBuffers` that the next batch reuses (:meth:`updates`
             copies them out).
         deferred: the first layer's updates were deferred (``defer_first_layer`` asked for it and it applied).
+        not_deferred: why they were not when ``defer_first_layer`` asked for it (else "").
     """
 
     clients: Sequence[ClientShard]
@@ -1056,6 +1119,7 @@ class TrainedClients:
     config: FitConfig
     borrowed: bool = False
     deferred: bool = False
+    not_deferred: str = ""
 
     def metrics(self) -> list[dict[str, float]]:
         """Each client's metrics, in the order of :attr:`clients`: ``train_loss`` (:meth:`train_loss`); none for a
@@ -1412,10 +1476,11 @@ class BatchedPool(PoolWrapper):
             if self._defer_first_layer and not trained.deferred and not self._said_not_deferred:
                 self._said_not_deferred = True  # once a run
                 log.warning(
-                    "round %d: defer_first_layer deferred nothing: it applies to a Flatten/Linear/ReLU model trained "
-                    "with plain SGD (no momentum, weight decay or mu) on cross-entropy, whose first layer is wide "
-                    "enough to gain (the 2NN, not logistic regression or a CNN); these clients trained as without it",
+                    "round %d: defer_first_layer deferred nothing: %s; these clients trained as without it (it applies "
+                    "to a Flatten/Linear/ReLU model trained with plain SGD on cross-entropy, whose first layer is wide "
+                    "enough to gain: the 2NN, not logistic regression or a CNN)",
                     ins.round,
+                    trained.not_deferred,
                 )
             if self._weigh is not None:
                 return self._presummed(members, trained, started, self._weigh)
@@ -1568,8 +1633,6 @@ def gpu_batch(count: int, model_bytes: int, free_bytes: int) -> int:
 
 def _tensors(arrays: NamedArrays) -> dict[str, torch.Tensor]:
     """Named numpy arrays as tensors sharing their memory (read-only arrays are only ever read here)."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return {name: torch.from_numpy(np.asarray(array)) for name, array in arrays.items()}

@@ -3,6 +3,7 @@ clients of unequal sizes included; what cannot be batched is refused before a ro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -168,6 +169,41 @@ def test_check_batchable_refuses_what_it_cannot_reproduce() -> None:
         check_batchable(OwnLoop(model_fn=small_mlp, train_data=data))
 
 
+class TinyLSTM(nn.Module):
+    """Embedding - LSTM - Linear on the last step: a model with an op vmap has no batching rule for on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+        self.out = nn.Linear(5, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(x))
+        return self.out(hidden[:, -1])
+
+
+def test_ops_without_a_batching_rule_are_named_once_and_not_warned_at_every_step() -> None:
+    """check_batchable names the ops vmap runs client by client (the harness says the model may train slower
+    batched); the training then trains the LSTM as one-by-one training does without torch's warning at each step."""
+    torch.manual_seed(2)
+    x, y = torch.randint(0, 6, (12, 7)), torch.randint(0, 6, (12,))
+    mlp_data = (torch.randn(4, 12), torch.zeros(4, dtype=torch.int64))
+    assert check_batchable(SupervisedTask(model_fn=small_mlp, train_data=mlp_data)) == []
+    unbatched = check_batchable(SupervisedTask(model_fn=TinyLSTM, train_data=(x, y)))
+    assert unbatched and all(op.startswith("aten::") for op in unbatched), unbatched
+    clients = [ClientShard("a", x[:7], y[:7]), ClientShard("b", x[7:], y[7:])]
+    config = FitConfig(local_epochs=1, batch_size=3, lr=0.1)
+    start = TinyLSTM().state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        updates = train_stack(TinyLSTM(), start, clients, config, seed=SEED, round=ROUND).updates()
+    assert not [w for w in caught if "batching rule" in str(w.message)]
+    for update, (state, _) in zip(updates, one_by_one(TinyLSTM, clients, config, start), strict=True):
+        for name, value in state.items():
+            torch.testing.assert_close(update.parameters[name], value, rtol=1e-5, atol=1e-5)
+
+
 def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
     generator = torch.Generator().manual_seed(0)
     data = {
@@ -323,6 +359,9 @@ def test_batched_backend_refuses_a_strategy_with_client_mods(tmp_path: Path) -> 
     overrides = [*SMALL, f"output.dir={str(tmp_path)!r}", "simulation.backend=batched", "train.report_validation=true"]
     with pytest.raises(ConfigError, match="report_validation"):
         run_simulation(load_recipe(None, overrides), echo=lambda _: None)
+    overrides = [*SMALL, f"output.dir={str(tmp_path)!r}", "simulation.backend=batched", "strategy.compression=int8"]
+    with pytest.raises(ConfigError, match=r"compress, from \[strategy\] compression \(--compression\).*'process'"):
+        run_simulation(load_recipe(None, overrides), echo=lambda _: None)
 
 
 def test_the_first_layer_is_deferred_only_when_asked(tmp_path: Path) -> None:
@@ -350,18 +389,22 @@ def test_the_first_layer_is_deferred_only_when_asked(tmp_path: Path) -> None:
 
 def test_defer_first_layer_says_once_when_it_defers_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Asked of a model it cannot apply to (logistic regression: a first layer too narrow to gain; momentum: not
-    the fused path), defer_first_layer trains as without it and says so once a run; where it applies (the 2NN with
-    plain SGD) the training says it deferred and nothing is logged."""
+    the fused path), defer_first_layer trains as without it and says so once a run, naming the reason; where it
+    applies (the 2NN with plain SGD) the training says it deferred and nothing is logged."""
     dropped = ("train.momentum", "train.batch_size", "rounds", "evaluate_every", "model.name")
     plain_sgd = [o for o in SMALL if not o.startswith(dropped)] + ["train.batch_size=8", "rounds=2", "evaluate_every=2"]
     asked = ["simulation.backend=batched", "simulation.defer_first_layer=true"]
-    for name, extra in (("logreg", ["model.name=logreg"]), ("momentum", ["model.name=2nn", "train.momentum=0.5"])):
+    cases = (
+        ("logreg", ["model.name=logreg"], "the first Linear maps 64 inputs to 10 outputs, too narrow at batch size 8"),
+        ("momentum", ["model.name=2nn", "train.momentum=0.5"], "the clients train with momentum 0.5, and it needs"),
+    )
+    for name, extra, why in cases:
         caplog.clear()
         config = load_recipe(None, [*plain_sgd, *asked, *extra, f"output.dir={str(tmp_path / name)!r}"])
         with caplog.at_level("WARNING", logger="fedcore.simulation"):
             run_simulation(config, echo=lambda _: None)
         said = [r.getMessage() for r in caplog.records if "deferred nothing" in r.getMessage()]
-        assert len(said) == 1 and said[0].startswith("round 1: defer_first_layer deferred nothing"), name
+        assert len(said) == 1 and said[0].startswith(f"round 1: defer_first_layer deferred nothing: {why}"), said
     caplog.clear()
     config = load_recipe(None, [*plain_sgd, *asked, "model.name=2nn", f"output.dir={str(tmp_path / '2nn')!r}"])
     with caplog.at_level("WARNING", logger="fedcore.simulation"):
