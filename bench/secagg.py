@@ -65,6 +65,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedcore.aggregation import WeightedMean
+from fedcore.errors import pip_install
 from fedcore.messages import StageIns
 from fedcore.tensors import TensorSpec, decode, encode, spec_of
 from fedcore.wire import stage_message_to_pb
@@ -208,6 +209,7 @@ def _prg_rates(elements: int = 16 << 20) -> tuple[float, float]:
     return nbytes / best_raw / 1e9, nbytes / best_mask / 1e9
 
 
+BENCH_EXTRA = "-e '.[bench]'"  # pip's arguments for the bench extras (flwr, Ray), from this checkout
 _FLWR_ROW = "FLWR_ROW "  # prefix of the child's result lines on stdout
 
 
@@ -391,7 +393,7 @@ def _compare_flwr(
     compute one after another plus the server's, as flwr's single ClientApp actor runs them) and
     the ratio fedcore SecAgg+ : flwr SecAgg+ where the same (n, dropout) has a fedcore row."""
     if importlib.util.find_spec("flwr") is None or importlib.util.find_spec("ray") is None:
-        print("flwr SecAgg+: skipped (pip install -e '.[bench]')")
+        print(f"flwr SecAgg+: skipped ({pip_install(BENCH_EXTRA)})")
         return
     from importlib.metadata import version
 

@@ -77,9 +77,11 @@ import pandas as pd
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH_EXTRA = "-e '.[bench]'"  # pip's arguments for the bench extras (flwr, Ray), from this checkout
 sys.path.insert(0, str(ROOT))
 
 from fedcore.config import from_mapping  # noqa: E402
+from fedcore.errors import pip_install  # noqa: E402
 from fedcore.payload import open_safetensors  # noqa: E402
 from fedcore.seeding import derive_seed  # noqa: E402
 from fedcore.strategy import sample_clients  # noqa: E402
@@ -381,7 +383,7 @@ def systems_of(args: argparse.Namespace) -> dict[str, tuple[str, Run | None]]:
             "batched-threads",
             partial(run_fedcore, backend="batched", threads=args.batched_threads),
         )
-    bench = "skipped: pip install -e '.[bench]'"
+    bench = f"skipped: {pip_install(BENCH_EXTRA)}"
     rows[f"fedcore Ray x{workers}"] = ("ray", partial(run_fedcore, backend="ray", workers=workers))
     rows[f"Flower {_version('flwr')} (Ray) x{workers}"] = ("flower", partial(run_flower, workers=workers))
     rows["pfl-research 0.6"] = ("pfl", run_pfl)
@@ -552,20 +554,26 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}; each system in a child process"
     )
+    if args.rounds < 3:
+        print(
+            f"note: with {args.rounds} round(s) the median includes round 1, whose time holds the run's start-up (the "
+            "pools' workers loading the dataset, first calls compiling); use --rounds 3 or more for the ratios"
+        )
+    width = max(len("system"), *map(len, runs)) + 2
     print(
-        f"{'system':<30}{'s/round':>9}{'CPU s/round':>13}{'peak MiB':>10}{'accuracy':>10}{'x plain':>9}  "
+        f"{'system':<{width}}{'s/round':>9}{'CPU s/round':>13}{'peak MiB':>10}{'accuracy':>10}{'x plain':>9}  "
         "wall seconds of each round"
     )
     medians: dict[str, tuple[float, float]] = {}
     for name, results in runs.items():
         if name in problems:
-            print(f"{name:<30}{problems[name]}")
+            print(f"{name:<{width}}{problems[name]}")
             continue
         rounds = [s for seconds, _, _ in results for s in seconds]
         medians[name] = (statistics.median(rounds), statistics.median(cpu for _, cpu, _ in results))
         plain = medians.get("plain PyTorch loop", (float("nan"), 0.0))[0]
         print(
-            f"{name:<30}{medians[name][0]:>9.3f}{medians[name][1]:>13.3f}{max(p for _, _, p in results):>10.0f}"
+            f"{name:<{width}}{medians[name][0]:>9.3f}{medians[name][1]:>13.3f}{max(p for _, _, p in results):>10.0f}"
             f"{test_accuracy(config, models[name]):>10.4f}{medians[name][0] / plain:>9.2f}  "
             + " | ".join(" ".join(f"{s:.3f}" for s in seconds) for seconds, _, _ in results)
         )

@@ -51,7 +51,7 @@ import torch
 
 from fedcore.aggregation import metric_value
 from fedcore.config import scalar_fields
-from fedcore.errors import ClientTaskError, ConfigError, PayloadError
+from fedcore.errors import ClientTaskError, ConfigError, PayloadError, pip_install
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, TaskFactory, TrainContext, TrainResult
 
 log = logging.getLogger("fedcore.client")
@@ -426,7 +426,7 @@ def flower_context(context: TaskContext, *, server_node_config: Mapping[str, Nod
     try:
         from flwr.common import Context, RecordDict
     except ImportError as exc:
-        raise ConfigError("a Flower client_fn needs flwr installed (pip install flwr)") from exc
+        raise ConfigError(f"a Flower client_fn needs flwr installed ({pip_install('flwr')})") from exc
     node_config: dict[str, NodeConfigValue] = {}
     if context.role == "server":
         node_config.update(SERVER_NODE_CONFIG if server_node_config is None else server_node_config)

@@ -140,3 +140,16 @@ class EngineError(FedcoreError):
     ) -> None:
         self.rank = rank
         super().__init__(message, round=round, client_id=client_id, stage=stage)
+
+
+def pip_install(arguments: str) -> str:
+    """The pip command that installs ``arguments`` (e.g. ``"'fedcore[ray]'"``, already shell-quoted) into the
+    environment of the Python running now: ``/path/to/.venv/bin/python -m pip install ...``.
+
+    For an error message's hint, so that a user whose fedcore runs from a virtualenv they have not activated does not
+    install into another environment with a bare ``pip``.
+    """
+    import shlex
+    import sys
+
+    return f"{shlex.quote(sys.executable or 'python3')} -m pip install {arguments}"

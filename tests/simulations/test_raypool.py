@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 import warnings
 from collections.abc import Iterator
@@ -24,10 +25,13 @@ def test_without_ray_the_backend_is_refused_with_the_install_command(monkeypatch
     from simulations.config import load_recipe
 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives: ImportError
-    with pytest.raises(
-        ConfigError, match=r"; pip install -e '\.\[ray\]' from a checkout, or pip install 'fedcore\[ray\]', or choose"
-    ):
+    with pytest.raises(ConfigError) as refused:
         load_recipe(None, ["simulation.backend='ray'"])
+    python = shlex.quote(sys.executable)  # this environment's pip, not whichever `pip` the shell finds first
+    assert (
+        f"; {python} -m pip install 'fedcore[ray]' (from a checkout: {python} -m pip install -e '.[ray]'), or choose "
+        "backend = 'process'"
+    ) in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 
 from fedcore.errors import ConfigError
 from simulations.partition import dirichlet_class_centric
-from simulations.report import class_counts, format_summary, plot_heatmap, skew_summary
+from simulations.report import class_counts, colour_limit, format_summary, plot_heatmap, skew_summary
 
 # 8 samples, 3 classes. Client 0 holds indices 0,1,2,5 -> labels 0,0,1,2; client 1 holds 3,4,6,7 -> 1,1,0,0
 LABELS = np.array([0, 0, 1, 1, 1, 2, 0, 0])
@@ -79,6 +79,23 @@ def test_heatmap_png_for_100_clients(tmp_path: Path) -> None:
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 5000
+
+
+def test_the_colours_stop_below_a_few_outlying_counts(tmp_path: Path) -> None:
+    """99 cells of 10 and one of 1,000: the 99th percentile of the non-zero cells (linear) is 10 + 0.01 * 990 =
+    19.9, and 1,000 is over 4x that, so the colours stop there; a table without such an outlier spans them all."""
+    counts = np.full((50, 2), 10.0)
+    counts[7, 1] = 1000.0
+    assert colour_limit(counts) == pytest.approx(19.9)
+    counts[7, 1] = 40.0  # 99th percentile 10.3; 40 is under 4x that
+    assert colour_limit(counts) is None
+    assert colour_limit(np.zeros((3, 2))) is None
+    assert colour_limit(np.array([[0.0, 5.0], [500.0, 0.0]])) is None  # two cells: the percentile is near the max
+    labels = np.concatenate([np.tile(np.repeat([0, 1], 10), 50), np.zeros(1000, dtype=np.int64)])
+    parts = [np.arange(20 * i, 20 * i + 20) for i in range(50)] + [np.arange(1000, 2000)]
+    table = class_counts(labels, parts, num_classes=2)
+    assert colour_limit(table.drop(columns="total").to_numpy(dtype=float)) == pytest.approx(10.0)
+    assert plot_heatmap(table, tmp_path / "outlier.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_heatmap_small_table_annotated(tmp_path: Path) -> None:
