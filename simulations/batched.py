@@ -269,6 +269,9 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
         task: a client's task (its model and data stand for every client's).
         strategy: the run's strategy, whose client mods and tensor groups are refused; None to check the task only.
 
+    A first client whose two samples fail the model's plain forward and loss as well (labels beyond its classes)
+    is not refused: that is its data, and it fails alone in its round, as in process.
+
     Returns:
         The ops of the model's training step that ``torch.func.vmap`` has no batching rule for (e.g.
         ``aten::mkldnn_rnn_layer``, an LSTM's on the CPU), sorted: vmap runs each of them one client at a time, so
@@ -322,6 +325,8 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
             warnings.simplefilter("always")
             trial._grad(params, trial.frozen, x[None, :2].cpu(), y[None, :2].cpu())  # x may not be on the CPU
     except RuntimeError as exc:
+        if _fails_unbatched(model, task.loss_fn, x[:2].cpu(), y[:2].cpu()):
+            return []  # this client's data, not batching: it fails alone in its round, as it would in process
         raise ConfigError(
             f"batched clients could not vmap the model's training step ({type(exc).__name__}: "
             f"{str(exc)[:300]}); a model whose forward draws random numbers or writes to its own tensors cannot be "
@@ -334,6 +339,17 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
         else:  # not ours to keep
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return sorted(unbatched)
+
+
+def _fails_unbatched(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the plain forward and loss of ``model`` on ``x``, ``y`` raise too (labels beyond the model's classes,
+    inputs of another shape or dtype): a problem of the data, which one-by-one training meets as well."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            loss_fn(model(x), y)
+    except Exception:  # any error of the user's model or loss on these samples is the answer
+        return True
+    return False
 
 
 _NO_BATCHING_RULE = re.compile(r"not yet implemented the batching rule for ([\w:.]*\w)")
@@ -1335,6 +1351,10 @@ class BatchedPool(PoolWrapper):
             return
         items = [(cid, ins) for cid, ins in instructions.items() if isinstance(ins, FitIns)]
         size = self._batch_clients or self._auto_batch(items[0][0], len(items), items[0][1].config)
+        if not self._batch_clients and self._pool.max_tasks is not None:
+            # clients built on demand: a batch holds no more of their tasks and data than the pool keeps built (with
+            # 100,000 synthetic devices a round, 13 GB at once before)
+            size = min(size, self._pool.max_tasks)
         for begin in range(0, len(items), size):
             yield from self._fit(items[begin : begin + size])
 
@@ -1342,7 +1362,8 @@ class BatchedPool(PoolWrapper):
         """How many clients to train together when ``batch_clients`` is 0: on the CPU, as many as keep the largest
         stacked parameter within :data:`CPU_STACK_BYTES`, or on the fused path (``config`` and the client's data
         tell) the whole stacked model within :data:`FUSED_STACK_BYTES`; on a CUDA GPU, as many as :func:`gpu_batch`
-        fits in its free memory; on another accelerator all of them."""
+        fits in its free memory; on another accelerator all of them. :meth:`run` caps it at the in-process pool's
+        ``max_tasks`` (clients built on demand), so that a batch's data are bounded too."""
         task = self._pool.task(client_id)
         device = torch.device(self._device) if self._device is not None else torch.device("cpu")
         if not isinstance(task, SupervisedTask):
@@ -1423,7 +1444,15 @@ class BatchedPool(PoolWrapper):
                     f"round {ins.round}: client {cid!r} was sent client mods, tensor groups or report_validation, "
                     "which batched clients do not run" + _ADVICE
                 )
-            known = self._known(cid)
+            try:
+                known = self._known(cid)
+            except ConfigError:  # the task is not batchable: the run's recipe, not this client
+                raise
+            except Exception as exc:  # the client's task could not be built or give its data: it alone fails
+                log.debug("client %s raised", cid, exc_info=True)
+                reason = str(exc) if isinstance(exc, FedcoreError) else f"{type(exc).__name__}: {exc}"
+                replies[cid] = Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=reason)
+                continue
             if known is None:
                 continue
             task, shard, task_key = known
@@ -1440,10 +1469,9 @@ class BatchedPool(PoolWrapper):
             groups.setdefault((task_key, same), []).append((cid, ins, task))
         batches: list[FitBatchRes] = []
         for members in groups.values():
-            per_client, batch = self._train_group(members, [shards[member[0]] for member in members])
+            per_client, batched = self._train_group(members, [shards[member[0]] for member in members])
             replies.update(per_client)
-            if batch is not None:
-                batches.append(batch)
+            batches.extend(batched)
         yield from batches
         for cid, _ in items:
             if cid in replies:
@@ -1451,9 +1479,13 @@ class BatchedPool(PoolWrapper):
 
     def _train_group(
         self, members: Sequence[tuple[str, FitIns, SupervisedTask]], shards: Sequence[ClientShard]
-    ) -> tuple[dict[str, Reply], FitBatchRes | None]:
+    ) -> tuple[dict[str, Reply], list[FitBatchRes]]:
         """Train one group (same model, instruction settings and global model; ``shards``: the members' data, in
-        their order): its per-client replies, and with ``weigh`` the batch of those whose updates were summed."""
+        their order): its per-client replies, and with ``weigh`` the batches of those whose updates were summed.
+
+        A group whose training raises (a client's labels outside the model's classes, a bug in the task's model or
+        loss that only some data reach) is trained again one client at a time, so that only the clients that raise
+        alone fail, each with its own reason, and the others' updates count."""
         _, ins, task = members[0]
         started = time.perf_counter()
         try:
@@ -1483,23 +1515,32 @@ class BatchedPool(PoolWrapper):
                     trained.not_deferred,
                 )
             if self._weigh is not None:
-                return self._presummed(members, trained, started, self._weigh)
+                per_client, batch = self._presummed(members, trained, started, self._weigh)
+                return per_client, [] if batch is None else [batch]
             updates = trained.updates()
         except ConfigError:
             raise
-        except FedcoreError as exc:
-            failed = {
-                cid: Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=str(exc)) for cid, *_ in members
-            }
-            return dict(failed), None
-        except Exception as exc:  # a bug in user code (model, loss) fails the batch's clients, not the simulation
-            log.exception("a batch of %d clients raised", len(members))
-            reason = f"{type(exc).__name__}: {exc}"
-            return {
-                cid: Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=reason) for cid, *_ in members
-            }, None
+        except Exception as exc:  # a client's data or a bug in user code (model, loss) fails clients, not the run
+            if len(members) > 1:
+                log.info(
+                    "round %d: a batch of %d clients raised %s; training them one at a time to find which",
+                    ins.round,
+                    len(members),
+                    type(exc).__name__,
+                )
+                replies: dict[str, Reply] = {}
+                batches: list[FitBatchRes] = []
+                for member, shard in zip(members, shards, strict=True):
+                    per_client, batched = self._train_group([member], [shard])
+                    replies.update(per_client)
+                    batches.extend(batched)
+                return replies, batches
+            log.debug("client %s raised", members[0][0], exc_info=True)  # its reason is logged with the failures
+            reason = str(exc) if isinstance(exc, FedcoreError) else f"{type(exc).__name__}: {exc}"
+            cid = members[0][0]
+            return {cid: Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=reason)}, []
         seconds = (time.perf_counter() - started) / len(members)
-        replies: dict[str, Reply] = {}
+        replies = {}
         for (cid, member_ins, _), update in zip(members, updates, strict=True):
             arrays: NamedArrays = {name: t.numpy() for name, t in update.parameters.items()}
             reply = FitRes(
@@ -1510,7 +1551,7 @@ class BatchedPool(PoolWrapper):
                 metrics={**update.metrics, "fit_seconds": seconds},
             )
             replies[cid] = replace(reply, payload_bytes=packed_nbytes(reply))  # as the in-process pool measures it
-        return replies, None
+        return replies, []
 
     @staticmethod
     def _presummed(

@@ -263,7 +263,7 @@ class InMemoryPool:
         except FedcoreError as exc:
             return Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
         except Exception as exc:  # a bug in user code must not kill the whole simulation
-            log.exception("client %s raised", client_id)
+            log.debug("client %s raised", client_id, exc_info=True)  # its reason is logged with the failures
             return Failure(
                 client_id=client_id,
                 round=instruction.round,

@@ -191,6 +191,8 @@ def test_ops_without_a_batching_rule_are_named_once_and_not_warned_at_every_step
     mlp_data = (torch.randn(4, 12), torch.zeros(4, dtype=torch.int64))
     assert check_batchable(SupervisedTask(model_fn=small_mlp, train_data=mlp_data)) == []
     unbatched = check_batchable(SupervisedTask(model_fn=TinyLSTM, train_data=(x, y)))
+    # labels beyond the model's classes fail unbatched too: not refused (the client fails alone in its round)
+    assert check_batchable(SupervisedTask(model_fn=small_mlp, train_data=(mlp_data[0], mlp_data[1] + 100))) == []
     assert unbatched and all(op.startswith("aten::") for op in unbatched), unbatched
     clients = [ClientShard("a", x[:7], y[:7]), ClientShard("b", x[7:], y[7:])]
     config = FitConfig(local_epochs=1, batch_size=3, lr=0.1)
@@ -233,6 +235,53 @@ def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
         assert got.payload_bytes == want.payload_bytes  # the bytes_up column counts the same
         for name, value in want.parameters.items():
             np.testing.assert_allclose(got.parameters[name], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("presum", [False, True])
+def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: bool) -> None:
+    """One batch of four: b's labels exceed the model's 3 classes (the batch's step raises), e's task factory raises.
+    Only b and e fail, each with its own reason; a, c and d give the updates they give in process (the batch trained
+    again one client at a time), pre-summed or one reply each."""
+    from simulations.batched import presum_weight
+    from tests.simulations.test_presum import fedavg, fold
+
+    generator = torch.Generator().manual_seed(0)
+    data = {
+        cid: (torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for cid in "abcd"
+    }
+    data["b"] = (data["b"][0], data["b"][1] + 100)
+
+    def task(cid: str) -> SupervisedTask:
+        if cid == "e":
+            raise ValueError("client e's data are unavailable")
+        return SupervisedTask(model_fn=small_mlp, train_data=data[cid])
+
+    torch.manual_seed(2)
+    start = from_state_dict(small_mlp().state_dict())
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    ids = [*data, "e"]
+    instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in ids}
+    weigh = presum_weight(fedavg()) if presum else None
+    replies = list(BatchedPool(InMemoryPool(ids, task), weigh=weigh).run(instructions))
+    inprocess = {r.client_id: r for r in InMemoryPool(ids, task).run(instructions)}
+    failures = {r.client_id: r.reason for r in replies if isinstance(r, Failure)}
+    assert set(failures) == {"b", "e"}
+    assert "index 10" in failures["b"] and "out of bounds" in failures["b"], failures["b"]  # a label of 100-102
+    assert failures["e"] == "ValueError: client e's data are unavailable"
+    assert all(isinstance(inprocess[cid], Failure) for cid in "be")
+    honest = [inprocess[cid] for cid in "acd"]
+    assert all(isinstance(r, FitRes) for r in honest)
+    trained: list[PoolReply] = [r for r in replies if not isinstance(r, Failure)]
+    if presum:  # the three updates summed where they trained (batches of one), as the in-process mean
+        assert all(isinstance(r, FitBatchRes) for r in trained)
+        assert sorted(cid for r in trained if isinstance(r, FitBatchRes) for cid in r.client_ids) == ["a", "c", "d"]
+    else:
+        assert sorted(r.client_id for r in trained if isinstance(r, FitRes)) == ["a", "c", "d"]
+    weights = {cid: 8.0 for cid in "acd"}
+    want, got = fold(list(honest), weights, start).result(), fold(trained, weights, start).result()
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6)
+        assert np.abs(value - start[name]).max() > 1e-3  # they trained
 
 
 def test_batched_pool_reads_a_clients_data_once_while_the_pool_keeps_its_task() -> None:
@@ -740,6 +789,25 @@ def test_the_cpu_batch_size_follows_what_a_step_allocates() -> None:
     assert pool._auto_batch("c0", 1000, plain) == (128 << 20) // model_bytes == 168
     assert pool._auto_batch("c0", 100, plain) == 100  # a round of issue 12's workload: one batch
     assert pool._auto_batch("c0", 1000, replace(plain, momentum=0.9)) == (16 << 20) // largest == 26
+
+
+def test_clients_built_on_demand_are_batched_no_more_than_the_pool_keeps_built() -> None:
+    """With max_tasks (clients built when sampled, e.g. 100,000 synthetic devices), batch_clients = 0 takes at most
+    max_tasks clients a batch, so that a batch's tasks and data stay bounded; an explicit batch_clients is kept."""
+    from simulations.batched import presum_weight
+    from tests.simulations.test_presum import fedavg
+
+    data = (torch.randn(6, 12), torch.randint(0, 3, (6,)))
+    ids = [f"c{i}" for i in range(7)]
+    config = FitConfig(local_epochs=1, batch_size=3, lr=0.05)
+    start = from_state_dict(small_mlp().state_dict())
+    instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in ids}
+    for batch_clients, sizes in ((0, [3, 3, 1]), (5, [5, 2])):
+        inner = InMemoryPool(ids, lambda _: SupervisedTask(model_fn=small_mlp, train_data=data), max_tasks=3)
+        pool = BatchedPool(inner, batch_clients=batch_clients, weigh=presum_weight(fedavg()))
+        assert pool._auto_batch("c0", 7, config) == 7  # the model alone would take them all
+        replies = list(pool.run(instructions))
+        assert [len(r.client_ids) for r in replies if isinstance(r, FitBatchRes)] == sizes
 
 
 def test_views_and_copies_agree_on_odd_storages() -> None:
