@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import warnings
 from collections import deque
@@ -86,6 +87,33 @@ def import_ray() -> Any:
             "of one machine"
         ) from None
     return ray
+
+
+REACH_TIMEOUT_S = 10.0
+"""How long :func:`check_reachable` waits for a Ray cluster's head to accept a connection."""
+
+
+def check_reachable(address: str, *, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Refuse a Ray cluster address (``host:port`` or ``ray://host:port``) where nothing accepts a TCP connection
+    within ``timeout_s`` seconds: ``ray.init`` itself retries such an address without end. ``"auto"`` and
+    ``"local"``, which Ray resolves on this machine, are not checked.
+
+    Raises:
+        ConfigError: the address is not ``host:port``, or no connection to it was made (with the OS's reason).
+    """
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"ray_address {address!r} is not host:port, ray://host:port or 'auto'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"no Ray cluster answers at ray_address {address!r} ({exc.strerror or exc}); check the host and port "
+            "(a head started with `ray start --head` listens on 6379, Ray Client on ray://host:10001), or leave "
+            "ray_address unset to start Ray on this machine"
+        ) from None
 
 
 def _to_bytes(payload: Payload) -> np.ndarray:
@@ -187,6 +215,7 @@ class RayPool(VirtualClients):
                 if address is None:  # a local instance: no dashboard, Ray leaves the process's logging alone
                     ray.init(include_dashboard=False, configure_logging=False)
                 else:  # a cluster (or Ray Client, which takes no other arguments)
+                    check_reachable(address)  # else ray.init retries an address where nothing listens for ever
                     ray.init(address=address)
         env = {"OMP_NUM_THREADS": str(threads)}
         if address is None:  # this machine: the actors import what this process imports (a cluster's own paths stay)

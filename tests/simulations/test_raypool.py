@@ -34,6 +34,32 @@ def test_without_ray_the_backend_is_refused_with_the_install_command(monkeypatch
     ) in str(refused.value)
 
 
+def test_a_cluster_address_where_nothing_listens_is_refused_in_seconds() -> None:
+    """ray.init retries an address where nothing listens without end; the pool checks it first (no Ray needed)."""
+    import socket
+    import time
+
+    from simulations.raypool import check_reachable
+
+    with socket.socket() as closed:  # a port that was just free: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"no Ray cluster answers at ray_address '127\.0\.0\.1:{port}' \(.*refused"):
+        check_reachable(f"127.0.0.1:{port}")
+    assert time.monotonic() - started < 5
+    for bad in ("head", "ray://:10001", "head:port"):
+        with pytest.raises(ConfigError, match="is not host:port"):
+            check_reachable(bad)
+    with socket.socket() as listening:  # a head that accepts connections passes, ray:// or not
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        check_reachable(f"127.0.0.1:{port}")
+        check_reachable(f"ray://127.0.0.1:{port}")
+    check_reachable("auto")
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
