@@ -97,6 +97,7 @@ def _partition_options() -> tuple[Option, ...]:
 
 
 def _cmd_partition(args: argparse.Namespace) -> int:
+    import tempfile
     from pathlib import Path
 
     from simulations.config import load_data_recipe
@@ -112,10 +113,25 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
     overrides = to_overrides(given_values(args, _partition_options())) + args.overrides
     data, seed = load_data_recipe(args.recipe, overrides)
+    if not args.out.strip():
+        raise ConfigError("--out is empty; give the directory to write counts.csv and heatmap.png into")
+    out = Path(args.out)
+    written = (out / "counts.csv", out / "heatmap.png")
+    try:  # before the partition, which can take minutes (100,000 synthetic devices)
+        out.mkdir(parents=True, exist_ok=True)
+        for path in written:
+            if path.is_dir():
+                raise ConfigError(
+                    f"{str(path)!r} is a directory, where the partition report goes; move it, or give another --out"
+                )
+        tempfile.TemporaryFile(dir=out).close()  # the directory can be written
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the partition report into --out {str(out)!r}: {exc.strerror or exc}"
+            f"{f' ({exc.filename})' if exc.filename else ''}; give a directory that can be written"
+        ) from None
     prepared = prepare_data(data, seed)
     counts = label_counts(prepared.client_labels(), prepared.num_classes)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     names = getattr(prepared, "roles", None)  # a natural split's own client names (shakespeare's roles)
     table = counts if names is None else counts.assign(role=list(names))
     table.to_csv(out / "counts.csv", index_label="client")

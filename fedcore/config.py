@@ -14,6 +14,7 @@ import dataclasses
 import ipaddress
 import os
 import re
+import stat
 import tomllib
 import types
 import typing
@@ -288,16 +289,29 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+MAX_TOML_BYTES = 16 << 20
+"""The largest recipe or config file :func:`load_toml` reads."""
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file into a dict.
+    """Read a TOML file (UTF-8; a byte-order mark, as some Windows editors write, is skipped) into a dict.
 
     Raises:
-        ConfigError: the file is missing or not valid TOML (with the parser's line and column).
+        ConfigError: the file is missing, not a regular file (a directory, a device such as /dev/zero, a pipe:
+            nothing a recipe is kept in), larger than :data:`MAX_TOML_BYTES`, or not valid TOML (with the parser's
+            line and column).
     """
     p = Path(path)
     try:
         with p.open("rb") as fh:
-            return tomllib.load(fh)
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise ConfigError(f"config file {str(p)!r} is not a regular file; give the path of a .toml file")
+            data = fh.read(MAX_TOML_BYTES + 1)
+        if len(data) > MAX_TOML_BYTES:
+            raise ConfigError(f"config file {str(p)!r} is over {MAX_TOML_BYTES >> 20} MiB: not a recipe")
+        return tomllib.loads(data.decode("utf-8-sig"))
+    except IsADirectoryError:
+        raise ConfigError(f"config file {str(p)!r} is a directory; give the path of a .toml file") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} does not exist") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -32,6 +32,9 @@ from fedcore.errors import ConfigError, FedcoreError
 from fedcore.seeding import derive_seed
 from fedcore.tensors import NamedArrays, from_state_dict, to_state_dict
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: a training setting beyond it cannot multiply a float32 tensor."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class FitConfig:
@@ -66,6 +69,8 @@ class FitConfig:
             value = getattr(self, f.name)
             if f.kind is float and value is not None and not math.isfinite(value):
                 raise ConfigError(f"{f.name} must be a finite number, got {value}")
+            if f.kind is float and value is not None and abs(value) > FLOAT32_MAX:  # torch's float32 step overflows
+                raise ConfigError(f"{f.name} must be within float32's range (at most {FLOAT32_MAX:.4g}), got {value}")
         if self.local_epochs < 1:
             raise ConfigError(f"local_epochs must be >= 1, got {self.local_epochs}")
         if self.batch_size < 1:
@@ -377,6 +382,9 @@ def trainable_names(model: torch.nn.Module | Callable[[], torch.nn.Module]) -> f
         The names, or None when the model has no parameters at all: a model made only of buffers (the unnamed
         arrays of a Flower ``NumPyClient``, :class:`client.flower.FlowerParameters`) says nothing about which
         arrays are trained, and then every floating tensor is taken as trainable, as flwr's FedOpt strategies do.
+
+    Raises:
+        ConfigError: the constructor raised, or did not return a ``torch.nn.Module``.
     """
     if not isinstance(model, torch.nn.Module):
         model = _build_cheaply(model)
@@ -396,12 +404,25 @@ def state_elements(model_fn: Callable[[], torch.nn.Module]) -> int:
 
 
 def _build_cheaply(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``model_fn()`` on the meta device, else for real, under a forked random state.
+
+    Raises:
+        ConfigError: ``model_fn`` raised, or returned something other than a ``torch.nn.Module``.
+    """
     with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
-                return model_fn()
+                model = model_fn()
         except Exception:  # a constructor that needs real tensors: build it for real (same names)
-            return model_fn()
+            try:
+                model = model_fn()
+            except Exception as exc:
+                raise ConfigError(
+                    f"the task's model could not be built: its model_fn raised {type(exc).__name__}: {exc}"
+                ) from exc
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"the task's model_fn returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def central_evaluation(task: Task, batch_size: int) -> Callable[[NamedArrays, int], EvalResult]:

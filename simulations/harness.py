@@ -266,14 +266,22 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
             history.csv is written again from the checkpoints' records).
 
     Raises:
-        ConfigError: the directory or config.json cannot be written, or a file named :data:`RUN_STATE_DIR` is where
-            the run's checkpoints go.
+        ConfigError: the directory or config.json cannot be written, a file named :data:`RUN_STATE_DIR` is where
+            the run's checkpoints go, or the directory holds what no simulation wrote under the names a run replaces
+            (:func:`foreign_outputs`): nothing is removed then.
     """
     checkpoints = out_dir / RUN_STATE_DIR
     if config.output.checkpoints and (checkpoints.exists() or checkpoints.is_symlink()) and not checkpoints.is_dir():
         raise ConfigError(
             f"{str(checkpoints)!r} is a file, where this simulation keeps its checkpoints; move it, or give another "
             "--out (or run with --no-checkpoints)"
+        )
+    if foreign := foreign_outputs(out_dir):
+        raise ConfigError(
+            f"output.dir {str(out_dir)!r} holds {', '.join(repr(name) for name in foreign[:5])}"
+            f"{f' and {len(foreign) - 5} more' if len(foreign) > 5 else ''}, which no fedcore simulation wrote there "
+            "(no simulation's config.json beside them), and a run replaces what it finds under those names; give "
+            "another --out (a new or empty directory), or move them"
         )
     try:
         for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
@@ -287,7 +295,50 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
                     stale.unlink(missing_ok=True)
         (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
     except OSError as exc:
-        raise ConfigError(f"cannot write results to output.dir {str(out_dir)!r}: {exc.strerror or exc}") from None
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ConfigError(
+            f"cannot write results to output.dir {str(out_dir)!r}{where}: {exc.strerror or exc}"
+        ) from None
+
+
+_STATE_ENTRIES = frozenset(
+    (
+        "checkpoints",
+        "spill",
+        "history.csv",
+        "state.lock",
+        "state.db",
+        "state.db-journal",
+        "state.db-wal",
+        "state.db-shm",
+    )
+)
+"""What a simulation's :data:`RUN_STATE_DIR` holds (a :class:`server.state.StateStore`)."""
+_RECIPE_KEYS = frozenset({"seed", "rounds", "data", "strategy", "simulation", "output"})
+"""Top-level keys every config.json of a simulation has (:func:`recipe_record`)."""
+
+
+def foreign_outputs(out_dir: Path) -> list[str]:
+    """What in ``out_dir`` a run would remove or replace (:data:`OUTPUT_FILES`, :data:`RUN_STATE_DIR`,
+    :data:`CLIENT_STATE_DIR`) without a simulation having written it: everything of those names when ``out_dir`` has no
+    simulation's config.json (none, or one that is not a recipe :func:`recipe_record` wrote), else what
+    :data:`RUN_STATE_DIR` holds beyond a state store's entries. Paths relative to ``out_dir``, sorted; [] for a new,
+    empty or fedcore-written directory."""
+    present = [
+        name
+        for name in (*OUTPUT_FILES, RUN_STATE_DIR, CLIENT_STATE_DIR)
+        if (out_dir / name).exists() or (out_dir / name).is_symlink()
+    ]
+    try:
+        recorded = json.loads((out_dir / "config.json").read_text())
+    except (OSError, ValueError):  # missing, unreadable or not JSON: not a simulation's
+        recorded = None
+    if not (isinstance(recorded, dict) and recorded.keys() >= _RECIPE_KEYS):
+        return sorted(present)
+    state = out_dir / RUN_STATE_DIR
+    if not state.is_dir():
+        return []
+    return sorted(f"{RUN_STATE_DIR}/{entry.name}" for entry in state.iterdir() if entry.name not in _STATE_ENTRIES)
 
 
 def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
@@ -432,6 +483,12 @@ def _simulate(
     config: SimulationConfig, echo: Callable[[str], None], out_dir: Path, held: list[int], started: float
 ) -> SimulationResult:
     resuming = config.output.resume and (out_dir / RUN_STATE_DIR / "state.db").exists()
+    if config.output.resume and not resuming and (kept := checkpoint_files(out_dir / RUN_STATE_DIR)):
+        raise ConfigError(
+            f"cannot resume the run in {str(out_dir)!r}: its checkpoints ({kept[-1].name} the newest) are there but "
+            f"not {RUN_STATE_DIR}/state.db, which records the run's rounds and strategy; put it back, or run without "
+            "--resume to start afresh there (which removes the checkpoints), or give another --out"
+        )
     if resuming:
         check_resumable(out_dir, config)  # before the setup, which may load a dataset
     notice = None  # said once the directory is this run's (held), not by a run that another one then refuses
@@ -463,6 +520,7 @@ def _simulate(
     )
     if not demo:  # the demo task's metrics were checked with the recipe
         config.check_weight_metric(declared_metrics(server_task))
+    trainable = trainable_names(server_task.build_model)  # a model that cannot be built: refused before output.dir
     strategy = apply_dp(
         build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
     )
@@ -587,6 +645,14 @@ def _simulate(
         # the selector's learned state (losses, durations), rebuilt from the recorded rounds as a server's is
         strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= resumed_round)
         echo(f"resuming after round {resumed_round} from {out_dir / RUN_STATE_DIR}")
+        stateful = any(mod.name == "scaffold" for mod in strategy.mods) or config.strategy.compression == "topk"
+        client_state = out_dir / CLIENT_STATE_DIR
+        if stateful and not (client_state.is_dir() and any(client_state.iterdir())):
+            echo(
+                f"warning: {client_state} is missing or empty, but this run's clients keep state between rounds "
+                "(SCAFFOLD's control variates, top-k's residuals): they go on from none, so the run will differ from "
+                "the run never stopped"
+            )
     divergent_rounds: list[int] = []
     first_round_frozen = False  # the run's lasting objects frozen out of the collector (after its first round)
     # The bar only on a terminal: piped into a file or `tee`, its redraws would garble the per-round table.
@@ -609,9 +675,6 @@ def _simulate(
 
     def on_round_end(record: RoundRecord, state: ServerState) -> ServerState:
         row = record.as_row()
-        history_file.add(row)
-        if config.output.progress:
-            say(_format_row(row, columns))
         if record.eval_loss is not None and not math.isfinite(record.eval_loss):
             divergent_rounds.append(record.round)
             log.warning("round %d: test loss %s: training diverged", record.round, record.eval_loss)
@@ -627,6 +690,9 @@ def _simulate(
             if record.round > 0:  # the record in it too: a kill before the record's row loses nothing
                 checkpoint = store.save_checkpoint(state, record)
             store.record_round(record)
+        history_file.add(row)  # after the checkpoint: a round whose checkpoint failed is not in history.csv either
+        if config.output.progress:
+            say(_format_row(row, columns))
         mapped = continue_from(state, checkpoint) if checkpoint is not None else map_round_state(state, out_dir)
         if record.round > 0:  # written as the model if a later round fails (a small model held, or a mapping)
             finished[:] = [mapped]
@@ -636,7 +702,6 @@ def _simulate(
             first_round_frozen = True
         return mapped
 
-    trainable = trainable_names(server_task.build_model)
     # A large model's tensors and arrays are made and freed with every client: each in its own mapping, handed back
     # when freed, rather than left resident in glibc's heap (bench/simulation_memory.py's 20M-parameter model:
     # 14 MiB less peak). Not for a smaller model, whose step's gradients and activations of 1 MiB or more would then

@@ -57,6 +57,7 @@ def test_overrides_are_typed_and_do_not_mutate_the_input() -> None:
         (["data.alpha=0"], "alpha must be a finite number > 0"),
         (["data.alpha=inf"], "alpha must be a finite number > 0"),
         (["train.lr=inf"], "lr must be a finite number"),
+        (["train.lr=1e300"], r"lr must be within float32.s range \(at most 3.403e\+38\), got 1e\+300"),
         (["train.mu=nan"], "mu must be a finite number"),
         (["output.dir=''"], "output.dir is empty"),
         (["data.sigma=1000"], r"sigma must be in \(0, 50\]"),
@@ -86,10 +87,15 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
     binary.write_bytes(bytes(range(256)))
     with pytest.raises(ConfigError, match=r"binary\.toml.*not valid TOML"):
         load_recipe(binary)
-    with pytest.raises(ConfigError, match="cannot read config file"):
-        load_recipe(tmp_path)  # a directory
+    with pytest.raises(ConfigError, match=r"is a directory; give the path of a \.toml file"):
+        load_recipe(tmp_path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_recipe(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match=r"'/dev/zero' is not a regular file"):  # read to its end: never
+        load_recipe(Path("/dev/zero"))
+    bom = tmp_path / "bom.toml"  # UTF-8 with a byte-order mark, as some Windows editors save it
+    bom.write_bytes(b"\xef\xbb\xbfrounds = 3\n")
+    assert load_recipe(bom).rounds == 3
 
 
 def test_round_trip_through_a_mapping() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -119,6 +120,23 @@ def test_cli_partition_shows_the_skew_without_training(tmp_path: Path) -> None:
     assert len(counts) == 8 and counts["total"].sum() == 1438  # digits: 1797 samples, stratified 80% train split
     assert (tmp_path / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
     assert "heatmap.png" in proc.stdout
+
+
+def test_cli_partition_refuses_an_out_it_cannot_write_before_partitioning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedcore.cli import main
+
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "taken" / "counts.csv").mkdir(parents=True)
+    for out, message in (
+        (tmp_path / "afile", r"cannot write the partition report into --out '.*afile': File exists"),
+        (tmp_path / "taken", r"'.*taken/counts\.csv' is a directory, where the partition report goes"),
+        ("", r"--out is empty"),
+    ):
+        assert main(["partition", "--dataset", "digits", "--clients", "8", "--out", str(out)]) == 2
+        assert re.search(message, capsys.readouterr().err), message
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def tiny_task(ctx: TaskContext) -> SupervisedTask:

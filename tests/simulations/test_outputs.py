@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from fedcore.config import from_mapping
 from fedcore.payload import check_digest
+from fedcore.supervised import SupervisedTask
+from fedcore.task import TaskContext
 from server.state import HISTORY_COLUMNS, history_columns, load_checkpoint
 from simulations.config import SimulationConfig, load_recipe
 from simulations.harness import RUN_LOCK, run_simulation
@@ -126,3 +130,59 @@ def test_a_simulation_and_a_server_never_share_a_directory(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match=r"is a server's state directory \(it holds state\.db\)"):
         _simulate(tmp_path / "server")
     assert not (tmp_path / "server" / "config.json").exists()
+
+
+def test_a_run_refuses_a_directory_holding_files_no_simulation_wrote(tmp_path: Path) -> None:
+    """A run replaces config.json, the results and state/ and client-state/ of an earlier run in its output.dir:
+    where those names hold a user's own files (no simulation's config.json beside them, or an unknown file in
+    state/), it refuses before touching anything, naming them."""
+    from fedcore.errors import ConfigError
+
+    out = tmp_path / "project"
+    (out / "state").mkdir(parents=True)
+    (out / "state" / "notes.txt").write_text("precious")
+    (out / "client-state").mkdir()
+    (out / "client-state" / "x").write_text("keep")
+    (out / "config.json").write_text('{"mine": 1}')
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    refusal = r"holds 'client-state', 'config\.json', 'state', which no fedcore simulation wrote"
+    with pytest.raises(ConfigError, match=refusal):
+        _simulate(out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != RUN_LOCK} == before
+    # a simulation's own directory is replaced by the next run, unless a file of another's sits in its state/
+    written = _simulate(tmp_path / "sim")
+    assert _simulate(tmp_path / "sim").keys() == written.keys()
+    (tmp_path / "sim" / "state" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds 'state/notes\.txt', which no fedcore simulation wrote"):
+        _simulate(tmp_path / "sim")
+    assert (tmp_path / "sim" / "state" / "notes.txt").read_text() == "mine"
+
+
+def unbuildable_task(ctx: TaskContext) -> SupervisedTask:
+    """tiny_task whose model_fn raises (``options.model = "raises"``) or returns an int (``"int"``)."""
+    from tests.simulations.test_harness import tiny_task
+
+    def model_fn() -> torch.nn.Module:
+        if ctx.options["model"] == "raises":
+            raise RuntimeError("model build failed")
+        return 5  # type: ignore[return-value]  # the bad return under test
+
+    return replace(tiny_task(ctx), model_fn=model_fn)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("raises", "its model_fn raised RuntimeError: model build failed"),
+        ("int", "the task's model_fn returned a int, not a torch.nn.Module"),
+    ],
+)
+def test_a_model_that_cannot_be_built_is_refused_before_the_output_is_touched(
+    tmp_path: Path, model: str, message: str
+) -> None:
+    from fedcore.errors import ConfigError
+
+    written = _simulate(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        _simulate(tmp_path, f"task.factory='{__name__}:unbuildable_task'", f"task.options.model='{model}'")
+    assert _files(tmp_path) == written  # the earlier run's model, history and checkpoints stay

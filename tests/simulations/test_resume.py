@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,6 +146,33 @@ def test_resume_with_another_recipe_is_refused_and_changes_nothing(tmp_path: Pat
     assert (out / "history.png").exists()
 
 
+def test_resume_with_checkpoints_but_no_state_db_is_refused_and_removes_nothing(tmp_path: Path) -> None:
+    """Checkpoints without the records of state.db cannot be resumed; starting afresh would delete them, so
+    --resume refuses and says what to do (as it does for an empty state.db)."""
+    out = tmp_path / "run"
+    simulate(out, "rounds=2")
+    (out / RUN_STATE_DIR / "state.db").unlink()
+    kept = sorted(p.name for p in (out / RUN_STATE_DIR / "checkpoints").iterdir())
+    with pytest.raises(ConfigError, match=r"checkpoints \(round-000002\.safetensors the newest\) are there but not "
+                       r"state/state\.db.*run without --resume to start afresh"):  # fmt: skip
+        simulate(out, "rounds=3", "output.resume=true")
+    assert sorted(p.name for p in (out / RUN_STATE_DIR / "checkpoints").iterdir()) == kept
+
+
+def test_resume_says_when_the_clients_own_state_is_gone(tmp_path: Path) -> None:
+    """SCAFFOLD's clients keep their control variates in client-state/: resumed without it, the run goes on (the
+    clients start from none) and says that it will differ from the run never stopped; with it, nothing is said."""
+    out = tmp_path / "run"
+    scaffold = ["strategy.name='scaffold'", "strategy.server_lr=1.0", "train.lr=0.05"]
+    simulate(out, "rounds=1", *scaffold)
+    lines: list[str] = []
+    simulate(out, "rounds=2", "output.resume=true", *scaffold, lines=lines)
+    assert not any("client-state" in line for line in lines)
+    shutil.rmtree(out / "client-state")
+    simulate(out, "rounds=3", "output.resume=true", *scaffold, lines=lines)
+    assert any("client-state is missing or empty" in line and "will differ" in line for line in lines), lines
+
+
 def test_resume_without_checkpoints_starts_a_new_run_and_says_so(tmp_path: Path) -> None:
     lines: list[str] = []
     history = simulate(tmp_path / "new", "rounds=1", "output.resume=true", lines=lines)
@@ -267,9 +295,13 @@ def test_a_file_in_the_way_of_the_checkpoints_or_the_lock_is_refused_in_words(tm
     with pytest.raises(ConfigError, match=r"is a file, where this simulation keeps its checkpoints; move it"):
         simulate(out, "rounds=1")
     assert (out / RUN_STATE_DIR).read_text() == "notes"  # not removed
-    history = simulate(out, "rounds=1", "output.checkpoints=false")  # it is not in the way of a run without them
-    assert list(history["round"]) == [0, 1]
+    # nor does a run without checkpoints take it: it is no simulation's, under a name a run replaces
+    with pytest.raises(ConfigError, match=r"holds 'state', which no fedcore simulation wrote there"):
+        simulate(out, "rounds=1", "output.checkpoints=false")
+    assert (out / RUN_STATE_DIR).read_text() == "notes"
     (out / RUN_STATE_DIR).unlink()
+    history = simulate(out, "rounds=1", "output.checkpoints=false")
+    assert list(history["round"]) == [0, 1]
     (out / RUN_LOCK).unlink()
     (out / RUN_LOCK).mkdir()
     with pytest.raises(ConfigError, match=r"output\.dir .*: its lock file .* cannot be opened .*move what is in"):
@@ -286,3 +318,31 @@ def test_a_file_in_the_way_of_the_checkpoints_or_the_lock_is_refused_in_words(tm
         simulate(out, "rounds=1")
     assert precious.read_text() == "mine"
     assert list(pd.read_csv(out / "history.csv")["round"]) == [0, 1]  # the run before all this is intact
+
+
+def test_a_round_whose_checkpoint_cannot_be_written_is_not_in_the_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 2's checkpoint fails (the disk full, as the OS would say it): the run stops with that error, its
+    history.csv and model.safetensors end at round 1, the last round saved, and --resume then ends as the run
+    never stopped."""
+    from server.state import StateStore
+
+    save = StateStore.save_checkpoint
+
+    def disk_full_at_round_2(self: StateStore, state: object, record: object) -> Path:
+        if getattr(record, "round", None) == 2:
+            raise StateError("cannot write the checkpoint of round 2: [Errno 28] No space left on device")
+        return save(self, state, record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StateStore, "save_checkpoint", disk_full_at_round_2)
+    with pytest.raises(StateError, match="No space left on device"):
+        simulate(tmp_path / "full", "rounds=3")
+    assert list(pd.read_csv(tmp_path / "full" / "history.csv")["round"]) == [0, 1]
+    from fedcore.payload import open_safetensors
+
+    assert open_safetensors(tmp_path / "full" / "model.safetensors")[1]["round"] == "1"
+    monkeypatch.setattr(StateStore, "save_checkpoint", save)
+    simulate(tmp_path / "full", "rounds=3", "output.resume=true")
+    simulate(tmp_path / "never", "rounds=3")
+    assert_same_run(tmp_path / "full", tmp_path / "never")

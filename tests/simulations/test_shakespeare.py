@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fedcore.errors import ConfigError, PartitionError
+from fedcore.errors import ConfigError, PartitionError, PayloadError
 from simulations.config import DataConfig, load_recipe
 from simulations.datasets import SHAKESPEARE_VOCAB, encode_characters, leaf_split, load_shakespeare_roles
 from simulations.harness import run_simulation
@@ -117,6 +117,15 @@ def test_too_many_clients_and_min_samples_are_refused(plays: Path) -> None:
     with pytest.raises(PartitionError, match=r"has 0 roles .*at least 520 samples.*lower shakespeare_min_samples"):
         data(plays, num_clients=1, shakespeare_min_samples=520)
     assert data(plays, num_clients=1, shakespeare_min_samples=519).client_sizes() == [415]
+
+
+def test_a_play_that_is_not_utf8_is_named(plays: Path, tmp_path: Path) -> None:
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "tiny.md").write_text(PLAY, encoding="utf-8")
+    (junk / "notes.md").write_bytes(b"\xbf\x00\xff binary")
+    with pytest.raises(PayloadError, match=r"play '.*notes\.md' cannot be read as UTF-8 text .*move that file out"):
+        data(junk, num_clients=1)
 
 
 @pytest.mark.parametrize(
