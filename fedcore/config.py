@@ -303,9 +303,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     """
     p = Path(path)
     try:
+        if p.exists() and not stat.S_ISREG(p.stat().st_mode) and not p.is_dir():  # before open: a FIFO blocks it
+            raise ConfigError(f"config file {str(p)!r} is not a regular file; give the path of a .toml file")
         with p.open("rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                raise ConfigError(f"config file {str(p)!r} is not a regular file; give the path of a .toml file")
             data = fh.read(MAX_TOML_BYTES + 1)
         if len(data) > MAX_TOML_BYTES:
             raise ConfigError(f"config file {str(p)!r} is over {MAX_TOML_BYTES >> 20} MiB: not a recipe")

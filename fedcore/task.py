@@ -416,6 +416,8 @@ def _build_cheaply(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         except Exception:  # a constructor that needs real tensors: build it for real (same names)
             try:
                 model = model_fn()
+            except FedcoreError:
+                raise
             except Exception as exc:
                 raise ConfigError(
                     f"the task's model could not be built: its model_fn raised {type(exc).__name__}: {exc}"

@@ -341,6 +341,23 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
     return sorted(unbatched)
 
 
+def _first_task(pool: InMemoryPool, client_ids: Sequence[str]) -> tuple[str, Task] | None:
+    """The first of ``client_ids`` whose task builds, with its task (None if none does): a user's factory that
+    raises for some clients fails those clients in their rounds, not the run.
+
+    Raises:
+        ConfigError: a factory's ConfigError (the recipe's, not one client's).
+    """
+    for client_id in client_ids:
+        try:
+            return client_id, pool.task(client_id)
+        except ConfigError:
+            raise
+        except Exception:  # that client fails alone when it trains
+            log.debug("client %s's task could not be built", client_id, exc_info=True)
+    return None
+
+
 def _fails_unbatched(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether the plain forward and loss of ``model`` on ``x``, ``y`` raise too (labels beyond the model's classes,
     inputs of another shape or dtype): a problem of the data, which one-by-one training meets as well."""
@@ -350,6 +367,18 @@ def _fails_unbatched(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torc
     except Exception:  # any error of the user's model or loss on these samples is the answer
         return True
     return False
+
+
+_NO_RULE_WARNING = "There is a performance drop because we have not yet implemented the batching rule"
+
+
+def _quiet_batching_rule() -> None:
+    """Filter torch.func's warning that an op has no batching rule, which would come at every step of every round
+    (the run says it once, from :func:`check_batchable`'s answer): one filter for that message only, added when
+    missing (a ``catch_warnings`` at each step would reset the once-per-place record of every other warning, which
+    then showed at every step)."""
+    if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern == _NO_RULE_WARNING for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=_NO_RULE_WARNING)
 
 
 _NO_BATCHING_RULE = re.compile(r"not yet implemented the batching rule for ([\w:.]*\w)")
@@ -386,13 +415,8 @@ class _Batched:
     def grad(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Gradients ``(clients, *shape)`` of each client's mean loss, and the losses ``(clients,)``.
-
-        torch's warning that an op has no batching rule is not repeated at every step (the run said so once,
-        from :func:`check_batchable`'s answer)."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
-            grads, losses = self._grad(params, self.frozen, x, y)
+        """Gradients ``(clients, *shape)`` of each client's mean loss, and the losses ``(clients,)``."""
+        grads, losses = self._grad(params, self.frozen, x, y)
         return grads, losses
 
 
@@ -741,6 +765,7 @@ def train_stack(
         ConfigError: the model is not batchable (:func:`check_model`).
     """
     check_model(model)
+    _quiet_batching_rule()
     device = torch.device(device) if device is not None else torch.device("cpu")
     reuse = buffers if device.type == "cpu" else None
     lengths: list[int] = []
@@ -1300,9 +1325,10 @@ class BatchedPool(PoolWrapper):
     of the sum's order). A client whose update is not finite, or whose weight ``weigh`` refuses, is left out of the
     sum and fails alone with the reason, as the round loop would reject it.
 
-    A client whose data is unusable (``x`` and ``y`` of different lengths) fails alone, as it would in-process; a
-    batch that fails fails each of its clients with the reason. Each result's ``fit_seconds`` is its batch's wall
-    time divided among the batch's clients.
+    A client whose data is unusable (``x`` and ``y`` of different lengths) fails alone, as it would in-process; so
+    does one whose task cannot be built, and a batch whose training raises is trained again one client at a time,
+    so that only the clients that raise alone fail, each with its reason. Each result's ``fit_seconds`` is its
+    batch's wall time divided among the batch's clients.
 
     Args:
         pool: the in-process pool of the same clients (their tasks, evaluation, stages).
@@ -1350,7 +1376,11 @@ class BatchedPool(PoolWrapper):
             yield from self._pool.run(instructions, timeout_s=timeout_s)
             return
         items = [(cid, ins) for cid, ins in instructions.items() if isinstance(ins, FitIns)]
-        size = self._batch_clients or self._auto_batch(items[0][0], len(items), items[0][1].config)
+        if not self._batch_clients:  # sized from the first client whose task builds (another fails alone in _fit)
+            first = _first_task(self._pool, [cid for cid, _ in items])
+            size = len(items) if first is None else self._auto_batch(first[0], len(items), items[0][1].config)
+        else:
+            size = self._batch_clients
         if not self._batch_clients and self._pool.max_tasks is not None:
             # clients built on demand: a batch holds no more of their tasks and data than the pool keeps built (with
             # 100,000 synthetic devices a round, 13 GB at once before)

@@ -284,7 +284,7 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
             "another --out (a new or empty directory), or move them"
         )
     try:
-        for name in OUTPUT_FILES:  # never leave an earlier run's results beside this run's config
+        for name in OUTPUT_FILES[1:]:  # never leave an earlier run's results beside this run's config
             (out_dir / name).unlink(missing_ok=True)
         if not resumed:  # nor an earlier run's client state and checkpoints
             shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)
@@ -293,7 +293,9 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
             for stale in out_dir.glob(pattern):
                 if not stale.is_dir():  # a directory of that name is the user's
                     stale.unlink(missing_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(recipe_record(config), indent=2) + "\n")
+        written = out_dir / ".config.json.tmp"  # replaced in one step: a kill never leaves the directory without one
+        written.write_text(json.dumps(recipe_record(config), indent=2) + "\n")
+        written.replace(out_dir / "config.json")
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         raise ConfigError(
@@ -314,7 +316,7 @@ _STATE_ENTRIES = frozenset(
     )
 )
 """What a simulation's :data:`RUN_STATE_DIR` holds (a :class:`server.state.StateStore`)."""
-_RECIPE_KEYS = frozenset({"seed", "rounds", "data", "strategy", "simulation", "output"})
+_RECIPE_KEYS = frozenset({"seed", "rounds", "data", "strategy", "output"})
 """Top-level keys every config.json of a simulation has (:func:`recipe_record`)."""
 
 
@@ -338,7 +340,11 @@ def foreign_outputs(out_dir: Path) -> list[str]:
     state = out_dir / RUN_STATE_DIR
     if not state.is_dir():
         return []
-    return sorted(f"{RUN_STATE_DIR}/{entry.name}" for entry in state.iterdir() if entry.name not in _STATE_ENTRIES)
+    return sorted(  # a dot-entry is a store's own temporary file (a killed rewrite's .history.csv.tmp-<pid>)
+        f"{RUN_STATE_DIR}/{entry.name}"
+        for entry in state.iterdir()
+        if entry.name not in _STATE_ENTRIES and not entry.name.startswith(".")
+    )
 
 
 def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
@@ -539,9 +545,12 @@ def _simulate(
     clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS, device=device)
     backend: ClientPool = clients
     if config.simulation.backend == "batched":
-        from simulations.batched import BatchedPool, check_batchable, presum_weight
+        from simulations.batched import BatchedPool, _first_task, check_batchable, presum_weight
 
-        unbatched = check_batchable(clients.task(ids[0]), strategy)  # refused before the first round, not in one
+        first = _first_task(clients, ids[:16])  # a client whose task raises fails alone, in its round
+        unbatched = check_batchable(
+            first[1] if first is not None else clients.task(ids[0]), strategy
+        )  # refused before the first round, not in one
         if unbatched:
             log.warning(
                 "batched clients: torch.func has no batching rule for %s, which it runs one client at a time: this "
@@ -645,13 +654,15 @@ def _simulate(
         # the selector's learned state (losses, durations), rebuilt from the recorded rounds as a server's is
         strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= resumed_round)
         echo(f"resuming after round {resumed_round} from {out_dir / RUN_STATE_DIR}")
-        stateful = any(mod.name == "scaffold" for mod in strategy.mods) or config.strategy.compression == "topk"
+        stateful = (
+            any(mod.name in ("scaffold", "dp-sgd") for mod in strategy.mods) or config.strategy.compression == "topk"
+        )
         client_state = out_dir / CLIENT_STATE_DIR
         if stateful and not (client_state.is_dir() and any(client_state.iterdir())):
             echo(
                 f"warning: {client_state} is missing or empty, but this run's clients keep state between rounds "
-                "(SCAFFOLD's control variates, top-k's residuals): they go on from none, so the run will differ from "
-                "the run never stopped"
+                "(SCAFFOLD's control variates, top-k's residuals, DP-SGD's privacy accounting): they go on from "
+                "none, so the run will differ from the run never stopped (and DP-SGD's epsilon will be understated)"
             )
     divergent_rounds: list[int] = []
     first_round_frozen = False  # the run's lasting objects frozen out of the collector (after its first round)

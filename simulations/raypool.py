@@ -96,13 +96,13 @@ REACH_TIMEOUT_S = 10.0
 def check_reachable(address: str, *, timeout_s: float = REACH_TIMEOUT_S) -> None:
     """Refuse a Ray cluster address (``host:port`` or ``ray://host:port``) where nothing accepts a TCP connection
     within ``timeout_s`` seconds: ``ray.init`` itself retries such an address without end. ``"auto"`` and
-    ``"local"``, which Ray resolves on this machine, are not checked.
+    ``"local"``, which Ray resolves on this machine, and other schemes (Ray's plug-ins) are not checked.
 
     Raises:
         ConfigError: the address is not ``host:port``, or no connection to it was made (with the OS's reason).
     """
-    if address in ("auto", "local"):
-        return
+    if address in ("auto", "local") or ("://" in address and not address.startswith("ray://")):
+        return  # resolved by Ray on this machine, or a plug-in scheme (module://...) Ray hands to its module
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"ray_address {address!r} is not host:port, ray://host:port or 'auto'")

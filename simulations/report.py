@@ -220,7 +220,7 @@ CAP_RATIO = 4.0
 def colour_limit(counts: npt.NDArray[np.float64]) -> float | None:
     """The count at which :func:`plot_heatmap`'s colours stop: the 99th percentile of the non-zero cells of
     ``counts`` (``(clients, classes)``) when the largest cell is over :data:`CAP_RATIO` times it, else None (the
-    colours span every count). E.g. 99 cells of 10 and one of 1,000: 10 (``numpy.percentile``, linear)."""
+    colours span every count). E.g. 99 cells of 10 and one of 1,000: 19.9 (``numpy.percentile``, linear)."""
     nonzero = counts[counts > 0]
     if nonzero.size == 0:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,9 @@ def test_bad_toml_names_the_file(tmp_path: Path) -> None:
         load_recipe(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match=r"'/dev/zero' is not a regular file"):  # read to its end: never
         load_recipe(Path("/dev/zero"))
+    os.mkfifo(tmp_path / "pipe.toml")  # opening it would wait for a writer
+    with pytest.raises(ConfigError, match=r"pipe\.toml' is not a regular file"):
+        load_recipe(tmp_path / "pipe.toml")
     bom = tmp_path / "bom.toml"  # UTF-8 with a byte-order mark, as some Windows editors save it
     bom.write_bytes(b"\xef\xbb\xbfrounds = 3\n")
     assert load_recipe(bom).rounds == 3

@@ -197,8 +197,7 @@ def test_ops_without_a_batching_rule_are_named_once_and_not_warned_at_every_step
     clients = [ClientShard("a", x[:7], y[:7]), ClientShard("b", x[7:], y[7:])]
     config = FitConfig(local_epochs=1, batch_size=3, lr=0.1)
     start = TinyLSTM().state_dict()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:  # the process's filters, batched.py's among them
         updates = train_stack(TinyLSTM(), start, clients, config, seed=SEED, round=ROUND).updates()
     assert not [w for w in caught if "batching rule" in str(w.message)]
     for update, (state, _) in zip(updates, one_by_one(TinyLSTM, clients, config, start), strict=True):
@@ -269,6 +268,10 @@ def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: boo
     assert "index 10" in failures["b"] and "out of bounds" in failures["b"], failures["b"]  # a label of 100-102
     assert failures["e"] == "ValueError: client e's data are unavailable"
     assert all(isinstance(inprocess[cid], Failure) for cid in "be")
+    # the failing client first: the batch is sized from the first client whose task builds
+    first = {cid: instructions[cid] for cid in ["e", *data]}
+    replies_first = list(BatchedPool(InMemoryPool(ids, task), weigh=weigh).run(first))
+    assert {r.client_id for r in replies_first if isinstance(r, Failure)} == {"b", "e"}
     honest = [inprocess[cid] for cid in "acd"]
     assert all(isinstance(r, FitRes) for r in honest)
     trained: list[PoolReply] = [r for r in replies if not isinstance(r, Failure)]
