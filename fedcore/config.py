@@ -289,6 +289,19 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def check_regular_file(path: Path, what: str, expected: str) -> None:
+    """Refuse ``path`` when it exists and is neither a regular file nor a directory (which opening reports itself):
+    a device such as /dev/zero is read without end, and opening a FIFO waits for a writer, so a recipe or a data file
+    given as one would hang the run instead of failing it.
+
+    Raises:
+        ConfigError: ``path`` is such a file (``what`` names the setting, ``expected`` what to give instead).
+        OSError: ``path`` cannot be examined (the caller reports it with its own words).
+    """
+    if path.exists() and not path.is_dir() and not stat.S_ISREG(path.stat().st_mode):
+        raise ConfigError(f"{what} {str(path)!r} is not a regular file; give the path of {expected}")
+
+
 MAX_TOML_BYTES = 16 << 20
 """The largest recipe or config file :func:`load_toml` reads."""
 
@@ -303,8 +316,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     """
     p = Path(path)
     try:
-        if p.exists() and not stat.S_ISREG(p.stat().st_mode) and not p.is_dir():  # before open: a FIFO blocks it
-            raise ConfigError(f"config file {str(p)!r} is not a regular file; give the path of a .toml file")
+        check_regular_file(p, "config file", "a .toml file")
         with p.open("rb") as fh:
             data = fh.read(MAX_TOML_BYTES + 1)
         if len(data) > MAX_TOML_BYTES:

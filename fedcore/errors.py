@@ -142,6 +142,12 @@ class EngineError(FedcoreError):
         super().__init__(message, round=round, client_id=client_id, stage=stage)
 
 
+def failure_reason(exc: BaseException) -> str:
+    """A client failure's reason for ``exc``: a fedcore error's own message (with its context), anything else as
+    ``"TypeName: message"`` (a user's task or model raising)."""
+    return str(exc) if isinstance(exc, FedcoreError) else f"{type(exc).__name__}: {exc}"
+
+
 def pip_install(arguments: str) -> str:
     """The pip command that installs ``arguments`` (e.g. ``"'fedcore[ray]'"``, already shell-quoted) into the
     environment of the Python running now: ``/path/to/.venv/bin/python -m pip install ...``.

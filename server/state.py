@@ -86,6 +86,20 @@ _GROUP = "group/"
 _AGGREGATOR = "aggregator/"
 _KEEP_CHECKPOINTS = 2
 _FORMAT = "2"
+STORE_ENTRIES = frozenset(
+    (
+        "checkpoints",
+        "spill",
+        "history.csv",
+        "state.lock",
+        "state.db",
+        "state.db-journal",
+        "state.db-wal",
+        "state.db-shm",
+    )
+)
+"""What a :class:`StateStore` keeps in its directory (SQLite's side files included); its temporary files begin
+with a dot."""
 _MAX_TEXT = 2000  # characters of client-derived text (ids, failure reasons) stored per row
 
 _SCHEMA = """

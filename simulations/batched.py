@@ -69,7 +69,7 @@ from torch.func import functional_call, grad, vmap
 from fedcore.aggregation import MeanAggregator
 from fedcore.aggregation.blocks import check_weight
 from fedcore.aggregation.weights import update_weight
-from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, NonFiniteError
+from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, NonFiniteError, failure_reason
 from fedcore.kernels import FUSED_DTYPES, all_finite, batch_rows, fold_rows
 from fedcore.messages import (
     Failure,
@@ -99,6 +99,7 @@ __all__ = [
     "ClientUpdate",
     "TrainedClients",
     "check_batchable",
+    "first_buildable_task",
     "presum_weight",
     "train_stack",
 ]
@@ -341,7 +342,7 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
     return sorted(unbatched)
 
 
-def _first_task(pool: InMemoryPool, client_ids: Sequence[str]) -> tuple[str, Task] | None:
+def first_buildable_task(pool: InMemoryPool, client_ids: Sequence[str]) -> tuple[str, Task] | None:
     """The first of ``client_ids`` whose task builds, with its task (None if none does): a user's factory that
     raises for some clients fails those clients in their rounds, not the run.
 
@@ -1376,15 +1377,13 @@ class BatchedPool(PoolWrapper):
             yield from self._pool.run(instructions, timeout_s=timeout_s)
             return
         items = [(cid, ins) for cid, ins in instructions.items() if isinstance(ins, FitIns)]
-        if not self._batch_clients:  # sized from the first client whose task builds (another fails alone in _fit)
-            first = _first_task(self._pool, [cid for cid, _ in items])
+        size = self._batch_clients
+        if not size:  # sized from the first client whose task builds (one that cannot fails alone in _fit), and
+            # with clients built on demand no larger than the tasks the pool keeps built, so that a batch's data are
+            # bounded too (100,000 synthetic devices in one batch: 13 GB)
+            first = first_buildable_task(self._pool, [cid for cid, _ in items])
             size = len(items) if first is None else self._auto_batch(first[0], len(items), items[0][1].config)
-        else:
-            size = self._batch_clients
-        if not self._batch_clients and self._pool.max_tasks is not None:
-            # clients built on demand: a batch holds no more of their tasks and data than the pool keeps built (with
-            # 100,000 synthetic devices a round, 13 GB at once before)
-            size = min(size, self._pool.max_tasks)
+            size = min(size, self._pool.max_tasks or size)
         for begin in range(0, len(items), size):
             yield from self._fit(items[begin : begin + size])
 
@@ -1480,7 +1479,7 @@ class BatchedPool(PoolWrapper):
                 raise
             except Exception as exc:  # the client's task could not be built or give its data: it alone fails
                 log.debug("client %s raised", cid, exc_info=True)
-                reason = str(exc) if isinstance(exc, FedcoreError) else f"{type(exc).__name__}: {exc}"
+                reason = failure_reason(exc)
                 replies[cid] = Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=reason)
                 continue
             if known is None:
@@ -1566,7 +1565,7 @@ class BatchedPool(PoolWrapper):
                     batches.extend(batched)
                 return replies, batches
             log.debug("client %s raised", members[0][0], exc_info=True)  # its reason is logged with the failures
-            reason = str(exc) if isinstance(exc, FedcoreError) else f"{type(exc).__name__}: {exc}"
+            reason = failure_reason(exc)
             cid = members[0][0]
             return {cid: Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=reason)}, []
         seconds = (time.perf_counter() - started) / len(members)

@@ -27,6 +27,7 @@ from typing import Literal
 
 import numpy as np
 
+from fedcore.config import check_regular_file
 from fedcore.errors import ConfigError
 from fedcore.messages import FitBatchRes, FitIns, FitRes, PoolReply, ServerMessage
 from fedcore.seeding import numpy_rng
@@ -133,6 +134,7 @@ def read_trace(path: Path, client_ids: Sequence[str] | None = None) -> Availabil
     """
     intervals: dict[str, list[tuple[int, int]]] = {}
     try:
+        check_regular_file(path, "devices.availability_file", "a CSV file")
         with path.open(newline="", encoding="utf-8") as fh:
             reader = csv.reader(fh)
             header = next(reader, None)

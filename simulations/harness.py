@@ -63,6 +63,7 @@ from server.round_loop import (
 )
 from server.state import (
     MAPPED_STATE_PREFIX,
+    STORE_ENTRIES,
     HistoryFile,
     StateAdvice,
     StateStore,
@@ -303,19 +304,6 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
         ) from None
 
 
-_STATE_ENTRIES = frozenset(
-    (
-        "checkpoints",
-        "spill",
-        "history.csv",
-        "state.lock",
-        "state.db",
-        "state.db-journal",
-        "state.db-wal",
-        "state.db-shm",
-    )
-)
-"""What a simulation's :data:`RUN_STATE_DIR` holds (a :class:`server.state.StateStore`)."""
 _RECIPE_KEYS = frozenset({"seed", "rounds", "data", "strategy", "output"})
 """Top-level keys every config.json of a simulation has (:func:`recipe_record`)."""
 
@@ -343,7 +331,7 @@ def foreign_outputs(out_dir: Path) -> list[str]:
     return sorted(  # a dot-entry is a store's own temporary file (a killed rewrite's .history.csv.tmp-<pid>)
         f"{RUN_STATE_DIR}/{entry.name}"
         for entry in state.iterdir()
-        if entry.name not in _STATE_ENTRIES and not entry.name.startswith(".")
+        if entry.name not in STORE_ENTRIES and not entry.name.startswith(".")
     )
 
 
@@ -545,9 +533,9 @@ def _simulate(
     clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS, device=device)
     backend: ClientPool = clients
     if config.simulation.backend == "batched":
-        from simulations.batched import BatchedPool, _first_task, check_batchable, presum_weight
+        from simulations.batched import BatchedPool, check_batchable, first_buildable_task, presum_weight
 
-        first = _first_task(clients, ids[:16])  # a client whose task raises fails alone, in its round
+        first = first_buildable_task(clients, ids[:16])  # a client whose task raises fails alone, in its round
         unbatched = check_batchable(
             first[1] if first is not None else clients.task(ids[0]), strategy
         )  # refused before the first round, not in one

@@ -28,7 +28,7 @@ import torch
 from client.runner import ModelCache, ParallelTraining, run_instruction
 from client.stages import ClientStages
 from client.state import ClientStateStore
-from fedcore.errors import ConfigError, FedcoreError, RoundFailed
+from fedcore.errors import ConfigError, FedcoreError, RoundFailed, failure_reason
 from fedcore.messages import Failure, FitRes, Reply, ServerMessage, StageIns, packed_nbytes
 from fedcore.supervised import SupervisedTask
 from fedcore.task import Task
@@ -260,16 +260,11 @@ class InMemoryPool:
             if isinstance(reply, FitRes):  # what would travel: the tensors' bytes (see FitRes.payload_bytes)
                 reply = replace(reply, payload_bytes=packed_nbytes(reply))
             return reply
-        except FedcoreError as exc:
-            return Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=str(exc))
         except Exception as exc:  # a bug in user code must not kill the whole simulation
-            log.debug("client %s raised", client_id, exc_info=True)  # its reason is logged with the failures
-            return Failure(
-                client_id=client_id,
-                round=instruction.round,
-                stage=instruction.stage,
-                reason=f"{type(exc).__name__}: {exc}",
-            )
+            if not isinstance(exc, FedcoreError):
+                log.debug("client %s raised", client_id, exc_info=True)  # its reason is logged with the failures
+            reason = failure_reason(exc)
+            return Failure(client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason)
 
     def _stage(self, instruction: StageIns, client_id: str, timeout_s: float | None) -> Reply:
         started = time.perf_counter()

@@ -3,6 +3,7 @@ their slowest client's simulated time and select only online clients."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,13 @@ def test_csv_trace_by_hand(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfec\x00l\x00")  # UTF-16 (a spreadsheet's "Unicode text" export)
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         read_trace(path)
+
+
+def test_a_trace_that_is_a_pipe_or_a_device_is_refused_not_waited_on(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "trace.csv")  # opening it would wait for a writer
+    for path in (tmp_path / "trace.csv", Path("/dev/zero")):
+        with pytest.raises(ConfigError, match=r"devices\.availability_file .* is not a regular file; give the path of"):
+            read_trace(path)
 
 
 def test_diurnal_trace_by_hand() -> None:
