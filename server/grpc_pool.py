@@ -19,6 +19,7 @@ Protobuf stays at the gRPC edge: the service converts headers to and from :mod:`
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from fedcore.wire import stage_message_to_pb
 from server.metrics import ServerMetrics
 from server.sessions import ClientIdInUse, SessionRegistry, TooManyCalls
 from server.task_board import Delivery, Task, TaskBoard
+
+log = logging.getLogger("fedcore.server")
 
 __all__ = ["ClientIdInUse", "Delivery", "GrpcClientPool", "PoolConfig", "Task", "TooManyCalls"]
 
@@ -199,7 +202,12 @@ class GrpcClientPool:
         got = self.sessions.wait_pull(session, min(wait, self.config.max_poll_s), ready, cancelled)
         if not isinstance(got, Task):
             return bool(got)
-        return got, got.payload.path.open("rb")
+        try:
+            return got, got.payload.path.open("rb")
+        except FileNotFoundError:  # the task closed (its round's deadline) between the look and the open, and the
+            # board removed its payload: nothing for this pull; the next one sees the task closed
+            log.info("client %s's task %s closed as it was pulled", got.client_id, got.task_id)
+            return False
 
     def lookup(self, session: str, task_id: str) -> tuple[str, Task | None, str]:
         """Check a push before its payload is read: ``(client id, task or None, reason)``.

@@ -258,6 +258,31 @@ def test_a_live_session_keeps_its_client_id(tmp_path: Path, caplog: pytest.LogCa
         harness.close()
 
 
+def test_a_pull_that_finds_its_task_removed_as_it_opens_it_gets_nothing(tmp_path: Path) -> None:
+    """The board closes a task at its round's deadline and then removes its payload, while a pull may have seen the
+    task open: the pull then answers "nothing yet" (False), not a FileNotFoundError out of the gRPC stream (seen in
+    a CI run of tests/e2e/test_deploy_attacks.py)."""
+    from fedcore.messages import FitIns
+    from fedcore.task import FitConfig
+
+    pool = GrpcClientPool(PoolConfig(spill_dir=tmp_path))
+    try:
+        session = pool.join("c")
+        ins = FitIns(round=1, parameters={"w": np.zeros(3, dtype=np.float32)}, config=FitConfig(), seed=0)
+        runner = threading.Thread(target=lambda: list(pool.run({"c": ins}, timeout_s=3)))
+        runner.start()
+        deadline = time.monotonic() + 10
+        while pool.board.open_task("c") is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        task = pool.board.open_task("c")
+        assert task is not None
+        task.payload.path.unlink()  # what the round's end does, here before the pull opens it
+        assert pool.pull(session, 0.0) is False
+        runner.join(10)
+    finally:
+        pool.close()
+
+
 def test_a_claimant_waiting_on_a_silent_session_loses_to_its_owner_reconnecting(tmp_path: Path) -> None:
     pool = GrpcClientPool(PoolConfig(spill_dir=tmp_path, heartbeat_interval_s=0.5, liveness_timeout_s=10.0))
     try:
