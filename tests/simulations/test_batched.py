@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 import pytest
@@ -21,7 +21,15 @@ from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TrainResult
 from fedcore.tensors import from_state_dict
 from fedcore.training import train_supervised
-from simulations.batched import BatchedPool, ClientShard, StackBuffers, _step_runs, check_batchable, train_stack
+from simulations.batched import (
+    BatchedPool,
+    ClientShard,
+    StackBuffers,
+    TrainedClients,
+    _step_runs,
+    check_batchable,
+    train_stack,
+)
 from simulations.config import load_recipe
 from simulations.harness import run_simulation
 from simulations.inmemory import InMemoryPool
@@ -240,7 +248,7 @@ def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
 def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: bool) -> None:
     """One batch of four: b's labels exceed the model's 3 classes (the batch's step raises), e's task factory raises.
     Only b and e fail, each with its own reason; a, c and d give the updates they give in process (the batch trained
-    again one client at a time), pre-summed or one reply each."""
+    again in halves: a and b alone, c and d together), pre-summed or one reply each."""
     from simulations.batched import presum_weight
     from tests.simulations.test_presum import fedavg, fold
 
@@ -275,7 +283,7 @@ def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: boo
     honest = [inprocess[cid] for cid in "acd"]
     assert all(isinstance(r, FitRes) for r in honest)
     trained: list[PoolReply] = [r for r in replies if not isinstance(r, Failure)]
-    if presum:  # the three updates summed where they trained (batches of one), as the in-process mean
+    if presum:  # the three updates summed where they trained (a alone, c with d), as the in-process mean
         assert all(isinstance(r, FitBatchRes) for r in trained)
         assert sorted(cid for r in trained if isinstance(r, FitBatchRes) for cid in r.client_ids) == ["a", "c", "d"]
     else:
@@ -285,6 +293,51 @@ def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: boo
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6)
         assert np.abs(value - start[name]).max() > 1e-3  # they trained
+
+
+def test_a_batch_with_one_bad_client_is_searched_in_halves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sixteen clients, the sixth with labels beyond the model's classes: the batch is trained again in halves, 9
+    batched trainings in all (16; 8 + 8; 4 + 4 of the failing half; 2 + 2 of its failing half; 1 + 1), not 1 + 16
+    one client at a time.
+    Only that client fails; the other fifteen give their in-process updates."""
+    import simulations.batched as batched_module
+
+    generator = torch.Generator().manual_seed(4)
+    ids = [f"c{i:02d}" for i in range(16)]
+    data = {
+        cid: (torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for cid in ids
+    }
+    data["c05"] = (data["c05"][0], data["c05"][1] + 50)
+    sizes: list[int] = []
+    real_train_stack = batched_module.train_stack
+
+    def counted(*args: Any, **kwargs: Any) -> TrainedClients:  # the real training, its batch sizes noted
+        sizes.append(len(args[2]))  # train_stack(model, global_parameters, shards, ...)
+        return real_train_stack(*args, **kwargs)
+
+    monkeypatch.setattr(batched_module, "train_stack", counted)
+
+    def task(cid: str) -> SupervisedTask:
+        return SupervisedTask(model_fn=small_mlp, train_data=data[cid])
+
+    torch.manual_seed(2)
+    start = from_state_dict(small_mlp().state_dict())
+    instructions = {
+        cid: FitIns(round=1, parameters=start, config=FitConfig(local_epochs=1, batch_size=4, lr=0.1), seed=SEED)
+        for cid in ids
+    }
+    replies = list(BatchedPool(InMemoryPool(ids, task)).run(instructions))
+    assert sizes == [16, 8, 4, 4, 2, 1, 1, 2, 8]  # depth first: c00-c07, c00-c03, c04-c07, c04-c05, c04, c05, ...
+    assert one_per_client(replies)
+    assert [r.client_id for r in replies if isinstance(r, Failure)] == ["c05"]
+    inprocess = {r.client_id: r for r in InMemoryPool(ids, task).run(instructions)}
+    for reply in replies:
+        if isinstance(reply, FitRes):
+            want = inprocess[reply.client_id]
+            assert isinstance(want, FitRes)
+            for name, value in want.parameters.items():
+                np.testing.assert_allclose(reply.parameters[name], value, rtol=1e-5, atol=1e-6)
+    assert sum(isinstance(r, FitRes) for r in replies) == 15
 
 
 def test_batched_pool_reads_a_clients_data_once_while_the_pool_keeps_its_task() -> None:
