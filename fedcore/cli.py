@@ -17,7 +17,10 @@ from fedcore.errors import ConfigError, FedcoreError
 from fedcore.options import Option, add_options, derive_options, given_values, to_overrides
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from fedcore.engine.plan import ParallelPlan
+    from simulations.config import DataConfig
 
 #: simulate's flags whose name is not their key's last part (the others are derived: ``--server-lr`` sets
 #: ``strategy.server_lr``); see :mod:`fedcore.options`.
@@ -100,16 +103,9 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
+    from server.state import lock_directory
     from simulations.config import load_data_recipe
-    from simulations.report import (
-        format_size_summary,
-        format_summary,
-        label_counts,
-        plot_heatmap,
-        size_summary,
-        skew_summary,
-    )
-    from simulations.tasks import prepare_data
+    from simulations.harness import RUN_LOCK
 
     overrides = to_overrides(given_values(args, _partition_options())) + args.overrides
     data, seed = load_data_recipe(args.recipe, overrides)
@@ -130,6 +126,35 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             f"cannot write the partition report into --out {str(out)!r}: {exc.strerror or exc}"
             f"{f' ({exc.filename})' if exc.filename else ''}; give a directory that can be written"
         ) from None
+    lock = None
+    if (out / RUN_LOCK).is_file():  # a simulation's output directory: not while it runs
+        lock = lock_directory(
+            out,
+            name=RUN_LOCK,
+            what="--out",
+            in_use="by a running simulation{pid}; wait for it to end, or give another --out",
+        )
+    try:
+        _write_partition_report(out, data, seed)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    return 0
+
+
+def _write_partition_report(out: Path, data: DataConfig, seed: int) -> None:
+    """Partition ``data`` and write counts.csv and heatmap.png into ``out`` (which can be written); print the
+    table's head, the label-skew summary and the spread of client sizes."""
+    from simulations.report import (
+        format_size_summary,
+        format_summary,
+        label_counts,
+        plot_heatmap,
+        size_summary,
+        skew_summary,
+    )
+    from simulations.tasks import prepare_data
+
     prepared = prepare_data(data, seed)
     counts = label_counts(prepared.client_labels(), prepared.num_classes)
     names = getattr(prepared, "roles", None)  # a natural split's own client names (shakespeare's roles)
@@ -148,7 +173,6 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     print(format_summary(skew_summary(counts)))
     print(format_size_summary(size_summary(counts["total"])))
     print(f"per-client class counts: {out / 'counts.csv'}; heatmap: {heatmap}")
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ A recipe TOML has the tables ``[data]``, ``[model]``, ``[strategy]``, ``[samplin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -520,10 +521,30 @@ def load_data_recipe(path: str | Path | None = None, overrides: list[str] | None
     """Only the ``[data]`` table and ``seed`` of a recipe plus ``key=value`` overrides: what a partition depends
     on (``fedcore partition``), without the other tables' checks (the model need not fit, no client samples).
 
+    The recipe's other tables are not checked beyond their names (a misspelt table is refused, as ``fedcore
+    simulate`` refuses it); an override of another table's key is refused, since it would change nothing here.
+
     Raises:
-        ConfigError: unreadable file, unknown key, wrong type or invalid value in ``[data]`` or ``seed``.
+        ConfigError: unreadable file, unknown key, wrong type or invalid value in ``[data]`` or ``seed``; a top-level
+            key that no recipe has; an override outside ``[data]`` and ``seed``.
     """
-    data: dict[str, Any] = apply_overrides(load_toml(path) if path is not None else {}, overrides or [])
+    recipe = load_toml(path) if path is not None else {}
+    known = {f.name for f in dataclasses.fields(SimulationConfig) if f.init}
+    if unknown := sorted(set(recipe) - known):
+        raise ConfigError(
+            f"unknown key(s) {', '.join(repr(k) for k in unknown)} at the top level of {str(path)!r}; known keys: "
+            f"{', '.join(sorted(known))}"
+        )
+    for item in overrides or []:
+        key = item.partition("=")[0].strip()
+        head = key.split(".")[0]
+        if head not in ("data", "seed"):
+            what = f"[{head}] is not read by a partition" if head in known else f"{head!r} is no recipe key"
+            raise ConfigError(
+                f"--set {item!r}: {what}; a partition depends only on [data] and seed (--set data.KEY=VALUE or "
+                "--set seed=N); drop it"
+            )
+    data: dict[str, Any] = apply_overrides(recipe, overrides or [])
     table = data.get("data", {})
     if not isinstance(table, dict):
         raise ConfigError(f"[data] must be a table, got {table!r}")

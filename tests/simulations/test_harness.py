@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -137,6 +138,38 @@ def test_cli_partition_refuses_an_out_it_cannot_write_before_partitioning(
         assert main(["partition", "--dataset", "digits", "--clients", "8", "--out", str(out)]) == 2
         assert re.search(message, capsys.readouterr().err), message
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_cli_partition_refuses_what_it_would_ignore_and_a_running_simulations_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An override of another table, or of no recipe key, and a misspelt table in the recipe are refused (a
+    partition reads only [data] and seed: they would change nothing); so is the output directory of a simulation
+    that is running (holds its lock). Once the simulation has ended, its directory takes the report."""
+    from fedcore.cli import main
+    from simulations.harness import lock_output
+
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text("[dat]\nnum_clients = 5\n")
+    base = ["partition", "--dataset", "digits", "--clients", "8", "--out", str(tmp_path / "report")]
+    for extra, message in (
+        (["--set", "model.name=cnn"], r"--set 'model\.name=cnn': \[model\] is not read by a partition; .* drop it"),
+        (["--set", "dat.num_clients=5"], r"--set 'dat\.num_clients=5': 'dat' is no recipe key"),
+        (["--recipe", str(recipe)], r"unknown key\(s\) 'dat' at the top level of '.*recipe\.toml'; known keys: .*data"),
+    ):
+        assert main([*base, *extra]) == 2
+        assert re.search(message, capsys.readouterr().err), message
+    assert not (tmp_path / "report").exists()
+    running = tmp_path / "run"
+    held = lock_output(running)  # as a running simulation holds it
+    try:
+        assert main([*base[:-1], str(running)]) == 2
+        assert re.search(r"--out '.*run' is in use by a running simulation \(pid \d+\)", capsys.readouterr().err)
+        assert not (running / "counts.csv").exists()
+    finally:
+        os.close(held)
+    assert main([*base[:-1], str(running)]) == 0  # ended: its directory takes the report
+    assert (running / "counts.csv").is_file()
 
 
 def tiny_task(ctx: TaskContext) -> SupervisedTask:
