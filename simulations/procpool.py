@@ -79,6 +79,10 @@ SHM_ROOT = Path("/dev/shm")
 """Where the pool's shared-memory directory goes when it exists (else the system's temporary directory)."""
 DIR_PREFIX = "fedcore-procpool-"
 """Name prefix of a pool's shared-memory directory: ``fedcore-procpool-<pid>-<random>``."""
+STOP = "stop"
+"""The kind of the message that ends a worker (before its command pipe closes)."""
+ORPHAN_WAIT_S = 5.0
+"""How long a worker whose command pipe closed without a stop message waits to see its pool's process gone."""
 START_TIMEOUT_S = 300.0
 """How long a starting worker may take to import torch and build its task factory before the pool gives up."""
 STOP_TIMEOUT_S = 10.0
@@ -691,12 +695,14 @@ def _stop(worker: _Worker, *, timeout_s: float) -> None:
 
 
 def _shutdown(workers: list[_Worker | None], directory: Path) -> None:
-    """End every worker (closing its command pipe asks it to exit) and remove ``directory``."""
+    """End every worker (a :data:`STOP` message, then its command pipe closed) and remove ``directory``."""
     live = [w for w in workers if w is not None]
     for worker in live:
         if not worker.ready:  # still importing: nothing to finish, and it would read its pipe only once started
             worker.process.kill()
     for worker in live:  # all asked at once, then each waited for
+        with contextlib.suppress(OSError):  # a worker that died has closed its end
+            _write_message(worker.commands, {"kind": STOP})  # an end of file without it: the pool died
         with contextlib.suppress(OSError):
             os.close(worker.commands)
         worker.commands = -1
@@ -736,11 +742,14 @@ def _alive(pid: int) -> bool:
 
 
 def _worker_main(commands: int, results: int) -> int:
-    """Serve tasks from ``commands`` until it reaches end of file; answer on ``results``.
+    """Serve tasks from ``commands`` until a :data:`STOP` message or end of file; answer on ``results``.
 
     Ctrl-C in a terminal reaches the whole process group: the worker ignores it, and the pool, which gets it too,
-    ends the workers by closing their command pipes."""
+    ends the workers with a stop message. An end of file without one means that the pool's process died (SIGKILL,
+    the OOM killer) and could not remove its shared-memory directory: once the pool's process has gone, the worker
+    removes it (each worker tries; the first one does it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pool = os.getppid()
     first = _read_message(commands)
     if first is None:
         return 0
@@ -754,10 +763,26 @@ def _worker_main(commands: int, results: int) -> int:
     while True:
         message = _read_message(commands)
         if message is None:
+            _remove_if_orphaned(Path(spec["dir"]), pool)
             return 0
         envelope, header = message
+        if envelope.get("kind") == STOP:
+            return 0
         reply_envelope, reply_header = serve(envelope, header)
         _write_message(results, reply_envelope, reply_header)
+
+
+def _remove_if_orphaned(directory: Path, pool: int, *, wait_s: float = ORPHAN_WAIT_S) -> bool:
+    """Remove ``directory`` (the pool's shared-memory files) if the pool's process ``pool`` has died: this worker
+    has been handed to another parent within ``wait_s`` seconds (a dying process closes its pipes before its children
+    are reparented). Return whether it was removed."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == pool:
+        if time.monotonic() >= deadline:
+            return False  # the pool lives (it closed this worker's pipe to end it)
+        time.sleep(0.01)
+    shutil.rmtree(directory, ignore_errors=True)
+    return True
 
 
 Payload = tuple[NamedArrays, dict[str, str]]

@@ -140,6 +140,38 @@ def test_stale_directories_of_dead_pools_are_removed(tmp_path: Path) -> None:
     assert mine.is_dir() and not dead.exists()
 
 
+def test_workers_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Path) -> None:
+    """A pool's process killed with SIGKILL cannot remove its shared-memory directory: its workers see their command
+    pipes close without a stop message, see the pool gone, remove the directory and exit (no stale directory is
+    left for the next run to find)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from simulations.procpool import ClientTasks, ProcessPool\n"
+        f"tasks = ClientTasks(factory={TINY!r}, num_partitions=2, seed=0)\n"
+        f"pool = ProcessPool(['a', 'b'], tasks, workers=2, shm_dir={str(tmp_path)!r})\n"
+        "print(pool.shm_dir, *pool.worker_pids(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        directory, *pids = proc.stdout.readline().split()
+        assert Path(directory).is_dir() and Path(directory).parent == tmp_path and len(pids) == 2
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while (Path(directory).exists() or any(_alive(int(pid)) for pid in pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(directory).exists()
+    assert not any(_alive(int(pid)) for pid in pids)
+
+
 DIGITS = [
     "data.dataset='digits'",
     "data.num_clients=8",
