@@ -99,6 +99,7 @@ __all__ = [
     "ClientUpdate",
     "TrainedClients",
     "check_batchable",
+    "check_batchable_clients",
     "first_buildable_task",
     "presum_weight",
     "train_stack",
@@ -281,6 +282,46 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
     Raises:
         ConfigError: what is missing, and that ``backend = "inprocess"`` runs it.
     """
+    return _batchable_trial(task, strategy) or []
+
+
+def check_batchable_clients(
+    pool: InMemoryPool, client_ids: Sequence[str], strategy: Strategy | None = None
+) -> list[str]:
+    """:func:`check_batchable` on the first of ``client_ids`` whose task builds and whose first two samples the
+    model's plain forward and loss accept: a first client with labels beyond the model's classes, or no data, would
+    leave the model's batched step untried (and a model that vmap cannot run would then fail every client of every
+    round). Clients whose task raises or whose data fail are passed over; they fail alone in their rounds.
+
+    Returns:
+        As :func:`check_batchable`; empty when no client of ``client_ids`` could try the model (each fails alone).
+
+    Raises:
+        ConfigError: as :func:`check_batchable`, or a factory's ConfigError (the recipe's, not one client's).
+        Exception: the task factory's own error when no client of ``client_ids`` has a task that builds.
+    """
+    tried = False
+    for client_id in client_ids:
+        try:
+            task = pool.task(client_id)
+        except ConfigError:
+            raise
+        except Exception:  # that client fails alone when it trains
+            log.debug("client %s's task could not be built", client_id, exc_info=True)
+            continue
+        tried = True
+        unbatched = _batchable_trial(task, strategy)
+        if unbatched is not None:
+            return unbatched
+        log.debug("client %s's first samples fail unbatched too; the batched step is tried on the next", client_id)
+    if not tried and client_ids:
+        pool.task(client_ids[0])  # raises the factory's error: no client of these can be built
+    return []
+
+
+def _batchable_trial(task: Task, strategy: Strategy | None) -> list[str] | None:
+    """:func:`check_batchable`, with None when the task's first two samples fail the model's plain forward and loss
+    as well, or it has no data: the model's batched step then was not tried."""
     if strategy is not None:
         if strategy.fit.report_validation:
             raise ConfigError(
@@ -318,7 +359,7 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
     check_model(model)
     x, y = task.train_data
     if len(x) == 0:
-        return []
+        return None
     trial = _Batched(model, task.loss_fn)
     params = {n: p.detach().unsqueeze(0) for n, p in trial.trainable.items()}
     try:
@@ -327,7 +368,7 @@ def check_batchable(task: Task, strategy: Strategy | None = None) -> list[str]:
             trial._grad(params, trial.frozen, x[None, :2].cpu(), y[None, :2].cpu())  # x may not be on the CPU
     except RuntimeError as exc:
         if _fails_unbatched(model, task.loss_fn, x[:2].cpu(), y[:2].cpu()):
-            return []  # this client's data, not batching: it fails alone in its round, as it would in process
+            return None  # this client's data, not batching: it fails alone in its round, as it would in process
         raise ConfigError(
             f"batched clients could not vmap the model's training step ({type(exc).__name__}: "
             f"{str(exc)[:300]}); a model whose forward draws random numbers or writes to its own tensors cannot be "

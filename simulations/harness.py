@@ -533,12 +533,10 @@ def _simulate(
     clients = InMemoryPool(ids, client_task, state=state, max_tasks=MAX_TASKS, device=device)
     backend: ClientPool = clients
     if config.simulation.backend == "batched":
-        from simulations.batched import BatchedPool, check_batchable, first_buildable_task, presum_weight
+        from simulations.batched import BatchedPool, check_batchable_clients, presum_weight
 
-        first = first_buildable_task(clients, ids[:16])  # a client whose task raises fails alone, in its round
-        unbatched = check_batchable(
-            first[1] if first is not None else clients.task(ids[0]), strategy
-        )  # refused before the first round, not in one
+        # refused before the first round, not in one; a client whose task raises or whose data fail is passed over
+        unbatched = check_batchable_clients(clients, ids[:16], strategy)
         if unbatched:
             log.warning(
                 "batched clients: torch.func has no batching rule for %s, which it runs one client at a time: this "

@@ -28,6 +28,7 @@ from simulations.batched import (
     TrainedClients,
     _step_runs,
     check_batchable,
+    check_batchable_clients,
     train_stack,
 )
 from simulations.config import load_recipe
@@ -49,6 +50,17 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.flatten(self.pool(torch.relu(self.conv(x))), 1))
+
+
+class NoisyForward(nn.Module):
+    """A linear model whose forward draws random numbers: not batchable (vmap's randomness is refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + torch.randn_like(x))
 
 
 def one_per_client(replies: Sequence[PoolReply]) -> TypeGuard[Sequence[Reply]]:
@@ -158,14 +170,6 @@ def test_check_batchable_refuses_what_it_cannot_reproduce() -> None:
             SupervisedTask(model_fn=lambda: nn.Sequential(nn.Dropout(0.5), nn.Linear(12, 3)), train_data=data)
         )
 
-    class NoisyForward(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(12, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc(x + torch.randn_like(x))
-
     with pytest.raises(ConfigError, match="random numbers"):
         check_batchable(SupervisedTask(model_fn=NoisyForward, train_data=data))
 
@@ -175,6 +179,34 @@ def test_check_batchable_refuses_what_it_cannot_reproduce() -> None:
 
     with pytest.raises(ConfigError, match=r"overrides SupervisedTask\.train"):
         check_batchable(OwnLoop(model_fn=small_mlp, train_data=data))
+
+
+def test_the_batched_step_is_tried_on_a_client_whose_data_the_model_accepts() -> None:
+    """The first client's labels exceed the model's classes and the second's task raises: the check passes over
+    both and tries the model's batched step on the third, so a model that vmap cannot run (its forward draws random
+    numbers) is still refused before a round; a batchable model passes, as does a run whose clients all fail."""
+
+    generator = torch.Generator().manual_seed(6)
+    data = {
+        cid: (torch.randn(4, 12, generator=generator), torch.randint(0, 3, (4,), generator=generator)) for cid in "ac"
+    }
+    data["a"] = (data["a"][0], data["a"][1] + 100)
+
+    def tasks(model_fn: Callable[[], nn.Module]) -> Callable[[str], SupervisedTask]:
+        def task(cid: str) -> SupervisedTask:
+            if cid == "b":
+                raise ValueError("client b's data are unavailable")
+            return SupervisedTask(model_fn=model_fn, train_data=data[cid])
+
+        return task
+
+    assert check_batchable(tasks(NoisyForward)("a")) == []  # one client's bad labels hide the model's problem ...
+    with pytest.raises(ConfigError, match="random numbers"):  # ... which the next clients show
+        check_batchable_clients(InMemoryPool(["a", "b", "c"], tasks(NoisyForward)), ["a", "b", "c"])
+    assert check_batchable_clients(InMemoryPool(["a", "b", "c"], tasks(small_mlp)), ["a", "b", "c"]) == []
+    assert check_batchable_clients(InMemoryPool(["a", "b"], tasks(NoisyForward)), ["a", "b"]) == []  # all fail alone
+    with pytest.raises(ValueError, match="client b's data"):  # no task builds: the factory's own error
+        check_batchable_clients(InMemoryPool(["b"], tasks(small_mlp)), ["b"])
 
 
 class TinyLSTM(nn.Module):
