@@ -196,6 +196,49 @@ def _stepper(optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]
     return step
 
 
+CLASS_LOSSES: tuple[LossFn, ...] = (nn.functional.cross_entropy, nn.functional.nll_loss)
+"""Losses whose integer targets index the model's classes (the default loss is the first)."""
+IGNORE_INDEX = -100
+"""The target both losses skip by default (their ``ignore_index``)."""
+
+
+def label_problem(y: torch.Tensor, num_classes: int) -> str | None:
+    """What makes integer class labels ``y`` (any shape, any device) unusable with ``num_classes`` classes: values
+    outside ``0..num_classes-1`` other than :data:`IGNORE_INDEX` (the first three named), or None. Costs one pass
+    over ``y`` and one device-to-host read of its smallest and largest label.
+
+    On a GPU such a label is not an error one client can fail with: cross-entropy's index is a device-side assert
+    that leaves the process's CUDA context unusable, so the trainers check before the loss reads the labels."""
+    if not y.numel():
+        return None
+    low, high = torch.stack(torch.aminmax(y)).tolist()  # one device-to-host read: 4 us for 60 labels on the CPU
+    if low >= 0 and high < num_classes:
+        return None
+    bad = ((y < 0) | (y >= num_classes)) & (y != IGNORE_INDEX)
+    if not bool(bad.any()):  # only the ignored -100 below 0
+        return None
+    values = sorted({int(v) for v in y[bad].flatten()[:1000].tolist()})
+    shown = ", ".join(str(v) for v in values[:3]) + (" ..." if len(values) > 3 else "")
+    return (
+        f"labels {shown} lie outside the model's {num_classes} classes; give labels in 0..{num_classes - 1} (or "
+        f"{IGNORE_INDEX} to skip a sample), or a model with more outputs"
+    )
+
+
+def check_labels(output: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> None:
+    """Refuse labels ``y`` that ``loss_fn`` (torch's cross-entropy or NLL; other losses are not checked) would index
+    outside the model's classes, the size of dimension 1 of ``output`` ``(N, C, ...)`` (:func:`label_problem`).
+
+    Raises:
+        ClientTaskError: the labels out of range, named.
+    """
+    if loss_fn not in CLASS_LOSSES or y.is_floating_point() or y.dtype == torch.bool or output.dim() < 2 or y.is_meta:
+        return  # (a meta tensor holds no labels to read)
+    problem = label_problem(y, int(output.shape[1]))
+    if problem is not None:
+        raise ClientTaskError(problem)
+
+
 def _sgd_epochs(
     model: nn.Module,
     x: torch.Tensor,
@@ -224,7 +267,10 @@ def _sgd_epochs(
             xb, yb = x.index_select(0, idx), y.index_select(0, idx.to(y.device))
             if not fused:
                 optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(xb), yb)
+            output = model(xb)
+            if not steps:  # all the client's labels, once, before a loss reads them
+                check_labels(output, y, loss_fn)
+            loss = loss_fn(output, yb)
             total = loss
             if config.mu > 0 and global_parameters is not None:
                 total = loss + 0.5 * config.mu * proximal_term(model, global_parameters)
@@ -270,6 +316,8 @@ def evaluate_supervised(
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         out = model(xb)
+        if not start:
+            check_labels(out, y, loss_fn)
         loss_sum = _add(loss_sum, loss_fn(out, yb, reduction="sum"), 1, on_cpu)
         correct = _add(correct, (out.argmax(dim=1) == yb).sum(), 1, on_cpu)
     return EvalResult(loss=float(loss_sum) / n, num_examples=n, metrics={"accuracy": int(correct) / n})

@@ -87,6 +87,7 @@ from fedcore.strategy import Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, LossFn, Task
 from fedcore.tensors import NamedArrays, check_spec, num_bytes, state_spec
+from fedcore.training import CLASS_LOSSES, label_problem
 from server.pool import PoolWrapper
 from simulations.inmemory import InMemoryPool
 from simulations.shuffle import epoch_permutations
@@ -707,8 +708,9 @@ def _fused_chain(
     checks: dict[Key, _LinearChain | None] | None = None,
 ) -> _LinearChain | None:
     """The fused path's chain for ``model`` when the round trains it with plain SGD (no momentum, weight decay or
-    mu) on cross-entropy with class-index targets (``y`` 1-D int64), checked (:meth:`_LinearChain.detect`) on
-    ``sample()``, a few of the clients' inputs ``x``; else None.
+    mu) on cross-entropy with class-index targets (``y`` 1-D int64, none negative: cross-entropy's ignored -100 is
+    left to the general path, which divides each batch's loss by its samples not ignored, as one-by-one training
+    does), checked (:meth:`_LinearChain.detect`) on ``sample()``, a few of the clients' inputs ``x``; else None.
 
     Args:
         checks: where the check's answers for this model are kept, by the inputs' shape per sample and dtype, when
@@ -716,6 +718,8 @@ def _fused_chain(
     """
     plain_sgd = config.momentum == 0 and config.weight_decay == 0 and config.mu == 0
     if not (plain_sgd and loss_fn is nn.functional.cross_entropy and y.dtype == torch.int64 and y.dim() == 1):
+        return None
+    if len(y) and int(y.min()) < 0:  # one read of the labels (a device-to-host copy of one number on a GPU)
         return None
     key = (tuple(x.shape[1:]), x.dtype)
     if checks is not None and key in checks:
@@ -918,7 +922,10 @@ def _not_deferred(
     if loss_fn is not nn.functional.cross_entropy:
         return "the task's loss is not torch's cross-entropy, and it needs that loss"
     if fused is None:
-        return "the model is not a chain of Flatten, Linear and ReLU modules trained on class indices"
+        return (
+            "the model is not a chain of Flatten, Linear and ReLU modules trained on class indices (none of them the "
+            "ignored -100)"
+        )
     first = params[fused.names[0][0]]
     return (
         f"the first Linear maps {first.shape[-1]} inputs to {first.shape[-2]} outputs, too narrow at batch size "
@@ -1409,6 +1416,7 @@ class BatchedPool(PoolWrapper):
         self._shards: OrderedDict[str, tuple[SupervisedTask, ClientShard, Key | None, Key]] = OrderedDict()
         self._model_keys: dict[Key, Key] = {}
         self._checks: dict[int, dict[Key, Any]] = {}  # id of a model of self._models -> _fused_chain's answers
+        self._classes: dict[Key, int | None] = {}  # a model's number of classes, for the label check
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[PoolReply]:
         """Fit instructions: trained in batches; one reply per client in instruction order, or with ``weigh`` a
@@ -1490,12 +1498,32 @@ class BatchedPool(PoolWrapper):
             same = held is task and shard.x is x and shard.y is y
             if same and fingerprint is not None and fingerprint == held_fingerprint:
                 return task, shard, key  # a task is frozen: its model_fn and loss_fn are those the key was made of
-        shard = ClientShard(client_id, x, y, read_shard(x, y))
+        read = read_shard(x, y)
         key = self._model_key(task)
+        if read[0] is None and (problem := self._label_problem(task, key, x, y)) is not None:
+            read = (problem, 0, (), None, None)
+        shard = ClientShard(client_id, x, y, read)
         self._shards[client_id] = (task, shard, fingerprint, key)
         if self._pool.max_tasks is not None and len(self._shards) > self._pool.max_tasks:
             self._shards.popitem(last=False)  # no data kept beyond the tasks the pool keeps
         return task, shard, key
+
+    def _label_problem(self, task: SupervisedTask, key: Key, x: torch.Tensor, y: torch.Tensor) -> str | None:
+        """Class labels of ``y`` that ``task``'s cross-entropy or NLL loss cannot index (:func:`label_problem`),
+        found when a client's data are read, so that the client fails alone before its batch trains (on a GPU an
+        out-of-range index is a device-side assert that ends the process's CUDA context, not an error one client
+        can fail with). The model's number of classes comes from one forward of one sample, once per model."""
+        if task.loss_fn not in CLASS_LOSSES or y.is_floating_point() or y.dtype == torch.bool or not len(x):
+            return None
+        if key not in self._classes:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                try:
+                    output = self._model(task)(x[:1].cpu())
+                except Exception:  # the client's inputs: its training meets them and fails alone
+                    return None
+            self._classes[key] = int(output.shape[1]) if output.dim() >= 2 else None
+        classes = self._classes[key]
+        return None if classes is None else label_problem(y, classes)
 
     def _model_key(self, task: SupervisedTask) -> Key:
         """``(model_fn, loss_fn)`` of ``task``, one tuple object for all the tasks that share them."""

@@ -59,3 +59,40 @@ def test_the_step_inside_backward_trains_the_same_model_bit_for_bit(monkeypatch:
     fused(torch.ones(3, 12)).sum().backward()
     assert all(p.grad is not None for p in fused.parameters() if p.requires_grad)
     assert all(torch.equal(p, b) for p, b in zip(fused.parameters(), before, strict=True))
+
+
+def test_labels_beyond_the_models_classes_are_refused_by_name_before_the_loss_reads_them() -> None:
+    """Training and evaluation with torch's cross-entropy refuse labels outside the model's 3 classes with a
+    ClientTaskError naming them (on a GPU the loss's index would be a device-side assert, which no client can fail
+    alone with); the ignored -100 trains as torch's loss takes it (the loss of a batch is over its other samples),
+    and a loss of the user's own is left to itself."""
+    from fedcore.errors import ClientTaskError
+    from fedcore.training import evaluate_supervised
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=generator)
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    bad = torch.tensor([0, 1, 2, 7, 1, -3, 0, 2])
+    want = r"labels -3, 7 lie outside the model's 3 classes; give labels in 0\.\.2 \(or -100 to skip a sample\)"
+    with pytest.raises(ClientTaskError, match=want):
+        train_supervised(nn.Linear(4, 3), x, bad, config, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ClientTaskError, match=want):
+        evaluate_supervised(nn.Linear(4, 3), x, bad)
+    ignored = torch.tensor([0, 1, -100, 2, 1, -100, 0, 2])
+    torch.manual_seed(3)
+    model, reference = nn.Linear(4, 3), nn.Linear(4, 3)
+    reference.load_state_dict(model.state_dict())
+    train_supervised(model, x, ignored, config, generator=torch.Generator().manual_seed(1))
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(1))  # the loop's shuffle, by hand
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for rows in order.split(4):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(reference(x[rows]), ignored[rows]).backward()
+        optimizer.step()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value)
+
+    def own_loss(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return nn.functional.cross_entropy(output, target.clamp(0, 2), reduction=reduction)
+
+    train_supervised(nn.Linear(4, 3), x, bad, config, generator=torch.Generator().manual_seed(1), loss_fn=own_loss)

@@ -63,6 +63,12 @@ class NoisyForward(nn.Module):
         return self.fc(x + torch.randn_like(x))
 
 
+def own_cross_entropy(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy as a user's own loss: labels beyond the model's classes raise in training (the pool checks
+    labels up front for torch's own cross-entropy and NLL only)."""
+    return nn.functional.cross_entropy(output, target, reduction=reduction)
+
+
 def one_per_client(replies: Sequence[PoolReply]) -> TypeGuard[Sequence[Reply]]:
     """No reply is a batch's :class:`FitBatchRes`: what a pool without a pre-sum weight sends, one per client."""
     return not any(isinstance(r, FitBatchRes) for r in replies)
@@ -278,7 +284,8 @@ def test_batched_pool_fails_only_the_client_with_bad_data() -> None:
 
 @pytest.mark.parametrize("presum", [False, True])
 def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: bool) -> None:
-    """One batch of four: b's labels exceed the model's 3 classes (the batch's step raises), e's task factory raises.
+    """One batch of four: b's labels exceed the model's 3 classes (the batch's step raises in the task's own loss),
+    e's task factory raises.
     Only b and e fail, each with its own reason; a, c and d give the updates they give in process (the batch trained
     again in halves: a and b alone, c and d together), pre-summed or one reply each."""
     from simulations.batched import presum_weight
@@ -293,7 +300,7 @@ def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: boo
     def task(cid: str) -> SupervisedTask:
         if cid == "e":
             raise ValueError("client e's data are unavailable")
-        return SupervisedTask(model_fn=small_mlp, train_data=data[cid])
+        return SupervisedTask(model_fn=small_mlp, train_data=data[cid], loss_fn=own_cross_entropy)
 
     torch.manual_seed(2)
     start = from_state_dict(small_mlp().state_dict())
@@ -328,7 +335,8 @@ def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: boo
 
 
 def test_a_batch_with_one_bad_client_is_searched_in_halves(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sixteen clients, the sixth with labels beyond the model's classes: the batch is trained again in halves, 9
+    """Sixteen clients, the sixth with labels beyond the model's classes (raising in the task's own loss): the batch
+    is trained again in halves, 9
     batched trainings in all (16; 8 + 8; 4 + 4 of the failing half; 2 + 2 of its failing half; 1 + 1), not 1 + 16
     one client at a time.
     Only that client fails; the other fifteen give their in-process updates."""
@@ -350,7 +358,7 @@ def test_a_batch_with_one_bad_client_is_searched_in_halves(monkeypatch: pytest.M
     monkeypatch.setattr(batched_module, "train_stack", counted)
 
     def task(cid: str) -> SupervisedTask:
-        return SupervisedTask(model_fn=small_mlp, train_data=data[cid])
+        return SupervisedTask(model_fn=small_mlp, train_data=data[cid], loss_fn=own_cross_entropy)
 
     torch.manual_seed(2)
     start = from_state_dict(small_mlp().state_dict())
@@ -370,6 +378,68 @@ def test_a_batch_with_one_bad_client_is_searched_in_halves(monkeypatch: pytest.M
             for name, value in want.parameters.items():
                 np.testing.assert_allclose(reply.parameters[name], value, rtol=1e-5, atol=1e-6)
     assert sum(isinstance(r, FitRes) for r in replies) == 15
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll_loss"])
+def test_labels_beyond_the_models_classes_fail_their_client_before_its_batch_trains(
+    loss: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With torch's cross-entropy or NLL loss, labels outside 0..classes-1 (other than the ignored -100) fail their
+    client when its data are read, named in the reason, before any batch trains (on a GPU, such an index would be a
+    device-side assert that ends the CUDA context): the batch of the others trains once, with their in-process
+    updates; -100 (ignored by the loss) is accepted."""
+    import simulations.batched as batched_module
+    from fedcore.training import label_problem
+
+    assert label_problem(torch.tensor([0, 2, -100, 1]), 3) is None
+    assert label_problem(torch.tensor([[0, 7], [-1, 3]]), 3) == (
+        "labels -1, 3, 7 lie outside the model's 3 classes; give labels in 0..2 (or -100 to skip a sample), or a "
+        "model with more outputs"
+    )
+    loss_fn = getattr(nn.functional, loss)
+    generator = torch.Generator().manual_seed(8)
+    data = {
+        cid: (torch.randn(6, 12, generator=generator), torch.randint(0, 3, (6,), generator=generator)) for cid in "abcd"
+    }
+    data["b"] = (data["b"][0], torch.tensor([0, 1, 5, 2, -100, 9]))
+    data["d"] = (data["d"][0], torch.tensor([0, -100, 2, 1, -100, 0]))
+
+    def log_probabilities() -> nn.Module:
+        return nn.Sequential(small_mlp(), nn.LogSoftmax(1))
+
+    model_fn = log_probabilities if loss == "nll_loss" else small_mlp
+
+    def task(cid: str) -> SupervisedTask:
+        return SupervisedTask(model_fn=model_fn, train_data=data[cid], loss_fn=loss_fn)
+
+    sizes: list[int] = []
+    real_train_stack = batched_module.train_stack
+
+    def counted(*args: Any, **kwargs: Any) -> TrainedClients:  # the real training, its batch sizes noted
+        sizes.append(len(args[2]))
+        return real_train_stack(*args, **kwargs)
+
+    monkeypatch.setattr(batched_module, "train_stack", counted)
+    torch.manual_seed(2)
+    start = from_state_dict(task("a").build_model().state_dict())
+    config = FitConfig(local_epochs=1, batch_size=3, lr=0.1)
+    instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in data}
+    got = list(BatchedPool(InMemoryPool(list(data), task)).run(instructions))
+    assert one_per_client(got)
+    replies = {r.client_id: r for r in got}
+    assert sizes == [3]  # a, c and d, once
+    failure = replies["b"]
+    assert isinstance(failure, Failure) and failure.reason == (
+        "labels 5, 9 lie outside the model's 3 classes; give labels in 0..2 (or -100 to skip a sample), or a model "
+        "with more outputs"
+    )
+    inprocess = {r.client_id: r for r in InMemoryPool(list(data), task).run(instructions)}
+    assert isinstance(inprocess["b"], Failure)
+    for cid in "acd":
+        one, want = replies[cid], inprocess[cid]
+        assert isinstance(one, FitRes) and isinstance(want, FitRes)
+        for name, value in want.parameters.items():
+            np.testing.assert_allclose(one.parameters[name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_batched_pool_reads_a_clients_data_once_while_the_pool_keeps_its_task() -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from client.runner import ModelCache
 from fedcore.cli import main
 from fedcore.errors import ConfigError
-from fedcore.messages import Failure
+from fedcore.messages import Failure, FitBatchRes
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, TaskContext, TrainContext, TrainResult
 from fedcore.tensors import from_state_dict
@@ -286,3 +286,42 @@ def test_a_gpu_batch_fits_three_stacked_models_in_half_the_free_memory() -> None
     assert gpu_batch(1000, big, 130 << 30) == (65 << 30) // (3 * big) == 290
     assert gpu_batch(1000, big, 100 << 20) == 1  # never fewer than one
     assert gpu_batch(7, 0, 0) == 1 and gpu_batch(7, two_nn, 1 << 40) == 7
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))]
+)
+@pytest.mark.parametrize("backend", ["inprocess", "batched"])
+def test_a_client_whose_labels_exceed_the_classes_fails_alone_and_the_device_goes_on(backend: str, device: str) -> None:
+    """Client b's labels lie beyond the model's 3 classes. On a GPU cross-entropy would index them in a device-side
+    assert that ends the process's CUDA context; instead, in both backends and over two rounds, b fails with its
+    labels named and a and c train on the device each round (bench/gpu_check.sh runs the CUDA case)."""
+    from fedcore.messages import FitIns, FitRes
+    from simulations.batched import BatchedPool
+
+    generator = torch.Generator().manual_seed(9)
+    data = {
+        cid: (torch.randn(6, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator)) for cid in "abc"
+    }
+    data["b"] = (data["b"][0], torch.tensor([0, 1, 2, 3, 1, 40]))
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def task(cid: str) -> SupervisedTask:
+        return SupervisedTask(model_fn=model, train_data=data[cid])
+
+    inmemory = InMemoryPool(list(data), task, device=device)
+    pool = BatchedPool(inmemory, device=device) if backend == "batched" else inmemory
+    start = from_state_dict(model().state_dict())
+    for rnd in (1, 2):
+        config = FitConfig(local_epochs=1, batch_size=3, lr=0.1)
+        instructions = {cid: FitIns(round=rnd, parameters=start, config=config, seed=rnd) for cid in data}
+        replies = {r.client_id: r for r in pool.run(instructions) if not isinstance(r, FitBatchRes)}
+        failure = replies["b"]
+        assert isinstance(failure, Failure)
+        assert failure.reason.startswith("labels 3, 40 lie outside the model's 3 classes; give labels in 0..2"), failure
+        for cid in "ac":
+            reply = replies[cid]
+            assert isinstance(reply, FitRes), reply
+            assert all(np.isfinite(value).all() for value in reply.parameters.values())
