@@ -448,7 +448,7 @@ class ProcessPool(VirtualClients):
                 if key not in files:
                     self._seq += 1
                     name = f"in-{self._seq}.safetensors"
-                    written = save_payload(self._dir / name, arrays, metadata, durable=False)
+                    written = save_payload(self._dir / name, arrays, metadata, durable=False, digest=False)
                     release_mapped(arrays)  # a mapped global model: out of memory until a fold or the step reads it
                     files[key] = (name, written.size, arrays)  # the arrays stay referenced: ids stay unique
                 name, size, _ = files[key]
@@ -895,7 +895,7 @@ def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes
         nonlocal count
         count += 1
         name = f"out-{worker}-{count}.safetensors"
-        save_payload(directory / name, *payload, durable=False)
+        save_payload(directory / name, *payload, durable=False, digest=False)
         return name
 
     def serve(envelope: Mapping[str, Any], header: bytes) -> tuple[dict[str, Any], bytes]:

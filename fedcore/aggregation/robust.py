@@ -215,7 +215,7 @@ class SpilledUpdates:
             self._cleanup = weakref.finalize(self, shutil.rmtree, self._directory, ignore_errors=True)
         path = self._directory / f"update-{self.count}.safetensors"
         try:
-            save_payload(path, {s.name: flat[s.name].reshape(s.shape) for s in self.spec}, durable=False)
+            save_payload(path, {s.name: flat[s.name].reshape(s.shape) for s in self.spec}, durable=False, digest=False)
             return _map_file(path, self.spec)
         except OSError as exc:
             raise AggregationError(
