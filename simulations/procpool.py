@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+import numpy as np
+
 from fedcore.aggregation.blocks import release_mapped
 from fedcore.errors import ConfigError, FedcoreError, TransportError
 from fedcore.messages import (
@@ -902,7 +904,12 @@ def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes
         name = str(envelope["payload"] or "")
 
         def load(round: int, client_id: str) -> Payload:
-            return open_safetensors(directory / name, round=round, client_id=client_id)
+            # Plain views of the mapping, not np.memmaps: a reader releases a memmap's pages as it copies them
+            # (client.runner.load_parameters), which frees nothing for a file in shared memory (its pages are the
+            # file's) and made each of the round's clients fault the model in again (2NN: 473 us a client, 136 in
+            # memory).
+            arrays, metadata = open_safetensors(directory / name, round=round, client_id=client_id)
+            return {key: array.view(np.ndarray) for key, array in arrays.items()}, metadata
 
         reply_header, out = service(envelope, header, name, load if name else None, store)
         return {"seq": envelope["seq"], "payload": out or ""}, reply_header
