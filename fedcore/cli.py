@@ -132,7 +132,8 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             out,
             name=RUN_LOCK,
             what="--out",
-            in_use="by a running simulation{pid}; wait for it to end, or give another --out",
+            in_use="by another fedcore process{pid} (a simulation writing its results there, or a partition); wait "
+            "for it to end, or give another --out",
         )
     try:
         _write_partition_report(out, data, seed)

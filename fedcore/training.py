@@ -225,6 +225,11 @@ def label_problem(y: torch.Tensor, num_classes: int) -> str | None:
     )
 
 
+LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+"""Integer dtypes whose labels :func:`check_labels` reads (torch.aminmax has no kernel for the wider unsigned ones,
+which the losses refuse anyway)."""
+
+
 def check_labels(output: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> None:
     """Refuse labels ``y`` that ``loss_fn`` (torch's cross-entropy or NLL; other losses are not checked) would index
     outside the model's classes, the size of dimension 1 of ``output`` ``(N, C, ...)`` (:func:`label_problem`).
@@ -232,8 +237,8 @@ def check_labels(output: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> None
     Raises:
         ClientTaskError: the labels out of range, named.
     """
-    if loss_fn not in CLASS_LOSSES or y.is_floating_point() or y.dtype == torch.bool or output.dim() < 2 or y.is_meta:
-        return  # (a meta tensor holds no labels to read)
+    if loss_fn not in CLASS_LOSSES or y.dtype not in LABEL_DTYPES or output.dim() < 2 or y.is_meta:
+        return  # the loss says what it makes of other targets (a meta tensor holds no labels to read)
     problem = label_problem(y, int(output.shape[1]))
     if problem is not None:
         raise ClientTaskError(problem)

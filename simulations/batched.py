@@ -87,7 +87,7 @@ from fedcore.strategy import Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, LossFn, Task
 from fedcore.tensors import NamedArrays, check_spec, num_bytes, state_spec
-from fedcore.training import CLASS_LOSSES, label_problem
+from fedcore.training import CLASS_LOSSES, LABEL_DTYPES, label_problem
 from server.pool import PoolWrapper
 from simulations.inmemory import InMemoryPool
 from simulations.shuffle import epoch_permutations
@@ -359,7 +359,7 @@ def _batchable_trial(task: Task, strategy: Strategy | None) -> list[str] | None:
         model = task.build_model()
     check_model(model)
     x, y = task.train_data
-    if len(x) == 0:
+    if _data_problem(x, y) is not None or len(x) == 0:  # fails alone in its round (read_shard), or has nothing
         return None
     trial = _Batched(model, task.loss_fn)
     params = {n: p.detach().unsqueeze(0) for n, p in trial.trainable.items()}
@@ -367,7 +367,7 @@ def _batchable_trial(task: Task, strategy: Strategy | None) -> list[str] | None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trial._grad(params, trial.frozen, x[None, :2].cpu(), y[None, :2].cpu())  # x may not be on the CPU
-    except RuntimeError as exc:
+    except Exception as exc:  # vmap's refusal, or the data's (which the plain forward and loss meet as well)
         if _fails_unbatched(model, task.loss_fn, x[:2].cpu(), y[:2].cpu()):
             return None  # this client's data, not batching: it fails alone in its round, as it would in process
         raise ConfigError(
@@ -1375,9 +1375,10 @@ class BatchedPool(PoolWrapper):
     sum and fails alone with the reason, as the round loop would reject it.
 
     A client whose data is unusable (``x`` and ``y`` of different lengths) fails alone, as it would in-process; so
-    does one whose task cannot be built, and a batch whose training raises is trained again in halves, down to single
-    clients, so that only the clients that raise alone fail, each with its reason. Each result's ``fit_seconds`` is its
-    batch's wall time divided among the batch's clients.
+    does one whose task cannot be built, or whose class labels lie beyond the model's classes (torch's cross-entropy
+    or NLL loss), and a batch whose training raises is trained again in halves, down to single clients (one at a time
+    where both halves raise), so that only the clients that raise alone fail, each with its reason. Each result's
+    ``fit_seconds`` is its batch's wall time divided among the batch's clients.
 
     Args:
         pool: the in-process pool of the same clients (their tasks, evaluation, stages).
@@ -1513,7 +1514,7 @@ class BatchedPool(PoolWrapper):
         found when a client's data are read, so that the client fails alone before its batch trains (on a GPU an
         out-of-range index is a device-side assert that ends the process's CUDA context, not an error one client
         can fail with). The model's number of classes comes from one forward of one sample, once per model."""
-        if task.loss_fn not in CLASS_LOSSES or y.is_floating_point() or y.dtype == torch.bool or not len(x):
+        if task.loss_fn not in CLASS_LOSSES or y.dtype not in LABEL_DTYPES or not len(x):
             return None
         if key not in self._classes:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -1581,12 +1582,62 @@ class BatchedPool(PoolWrapper):
         """Train one group (same model, instruction settings and global model; ``shards``: the members' data, in
         their order): its per-client replies, and with ``weigh`` the batches of those whose updates were summed.
 
-        A group whose training raises (a client's labels outside the model's classes, a bug in the task's model or
-        loss that only some data reach) is split in halves and each half trained again, down to single clients, so
-        that only the clients that raise alone fail, each with its own reason, and the others' updates count. One bad
-        client in a group of n costs about 2 log2(n) batched trainings, not n one-client ones; the halves that train
-        give their clients' results as the whole group would have (each client's training is independent of its
-        batch-mates'; with ``weigh`` each half is its own pre-summed batch)."""
+        A group whose training raises (a bug in the task's model or loss that only some data reach) is searched
+        (:meth:`_search`) so that only the clients that raise alone fail, each with its own reason, and the others'
+        updates count."""
+        outcome = self._attempt(members, shards)
+        if not isinstance(outcome, Exception):
+            return outcome
+        if len(members) > 1:
+            log.info(
+                "round %d: a batch of %d clients raised %s; training it again in parts to find which clients",
+                members[0][1].round,
+                len(members),
+                type(outcome).__name__,
+            )
+        return self._search(members, shards, outcome)
+
+    def _search(
+        self, members: Sequence[tuple[str, FitIns, SupervisedTask]], shards: Sequence[ClientShard], error: Exception
+    ) -> tuple[dict[str, Reply], list[FitBatchRes]]:
+        """The replies of a group whose training raised ``error``: a single client fails with it; a larger group is
+        trained again in halves, and a half that raises is searched the same way. One bad client in a group of n
+        costs about 2 log2(n) batched trainings, not n one-client ones. When both halves raise, failures are not rare
+        in this group (a loss that most data break), and its clients are trained one at a time: n + 3 trainings at
+        most when all fail, where halving down to each would take 2n - 1. The parts that train give their clients'
+        results as the whole group would have (each client's training is independent of its batch-mates'; with
+        ``weigh`` each part is its own pre-summed batch)."""
+        if len(members) == 1:
+            cid = members[0][0]
+            log.debug("client %s raised", cid, exc_info=error)  # its reason is logged with the round's failures
+            reason = failure_reason(error)
+            return {cid: Failure(client_id=cid, round=members[0][1].round, stage=Stage.FIT, reason=reason)}, []
+        half = len(members) // 2
+        parts = [(members[:half], shards[:half]), (members[half:], shards[half:])]
+        outcomes = [self._attempt(part, part_shards) for part, part_shards in parts]
+        replies: dict[str, Reply] = {}
+        batches: list[FitBatchRes] = []
+        for (part, part_shards), outcome in zip(parts, outcomes, strict=True):
+            if not isinstance(outcome, Exception):
+                found = outcome
+            elif len(part) == 1 or not all(isinstance(other, Exception) for other in outcomes):
+                found = self._search(part, part_shards, outcome)
+            else:  # both halves raised: each client of this part alone
+                found = ({}, [])
+                for member, shard in zip(part, part_shards, strict=True):
+                    alone = self._attempt([member], [shard])
+                    one = self._search([member], [shard], alone) if isinstance(alone, Exception) else alone
+                    found[0].update(one[0])
+                    found[1].extend(one[1])
+            replies.update(found[0])
+            batches.extend(found[1])
+        return replies, batches
+
+    def _attempt(
+        self, members: Sequence[tuple[str, FitIns, SupervisedTask]], shards: Sequence[ClientShard]
+    ) -> tuple[dict[str, Reply], list[FitBatchRes]] | Exception:
+        """One batched training of ``members`` (see :meth:`_train_group`): their replies and batches, or the
+        exception it raised (a ConfigError, the run's, is raised)."""
         _, ins, task = members[0]
         started = time.perf_counter()
         try:
@@ -1622,27 +1673,9 @@ class BatchedPool(PoolWrapper):
         except ConfigError:
             raise
         except Exception as exc:  # a client's data or a bug in user code (model, loss) fails clients, not the run
-            if len(members) > 1:
-                log.info(
-                    "round %d: a batch of %d clients raised %s; training it again in halves to find which clients",
-                    ins.round,
-                    len(members),
-                    type(exc).__name__,
-                )
-                replies: dict[str, Reply] = {}
-                batches: list[FitBatchRes] = []
-                half = len(members) // 2
-                for part in (slice(None, half), slice(half, None)):
-                    per_client, batched = self._train_group(members[part], shards[part])
-                    replies.update(per_client)
-                    batches.extend(batched)
-                return replies, batches
-            log.debug("client %s raised", members[0][0], exc_info=True)  # its reason is logged with the failures
-            reason = failure_reason(exc)
-            cid = members[0][0]
-            return {cid: Failure(client_id=cid, round=ins.round, stage=Stage.FIT, reason=reason)}, []
+            return exc
         seconds = (time.perf_counter() - started) / len(members)
-        replies = {}
+        replies: dict[str, Reply] = {}
         for (cid, member_ins, _), update in zip(members, updates, strict=True):
             arrays: NamedArrays = {name: t.numpy() for name, t in update.parameters.items()}
             reply = FitRes(

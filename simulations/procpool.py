@@ -28,7 +28,8 @@ killed for memory) fails the client it was running with a reason that says so, a
 goes on by the round loop's quorum rules. The pool never waits for a dead worker. :meth:`ProcessPool.close` (also
 on ``with`` exit and at interpreter exit) ends the workers, killing any that do not exit within a few seconds, and
 removes the shared-memory directory; a worker also exits by itself when the pool's process dies (its command pipe
-reaches end of file), and a later pool removes directories left by pools whose process died.
+reaches end of file, or its reply cannot be written), removing that directory once the pool's process has gone, and
+a later pool removes directories left by pools whose process died (all of whose workers were killed too).
 
 Fit and evaluate instructions keep no deadline (as in the in-memory pool: a simulation's model never depends on
 timing); a stage instruction is timed inside its worker against ``timeout_s``.
@@ -747,9 +748,10 @@ def _worker_main(commands: int, results: int) -> int:
     """Serve tasks from ``commands`` until a :data:`STOP` message or end of file; answer on ``results``.
 
     Ctrl-C in a terminal reaches the whole process group: the worker ignores it, and the pool, which gets it too,
-    ends the workers with a stop message. An end of file without one means that the pool's process died (SIGKILL,
-    the OOM killer) and could not remove its shared-memory directory: once the pool's process has gone, the worker
-    removes it (each worker tries; the first one does it)."""
+    ends the workers with a stop message. An end of file without one, or a reply that cannot be written (the worker
+    was training when it happened), means that the pool's process died (SIGKILL, the OOM killer) and could not
+    remove its shared-memory directory: once the pool's process has gone, the worker removes it (each worker tries;
+    the first one does it, and one that was still writing an update removes that too)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pool = os.getppid()
     first = _read_message(commands)
@@ -762,16 +764,25 @@ def _worker_main(commands: int, results: int) -> int:
         _write_message(results, {"kind": "error", "error": f"{type(exc).__name__}: {exc}"})
         return 1
     _write_message(results, {"kind": "ready"})
+    directory = Path(spec["dir"])
     while True:
-        message = _read_message(commands)
+        try:
+            message = _read_message(commands)
+        except TransportError:  # the pool died while writing a command
+            _remove_if_orphaned(directory, pool)
+            return 1
         if message is None:
-            _remove_if_orphaned(Path(spec["dir"]), pool)
+            _remove_if_orphaned(directory, pool)
             return 0
         envelope, header = message
         if envelope.get("kind") == STOP:
             return 0
         reply_envelope, reply_header = serve(envelope, header)
-        _write_message(results, reply_envelope, reply_header)
+        try:
+            _write_message(results, reply_envelope, reply_header)
+        except OSError:  # BrokenPipeError: the pool died while this worker trained (or it ended this worker)
+            _remove_if_orphaned(directory, pool)
+            return 0
 
 
 def _remove_if_orphaned(directory: Path, pool: int, *, wait_s: float = ORPHAN_WAIT_S) -> bool:

@@ -78,6 +78,13 @@ def test_labels_beyond_the_models_classes_are_refused_by_name_before_the_loss_re
         train_supervised(nn.Linear(4, 3), x, bad, config, generator=torch.Generator().manual_seed(1))
     with pytest.raises(ClientTaskError, match=want):
         evaluate_supervised(nn.Linear(4, 3), x, bad)
+    for dtype in (torch.int32, torch.uint8):  # other integer labels are checked too
+        with pytest.raises(ClientTaskError, match=r"labels 7 lie outside"):
+            train_supervised(
+                nn.Linear(4, 3), x, bad.clamp(0).to(dtype), config, generator=torch.Generator().manual_seed(1)
+            )
+    with pytest.raises(NotImplementedError, match="index_select"):  # unsigned wider: left to torch, which says so
+        train_supervised(nn.Linear(4, 3), x, bad.clamp(0).to(torch.uint16), config, generator=torch.Generator())
     ignored = torch.tensor([0, 1, -100, 2, 1, -100, 0, 2])
     torch.manual_seed(3)
     model, reference = nn.Linear(4, 3), nn.Linear(4, 3)

@@ -188,15 +188,18 @@ def test_check_batchable_refuses_what_it_cannot_reproduce() -> None:
 
 
 def test_the_batched_step_is_tried_on_a_client_whose_data_the_model_accepts() -> None:
-    """The first client's labels exceed the model's classes and the second's task raises: the check passes over
-    both and tries the model's batched step on the third, so a model that vmap cannot run (its forward draws random
-    numbers) is still refused before a round; a batchable model passes, as does a run whose clients all fail."""
+    """The first client's labels exceed the model's classes, the second's task raises, the third has 1 label for 4
+    inputs and the fourth a 0-dim x: the check passes over them and tries the model's batched step on the fifth, so
+    a model that vmap cannot run (its forward draws random numbers) is still refused before a round; a batchable
+    model passes, as does a run whose clients all fail. A round whose first clients are those trains the others."""
 
     generator = torch.Generator().manual_seed(6)
     data = {
-        cid: (torch.randn(4, 12, generator=generator), torch.randint(0, 3, (4,), generator=generator)) for cid in "ac"
+        cid: (torch.randn(4, 12, generator=generator), torch.randint(0, 3, (4,), generator=generator)) for cid in "acd"
     }
     data["a"] = (data["a"][0], data["a"][1] + 100)
+    data["x"] = (torch.randn(4, 12), torch.zeros(1, dtype=torch.int64))
+    data["z"] = (torch.tensor(1.0), torch.zeros(1, dtype=torch.int64))
 
     def tasks(model_fn: Callable[[], nn.Module]) -> Callable[[str], SupervisedTask]:
         def task(cid: str) -> SupervisedTask:
@@ -207,10 +210,18 @@ def test_the_batched_step_is_tried_on_a_client_whose_data_the_model_accepts() ->
         return task
 
     assert check_batchable(tasks(NoisyForward)("a")) == []  # one client's bad labels hide the model's problem ...
+    ids = ["a", "b", "x", "z", "c", "d"]
     with pytest.raises(ConfigError, match="random numbers"):  # ... which the next clients show
-        check_batchable_clients(InMemoryPool(["a", "b", "c"], tasks(NoisyForward)), ["a", "b", "c"])
-    assert check_batchable_clients(InMemoryPool(["a", "b", "c"], tasks(small_mlp)), ["a", "b", "c"]) == []
-    assert check_batchable_clients(InMemoryPool(["a", "b"], tasks(NoisyForward)), ["a", "b"]) == []  # all fail alone
+        check_batchable_clients(InMemoryPool(ids, tasks(NoisyForward)), ids)
+    assert check_batchable_clients(InMemoryPool(ids, tasks(small_mlp)), ids) == []
+    assert check_batchable_clients(InMemoryPool(ids[:4], tasks(NoisyForward)), ids[:4]) == []  # all fail alone
+    start = from_state_dict(small_mlp().state_dict())
+    config = FitConfig(local_epochs=1, batch_size=2, lr=0.1)
+    instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in ids}
+    replies = list(BatchedPool(InMemoryPool(ids, tasks(small_mlp))).run(instructions))
+    assert one_per_client(replies)
+    assert [r.client_id for r in replies if isinstance(r, FitRes)] == ["c", "d"]
+    assert [r.client_id for r in replies if isinstance(r, Failure)] == ["a", "b", "x", "z"]
     with pytest.raises(ValueError, match="client b's data"):  # no task builds: the factory's own error
         check_batchable_clients(InMemoryPool(["b"], tasks(small_mlp)), ["b"])
 
@@ -334,12 +345,13 @@ def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: boo
         assert np.abs(value - start[name]).max() > 1e-3  # they trained
 
 
-def test_a_batch_with_one_bad_client_is_searched_in_halves(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sixteen clients, the sixth with labels beyond the model's classes (raising in the task's own loss): the batch
-    is trained again in halves, 9
-    batched trainings in all (16; 8 + 8; 4 + 4 of the failing half; 2 + 2 of its failing half; 1 + 1), not 1 + 16
-    one client at a time.
-    Only that client fails; the other fifteen give their in-process updates."""
+@pytest.mark.parametrize("bad", [["c05"], [f"c{i:02d}" for i in range(16) if i != 9]], ids=["one bad", "all but one"])
+def test_a_batch_whose_training_raises_is_searched_in_parts(bad: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sixteen clients in one batch; labels beyond the model's classes (raising in the task's own loss) for one of
+    them, or for all but one. One bad client: the batch is trained again in halves, 9 batched trainings in all (16;
+    8 + 8; 4 + 4 of the failing half; 2 + 2 of its failing half; 1 + 1), not 1 + 16 one client at a time. All but
+    one bad: both halves raise, so each client trains alone (1 + 2 + 16, not the 31 of halving down to each). Only
+    the bad clients fail; the others give their in-process updates."""
     import simulations.batched as batched_module
 
     generator = torch.Generator().manual_seed(4)
@@ -347,7 +359,8 @@ def test_a_batch_with_one_bad_client_is_searched_in_halves(monkeypatch: pytest.M
     data = {
         cid: (torch.randn(8, 12, generator=generator), torch.randint(0, 3, (8,), generator=generator)) for cid in ids
     }
-    data["c05"] = (data["c05"][0], data["c05"][1] + 50)
+    for cid in bad:
+        data[cid] = (data[cid][0], data[cid][1] + 50)
     sizes: list[int] = []
     real_train_stack = batched_module.train_stack
 
@@ -367,9 +380,12 @@ def test_a_batch_with_one_bad_client_is_searched_in_halves(monkeypatch: pytest.M
         for cid in ids
     }
     replies = list(BatchedPool(InMemoryPool(ids, task)).run(instructions))
-    assert sizes == [16, 8, 4, 4, 2, 1, 1, 2, 8]  # depth first: c00-c07, c00-c03, c04-c07, c04-c05, c04, c05, ...
+    if len(bad) == 1:  # c00-c07 and c08-c15; c00-c03 and c04-c07; c04-c05 and c06-c07; c04 and c05
+        assert sizes == [16, 8, 8, 4, 4, 2, 2, 1, 1]
+    else:
+        assert sizes == [16, 8, 8] + [1] * 16
     assert one_per_client(replies)
-    assert [r.client_id for r in replies if isinstance(r, Failure)] == ["c05"]
+    assert [r.client_id for r in replies if isinstance(r, Failure)] == bad
     inprocess = {r.client_id: r for r in InMemoryPool(ids, task).run(instructions)}
     for reply in replies:
         if isinstance(reply, FitRes):
@@ -377,7 +393,7 @@ def test_a_batch_with_one_bad_client_is_searched_in_halves(monkeypatch: pytest.M
             assert isinstance(want, FitRes)
             for name, value in want.parameters.items():
                 np.testing.assert_allclose(reply.parameters[name], value, rtol=1e-5, atol=1e-6)
-    assert sum(isinstance(r, FitRes) for r in replies) == 15
+    assert sum(isinstance(r, FitRes) for r in replies) == 16 - len(bad)
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "nll_loss"])

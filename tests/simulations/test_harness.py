@@ -164,7 +164,10 @@ def test_cli_partition_refuses_what_it_would_ignore_and_a_running_simulations_di
     held = lock_output(running)  # as a running simulation holds it
     try:
         assert main([*base[:-1], str(running)]) == 2
-        assert re.search(r"--out '.*run' is in use by a running simulation \(pid \d+\)", capsys.readouterr().err)
+        assert re.search(
+            r"--out '.*run' is in use by another fedcore process \(pid \d+\) \(a simulation writing",
+            capsys.readouterr().err,
+        )
         assert not (running / "counts.csv").exists()
     finally:
         os.close(held)

@@ -140,20 +140,24 @@ def test_stale_directories_of_dead_pools_are_removed(tmp_path: Path) -> None:
     assert mine.is_dir() and not dead.exists()
 
 
-def test_workers_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Path) -> None:
-    """A pool's process killed with SIGKILL cannot remove its shared-memory directory: its workers see their command
-    pipes close without a stop message, see the pool gone, remove the directory and exit (no stale directory is
-    left for the next run to find)."""
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "training"])
+def test_workers_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Path, busy: bool) -> None:
+    """A pool's process killed with SIGKILL cannot remove its shared-memory directory: its workers, idle (their
+    command pipes close without a stop message) or training a client when it happens (their reply cannot be
+    written), see the pool gone, remove the directory and exit (no stale directory is left for the next run)."""
     import signal
     import subprocess
     import sys
     import time
 
     script = (
-        "import sys, time\n"
+        "import sys, threading, time\n"
         "from simulations.procpool import ClientTasks, ProcessPool\n"
-        f"tasks = ClientTasks(factory={TINY!r}, num_partitions=2, seed=0)\n"
+        "from tests.simulations.test_procpool import _fit\n"
+        f"tasks = ClientTasks(factory={TINY!r}, options={{'slow': 'a,b', 'slow_s': '2'}}, num_partitions=2, seed=0)\n"
         f"pool = ProcessPool(['a', 'b'], tasks, workers=2, shm_dir={str(tmp_path)!r})\n"
+        + ("threading.Thread(target=lambda: list(pool.run(_fit(['a', 'b']))), daemon=True).start()\n" if busy else "")
+        + "time.sleep(0.5)\n"  # the two clients are in their workers
         "print(pool.shm_dir, *pool.worker_pids(), flush=True)\n"
         "time.sleep(600)\n"
     )
