@@ -305,10 +305,13 @@ def evaluate_supervised(
     """Mean loss and accuracy of a classifier on ``(x, y)``.
 
     Args:
-        x: inputs ``(N, ...)``; y: class indices ``(N,)`` int64.
+        x: inputs ``(N, ...)``; y: class indices ``(N,)`` int64, or ``(N, T...)`` for outputs ``(N, C, T...)`` (a
+            label per position, as torch's cross-entropy takes them); :data:`IGNORE_INDEX` marks a label to skip.
 
     Returns:
-        ``EvalResult(loss=mean loss per example, num_examples=N, metrics={"accuracy": fraction correct})``.
+        ``EvalResult(loss=mean loss per label, num_examples=N, metrics={"accuracy": fraction of labels correct})``,
+        both over the labels not ignored, as torch's mean reduction counts them (one label per example for ``(N,)``
+        labels: the mean per example). Targets that are not class indices (floating point) are averaged per example.
     """
     loss_fn = loss_fn or nn.functional.cross_entropy
     model.eval()
@@ -317,15 +320,25 @@ def evaluate_supervised(
         return EvalResult(loss=float("nan"), num_examples=0, metrics={})
     on_cpu = x.device.type == "cpu"
     loss_sum: float | torch.Tensor = 0.0
-    correct: float | torch.Tensor = 0.0  # a count, exact in float64
+    correct: float | torch.Tensor = 0.0  # counts, exact in float64
+    labelled: float | torch.Tensor = 0.0
+    indices = not (y.is_floating_point() or y.is_complex())
     for start in range(0, n, batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         out = model(xb)
         if not start:
             check_labels(out, y, loss_fn)
         loss_sum = _add(loss_sum, loss_fn(out, yb, reduction="sum"), 1, on_cpu)
-        correct = _add(correct, (out.argmax(dim=1) == yb).sum(), 1, on_cpu)
-    return EvalResult(loss=float(loss_sum) / n, num_examples=n, metrics={"accuracy": int(correct) / n})
+        hits = out.argmax(dim=1) == yb
+        if indices:  # the labels the loss counts: all but the ignored ones, at every position
+            kept = yb != IGNORE_INDEX
+            hits &= kept
+            labelled = _add(labelled, kept.sum(), 1, on_cpu)
+        correct = _add(correct, hits.sum(), 1, on_cpu)
+    count = float(labelled) if indices else float(n)
+    if count == 0:  # every label ignored: nothing to measure
+        return EvalResult(loss=float("nan"), num_examples=n, metrics={})
+    return EvalResult(loss=float(loss_sum) / count, num_examples=n, metrics={"accuracy": float(correct) / count})
 
 
 def _add(total: float | torch.Tensor, value: torch.Tensor, scale: int, on_cpu: bool) -> float | torch.Tensor:

@@ -366,7 +366,10 @@ def _batchable_trial(task: Task, strategy: Strategy | None) -> list[str] | None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trial._grad(params, trial.frozen, x[None, :2].cpu(), y[None, :2].cpu())  # x may not be on the CPU
+            labels = y[None, :2].cpu()
+            trial._grad(
+                params, trial.frozen, x[None, :2].cpu(), labels.long() if labels.dtype == torch.uint8 else labels
+            )
     except Exception as exc:  # vmap's refusal, or the data's (which the plain forward and loss meet as well)
         if _fails_unbatched(model, task.loss_fn, x[:2].cpu(), y[:2].cpu()):
             return None  # this client's data, not batching: it fails alone in its round, as it would in process
@@ -849,6 +852,8 @@ def train_stack(
     not_deferred = "no client of the batch has data to train on" if defer_first_layer else ""
     if num_steps:
         x_all, y_all, firsts = _rows(shards, sizes, device, reuse, [reads[i] for i in order])
+        if y_all.dtype == torch.uint8:  # class indices, as the losses read them; vmap's gather takes int64 only
+            y_all = y_all.long()
         arrays = _plan_arrays(sizes, plans)  # read by the index and the step table
         index = _batch_index(shards, arrays, config, firsts, seed=seed, round=round).to(device)
         reference = {n: global_parameters[n].to(device) for n in names} if config.mu > 0 else {}
@@ -1418,6 +1423,7 @@ class BatchedPool(PoolWrapper):
         self._model_keys: dict[Key, Key] = {}
         self._checks: dict[int, dict[Key, Any]] = {}  # id of a model of self._models -> _fused_chain's answers
         self._classes: dict[Key, int | None] = {}  # a model's number of classes, for the label check
+        self._tried: set[Key] = set()  # models whose batched step was tried on usable data (see _model)
 
     def run(self, instructions: Mapping[str, ServerMessage], *, timeout_s: float | None = None) -> Iterator[PoolReply]:
         """Fit instructions: trained in batches; one reply per client in instruction order, or with ``weigh`` a
@@ -1467,10 +1473,19 @@ class BatchedPool(PoolWrapper):
         return max(1, min(count, CPU_STACK_BYTES // max(largest, 1)))
 
     def _model(self, task: SupervisedTask) -> nn.Module:
+        """The pool's model for ``task``'s ``(model_fn, loss_fn)``, built once. Its batched step is tried
+        (:func:`check_batchable`) on the first task that gives it, and again on each later task while the tries so
+        far were on data that fail the plain forward and loss too (a model that vmap cannot run is then refused at
+        the first client with usable data, not failed in every round).
+
+        Raises:
+            ConfigError: the model cannot be batched.
+        """
         key = (task.model_fn, task.loss_fn)
         model = self._models.get(key)
+        if key not in self._tried and _batchable_trial(task, None) is not None:
+            self._tried.add(key)
         if model is None:
-            check_batchable(task)
             with torch.random.fork_rng(devices=[]):
                 model = task.build_model()
             self._models[key] = model
@@ -1516,10 +1531,16 @@ class BatchedPool(PoolWrapper):
         can fail with). The model's number of classes comes from one forward of one sample, once per model."""
         if task.loss_fn not in CLASS_LOSSES or y.dtype not in LABEL_DTYPES or not len(x):
             return None
+        if y.dtype not in (torch.int64, torch.uint8):  # as one-by-one training, whose loss refuses them
+            return (
+                f"labels of dtype {str(y.dtype).removeprefix('torch.')}: torch's {task.loss_fn.__name__} takes class "
+                "indices as int64 (or uint8); give y.long()"
+            )
         if key not in self._classes:
+            model = self._model(task)  # raises ConfigError: the model cannot be batched
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 try:
-                    output = self._model(task)(x[:1].cpu())
+                    output = model(x[:1].cpu())
                 except Exception:  # the client's inputs: its training meets them and fails alone
                     return None
             self._classes[key] = int(output.shape[1]) if output.dim() >= 2 else None

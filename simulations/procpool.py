@@ -758,13 +758,18 @@ def _worker_main(commands: int, results: int) -> int:
     if first is None:
         return 0
     spec = first[0]
+    directory = Path(spec["dir"])
     try:
         serve = _worker_setup(spec)
     except Exception as exc:  # reported to the pool, which raises it as a TransportError
-        _write_message(results, {"kind": "error", "error": f"{type(exc).__name__}: {exc}"})
+        with contextlib.suppress(OSError):  # a pool that died meanwhile
+            _write_message(results, {"kind": "error", "error": f"{type(exc).__name__}: {exc}"})
         return 1
-    _write_message(results, {"kind": "ready"})
-    directory = Path(spec["dir"])
+    try:
+        _write_message(results, {"kind": "ready"})
+    except OSError:  # the pool died (or was ended) while this worker started
+        _remove_if_orphaned(directory, pool)
+        return 0
     while True:
         try:
             message = _read_message(commands)

@@ -103,3 +103,43 @@ def test_labels_beyond_the_models_classes_are_refused_by_name_before_the_loss_re
         return nn.functional.cross_entropy(output, target.clamp(0, 2), reduction=reduction)
 
     train_supervised(nn.Linear(4, 3), x, bad, config, generator=torch.Generator().manual_seed(1), loss_fn=own_loss)
+
+
+def test_evaluation_averages_over_the_labels_torch_counts() -> None:
+    """Test loss and accuracy are means over the labels not ignored, as torch's mean cross-entropy counts them: a
+    label per position for outputs (N, C, T), and none for -100; labels (N,) give the mean per example (batches of
+    3 over 7 examples). Computed by hand with torch."""
+    from fedcore.training import evaluate_supervised
+
+    generator = torch.Generator().manual_seed(5)
+
+    class PerPosition(nn.Module):  # (N, T, 4) -> (N, 3, T): three classes at each of T positions
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).transpose(1, 2)
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 5, 4, generator=generator)
+    y = torch.randint(0, 3, (7, 5), generator=generator)
+    y[0, :2] = -100
+    y[4, 3] = -100
+    model = PerPosition()
+    result = evaluate_supervised(model, x, y, batch_size=3)
+    with torch.no_grad():
+        out = model(x)
+    kept = y != -100
+    assert result.num_examples == 7
+    assert result.loss == pytest.approx(float(nn.functional.cross_entropy(out, y)), rel=1e-6)
+    assert result.metrics["accuracy"] == pytest.approx(float((out.argmax(1) == y)[kept].float().mean()), rel=1e-12)
+    flat_x, flat_y = torch.randn(7, 4, generator=generator), torch.randint(0, 3, (7,), generator=generator)
+    linear = nn.Linear(4, 3)
+    per_example = evaluate_supervised(linear, flat_x, flat_y, batch_size=3)
+    with torch.no_grad():
+        logits = linear(flat_x)
+    assert per_example.loss == pytest.approx(float(nn.functional.cross_entropy(logits, flat_y)), rel=1e-6)
+    assert per_example.metrics["accuracy"] == float((logits.argmax(1) == flat_y).sum()) / 7
+    none = evaluate_supervised(linear, flat_x, torch.full((7,), -100), batch_size=3)
+    assert none.num_examples == 7 and none.metrics == {} and none.loss != none.loss  # NaN: nothing to measure

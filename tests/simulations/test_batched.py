@@ -458,6 +458,60 @@ def test_labels_beyond_the_models_classes_fail_their_client_before_its_batch_tra
             np.testing.assert_allclose(one.parameters[name], value, rtol=1e-5, atol=1e-6)
 
 
+def test_uint8_labels_train_batched_as_in_process_and_other_integer_labels_fail_in_both() -> None:
+    """torch's cross-entropy takes uint8 class indices as int64 ones: batched clients train on them as in process
+    (vmap's gather takes int64 only: the batch's labels are widened), also when the uint8 client comes first and
+    sizes the batch. int32 labels, which the loss refuses in process, fail their client batched too."""
+    generator = torch.Generator().manual_seed(10)
+    data = {
+        cid: (torch.randn(6, 12, generator=generator), torch.randint(0, 3, (6,), generator=generator)) for cid in "abc"
+    }
+    for cid in "ab":
+        data[cid] = (data[cid][0], data[cid][1].to(torch.uint8))
+    data["c"] = (data["c"][0], data["c"][1].to(torch.int32))
+
+    def task(cid: str) -> SupervisedTask:
+        return SupervisedTask(model_fn=small_mlp, train_data=data[cid])
+
+    start = from_state_dict(small_mlp().state_dict())
+    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
+    instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in data}
+    got = list(BatchedPool(InMemoryPool(list(data), task)).run(instructions))
+    assert one_per_client(got)
+    replies = {r.client_id: r for r in got}
+    inprocess = {r.client_id: r for r in InMemoryPool(list(data), task).run(instructions)}
+    for cid in "ab":
+        one, want = replies[cid], inprocess[cid]
+        assert isinstance(one, FitRes) and isinstance(want, FitRes)
+        for name, value in want.parameters.items():
+            np.testing.assert_allclose(one.parameters[name], value, rtol=1e-5, atol=1e-6)
+    failure, alone = replies["c"], inprocess["c"]
+    assert isinstance(failure, Failure) and isinstance(alone, Failure)
+    assert "labels of dtype int32: torch's cross_entropy takes class indices as int64" in failure.reason
+    assert "Long" in alone.reason, alone.reason  # torch's own words in process
+
+
+def test_a_model_vmap_cannot_run_is_refused_at_the_first_client_with_usable_data() -> None:
+    """The pool's own check of a model (for callers without the harness's check before round 1): a first client
+    whose labels fail the plain loss too cannot tell; the next client with usable data refuses the model, rather
+    than every client failing in every round."""
+    generator = torch.Generator().manual_seed(11)
+    data = {
+        cid: (torch.randn(4, 12, generator=generator), torch.randint(0, 3, (4,), generator=generator)) for cid in "ab"
+    }
+    data["a"] = (data["a"][0], data["a"][1] + 100)
+    pool = BatchedPool(
+        InMemoryPool(
+            ["a", "b"],
+            lambda cid: SupervisedTask(model_fn=NoisyForward, train_data=data[cid], loss_fn=own_cross_entropy),
+        )
+    )
+    start = from_state_dict(NoisyForward().state_dict())
+    config = FitConfig(local_epochs=1, batch_size=2, lr=0.1)
+    with pytest.raises(ConfigError, match="random numbers"):
+        list(pool.run({cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in "ab"}))
+
+
 def test_batched_pool_reads_a_clients_data_once_while_the_pool_keeps_its_task() -> None:
     """Over three rounds: the same results as in-process each round, a bad client failing each round, each client's
     data read from its task once while the pool keeps the task, and with a pool bounded to 2 tasks (rebuilt as they

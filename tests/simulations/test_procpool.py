@@ -176,6 +176,40 @@ def test_workers_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Pa
     assert not any(_alive(int(pid)) for pid in pids)
 
 
+def test_workers_still_starting_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Path) -> None:
+    """A pool killed with SIGKILL while its workers still load the task factory (3 s): each worker, finding it cannot
+    say it is ready, removes the pool's shared-memory directory and exits, printing no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import threading, time\n"
+        "from simulations.procpool import ClientTasks, ProcessPool\n"
+        "tasks = ClientTasks(factory='tests.simulations.procpool_slow_start:tiny_task', num_partitions=2, seed=0)\n"
+        f"options = {{'workers': 2, 'shm_dir': {str(tmp_path)!r}}}\n"
+        "threading.Thread(target=ProcessPool, args=(['a', 'b'], tasks), kwargs=options, daemon=True).start()\n"
+        "time.sleep(1.5)\n"
+        "print('starting', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "starting"
+        (directory,) = tmp_path.glob(f"{DIR_PREFIX}*")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while directory.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not directory.exists()
+    assert proc.stderr is not None
+    assert "Traceback" not in proc.stderr.read()
+
+
 DIGITS = [
     "data.dataset='digits'",
     "data.num_clients=8",
