@@ -126,6 +126,18 @@ def _cmd_partition(args: argparse.Namespace) -> int:
             f"cannot write the partition report into --out {str(out)!r}: {exc.strerror or exc}"
             f"{f' ({exc.filename})' if exc.filename else ''}; give a directory that can be written"
         ) from None
+    for path in written:  # a link would write elsewhere; a FIFO would block; a dangling link fails after the work
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise ConfigError(
+                f"{str(path)!r} is a symbolic link or a special file, where the partition report goes; move it, or "
+                "give another --out"
+            )
+    inside = next((parent for parent in out.resolve().parents if (parent / RUN_LOCK).exists()), None)
+    if inside is not None:
+        raise ConfigError(
+            f"--out {str(out)!r} lies inside the simulation output directory {str(inside)!r}, whose checkpoints and "
+            "client state would then hold files no simulation wrote; give --out outside it (or that directory itself)"
+        )
     lock = None
     if (out / RUN_LOCK).is_file():  # a simulation's output directory: not while it runs
         lock = lock_directory(

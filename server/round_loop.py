@@ -39,7 +39,7 @@ from fedcore.aggregation import (
     weighted_metrics,
 )
 from fedcore.convergence import Convergence, Stop, StopRules, stop_columns, update_norm
-from fedcore.errors import BudgetExhausted, ConfigError, FedcoreError, RoundFailed, UpdateRejected
+from fedcore.errors import BudgetExhausted, ClientTaskError, ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import (
     EvaluateIns,
     EvaluateRes,
@@ -920,6 +920,13 @@ def _central_evaluation(evaluate_fn: EvaluateFn, state: ServerState) -> RoundRec
         reported: dict[object, object] = {}
         reported.update(result.metrics)
         reported["loss"] = result.loss
+    except ClientTaskError as exc:  # the server's task named what is wrong (labels of its test data): no traceback
+        log.error(
+            "round %d: the server's evaluation failed on the server's test data: %s; the round is recorded without it",
+            state.round,
+            exc.message,
+        )
+        return RoundRecord(round=state.round)
     except Exception:
         log.exception("round %d: the server's evaluation failed; the round is recorded without it", state.round)
         return RoundRecord(round=state.round)

@@ -539,7 +539,7 @@ def load_data_recipe(path: str | Path | None = None, overrides: list[str] | None
         key = item.partition("=")[0].strip()
         head = key.split(".")[0]
         if head not in ("data", "seed"):
-            what = f"[{head}] is not read by a partition" if head in known else f"{head!r} is no recipe key"
+            what = f"{head!r} is not read by a partition" if head in known else f"{head!r} is no recipe key"
             raise ConfigError(
                 f"--set {item!r}: {what}; a partition depends only on [data] and seed (--set data.KEY=VALUE or "
                 "--set seed=N); drop it"

@@ -111,7 +111,9 @@ when it resumes (``[output] resume``)."""
 RUN_LOCK = ".run.lock"
 """The lock file under output.dir that a simulation holds from before it reads or removes anything there until it
 ends (with checkpoints or without), so that two simulations never write one output.dir."""
-SIMULATION_IN_USE = "by another simulation{pid}; wait for it to end, or give another --out"
+SIMULATION_IN_USE = (
+    "by another simulation{pid} (or a partition writing its report there); wait for it to end, or give another --out"
+)
 """The refusal of an output.dir (or its checkpoints) that another simulation holds (``{pid}``: " (pid N)")."""
 SIMULATION_ADVICE = StateAdvice(
     who="this simulation",
@@ -281,8 +283,13 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
         raise ConfigError(
             f"output.dir {str(out_dir)!r} holds {', '.join(repr(name) for name in foreign[:5])}"
             f"{f' and {len(foreign) - 5} more' if len(foreign) > 5 else ''}, which no fedcore simulation wrote there "
-            "(no simulation's config.json beside them), and a run replaces what it finds under those names; give "
-            "another --out (a new or empty directory), or move them"
+            + (
+                f"(a simulation's {RUN_STATE_DIR}/ holds only its checkpoint store), and a run replaces that folder; "
+                "move them out of it"
+                if all(name.startswith(f"{RUN_STATE_DIR}/") for name in foreign)
+                else "(no simulation's config.json beside them), and a run replaces what it finds under those names; "
+                "give another --out (a new or empty directory), or move them"
+            )
         )
     try:
         for name in OUTPUT_FILES[1:]:  # never leave an earlier run's results beside this run's config

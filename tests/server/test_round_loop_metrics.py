@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from client.runner import run_instruction
+from fedcore.errors import ClientTaskError
 from fedcore.messages import EvaluateIns, EvaluateRes, FitIns, FitRes, Reply, ServerMessage
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.supervised import SupervisedTask
@@ -179,14 +180,28 @@ def failing_evaluations() -> list[object]:
     def not_a_result(params: NamedArrays, rnd: int) -> object:
         return (0.5, {"accuracy": 0.5})  # flwr's evaluate_fn shape
 
-    return [nan_loss, empty_split, raises, not_a_result]
+    def bad_labels(params: NamedArrays, rnd: int) -> EvalResult:  # what evaluate_supervised raises for them
+        raise ClientTaskError("labels 12 lie outside the model's 10 classes; give labels in 0..9")
+
+    return [nan_loss, empty_split, raises, not_a_result, bad_labels]
 
 
 @pytest.mark.parametrize(
-    "evaluate_fn", failing_evaluations(), ids=["nan-loss", "empty-split", "raises", "not-a-result"]
+    "evaluate_fn", failing_evaluations(), ids=["nan-loss", "empty-split", "raises", "not-a-result", "bad-labels"]
 )
-def test_the_servers_own_evaluation_never_costs_a_round(evaluate_fn: object) -> None:
-    params, records = run(plain(), evaluate_fn=evaluate_fn)
+def test_the_servers_own_evaluation_never_costs_a_round(evaluate_fn: object, caplog: pytest.LogCaptureFixture) -> None:
+    """An evaluation that fails is logged and left out of the round's record; the round and its model are kept. A
+    failure that names its cause in the server's data (a ClientTaskError) is one line a round, without traceback."""
+    with caplog.at_level(logging.ERROR, logger="fedcore.server"):
+        params, records = run(plain(), evaluate_fn=evaluate_fn)
+    if evaluate_fn.__name__ == "bad_labels":  # type: ignore[attr-defined]
+        failed = [r for r in caplog.records if "evaluation failed" in r.getMessage()]
+        assert [r.getMessage() for r in failed] == [
+            f"round {rnd}: the server's evaluation failed on the server's test data: labels 12 lie outside the "
+            "model's 10 classes; give labels in 0..9; the round is recorded without it"
+            for rnd in (0, 1, 2)
+        ]
+        assert all(r.exc_info is None for r in failed)
     reference = reference_model(rounds=2)
     assert_same_model(params, reference)
     assert [r.round for r in records] == [0, 1, 2]

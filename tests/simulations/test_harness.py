@@ -153,7 +153,7 @@ def test_cli_partition_refuses_what_it_would_ignore_and_a_running_simulations_di
     recipe.write_text("[dat]\nnum_clients = 5\n")
     base = ["partition", "--dataset", "digits", "--clients", "8", "--out", str(tmp_path / "report")]
     for extra, message in (
-        (["--set", "model.name=cnn"], r"--set 'model\.name=cnn': \[model\] is not read by a partition; .* drop it"),
+        (["--set", "model.name=cnn"], r"--set 'model\.name=cnn': 'model' is not read by a partition; .* drop it"),
         (["--set", "dat.num_clients=5"], r"--set 'dat\.num_clients=5': 'dat' is no recipe key"),
         (["--recipe", str(recipe)], r"unknown key\(s\) 'dat' at the top level of '.*recipe\.toml'; known keys: .*data"),
     ):
@@ -173,6 +173,20 @@ def test_cli_partition_refuses_what_it_would_ignore_and_a_running_simulations_di
         os.close(held)
     assert main([*base[:-1], str(running)]) == 0  # ended: its directory takes the report
     assert (running / "counts.csv").is_file()
+    (running / "state").mkdir()
+    assert main([*base[:-1], str(running / "state")]) == 2  # its checkpoints' directory: never
+    assert re.search(r"lies inside the simulation output directory '.*run'", capsys.readouterr().err)
+    target, links = tmp_path / "target.csv", tmp_path / "links"
+    target.write_text("mine")
+    links.mkdir()
+    (links / "counts.csv").symlink_to(target)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "heatmap.png")  # would block the write forever
+    for out in (links, fifo):
+        assert main([*base[:-1], str(out)]) == 2
+        assert "is a symbolic link or a special file, where the partition report goes" in capsys.readouterr().err
+    assert target.read_text() == "mine"
 
 
 def tiny_task(ctx: TaskContext) -> SupervisedTask:

@@ -153,7 +153,11 @@ def test_a_run_refuses_a_directory_holding_files_no_simulation_wrote(tmp_path: P
     written = _simulate(tmp_path / "sim")
     assert _simulate(tmp_path / "sim").keys() == written.keys()
     (tmp_path / "sim" / "state" / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match=r"holds 'state/notes\.txt', which no fedcore simulation wrote"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds 'state/notes\.txt', which no fedcore simulation wrote there "
+        r"\(a simulation's state/ holds only its checkpoint store\).*move them out of it",
+    ):
         _simulate(tmp_path / "sim")
     assert (tmp_path / "sim" / "state" / "notes.txt").read_text() == "mine"
 
