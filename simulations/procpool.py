@@ -82,6 +82,13 @@ SHM_ROOT = Path("/dev/shm")
 """Where the pool's shared-memory directory goes when it exists (else the system's temporary directory)."""
 DIR_PREFIX = "fedcore-procpool-"
 """Name prefix of a pool's shared-memory directory: ``fedcore-procpool-<pid>-<random>``."""
+_WORKER_LAUNCH = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "import runpy; runpy.run_module('simulations.procpool', run_name='__main__', alter_sys=True)"
+)
+"""A worker's ``python -c`` program: ``python -m simulations.procpool`` with Ctrl-C ignored from the start (a
+terminal's Ctrl-C reaches the workers too, and one that came while they imported torch printed a traceback; the
+pool ends them itself)."""
 STOP = "stop"
 """The kind of the message that ends a worker (before its command pipe closes)."""
 ORPHAN_WAIT_S = 5.0
@@ -558,7 +565,7 @@ class ProcessPool(VirtualClients):
         env.setdefault("OMP_NUM_THREADS", str(self._spec["threads"]))
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "simulations.procpool", str(commands_read), str(results_write)],
+                [sys.executable, "-c", _WORKER_LAUNCH, str(commands_read), str(results_write)],
                 pass_fds=(commands_read, results_write),
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -210,6 +210,41 @@ def test_workers_still_starting_remove_the_directory_of_a_pool_killed_with_sigki
     assert "Traceback" not in proc.stderr.read()
 
 
+def test_ctrl_c_while_the_workers_start_prints_no_traceback_of_theirs(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal reaches the whole process group, the workers too, which may still be importing torch:
+    they ignore it from their first instruction (the pool ends them), so only the program's own handling shows."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys\n"
+        "from simulations.procpool import ClientTasks, ProcessPool\n"
+        "print('go', flush=True)\n"
+        "try:\n"
+        f"    with ProcessPool(['a', 'b'], ClientTasks(factory={TINY!r}, num_partitions=2, seed=0), workers=2,\n"
+        f"                     shm_dir={str(tmp_path)!r}):\n"
+        "        pass\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(130)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "go"
+    time.sleep(0.5)  # the workers are starting: Python and torch importing
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode in (0, 130), (proc.returncode, out, err)
+
+
 DIGITS = [
     "data.dataset='digits'",
     "data.num_clients=8",
