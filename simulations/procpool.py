@@ -565,7 +565,15 @@ class ProcessPool(VirtualClients):
         env.setdefault("OMP_NUM_THREADS", str(self._spec["threads"]))
         try:
             process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_LAUNCH, str(commands_read), str(results_write)],
+                [
+                    sys.executable,
+                    "-c",
+                    _WORKER_LAUNCH,
+                    str(commands_read),
+                    str(results_write),
+                    str(os.getpid()),
+                    str(self._dir),
+                ],
                 pass_fds=(commands_read, results_write),
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -751,8 +759,10 @@ def _alive(pid: int) -> bool:
 # the worker (child side)
 
 
-def _worker_main(commands: int, results: int) -> int:
-    """Serve tasks from ``commands`` until a :data:`STOP` message or end of file; answer on ``results``.
+def _worker_main(commands: int, results: int, pool: int, directory: Path) -> int:
+    """Serve tasks from ``commands`` until a :data:`STOP` message or end of file; answer on ``results``. ``pool``
+    and ``directory``: the pool's process id and shared-memory directory, given on the command line (the worker's
+    parent may already have died while Python and torch were importing).
 
     Ctrl-C in a terminal reaches the whole process group: the worker ignores it, and the pool, which gets it too,
     ends the workers with a stop message. An end of file without one, or a reply that cannot be written (the worker
@@ -760,12 +770,14 @@ def _worker_main(commands: int, results: int) -> int:
     remove its shared-memory directory: once the pool's process has gone, the worker removes it (each worker tries;
     the first one does it, and one that was still writing an update removes that too)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pool = os.getppid()
-    first = _read_message(commands)
+    try:
+        first = _read_message(commands)
+    except TransportError:  # the pool died while writing the spec
+        first = None
     if first is None:
+        _remove_if_orphaned(directory, pool)
         return 0
     spec = first[0]
-    directory = Path(spec["dir"])
     try:
         serve = _worker_setup(spec)
     except Exception as exc:  # reported to the pool, which raises it as a TransportError
@@ -941,4 +953,4 @@ def _worker_setup(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any], bytes
 
 
 if __name__ == "__main__":
-    sys.exit(_worker_main(int(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(_worker_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])))

@@ -177,8 +177,10 @@ def test_workers_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Pa
 
 
 def test_workers_still_starting_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Path) -> None:
-    """A pool killed with SIGKILL while its workers still load the task factory (3 s): each worker, finding it cannot
-    say it is ready, removes the pool's shared-memory directory and exits, printing no traceback."""
+    """A pool killed with SIGKILL while its workers still import torch, then load the task factory (3 s): each
+    worker, orphaned before its first instruction and finding it cannot say it is ready, removes the pool's
+    shared-memory directory and exits, printing no traceback. (It knows the pool by the process id it was given: its
+    parent by then is another process; in a fresh clone, whose imports compile every module, it got there late.)"""
     import signal
     import subprocess
     import sys
@@ -190,7 +192,7 @@ def test_workers_still_starting_remove_the_directory_of_a_pool_killed_with_sigki
         "tasks = ClientTasks(factory='tests.simulations.procpool_slow_start:tiny_task', num_partitions=2, seed=0)\n"
         f"options = {{'workers': 2, 'shm_dir': {str(tmp_path)!r}}}\n"
         "threading.Thread(target=ProcessPool, args=(['a', 'b'], tasks), kwargs=options, daemon=True).start()\n"
-        "time.sleep(1.5)\n"
+        "time.sleep(0.3)\n"  # spawned, the workers still importing Python's and torch's modules
         "print('starting', flush=True)\n"
         "time.sleep(600)\n"
     )
