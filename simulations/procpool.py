@@ -1,7 +1,8 @@
 """The process-pool backend: virtual clients trained by worker processes, one per core, fed from one queue.
 
 :class:`ProcessPool` is a :class:`server.pool.ClientPool` whose clients run in ``workers`` child processes. Each
-worker is a plain ``python -m simulations.procpool`` started once per run: it builds the task factory once, keeps
+worker is this module run as a program (``python -c`` :data:`_WORKER_LAUNCH`, given its pipes, the pool's process
+id and shared-memory directory) started once per run: it builds the task factory once, keeps
 one model for all the clients it trains (:class:`client.runner.ModelCache`, through an
 :class:`~simulations.inmemory.InMemoryPool` of its own) and runs client after client. Nothing crosses a process
 boundary as pickle:
