@@ -230,6 +230,14 @@ LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 which the losses refuse anyway)."""
 
 
+def reads_class_labels(loss_fn: LossFn, y: torch.Tensor) -> bool:
+    """Whether ``loss_fn`` indexes the model's classes with ``y``, whose labels can then be checked
+    (:func:`label_problem`): torch's cross-entropy or NLL loss, integer labels of :data:`LABEL_DTYPES`, not on the
+    meta device (which holds no values). Other losses and targets are left to the loss, which says what it makes of
+    them."""
+    return loss_fn in CLASS_LOSSES and y.dtype in LABEL_DTYPES and not y.is_meta
+
+
 def check_labels(output: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> None:
     """Refuse labels ``y`` that ``loss_fn`` (torch's cross-entropy or NLL; other losses are not checked) would index
     outside the model's classes, the size of dimension 1 of ``output`` ``(N, C, ...)`` (:func:`label_problem`).
@@ -237,8 +245,8 @@ def check_labels(output: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> None
     Raises:
         ClientTaskError: the labels out of range, named.
     """
-    if loss_fn not in CLASS_LOSSES or y.dtype not in LABEL_DTYPES or output.dim() < 2 or y.is_meta:
-        return  # the loss says what it makes of other targets (a meta tensor holds no labels to read)
+    if not reads_class_labels(loss_fn, y) or output.dim() < 2:
+        return
     problem = label_problem(y, int(output.shape[1]))
     if problem is not None:
         raise ClientTaskError(problem)

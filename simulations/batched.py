@@ -87,7 +87,7 @@ from fedcore.strategy import Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, LossFn, Task
 from fedcore.tensors import NamedArrays, check_spec, num_bytes, state_spec
-from fedcore.training import CLASS_LOSSES, LABEL_DTYPES, label_problem
+from fedcore.training import label_problem, reads_class_labels
 from server.pool import PoolWrapper
 from simulations.inmemory import InMemoryPool
 from simulations.shuffle import epoch_permutations
@@ -302,14 +302,7 @@ def check_batchable_clients(
         Exception: the task factory's own error when no client of ``client_ids`` has a task that builds.
     """
     tried = False
-    for client_id in client_ids:
-        try:
-            task = pool.task(client_id)
-        except ConfigError:
-            raise
-        except Exception:  # that client fails alone when it trains
-            log.debug("client %s's task could not be built", client_id, exc_info=True)
-            continue
+    for client_id, task in _buildable_tasks(pool, client_ids):
         tried = True
         unbatched = _batchable_trial(task, strategy)
         if unbatched is not None:
@@ -394,14 +387,21 @@ def first_buildable_task(pool: InMemoryPool, client_ids: Sequence[str]) -> tuple
     Raises:
         ConfigError: a factory's ConfigError (the recipe's, not one client's).
     """
+    return next(_buildable_tasks(pool, client_ids), None)
+
+
+def _buildable_tasks(pool: InMemoryPool, client_ids: Sequence[str]) -> Iterator[tuple[str, Task]]:
+    """``(client id, task)`` of those of ``client_ids`` whose task builds, in order, built as they are asked for;
+    those whose factory raises are passed over (they fail alone when they train), a ConfigError is raised."""
     for client_id in client_ids:
         try:
-            return client_id, pool.task(client_id)
+            task = pool.task(client_id)
         except ConfigError:
             raise
         except Exception:  # that client fails alone when it trains
             log.debug("client %s's task could not be built", client_id, exc_info=True)
-    return None
+            continue
+        yield client_id, task
 
 
 def _fails_unbatched(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -1529,7 +1529,7 @@ class BatchedPool(PoolWrapper):
         found when a client's data are read, so that the client fails alone before its batch trains (on a GPU an
         out-of-range index is a device-side assert that ends the process's CUDA context, not an error one client
         can fail with). The model's number of classes comes from one forward of one sample, once per model."""
-        if task.loss_fn not in CLASS_LOSSES or y.dtype not in LABEL_DTYPES or not len(x):
+        if not reads_class_labels(task.loss_fn, y) or not len(x):
             return None
         if y.dtype not in (torch.int64, torch.uint8):  # as one-by-one training, whose loss refuses them
             return (

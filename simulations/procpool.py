@@ -772,55 +772,51 @@ def _worker_main(commands: int, results: int, pool: int, directory: Path) -> int
     the first one does it, and one that was still writing an update removes that too)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        first = _read_message(commands)
-    except TransportError:  # the pool died while writing the spec
-        first = None
+        status = _serve_commands(commands, results)
+    except (OSError, TransportError):  # a pipe broke mid-message: the pool died (or ended this worker)
+        status = None
+    if status is None:
+        _remove_if_orphaned(directory, pool)
+        return 0
+    return status
+
+
+def _serve_commands(commands: int, results: int) -> int | None:
+    """:func:`_worker_main`'s loop: the exit status when it ends as the pool asked (a stop message; 1 for a task
+    factory that could not be set up, reported to the pool), None at an end of file without a stop message.
+
+    Raises:
+        OSError, TransportError: a pipe broke (BrokenPipeError: a reply the pool's end no longer reads).
+    """
+    first = _read_message(commands)
     if first is None:
-        _remove_if_orphaned(directory, pool)
-        return 0
-    spec = first[0]
+        return None
     try:
-        serve = _worker_setup(spec)
+        serve = _worker_setup(first[0])
     except Exception as exc:  # reported to the pool, which raises it as a TransportError
-        with contextlib.suppress(OSError):  # a pool that died meanwhile
-            _write_message(results, {"kind": "error", "error": f"{type(exc).__name__}: {exc}"})
+        _write_message(results, {"kind": "error", "error": f"{type(exc).__name__}: {exc}"})
         return 1
-    try:
-        _write_message(results, {"kind": "ready"})
-    except OSError:  # the pool died (or was ended) while this worker started
-        _remove_if_orphaned(directory, pool)
-        return 0
+    _write_message(results, {"kind": "ready"})
     while True:
-        try:
-            message = _read_message(commands)
-        except TransportError:  # the pool died while writing a command
-            _remove_if_orphaned(directory, pool)
-            return 1
+        message = _read_message(commands)
         if message is None:
-            _remove_if_orphaned(directory, pool)
-            return 0
+            return None
         envelope, header = message
         if envelope.get("kind") == STOP:
             return 0
-        reply_envelope, reply_header = serve(envelope, header)
-        try:
-            _write_message(results, reply_envelope, reply_header)
-        except OSError:  # BrokenPipeError: the pool died while this worker trained (or it ended this worker)
-            _remove_if_orphaned(directory, pool)
-            return 0
+        _write_message(results, *serve(envelope, header))
 
 
-def _remove_if_orphaned(directory: Path, pool: int, *, wait_s: float = ORPHAN_WAIT_S) -> bool:
+def _remove_if_orphaned(directory: Path, pool: int, *, wait_s: float = ORPHAN_WAIT_S) -> None:
     """Remove ``directory`` (the pool's shared-memory files) if the pool's process ``pool`` has died: this worker
     has been handed to another parent within ``wait_s`` seconds (a dying process closes its pipes before its children
-    are reparented). Return whether it was removed."""
+    are reparented)."""
     deadline = time.monotonic() + wait_s
     while os.getppid() == pool:
         if time.monotonic() >= deadline:
-            return False  # the pool lives (it closed this worker's pipe to end it)
+            return  # the pool lives (it closed this worker's pipe to end it)
         time.sleep(0.01)
     shutil.rmtree(directory, ignore_errors=True)
-    return True
 
 
 Payload = tuple[NamedArrays, dict[str, str]]
