@@ -309,8 +309,8 @@ class FitBatchRes:
         weights: float64 ``(clients,)``: each client's aggregation weight, as
             :meth:`fedcore.strategy.Strategy.weight` gives it for that client's result (finite, >= 0).
         metrics: ``name -> float64 (clients,)``: each client's reported value of each metric, NaN where a client
-            reports none (a batched client's training loss is NaN only when its update is, and such an update is
-            left out of the batch).
+            reports none (a batched client's training loss is NaN only when it has no data: one with data and a NaN
+            loss replies with its own :class:`FitRes`, or fails when its update is not finite).
         weighted_sum: ``name -> float64 array`` of the model's shapes: ``sum_k weights[k] * update_k``, summed in
             float64 (unread when there are no clients).
         update_bytes: the bytes one client's update would have cost as a :class:`FitRes` (its ``payload_bytes``):

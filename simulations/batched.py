@@ -777,6 +777,7 @@ def train_stack(
     buffers: StackBuffers | None = None,
     defer_first_layer: bool = False,
     fused_checks: dict[Key, Any] | None = None,
+    classes: int | None = None,
 ) -> TrainedClients:
     """Train ``clients`` together for one round, each from ``global_parameters``, as
     :func:`fedcore.training.train_supervised` trains each alone (see the module docstring), and keep the trained
@@ -804,13 +805,19 @@ def train_stack(
         fused_checks: a dict in which to keep whether ``model`` takes the fused path (a plain perceptron under
             plain SGD), for a caller that trains the same model object again and never changes it (its modules, which
             parameters train, or what its forward does); None: asked at every call, on a few of the clients' inputs.
+        classes: the model's number of classes, when ``loss_fn`` indexes them with the labels (torch's cross-entropy
+            or NLL loss, :func:`~fedcore.training.reads_class_labels`): the batch's labels are checked against it
+            before the first step (one pass over them and one device-to-host read), so that labels changed in place
+            since a caller last checked a client fail that client by name (:func:`~fedcore.training.label_problem`)
+            rather than as an index error, or, on a GPU, a device-side assert that ends the CUDA context.
 
     Returns:
         The trained clients (:class:`TrainedClients`), in the order of ``clients``.
 
     Raises:
         ClientTaskError: a client's ``x`` or ``y`` is 0-dim, or they differ in length; the clients' inputs differ
-            in trailing shape (inputs of different dtypes are promoted, as ``torch.cat`` does).
+            in trailing shape (inputs of different dtypes are promoted, as ``torch.cat`` does); with ``classes``, a
+            client's labels lie outside them (the first such client named).
         ConfigError: the model is not batchable (:func:`check_model`).
     """
     check_model(model)
@@ -852,6 +859,8 @@ def train_stack(
     not_deferred = "no client of the batch has data to train on" if defer_first_layer else ""
     if num_steps:
         x_all, y_all, firsts = _rows(shards, sizes, device, reuse, [reads[i] for i in order])
+        if classes is not None and reads_class_labels(loss_fn, y_all):
+            _check_batch_labels(shards, y_all, classes, round)
         if y_all.dtype == torch.uint8:  # class indices, as the losses read them; vmap's gather takes int64 only
             y_all = y_all.long()
         arrays = _plan_arrays(sizes, plans)  # read by the index and the step table
@@ -911,6 +920,17 @@ def train_stack(
         deferred=deferred is not None,
         not_deferred=not_deferred,
     )
+
+
+def _check_batch_labels(shards: Sequence[ClientShard], y_all: torch.Tensor, classes: int, round: int) -> None:
+    """Raise a ClientTaskError naming the first of ``shards`` whose labels lie outside ``classes`` (its reason from
+    :func:`label_problem`), when the batch's labels ``y_all`` (theirs, concatenated) hold any: one pass over the
+    batch's labels, each client's read only then."""
+    if label_problem(y_all, classes) is None:
+        return
+    for shard in shards:
+        if (problem := label_problem(shard.y, classes)) is not None:
+            raise ClientTaskError(problem, client_id=shard.client_id, round=round)
 
 
 def _not_deferred(
@@ -1252,19 +1272,28 @@ class TrainedClients:
         by_position[np.asarray(self.order, dtype=np.int64)] = train_loss
         return by_position
 
-    def updates(self) -> list[ClientUpdate]:
-        """Each client's result, in the order of :attr:`clients`, its parameters on the CPU (views into one CPU
-        copy of the stack, which outlives the buffers the stack was trained in; a parameter that is not trained is
-        the global one)."""
-        cpu = {n: p.clone() if self.borrowed else p.cpu() for n, p in self.params.items()}
+    def updates(self, positions: Sequence[int] | None = None) -> list[ClientUpdate]:
+        """Each client's result, in the order of :attr:`clients`, or only those at ``positions`` (in :attr:`clients`),
+        in that order; their parameters on the CPU (views into one CPU copy of the stack, or of just their rows,
+        which outlives the buffers the stack was trained in; a parameter that is not trained is the global one)."""
+        row_of = {position: row for row, position in enumerate(self.order)}
+        wanted = list(range(len(self.clients))) if positions is None else list(positions)
+        rows = [row_of[position] for position in wanted]
+        if positions is None:  # the whole stack, read at each client's row
+            cpu = {n: p.clone() if self.borrowed else p.cpu() for n, p in self.params.items()}
+            at = rows
+        else:  # only these rows, copied out in this order
+            index = torch.tensor(rows, dtype=torch.int64)
+            cpu = {n: p.index_select(0, index.to(p.device)).cpu() for n, p in self.params.items()}
+            at = list(range(len(rows)))
         metrics = self.metrics()
-        updates: list[ClientUpdate | None] = [None] * len(self.clients)
-        for row, position in enumerate(self.order):
+        updates = []
+        for position, row, i in zip(wanted, rows, at, strict=True):
             state = {}
             for name, canonical in self.canonical.items():
-                state[name] = cpu[canonical][row] if canonical in cpu else self.global_parameters[canonical].cpu()
-            updates[position] = ClientUpdate(parameters=state, num_examples=self.sizes[row], metrics=metrics[position])
-        return [u for u in updates if u is not None]
+                state[name] = cpu[canonical][i] if canonical in cpu else self.global_parameters[canonical].cpu()
+            updates.append(ClientUpdate(parameters=state, num_examples=self.sizes[row], metrics=metrics[position]))
+        return updates
 
     def finite(self, positions: Sequence[int]) -> list[bool]:
         """Whether the trained parameters of the clients at ``positions`` (in :attr:`clients`) are all finite, in
@@ -1632,6 +1661,8 @@ class BatchedPool(PoolWrapper):
             cid = members[0][0]
             log.debug("client %s raised", cid, exc_info=error)  # its reason is logged with the round's failures
             reason = failure_reason(error)
+            if isinstance(error, ClientTaskError) and error.client_id == cid:  # its data, checked by train_stack
+                reason = error.message  # as the same check reads in process (the round's log names client and round)
             return {cid: Failure(client_id=cid, round=members[0][1].round, stage=Stage.FIT, reason=reason)}, []
         half = len(members) // 2
         parts = [(members[:half], shards[:half]), (members[half:], shards[half:])]
@@ -1677,6 +1708,7 @@ class BatchedPool(PoolWrapper):
                 buffers=self._buffers,
                 defer_first_layer=self._defer_first_layer,
                 fused_checks=self._checks.setdefault(id(model), {}),  # the pool's models are built once, never changed
+                classes=self._classes.get(self._model_key(task)),  # labels changed in place since they were read
             )
             if self._defer_first_layer and not trained.deferred and not self._said_not_deferred:
                 self._said_not_deferred = True  # once a run
@@ -1696,17 +1728,10 @@ class BatchedPool(PoolWrapper):
         except Exception as exc:  # a client's data or a bug in user code (model, loss) fails clients, not the run
             return exc
         seconds = (time.perf_counter() - started) / len(members)
-        replies: dict[str, Reply] = {}
-        for (cid, member_ins, _), update in zip(members, updates, strict=True):
-            arrays: NamedArrays = {name: t.numpy() for name, t in update.parameters.items()}
-            reply = FitRes(
-                client_id=cid,
-                round=member_ins.round,
-                parameters=arrays,
-                num_examples=update.num_examples,
-                metrics={**update.metrics, "fit_seconds": seconds},
-            )
-            replies[cid] = replace(reply, payload_bytes=packed_nbytes(reply))  # as the in-process pool measures it
+        replies: dict[str, Reply] = {
+            cid: _fit_reply(cid, member_ins.round, update, seconds)
+            for (cid, member_ins, _), update in zip(members, updates, strict=True)
+        }
         return replies, []
 
     @staticmethod
@@ -1719,11 +1744,14 @@ class BatchedPool(PoolWrapper):
         """The batch's sum (:meth:`TrainedClients.weighted_sum`) with its clients' results as columns, and a failure
         for each client left out of it: a weight that ``weigh`` refuses, an update that is not finite (the batch then
         counts their updates' bytes, as the round loop counts a reply it rejects; it has no clients when all are left
-        out).
+        out). A client with data whose training loss is NaN but whose update is finite (all its labels cross-entropy's
+        ignored -100) reported that NaN, which a column cannot tell from no value: it is left out of the batch and
+        replies with its own :class:`FitRes`, weighed, checked and its metric left out by the round loop as in
+        process.
 
         The clients' updates are checked for NaN and Inf through their sum, one model's worth of values: only a sum
         that is not finite has each update of it checked (and the sum formed again without those that fail), as are
-        the updates of weight 0, which the sum does not read.
+        the updates of weight 0, which the sum does not read, and those of a NaN loss.
         """
         rnd = members[0][1].round
         update_bytes = num_bytes(members[0][1].parameters)  # an update is the model's size (packed_nbytes of a FitRes)
@@ -1731,14 +1759,20 @@ class BatchedPool(PoolWrapper):
         ids = [member[0] for member in members]
         num_examples = trained.num_examples()
         seconds = (time.perf_counter() - started) / count
-        metrics = {"train_loss": trained.train_loss(), "fit_seconds": np.full(count, seconds)}
+        train_loss = trained.train_loss()
+        metrics = {"train_loss": train_loss, "fit_seconds": np.full(count, seconds)}
+        nan_loss = np.flatnonzero((num_examples > 0) & np.isnan(train_loss)).tolist()
+        alone = [position for position, ok in zip(nan_loss, trained.finite(nan_loss), strict=True) if ok]
         weights, refused = weigh(num_examples, metrics)
-        failed: dict[str, Reply] = {
+        for position in alone:
+            refused.pop(position, None)  # weighed by the round loop, from its own reply
+        replies: dict[str, Reply] = {
             ids[position]: Failure(client_id=ids[position], round=rnd, stage=Stage.FIT, reason=reason)
             for position, reason in refused.items()
         }
         kept = np.ones(count, dtype=bool)
         kept[list(refused)] = False
+        kept[alone] = False
         weights = np.where(kept, weights, 0.0)  # 0 for those left out: their updates are never read
 
         def reject(positions: Sequence[int]) -> None:
@@ -1746,11 +1780,11 @@ class BatchedPool(PoolWrapper):
                 if not ok:
                     cid = ids[position]
                     error = NonFiniteError("the trained model holds NaN or Inf", round=rnd, client_id=cid, stage="fit")
-                    failed[cid] = Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(error))
+                    replies[cid] = Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(error))
                     kept[position] = False
                     weights[position] = 0.0
 
-        reject(np.flatnonzero(kept & (weights == 0.0)).tolist())
+        reject(np.flatnonzero(kept & ((weights == 0.0) | np.isnan(train_loss))).tolist())  # and those that diverged
         weighted_sum = trained.weighted_sum(weights.tolist())
         if not all(bool(np.isfinite(total).all()) for total in weighted_sum.values()):
             reject(np.flatnonzero(kept).tolist())
@@ -1764,9 +1798,25 @@ class BatchedPool(PoolWrapper):
             metrics={name: column[index] for name, column in metrics.items()},
             weighted_sum=weighted_sum,
             update_bytes=update_bytes,
-            rejected_bytes=update_bytes * len(failed),  # uploaded, then refused: counted as one by one
+            rejected_bytes=update_bytes * len(replies),  # uploaded, then refused: counted as one by one
         )
-        return failed, batch
+        for position, update in zip(alone, trained.updates(alone), strict=True):
+            replies[ids[position]] = _fit_reply(ids[position], rnd, update, seconds)
+        return replies, batch
+
+
+def _fit_reply(client_id: str, round: int, update: ClientUpdate, seconds: float) -> FitRes:
+    """The :class:`FitRes` of one batched client: its trained parameters as numpy views, its metrics with
+    ``fit_seconds`` (its share of the batch's time), and ``payload_bytes`` as the in-process pool measures them."""
+    arrays: NamedArrays = {name: t.numpy() for name, t in update.parameters.items()}
+    reply = FitRes(
+        client_id=client_id,
+        round=round,
+        parameters=arrays,
+        num_examples=update.num_examples,
+        metrics={**update.metrics, "fit_seconds": seconds},
+    )
+    return replace(reply, payload_bytes=packed_nbytes(reply))
 
 
 BatchWeights = Callable[[np.ndarray, Mapping[str, np.ndarray]], tuple[np.ndarray, dict[int, str]]]

@@ -4,7 +4,7 @@ clients of unequal sizes included; what cannot be batched is refused before a ro
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.errors import ConfigError
+from fedcore.errors import ClientTaskError, ConfigError
 from fedcore.messages import Failure, FitBatchRes, FitIns, FitRes, PoolReply, Reply
 from fedcore.seeding import derive_seed
 from fedcore.supervised import SupervisedTask
@@ -29,6 +29,7 @@ from simulations.batched import (
     _step_runs,
     check_batchable,
     check_batchable_clients,
+    presum_weight,
     train_stack,
 )
 from simulations.config import load_recipe
@@ -72,6 +73,17 @@ def own_cross_entropy(output: torch.Tensor, target: torch.Tensor, reduction: str
 def one_per_client(replies: Sequence[PoolReply]) -> TypeGuard[Sequence[Reply]]:
     """No reply is a batch's :class:`FitBatchRes`: what a pool without a pre-sum weight sends, one per client."""
     return not any(isinstance(r, FitBatchRes) for r in replies)
+
+
+def assert_as_in_process(replies: Iterable[PoolReply], inprocess: Iterable[PoolReply], trained: Iterable[str]) -> None:
+    """The clients ``trained``, and no others, reply with a :class:`FitRes` whose parameters are those of their
+    in-process replies within 1e-5."""
+    got = {r.client_id: r for r in replies if isinstance(r, FitRes)}
+    want = {r.client_id: r for r in inprocess if isinstance(r, FitRes)}
+    assert sorted(got) == sorted(trained) and set(got) <= set(want)
+    for cid, reply in got.items():
+        for name, value in want[cid].parameters.items():
+            np.testing.assert_allclose(reply.parameters[name], value, rtol=1e-5, atol=1e-6)
 
 
 def small_mlp() -> MLP2NN:
@@ -299,7 +311,6 @@ def test_a_client_whose_labels_or_task_fail_fails_alone_in_its_batch(presum: boo
     e's task factory raises.
     Only b and e fail, each with its own reason; a, c and d give the updates they give in process (the batch trained
     again in halves: a and b alone, c and d together), pre-summed or one reply each."""
-    from simulations.batched import presum_weight
     from tests.simulations.test_presum import fedavg, fold
 
     generator = torch.Generator().manual_seed(0)
@@ -386,14 +397,7 @@ def test_a_batch_whose_training_raises_is_searched_in_parts(bad: list[str], monk
         assert sizes == [16, 8, 8] + [1] * 16
     assert one_per_client(replies)
     assert [r.client_id for r in replies if isinstance(r, Failure)] == bad
-    inprocess = {r.client_id: r for r in InMemoryPool(ids, task).run(instructions)}
-    for reply in replies:
-        if isinstance(reply, FitRes):
-            want = inprocess[reply.client_id]
-            assert isinstance(want, FitRes)
-            for name, value in want.parameters.items():
-                np.testing.assert_allclose(reply.parameters[name], value, rtol=1e-5, atol=1e-6)
-    assert sum(isinstance(r, FitRes) for r in replies) == 16 - len(bad)
+    assert_as_in_process(replies, InMemoryPool(ids, task).run(instructions), [c for c in ids if c not in bad])
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "nll_loss"])
@@ -449,13 +453,62 @@ def test_labels_beyond_the_models_classes_fail_their_client_before_its_batch_tra
         "labels 5, 9 lie outside the model's 3 classes; give labels in 0..2 (or -100 to skip a sample), or a model "
         "with more outputs"
     )
-    inprocess = {r.client_id: r for r in InMemoryPool(list(data), task).run(instructions)}
-    assert isinstance(inprocess["b"], Failure)
-    for cid in "acd":
-        one, want = replies[cid], inprocess[cid]
-        assert isinstance(one, FitRes) and isinstance(want, FitRes)
-        for name, value in want.parameters.items():
-            np.testing.assert_allclose(one.parameters[name], value, rtol=1e-5, atol=1e-6)
+    inprocess = list(InMemoryPool(list(data), task).run(instructions))
+    assert [r.client_id for r in inprocess if isinstance(r, Failure)] == ["b"]
+    assert_as_in_process(got, inprocess, "acd")
+
+
+@pytest.mark.parametrize("presum", [False, True], ids=["replies", "presummed"])
+def test_labels_changed_in_place_after_a_round_fail_their_client_by_name(presum: bool) -> None:
+    """The pool reads a client's labels once, when its data are first read; the same tensors given again with labels
+    changed in place since then are checked by train_stack against the model's classes before its first step: the
+    client fails with the reason it fails with in process, not an index error (or, on a GPU, a device-side assert),
+    and the others train as in process."""
+    from tests.simulations.test_presum import fedavg
+
+    generator = torch.Generator().manual_seed(12)
+    data = {
+        cid: (torch.randn(6, 12, generator=generator), torch.randint(0, 3, (6,), generator=generator)) for cid in "abcd"
+    }
+
+    def task(cid: str) -> SupervisedTask:
+        return SupervisedTask(model_fn=small_mlp, train_data=data[cid])
+
+    config = FitConfig(local_epochs=1, batch_size=3, lr=0.1)
+    pool = BatchedPool(InMemoryPool(list(data), task), weigh=presum_weight(fedavg()) if presum else None)
+    torch.manual_seed(2)
+    start = from_state_dict(task("a").build_model().state_dict())
+
+    def instructions(rnd: int) -> dict[str, FitIns]:
+        return {cid: FitIns(round=rnd, parameters=start, config=config, seed=SEED) for cid in data}
+
+    assert not any(isinstance(r, Failure) for r in pool.run(instructions(1)))
+    data["c"][1][4] = 3  # the same tensor, one label now beyond the 3 classes
+    data["c"][1][0] = -100  # ignored: not named
+    got = list(pool.run(instructions(2)))
+    inprocess = {r.client_id: r for r in InMemoryPool(list(data), task).run(instructions(2))}
+    want = inprocess["c"]
+    assert isinstance(want, Failure) and want.reason == (
+        "labels 3 lie outside the model's 3 classes; give labels in 0..2 (or -100 to skip a sample), or a model "
+        "with more outputs"
+    )
+    failures = [r for r in got if isinstance(r, Failure)]
+    assert [(f.client_id, f.reason) for f in failures] == [("c", want.reason)]
+    if presum:  # searched in halves: a and b, then d
+        assert [r.client_ids for r in got if isinstance(r, FitBatchRes)] == [("a", "b"), ("d",)]
+    else:
+        assert_as_in_process(got, inprocess.values(), "abd")
+    # train_stack itself, given the classes: the client named before any step
+    shards = [ClientShard(cid, *data[cid]) for cid in "abcd"]
+    with pytest.raises(ClientTaskError, match=r"^\[round 2, client 'c'\] labels 3 lie outside the model's 3 classes"):
+        train_stack(small_mlp(), _tensors_of(start), shards, config, seed=SEED, round=2, classes=3)
+    others = [shard for shard in shards if shard.client_id != "c"]
+    trained = train_stack(small_mlp(), _tensors_of(start), others, config, seed=SEED, round=2, classes=3)
+    assert trained.num_examples().tolist() == [6, 6, 6]
+
+
+def _tensors_of(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(value) for name, value in arrays.items()}
 
 
 def test_uint8_labels_train_batched_as_in_process_and_other_integer_labels_fail_in_both() -> None:
@@ -480,11 +533,7 @@ def test_uint8_labels_train_batched_as_in_process_and_other_integer_labels_fail_
     assert one_per_client(got)
     replies = {r.client_id: r for r in got}
     inprocess = {r.client_id: r for r in InMemoryPool(list(data), task).run(instructions)}
-    for cid in "ab":
-        one, want = replies[cid], inprocess[cid]
-        assert isinstance(one, FitRes) and isinstance(want, FitRes)
-        for name, value in want.parameters.items():
-            np.testing.assert_allclose(one.parameters[name], value, rtol=1e-5, atol=1e-6)
+    assert_as_in_process(got, inprocess.values(), "ab")
     failure, alone = replies["c"], inprocess["c"]
     assert isinstance(failure, Failure) and isinstance(alone, Failure)
     assert "labels of dtype int32: torch's cross_entropy takes class indices as int64" in failure.reason
@@ -1022,7 +1071,6 @@ def test_the_cpu_batch_size_follows_what_a_step_allocates() -> None:
 def test_clients_built_on_demand_are_batched_no_more_than_the_pool_keeps_built() -> None:
     """With max_tasks (clients built when sampled, e.g. 100,000 synthetic devices), batch_clients = 0 takes at most
     max_tasks clients a batch, so that a batch's tasks and data stay bounded; an explicit batch_clients is kept."""
-    from simulations.batched import presum_weight
     from tests.simulations.test_presum import fedavg
 
     data = (torch.randn(6, 12), torch.randint(0, 3, (6,)))

@@ -36,17 +36,21 @@ def model_fn() -> torch.nn.Module:
     return MLP2NN(num_inputs=12, num_classes=3, hidden=8)
 
 
-def client_data(cid: str, *, diverge: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def client_data(cid: str, *, diverge: bool = False, ignored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(ord(cid))
     x = torch.randn(SIZES[cid], 12, generator=generator)
     if diverge:
         x[0, 0] = float("nan")  # its first step's gradient is NaN: so is every parameter it trains
-    return x, torch.randint(0, 3, (SIZES[cid],), generator=generator)
+    y = torch.randint(0, 3, (SIZES[cid],), generator=generator)
+    return x, torch.full_like(y, -100) if ignored else y  # -100: every label ignored, a NaN loss and zero gradients
 
 
-def pool(diverging: str | None = None) -> InMemoryPool:
+def pool(diverging: str | None = None, ignored: str | None = None) -> InMemoryPool:
     tasks = {
-        cid: SupervisedTask(model_fn=model_fn, train_data=client_data(cid, diverge=cid == diverging)) for cid in SIZES
+        cid: SupervisedTask(
+            model_fn=model_fn, train_data=client_data(cid, diverge=cid == diverging, ignored=cid == ignored)
+        )
+        for cid in SIZES
     }
     return InMemoryPool(list(SIZES), tasks.__getitem__)
 
@@ -146,8 +150,10 @@ def test_a_diverged_client_fails_alone_and_the_others_are_summed() -> None:
         np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-7)
 
 
-def run(weigh: bool, strategy: Strategy, rounds: int = 3) -> tuple[NamedArrays, list[RoundRecord]]:
-    batched = BatchedPool(pool(), weigh=presum_weight(strategy) if weigh else None)
+def run(
+    weigh: bool, strategy: Strategy, rounds: int = 3, ignored: str | None = None
+) -> tuple[NamedArrays, list[RoundRecord]]:
+    batched = BatchedPool(pool(ignored=ignored), weigh=presum_weight(strategy) if weigh else None)
     config = RoundConfig(num_rounds=rounds, seed=SEED, evaluate_every=rounds)
     state, records = run_rounds(batched, strategy, start(), config)
     return state.parameters, records
@@ -164,23 +170,36 @@ def run(weigh: bool, strategy: Strategy, rounds: int = 3) -> tuple[NamedArrays, 
     ],
     ids=["examples", "uniform", "fedavgm", "loss-softmax", "loss-fallback"],
 )
-def test_the_round_loop_gives_the_same_history_with_presummed_batches(strategy: Strategy) -> None:
-    """Weighted by a metric, client d (no data, so no train_loss) is refused without a fallback and fails alone."""
-    single_model, single = run(False, strategy)
-    summed_model, summed = run(True, strategy)
-    refused = ("d",) if strategy.weighting == "metric" and strategy.quality.fallback is None else ()
+@pytest.mark.parametrize("ignored", [None, "f"], ids=["labels", "f-all-ignored"])
+def test_the_round_loop_gives_the_same_history_with_presummed_batches(strategy: Strategy, ignored: str | None) -> None:
+    """Weighted by a metric, client d (no data, so no train_loss) is refused without a fallback and fails alone.
+    A client whose labels are all -100 reports a NaN train_loss with a finite update: as in process, the loss is
+    left out of the round's average (counted in metrics_left_out), and refused as a quality weight."""
+    single_model, single = run(False, strategy, ignored=ignored)
+    summed_model, summed = run(True, strategy, ignored=ignored)
+    refused: tuple[str, ...] = ()
+    if strategy.weighting == "metric" and strategy.quality.fallback is None:
+        refused = ("d",) if ignored is None else ("d", ignored)
     for a, b in zip(single[1:], summed[1:], strict=True):
-        assert a.accepted == b.accepted and a.failures == b.failures
-        assert tuple(f.client_id for f in a.failures) == refused
+        # the all-ignored client replies on its own, after the batch: the same clients, in another order
+        assert sorted(a.accepted) == sorted(b.accepted)
+        assert sorted(a.failures, key=str) == sorted(b.failures, key=str)  # their reasons too
+        assert tuple(sorted(f.client_id for f in a.failures)) == refused
+        # d's fit_seconds (0 examples), and f's NaN train_loss: left out unless the client was refused
+        assert a.metrics_left_out == sum(cid is not None and cid not in refused for cid in ("d", ignored))
         assert a.train_metrics["train_loss"] == b.train_metrics["train_loss"]  # fit_seconds: wall time
         assert a.bytes_up == b.bytes_up and a.bytes_down == b.bytes_down
-        assert [(o.client_id, o.num_examples, o.loss) for o in a.observations] == [
+        assert sorted((o.client_id, o.num_examples, o.loss) for o in a.observations) == sorted(
             (o.client_id, o.num_examples, o.loss) for o in b.observations
-        ]
+        )
         assert a.train_metrics.keys() == b.train_metrics.keys() and a.metrics_left_out == b.metrics_left_out
-        assert a.update_norm == b.update_norm
-    for name, value in single_model.items():  # each round is one batch on the CPU: the very bits
-        np.testing.assert_array_equal(summed_model[name], value)
+        if ignored is None:
+            assert a.accepted == b.accepted and a.update_norm == b.update_norm
+    for name, value in single_model.items():
+        if ignored is None:  # each round is one batch on the CPU: the very bits
+            np.testing.assert_array_equal(summed_model[name], value)
+        else:  # the batch's sum, then the one reply: float64 sums in another order
+            np.testing.assert_allclose(summed_model[name], value, rtol=1e-6, atol=1e-7)
 
 
 def test_no_presumming_where_the_aggregation_needs_each_update() -> None:
