@@ -53,7 +53,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -64,6 +64,7 @@ from fedcore.aggregation.blocks import release_mapped
 from fedcore.errors import ConfigError, FedcoreError, TransportError
 from fedcore.messages import (
     Failure,
+    FitIns,
     FitRes,
     Reply,
     ServerMessage,
@@ -196,15 +197,23 @@ class VirtualClients(ABC):
         """Hand the instructions to the workers and yield each reply as it comes (one per client, in the order the
         workers finish); a client whose task raised, or whose worker died, yields a Failure.
 
+        Fit instructions whose global model holds float64 tensors have their replies yielded in the instructions'
+        order instead, as the in-process pool yields them: the round loop's float64 running sum of float64 updates
+        rounds differently in another order (one of float32 updates times example counts is exact in practice, so
+        their replies need not wait). A reply that comes before those ahead of it is held until they have come.
+
         Raises:
             TransportError: the pool is closed.
         """
         if self._closed:
             raise TransportError(f"the {self.kind} is closed; make a new one")
         shared = self._affinity.split(instructions, self._slots())
+        replies = self._schedule(instructions, shared, timeout_s)
         try:
-            yield from self._schedule(instructions, shared, timeout_s)
+            yield from in_order(instructions, replies) if sums_depend_on_order(instructions) else replies
         finally:
+            if isinstance(replies, Generator):
+                replies.close()  # its own cleanup first, then the run's
             self._end_run()
 
     @abstractmethod
@@ -628,6 +637,35 @@ class ProcessPool(VirtualClients):
 
     def _kill(self, worker: _Worker) -> None:
         _stop(worker, timeout_s=0.0)
+
+
+def sums_depend_on_order(instructions: Mapping[str, ServerMessage]) -> bool:
+    """Whether the updates that ``instructions`` ask for sum to other bits in another order: a fit instruction's
+    global model holds a float64 tensor (each model object looked at once)."""
+    seen: set[int] = set()
+    for message in instructions.values():
+        if isinstance(message, FitIns) and id(message.parameters) not in seen:
+            seen.add(id(message.parameters))
+            if any(np.asarray(value).dtype == np.float64 for value in message.parameters.values()):
+                return True
+    return False
+
+
+def in_order(instructions: Mapping[str, ServerMessage], replies: Iterable[Reply]) -> Iterator[Reply]:
+    """``replies`` (one per client of ``instructions``, in any order) in the order of ``instructions``: each is
+    yielded as soon as every reply ahead of it has been; one for a client not instructed is yielded at once."""
+    order = list(instructions)
+    held: dict[str, Reply] = {}
+    position = 0
+    for reply in replies:
+        if reply.client_id not in instructions:
+            yield reply
+            continue
+        held[reply.client_id] = reply
+        while position < len(order) and order[position] in held:
+            yield held.pop(order[position])
+            position += 1
+    yield from (held[cid] for cid in order[position:] if cid in held)  # after a client that never replied
 
 
 def decode_reply(

@@ -1,7 +1,8 @@
 """A tiny task for the process-pool tests: a linear model on 20 generated examples per partition.
 
 Options name clients that misbehave: ``crash`` (the worker process kills itself with SIGKILL while training),
-``slow`` (training sleeps ``slow_s`` seconds first). Every fit reports the worker's process id as metric ``pid``.
+``slow`` (training sleeps ``slow_s`` seconds first). ``dtype=float64`` makes the model and data float64. Every fit
+reports the worker's process id as metric ``pid``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from fedcore.task import FitConfig, TaskContext, TrainContext, TrainResult
 
 def linear() -> torch.nn.Module:
     return torch.nn.Linear(4, 2)
+
+
+def linear64() -> torch.nn.Module:
+    return torch.nn.Linear(4, 2).double()
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -41,9 +46,10 @@ def tiny_task(context: TaskContext) -> TinyTask:
     x = torch.randn(20, 4, generator=generator)
     y = (x.sum(dim=1) > 0).long()
     behaviour = next((k for k in ("crash", "slow") if context.client_id in context.options.get(k, "").split(",")), "")
+    double = context.options.get("dtype") == "float64"
     return TinyTask(
-        model_fn=linear,
-        train_data=(x, y),
+        model_fn=linear64 if double else linear,
+        train_data=(x.double() if double else x, y),
         behaviour=behaviour,
         slow_s=float(context.options.get("slow_s", "0")),
     )

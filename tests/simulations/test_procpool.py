@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +16,7 @@ from fedcore.errors import TransportError
 from fedcore.messages import Failure, FitIns, FitRes
 from fedcore.task import FitConfig, initial_parameters
 from simulations.procpool import DIR_PREFIX, ClientTasks, ProcessPool, remove_stale_dirs
-from tests.simulations.procpool_tasks import linear
+from tests.simulations.procpool_tasks import TinyTask, linear, linear64
 
 if TYPE_CHECKING:
     from simulations.harness import SimulationResult
@@ -34,8 +34,8 @@ def pool() -> Iterator[ProcessPool]:
         yield p
 
 
-def _fit(clients: list[str], round: int = 1) -> dict[str, FitIns]:
-    parameters = initial_parameters(linear, 0)
+def _fit(clients: list[str], round: int = 1, model_fn: Callable[[], torch.nn.Module] = linear) -> dict[str, FitIns]:
+    parameters = initial_parameters(model_fn, 0)
     config = FitConfig(local_epochs=1, batch_size=5, lr=0.1)
     ins = FitIns(round=round, parameters=parameters, config=config, seed=0)
     return {cid: ins for cid in clients}
@@ -103,6 +103,45 @@ def test_same_updates_as_in_process(pool: ProcessPool) -> None:
         assert a.metrics["train_loss"] == b.metrics["train_loss"]
         for name in a.parameters:
             np.testing.assert_array_equal(a.parameters[name], b.parameters[name])
+
+
+def test_float64_updates_come_in_the_instructions_order_as_in_process() -> None:
+    """A float64 model's updates sum to other bits in another order (the round loop's float64 running sum): the
+    pool yields their replies in the order it was given the clients, as the in-process pool does, even when the
+    first client finishes last; each update is the in-process one bit for bit, so the round's mean is too."""
+    from fedcore.aggregation import WeightedMean
+    from fedcore.task import TaskContext
+    from fedcore.tensors import spec_of
+    from simulations.inmemory import InMemoryPool
+    from tests.simulations.procpool_tasks import tiny_task
+
+    options = {"dtype": "float64", "slow": "client-0", "slow_s": "1"}
+    clients = ["client-0", *IDS[3:]]  # the slow one first
+    instructions = _fit(clients, round=6, model_fn=linear64)
+    tasks = ClientTasks(factory=TINY, options=options, num_partitions=len(IDS), seed=0)
+    with ProcessPool(IDS, tasks, workers=2) as pool:
+        remote = list(pool.run(instructions))
+    assert [r.client_id for r in remote] == clients
+
+    def task(cid: str) -> TinyTask:
+        context = TaskContext(role="client", client_id=cid, partition_id=IDS.index(cid), seed=0, options=options)
+        return tiny_task(context)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = list(InMemoryPool(clients, task).run(instructions))
+    finally:
+        torch.set_num_threads(threads)
+    means = []
+    for replies in (local, remote):
+        mean = WeightedMean(spec_of(instructions["client-0"].parameters))
+        for reply in replies:
+            assert isinstance(reply, FitRes) and reply.parameters["weight"].dtype == np.float64
+            mean.add(reply.parameters, float(reply.num_examples), client_id=reply.client_id)
+        means.append(mean.result())
+    for name, value in means[0].items():
+        np.testing.assert_array_equal(means[1][name], value)
 
 
 def test_stopping_early_leaves_no_file_behind(pool: ProcessPool) -> None:
