@@ -87,7 +87,7 @@ from fedcore.strategy import Strategy
 from fedcore.supervised import SupervisedTask
 from fedcore.task import FitConfig, LossFn, Task
 from fedcore.tensors import NamedArrays, check_spec, num_bytes, state_spec
-from fedcore.training import label_problem, reads_class_labels
+from fedcore.training import CLASS_LOSSES, label_problem, reads_class_labels
 from server.pool import PoolWrapper
 from simulations.inmemory import InMemoryPool
 from simulations.shuffle import epoch_permutations
@@ -503,13 +503,16 @@ class _LinearChain:
             for prefix, m in ((f"{name}." if name else "", m) for name, m in leaves)  # "": the model is the Linear
             if isinstance(m, nn.Linear)
         ]
-        with torch.no_grad():
-            h = sample.flatten(1)
-            for layer in layers:
-                if isinstance(layer, nn.Linear) and h.shape[-1] != layer.in_features:
-                    return None
-                h = layer(h)
-            output = model(sample)
+        try:
+            with torch.no_grad():
+                h = sample.flatten(1)
+                for layer in layers:
+                    if isinstance(layer, nn.Linear) and h.shape[-1] != layer.in_features:
+                        return None
+                    h = layer(h)
+                output = model(sample)
+        except Exception:  # e.g. inputs of another dtype than the weights: the general path meets it in training and
+            return None  # fails the clients it concerns, as one-by-one training fails each
         same = (
             isinstance(output, torch.Tensor)
             and output.shape == h.shape
@@ -1558,13 +1561,14 @@ class BatchedPool(PoolWrapper):
         found when a client's data are read, so that the client fails alone before its batch trains (on a GPU an
         out-of-range index is a device-side assert that ends the process's CUDA context, not an error one client
         can fail with). The model's number of classes comes from one forward of one sample, once per model."""
-        if not reads_class_labels(task.loss_fn, y) or not len(x):
-            return None
-        if y.dtype not in (torch.int64, torch.uint8):  # as one-by-one training, whose loss refuses them
-            return (
+        class_indices = task.loss_fn in CLASS_LOSSES and not y.is_floating_point() and not y.is_meta
+        if class_indices and y.dtype not in (torch.int64, torch.uint8):  # as one-by-one training, whose loss refuses
+            return (  # them (bool, int32, ...; a batch's torch.cat would promote them to int64 and train on them)
                 f"labels of dtype {str(y.dtype).removeprefix('torch.')}: torch's {task.loss_fn.__name__} takes class "
                 "indices as int64 (or uint8); give y.long()"
             )
+        if not reads_class_labels(task.loss_fn, y) or not len(x):
+            return None
         if key not in self._classes:
             model = self._model(task)  # raises ConfigError: the model cannot be batched
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -1615,7 +1619,9 @@ class BatchedPool(PoolWrapper):
                 same = settings[id(ins)] = firsts.setdefault(
                     (id(ins.parameters), ins.config, ins.seed, ins.round), id(ins)
                 )
-            groups.setdefault((task_key, same), []).append((cid, ins, task))
+            # inputs of one dtype a batch: torch.cat would promote others (int64 inputs trained as float32, which the
+            # model refuses one by one)
+            groups.setdefault((task_key, same, shard.x.dtype), []).append((cid, ins, task))
         batches: list[FitBatchRes] = []
         for members in groups.values():
             per_client, batched = self._train_group(members, [shards[member[0]] for member in members])
@@ -1629,8 +1635,9 @@ class BatchedPool(PoolWrapper):
     def _train_group(
         self, members: Sequence[tuple[str, FitIns, SupervisedTask]], shards: Sequence[ClientShard]
     ) -> tuple[dict[str, Reply], list[FitBatchRes]]:
-        """Train one group (same model, instruction settings and global model; ``shards``: the members' data, in
-        their order): its per-client replies, and with ``weigh`` the batches of those whose updates were summed.
+        """Train one group (same model, instruction settings, global model and input dtype; ``shards``: the members'
+        data, in their order): its per-client replies, and with ``weigh`` the batches of those whose updates were
+        summed.
 
         A group whose training raises (a bug in the task's model or loss that only some data reach) is searched
         (:meth:`_search`) so that only the clients that raise alone fail, each with its own reason, and the others'

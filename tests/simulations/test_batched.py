@@ -511,33 +511,66 @@ def _tensors_of(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(value) for name, value in arrays.items()}
 
 
-def test_uint8_labels_train_batched_as_in_process_and_other_integer_labels_fail_in_both() -> None:
-    """torch's cross-entropy takes uint8 class indices as int64 ones: batched clients train on them as in process
-    (vmap's gather takes int64 only: the batch's labels are widened), also when the uint8 client comes first and
-    sizes the batch. int32 labels, which the loss refuses in process, fail their client batched too."""
-    generator = torch.Generator().manual_seed(10)
-    data = {
-        cid: (torch.randn(6, 12, generator=generator), torch.randint(0, 3, (6,), generator=generator)) for cid in "abc"
+def random_clients(seed: int, ids: str, size: int = 6) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Clients ``ids`` of ``size`` random inputs (12 features, float32) and labels in 0..2 (int64) each."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        cid: (torch.randn(size, 12, generator=generator), torch.randint(0, 3, (size,), generator=generator))
+        for cid in ids
     }
-    for cid in "ab":
-        data[cid] = (data[cid][0], data[cid][1].to(torch.uint8))
-    data["c"] = (data["c"][0], data["c"][1].to(torch.int32))
+
+
+def batched_and_in_process(
+    data: dict[str, tuple[torch.Tensor, torch.Tensor]], config: FitConfig
+) -> tuple[list[PoolReply], list[Reply]]:
+    """One round of :func:`small_mlp` clients on ``data`` (one batch), batched and in process: their replies."""
 
     def task(cid: str) -> SupervisedTask:
         return SupervisedTask(model_fn=small_mlp, train_data=data[cid])
 
     start = from_state_dict(small_mlp().state_dict())
-    config = FitConfig(local_epochs=1, batch_size=4, lr=0.1)
     instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in data}
-    got = list(BatchedPool(InMemoryPool(list(data), task)).run(instructions))
+    batched = list(BatchedPool(InMemoryPool(list(data), task)).run(instructions))
+    return batched, list(InMemoryPool(list(data), task).run(instructions))
+
+
+def test_uint8_labels_train_batched_as_in_process_and_other_integer_labels_fail_in_both() -> None:
+    """torch's cross-entropy takes uint8 class indices as int64 ones: batched clients train on them as in process
+    (vmap's gather takes int64 only: the batch's labels are widened), also when the uint8 client comes first and
+    sizes the batch. int32 and bool labels, which the loss refuses in process, fail their client batched too (the
+    batch's concatenation would have promoted them to int64 and trained on them)."""
+    data = random_clients(10, "abcd")
+    for cid in "ab":
+        data[cid] = (data[cid][0], data[cid][1].to(torch.uint8))
+    data["c"] = (data["c"][0], data["c"][1].to(torch.int32))
+    data["d"] = (data["d"][0], data["d"][1] > 0)
+    got, local = batched_and_in_process(data, FitConfig(local_epochs=1, batch_size=4, lr=0.1))
     assert one_per_client(got)
     replies = {r.client_id: r for r in got}
-    inprocess = {r.client_id: r for r in InMemoryPool(list(data), task).run(instructions)}
+    inprocess = {r.client_id: r for r in local}
     assert_as_in_process(got, inprocess.values(), "ab")
     failure, alone = replies["c"], inprocess["c"]
     assert isinstance(failure, Failure) and isinstance(alone, Failure)
     assert "labels of dtype int32: torch's cross_entropy takes class indices as int64" in failure.reason
     assert "Long" in alone.reason, alone.reason  # torch's own words in process
+    failure, alone = replies["d"], inprocess["d"]
+    assert isinstance(failure, Failure) and isinstance(alone, Failure)
+    assert "labels of dtype bool: torch's cross_entropy takes class indices as int64" in failure.reason
+    assert "Bool" in alone.reason, alone.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_a_first_client_whose_inputs_the_model_cannot_take_fails_alone(dtype: torch.dtype) -> None:
+    """The batch is sized (batch_clients = 0) from the first client's data, by trying the fused path's check on
+    them: inputs of another dtype than the model's weights make that check raise, which fails that client alone, as
+    in process, rather than the run. Clients of other input dtypes train in batches of their own: int64 inputs are
+    not promoted to float32 and trained, as one batch's concatenation would have done."""
+    data = random_clients(13, "abc")
+    data["a"] = (data["a"][0].to(dtype), data["a"][1])
+    got, inprocess = batched_and_in_process(data, FitConfig(local_epochs=1, batch_size=3, lr=0.1))
+    assert [r.client_id for r in inprocess if isinstance(r, Failure)] == ["a"]
+    assert [r.client_id for r in got if isinstance(r, Failure)] == ["a"]
+    assert_as_in_process(got, inprocess, "bc")
 
 
 def test_a_model_vmap_cannot_run_is_refused_at_the_first_client_with_usable_data() -> None:
