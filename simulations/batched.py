@@ -295,21 +295,18 @@ def check_batchable_clients(
     round). Clients whose task raises or whose data fail are passed over; they fail alone in their rounds.
 
     Returns:
-        As :func:`check_batchable`; empty when no client of ``client_ids`` could try the model (each fails alone).
+        As :func:`check_batchable`; empty when no client of ``client_ids`` could try the model: each fails alone, as
+        in process (also when no task of theirs builds: later clients may, and :class:`BatchedPool` tries the model
+        on the first client of a round that can).
 
     Raises:
         ConfigError: as :func:`check_batchable`, or a factory's ConfigError (the recipe's, not one client's).
-        Exception: the task factory's own error when no client of ``client_ids`` has a task that builds.
     """
-    tried = False
     for client_id, task in _buildable_tasks(pool, client_ids):
-        tried = True
         unbatched = _batchable_trial(task, strategy)
         if unbatched is not None:
             return unbatched
         log.debug("client %s's first samples fail unbatched too; the batched step is tried on the next", client_id)
-    if not tried and client_ids:
-        pool.task(client_ids[0])  # raises the factory's error: no client of these can be built
     return []
 
 

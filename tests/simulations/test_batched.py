@@ -234,8 +234,13 @@ def test_the_batched_step_is_tried_on_a_client_whose_data_the_model_accepts() ->
     assert one_per_client(replies)
     assert [r.client_id for r in replies if isinstance(r, FitRes)] == ["c", "d"]
     assert [r.client_id for r in replies if isinstance(r, Failure)] == ["a", "b", "x", "z"]
-    with pytest.raises(ValueError, match="client b's data"):  # no task builds: the factory's own error
-        check_batchable_clients(InMemoryPool(["b"], tasks(small_mlp)), ["b"])
+    # no task of the first clients builds (their data are missing): they fail alone, the later ones train
+    late = ["b", "c", "d"]
+    assert check_batchable_clients(InMemoryPool(late, tasks(small_mlp)), late[:1]) == []
+    replies = list(BatchedPool(InMemoryPool(late, tasks(small_mlp))).run({cid: instructions[cid] for cid in late}))
+    assert one_per_client(replies)
+    assert [(type(r).__name__, r.client_id) for r in replies] == [("Failure", "b"), ("FitRes", "c"), ("FitRes", "d")]
+    assert "client b's data are unavailable" in str(replies[0])
 
 
 class TinyLSTM(nn.Module):
