@@ -787,8 +787,9 @@ def train_stack(
     Args:
         model: a model of the clients' architecture (checked with :func:`check_model`); its parameter values are
             not used or changed, its train mode is set.
-        global_parameters: the round's global model, state-dict name -> tensor (every parameter of ``model``; not
-            memory of ``buffers``, which the training overwrites).
+        global_parameters: the round's global model, state-dict name -> tensor (every parameter of ``model``, the
+            frozen ones too, whose values the forward reads from it, as one-by-one training loads them; not memory of
+            ``buffers``, which the training overwrites).
         clients: the clients' data, in any order (results come back in this order).
         config: epochs, batch size, lr, momentum, weight decay, mu, max_steps.
         seed, round: with each client id, key the clients' shuffling (``derive_seed(seed, round, client_id)``).
@@ -846,6 +847,7 @@ def train_stack(
     plans = [schedules[n] for n in sizes]
     num_steps = max((steps for _, steps in plans), default=0)
     batched = _Batched(model, loss_fn)
+    batched.frozen = {n: global_parameters[n] for n in batched.frozen}  # the round's values, not the model's own
     batched.to(device)
     names = list(batched.trainable)
     count = len(shards)

@@ -812,6 +812,40 @@ def test_the_fused_path_takes_only_a_plain_perceptron() -> None:
     assert _LinearChain.detect(SmallCNN(), torch.randn(2, 1, 8, 8)) is None
 
 
+class FrozenFirst(nn.Module):
+    """A first layer whose weight does not train (random features), then a trained layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 8)
+        self.a.weight.requires_grad_(False)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_frozen_parameters_take_the_global_models_values_as_in_process() -> None:
+    """A frozen parameter is not trained, but the forward reads it: batched clients read the round's global value,
+    as in process, not the value of the pool's own build of the model (a fresh random draw here)."""
+    data = random_clients(14, "abc")
+
+    def task(cid: str) -> SupervisedTask:
+        return SupervisedTask(model_fn=FrozenFirst, train_data=data[cid])
+
+    torch.manual_seed(21)
+    start = from_state_dict(FrozenFirst().state_dict())
+    config = FitConfig(local_epochs=2, batch_size=3, lr=0.1)
+    instructions = {cid: FitIns(round=1, parameters=start, config=config, seed=SEED) for cid in data}
+    got = list(BatchedPool(InMemoryPool(list(data), task)).run(instructions))
+    inprocess = list(InMemoryPool(list(data), task).run(instructions))
+    assert_as_in_process(got, inprocess, "abc")
+    for reply in got:
+        assert isinstance(reply, FitRes)
+        np.testing.assert_array_equal(reply.parameters["a.weight"], start["a.weight"])  # not trained
+        assert np.abs(reply.parameters["b.weight"] - start["b.weight"]).max() > 1e-3  # trained
+
+
 def test_the_fused_path_is_checked_once_per_model_of_a_pool_and_at_each_call_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
