@@ -37,6 +37,7 @@ from fedcore.engine.launch import DEFAULT_TIMEOUT_S
 from fedcore.engine.plan import ParallelPlan
 from fedcore.errors import ClientTaskError, FedcoreError, PayloadError
 from fedcore.messages import (
+    MAX_EXAMPLES,
     MAX_METRIC_NAME,
     MAX_METRICS,
     EvaluateIns,
@@ -555,7 +556,8 @@ def _example_count(value: object, *, round: int, client_id: str, stage: Stage) -
     """The task's example count as an int >= 0 (numpy and torch integers too).
 
     Raises:
-        ClientTaskError: a bool, a float, a negative number or anything else.
+        ClientTaskError: a bool, a float, a number outside 0..:data:`~fedcore.messages.MAX_EXAMPLES` or anything
+            else.
     """
     try:
         if isinstance(value, bool):
@@ -563,10 +565,10 @@ def _example_count(value: object, *, round: int, client_id: str, stage: Stage) -
         count = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         count = -1
-    if count < 0:
+    if not 0 <= count <= MAX_EXAMPLES:
         raise ClientTaskError(
             f"task.{'train' if stage is Stage.FIT else 'evaluate'} returned num_examples={bounded_repr(value)} "
-            f"({type(value).__name__}); it must be an integer >= 0",
+            f"({type(value).__name__}); it must be an integer in 0..2**63-1",
             round=round,
             client_id=client_id,
             stage=stage.value,

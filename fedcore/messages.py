@@ -28,6 +28,11 @@ MAX_METRICS = 256
 MAX_METRIC_NAME = 128
 """The longest metric name, in characters (the gRPC server refuses a result with a longer one)."""
 
+MAX_EXAMPLES = 2**63 - 1
+"""The largest example count a reply may carry: the wire's ``int64 num_examples`` and the state database's INTEGER.
+A larger one is refused (the client's task fails; the round loop rejects such an update) rather than failing the
+round when its record is written."""
+
 
 def bounded_repr(value: object, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters, for text made from client input before it is logged or stored.

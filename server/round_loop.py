@@ -41,6 +41,7 @@ from fedcore.aggregation import (
 from fedcore.convergence import Convergence, Stop, StopRules, stop_columns, update_norm
 from fedcore.errors import BudgetExhausted, ClientTaskError, ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import (
+    MAX_EXAMPLES,
     EvaluateIns,
     EvaluateRes,
     Failure,
@@ -720,14 +721,19 @@ def _fit_round(
 
 
 def _check_count(num_examples: object, *, client_id: str | None = None) -> None:
-    """Refuse an example count that is not an integer >= 0 (a bool is not one).
+    """Refuse an example count that is not an integer in 0..:data:`~fedcore.messages.MAX_EXAMPLES` (a bool is not
+    one).
 
     Raises:
         UpdateRejected: what the count was.
     """
-    if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples < 0:
+    if (
+        isinstance(num_examples, bool)
+        or not isinstance(num_examples, numbers.Integral)
+        or not 0 <= int(num_examples) <= MAX_EXAMPLES
+    ):
         raise UpdateRejected(
-            f"the example count {bounded_repr(num_examples)} is not an integer >= 0", client_id=client_id
+            f"the example count {bounded_repr(num_examples)} is not an integer in 0..2**63-1", client_id=client_id
         )
 
 

@@ -102,7 +102,7 @@ class Reports:
         return EvalResult(loss=self.loss, num_examples=self.num_examples, metrics=self.metrics)
 
 
-@pytest.mark.parametrize("count", [True, 2.5, -1, "3", None])
+@pytest.mark.parametrize("count", [True, 2.5, -1, "3", None, 2**63, 10**30])
 def test_an_example_count_that_is_not_an_integer_fails_the_instruction_with_its_value(count: object) -> None:
     initial = engine_tasks.initial_parameters(engine_tasks.mlp)
     for ins in (FitIns(round=3, parameters=initial, config=CONFIG, seed=1), EvaluateIns(round=3, parameters=initial)):

@@ -240,7 +240,8 @@ class DirectPool:
 
 
 def test_example_counts_that_are_not_integers_reject_that_update_only() -> None:
-    counts: dict[str, object] = {"a": 10, "b": True, "c": 2.5, "d": -3, "e": 10**400, "f": np.int64(30)}
+    # g: beyond the wire's int64 and the state database's INTEGER, within the float range
+    counts: dict[str, object] = {"a": 10, "b": True, "c": 2.5, "d": -3, "e": 10**400, "f": np.int64(30), "g": 10**30}
     metrics: dict[str, object] = {cid: {"loss": 1.0} for cid in counts}
     metrics["a"] = None  # not a dict at all
     start = {"w": np.array([0.0, 1.0], np.float32)}
@@ -249,9 +250,9 @@ def test_example_counts_that_are_not_integers_reject_that_update_only() -> None:
         DirectPool(counts, metrics), Strategy(sampling=sampling), start, RoundConfig(num_rounds=1)
     )
     assert records[-1].accepted == ("a", "f")
-    assert {f.client_id for f in records[-1].failures} == {"b", "c", "d", "e"}
+    assert {f.client_id for f in records[-1].failures} == {"b", "c", "d", "e", "g"}
     reasons = " ".join(f.reason for f in records[-1].failures)
-    assert "not an integer >= 0" in reasons and "beyond the float range" in reasons
+    assert "is not an integer in 0..2**63-1" in reasons and "the example count 10000" in reasons
     np.testing.assert_array_equal(state.parameters["w"], [1.0, 2.0])
     assert records[-1].train_metrics == {"loss": 1.0} and records[-1].metrics_left_out == 1
 
