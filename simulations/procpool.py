@@ -29,8 +29,10 @@ killed for memory) fails the client it was running with a reason that says so, a
 goes on by the round loop's quorum rules. The pool never waits for a dead worker. :meth:`ProcessPool.close` (also
 on ``with`` exit and at interpreter exit) ends the workers, killing any that do not exit within a few seconds, and
 removes the shared-memory directory; a worker also exits by itself when the pool's process dies (its command pipe
-reaches end of file, or its reply cannot be written), removing that directory once the pool's process has gone, and
-a later pool removes directories left by pools whose process died (all of whose workers were killed too).
+reaches end of file, its reply cannot be written, or, mid-client, its watch thread sees another parent), removing
+that directory once the pool's process has gone, and a later pool removes directories left by pools whose process
+died (all of whose workers were killed too). Ctrl-C while a run waits for its clients kills the workers busy with
+one and closes the pool, rather than waiting for their clients to finish.
 
 Fit and evaluate instructions keep no deadline (as in the in-memory pool: a simulation's model never depends on
 timing); a stage instruction is timed inside its worker against ``timeout_s``.
@@ -49,6 +51,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -95,6 +98,8 @@ STOP = "stop"
 """The kind of the message that ends a worker (before its command pipe closes)."""
 ORPHAN_WAIT_S = 5.0
 """How long a worker whose command pipe closed without a stop message waits to see its pool's process gone."""
+ORPHAN_POLL_S = 0.2
+"""How often a worker's watch thread looks whether its pool's process is gone (then it ends the worker at once)."""
 START_TIMEOUT_S = 300.0
 """How long a starting worker may take to import torch and build its task factory before the pool gives up."""
 STOP_TIMEOUT_S = 10.0
@@ -211,6 +216,9 @@ class VirtualClients(ABC):
         replies = self._schedule(instructions, shared, timeout_s)
         try:
             yield from in_order(instructions, replies) if sums_depend_on_order(instructions) else replies
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C while waiting for the workers: not for their clients too
+            self._abandon()
+            raise
         finally:
             if isinstance(replies, Generator):
                 replies.close()  # its own cleanup first, then the run's
@@ -239,6 +247,11 @@ class VirtualClients(ABC):
     @abstractmethod
     def _end_run(self) -> None:
         """Wait for the tasks still in flight (the caller stopped early), drop their results and the run's inputs."""
+
+    def _abandon(self) -> None:
+        """End a run interrupted while it waited for its clients (Ctrl-C): the workers' clients are not waited for,
+        however long they would train, and the pool is closed (a later :meth:`run` raises TransportError)."""
+        self.close()
 
     def available(self) -> list[str]:
         """All virtual clients are always available."""
@@ -638,6 +651,13 @@ class ProcessPool(VirtualClients):
     def _kill(self, worker: _Worker) -> None:
         _stop(worker, timeout_s=0.0)
 
+    def _abandon(self) -> None:
+        for worker in self._workers:
+            if worker is not None and worker.task is not None:  # its client's update is not wanted: no stop message
+                self._kill(worker)
+                self._workers[worker.index] = None
+        self.close()
+
 
 def sums_depend_on_order(instructions: Mapping[str, ServerMessage]) -> bool:
     """Whether the updates that ``instructions`` ask for sum to other bits in another order: a fit instruction's
@@ -807,8 +827,13 @@ def _worker_main(commands: int, results: int, pool: int, directory: Path) -> int
     ends the workers with a stop message. An end of file without one, or a reply that cannot be written (the worker
     was training when it happened), means that the pool's process died (SIGKILL, the OOM killer) and could not
     remove its shared-memory directory: once the pool's process has gone, the worker removes it (each worker tries;
-    the first one does it, and one that was still writing an update removes that too)."""
+    the first one does it, and one that was still writing an update removes that too). A thread of the worker also
+    watches for that while the worker trains (:func:`_exit_when_orphaned`), so that a client of a dead pool does not
+    go on training for nobody."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch = threading.Thread(target=_exit_when_orphaned, args=(pool, directory), name="fedcore-orphan-watch")
+    watch.daemon = True
+    watch.start()
     try:
         status = _serve_commands(commands, results)
     except (OSError, TransportError):  # a pipe broke mid-message: the pool died (or ended this worker)
@@ -843,6 +868,18 @@ def _serve_commands(commands: int, results: int) -> int | None:
         if envelope.get("kind") == STOP:
             return 0
         _write_message(results, *serve(envelope, header))
+
+
+def _exit_when_orphaned(pool: int, directory: Path) -> None:
+    """A worker's watch thread: once the pool's process ``pool`` is gone (SIGKILL, SIGTERM, the OOM killer; this
+    worker has another parent), remove the pool's shared-memory ``directory`` and end the worker at once, whatever
+    its main thread is doing (a client's training, whose update nobody would read). Polls every
+    :data:`ORPHAN_POLL_S` seconds; a file the main thread creates in the directory meanwhile leaves it to the next
+    pool's :func:`remove_stale_dirs`."""
+    while os.getppid() == pool:
+        time.sleep(ORPHAN_POLL_S)
+    shutil.rmtree(directory, ignore_errors=True)
+    os._exit(0)
 
 
 def _remove_if_orphaned(directory: Path, pool: int, *, wait_s: float = ORPHAN_WAIT_S) -> None:

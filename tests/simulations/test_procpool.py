@@ -182,8 +182,9 @@ def test_stale_directories_of_dead_pools_are_removed(tmp_path: Path) -> None:
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "training"])
 def test_workers_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Path, busy: bool) -> None:
     """A pool's process killed with SIGKILL cannot remove its shared-memory directory: its workers, idle (their
-    command pipes close without a stop message) or training a client when it happens (their reply cannot be
-    written), see the pool gone, remove the directory and exit (no stale directory is left for the next run)."""
+    command pipes close without a stop message) or training a client when it happens (a thread of theirs sees the
+    pool gone: they do not train their 60 s clients to the end), remove the directory and exit (no stale directory
+    is left for the next run)."""
     import signal
     import subprocess
     import sys
@@ -193,7 +194,7 @@ def test_workers_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Pa
         "import sys, threading, time\n"
         "from simulations.procpool import ClientTasks, ProcessPool\n"
         "from tests.simulations.test_procpool import _fit\n"
-        f"tasks = ClientTasks(factory={TINY!r}, options={{'slow': 'a,b', 'slow_s': '2'}}, num_partitions=2, seed=0)\n"
+        f"tasks = ClientTasks(factory={TINY!r}, options={{'slow': 'a,b', 'slow_s': '60'}}, num_partitions=2, seed=0)\n"
         f"pool = ProcessPool(['a', 'b'], tasks, workers=2, shm_dir={str(tmp_path)!r})\n"
         + ("threading.Thread(target=lambda: list(pool.run(_fit(['a', 'b']))), daemon=True).start()\n" if busy else "")
         + "time.sleep(0.5)\n"  # the two clients are in their workers
@@ -211,6 +212,46 @@ def test_workers_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Pa
     deadline = time.monotonic() + 20
     while (Path(directory).exists() or any(_alive(int(pid)) for pid in pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert not Path(directory).exists()
+    assert not any(_alive(int(pid)) for pid in pids)
+
+
+def test_ctrl_c_while_clients_train_ends_the_run_without_waiting_for_them(tmp_path: Path) -> None:
+    """Ctrl-C while the pool waits for two clients that train for 60 s: the run ends at once (the workers, which
+    ignore Ctrl-C, are killed rather than waited for), and the pool is closed: no worker and no shared-memory
+    directory is left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from simulations.procpool import ClientTasks, ProcessPool\n"
+        "from tests.simulations.test_procpool import _fit\n"
+        f"tasks = ClientTasks(factory={TINY!r}, options={{'slow': 'a,b', 'slow_s': '60'}}, num_partitions=2, seed=0)\n"
+        f"pool = ProcessPool(['a', 'b'], tasks, workers=2, shm_dir={str(tmp_path)!r})\n"
+        "pool.wait_until_ready()\n"
+        "print(pool.shm_dir, *pool.worker_pids(), flush=True)\n"
+        "try:\n"
+        "    list(pool.run(_fit(['a', 'b'])))\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(130)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        directory, *pids = proc.stdout.readline().split()
+        time.sleep(1.0)  # both clients are training
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+        out, _ = proc.communicate(timeout=30)
+        assert time.monotonic() - started < 15
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and out.strip() == "interrupted"
     assert not Path(directory).exists()
     assert not any(_alive(int(pid)) for pid in pids)
 
