@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from fedcore.errors import ClientTaskError
+from fedcore.errors import ClientTaskError, ConfigError
 from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult
 from fedcore.training import LossFn, evaluate_supervised, train_supervised
 
@@ -24,6 +24,10 @@ from fedcore.training import LossFn, evaluate_supervised, train_supervised
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SupervisedTask:
     """Supervised learning on tensors held in memory.
+
+    Raises:
+        ConfigError: ``train_data`` or ``test_data`` is not None or a pair ``(x, y)`` of torch tensors (numpy arrays,
+            for instance: convert them with ``torch.from_numpy``).
 
     Attributes:
         model_fn: builds a freshly initialized model (same architecture everywhere).
@@ -41,6 +45,19 @@ class SupervisedTask:
     train_data: tuple[torch.Tensor, torch.Tensor] | None = None
     test_data: tuple[torch.Tensor, torch.Tensor] | None = None
     loss_fn: LossFn = field(default=nn.functional.cross_entropy)
+
+    def __post_init__(self) -> None:
+        for name in ("train_data", "test_data"):
+            data = getattr(self, name)
+            if data is None:
+                continue
+            kinds = [type(part).__name__ for part in data] if isinstance(data, tuple | list) else []
+            if len(kinds) != 2 or not all(isinstance(part, torch.Tensor) for part in data):
+                got = f"({', '.join(kinds)})" if kinds else type(data).__name__
+                raise ConfigError(
+                    f"SupervisedTask's {name} must be a pair (x, y) of torch tensors, got {got}; convert numpy arrays "
+                    "with torch.from_numpy(x), torch.from_numpy(y)"
+                )
 
     def build_model(self) -> nn.Module:
         """Return ``model_fn()``."""

@@ -238,9 +238,12 @@ def check_model(model: nn.Module) -> None:
     name = type(model).__name__
     buffers = [n for n, _ in model.named_buffers()]
     if buffers:
+        owner = type(model.get_submodule(buffers[0].rpartition(".")[0])).__name__
         raise ConfigError(
-            f"batched clients need a model without buffers, and {name} has {len(buffers)} (e.g. {buffers[0]!r}: "
-            f"BatchNorm's running statistics change during training)" + _ADVICE
+            f"batched clients need a model without buffers, and {name} has {len(buffers)} (e.g. {buffers[0]!r}, of "
+            f"{owner}): batched clients stack each client's parameters, but a buffer would be one tensor for all of "
+            "them (and one that changes in training, as BatchNorm's running statistics do, would mix their updates)"
+            + _ADVICE
         )
     random = [type(m).__name__ for m in model.modules() if isinstance(m, _RANDOM_MODULES) and getattr(m, "p", 0) > 0]
     if random:
@@ -363,10 +366,11 @@ def _batchable_trial(task: Task, strategy: Strategy | None) -> list[str] | None:
     except Exception as exc:  # vmap's refusal, or the data's (which the plain forward and loss meet as well)
         if _fails_unbatched(model, task.loss_fn, x[:2].cpu(), y[:2].cpu()):
             return None  # this client's data, not batching: it fails alone in its round, as it would in process
+        loss = getattr(task.loss_fn, "__name__", type(task.loss_fn).__name__)
         raise ConfigError(
-            f"batched clients could not vmap the model's training step ({type(exc).__name__}: "
-            f"{str(exc)[:300]}); a model whose forward draws random numbers or writes to its own tensors cannot be "
-            "batched" + _ADVICE
+            f"batched clients could not vmap the training step, the model's forward and the task's loss {loss} "
+            f"({type(exc).__name__}: {str(exc)[:300]}); a model or loss that draws random numbers, writes to its own "
+            "tensors or branches on a tensor's value (.item(), if on a tensor) cannot be batched" + _ADVICE
         ) from None
     unbatched: set[str] = set()
     for warning in caught:

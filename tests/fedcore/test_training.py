@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import cast
 
 import pytest
@@ -143,3 +144,28 @@ def test_evaluation_averages_over_the_labels_torch_counts() -> None:
     assert per_example.metrics["accuracy"] == float((logits.argmax(1) == flat_y).sum()) / 7
     none = evaluate_supervised(linear, flat_x, torch.full((7,), -100), batch_size=3)
     assert none.num_examples == 7 and none.metrics == {} and none.loss != none.loss  # NaN: nothing to measure
+
+
+def test_a_supervised_task_refuses_data_that_are_not_a_pair_of_tensors() -> None:
+    """numpy arrays (or one tensor, or a triple) given as a SupervisedTask's data are refused where the task is made,
+    saying how to convert them, rather than failing inside training as an AttributeError."""
+    import numpy as np
+
+    from fedcore.errors import ConfigError
+    from fedcore.supervised import SupervisedTask
+
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    SupervisedTask(model_fn=lambda: nn.Linear(3, 2), train_data=(x, y), test_data=(x, y))
+    for data, got in [
+        ((x.numpy(), y.numpy()), "(ndarray, ndarray)"),
+        ((x, np.asarray([0, 1, 0, 1])), "(Tensor, ndarray)"),
+        (x, "Tensor"),
+        ((x, y, y), "(Tensor, Tensor, Tensor)"),
+    ]:
+        for name in ("train_data", "test_data"):
+            with pytest.raises(
+                ConfigError, match=rf"^SupervisedTask's {name} must be a pair \(x, y\) of torch tensors, "
+            ):
+                SupervisedTask(model_fn=lambda: nn.Linear(3, 2), **{name: data})  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match=rf"got {re.escape(got)}; convert numpy arrays with torch.from_numpy"):
+                SupervisedTask(model_fn=lambda: nn.Linear(3, 2), **{name: data})  # type: ignore[arg-type]
