@@ -50,6 +50,7 @@ from fedcore.messages import (
     FitRes,
     Instruction,
     Stage,
+    bound_text,
     bounded_repr,
 )
 from fedcore.mods import decode_reply, server_inverses
@@ -372,9 +373,11 @@ def run_rounds(
             convergence.stop.detail,
         )
         return state, records
+    evaluation_errors: set[str] = set()  # the server evaluation's errors logged with their traceback (once each)
     if state.round == 0 and evaluate_fn is not None:
         started = time.perf_counter()
-        record = replace(_central_evaluation(evaluate_fn, state), seconds=time.perf_counter() - started)
+        central = _central_evaluation(evaluate_fn, state, evaluation_errors)
+        record = replace(central, seconds=time.perf_counter() - started)
         record = replace(record, stop=convergence.observe(record.as_row()))
         if keep_records:
             records.append(record)
@@ -394,7 +397,7 @@ def run_rounds(
         )
         evaluate_now = rnd % config.evaluate_every == 0 or last
         if evaluate_now:
-            record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn)
+            record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn, evaluation_errors)
         record = replace(record, seconds=time.perf_counter() - started)
         stop = convergence.observe(record.as_row())  # an unevaluated round's wall time counts towards the target's
         record = replace(record, stop=stop)
@@ -910,8 +913,9 @@ def _log_left_out(rnd: int, stage: str, count: int) -> None:
         )
 
 
-def _central_evaluation(evaluate_fn: EvaluateFn, state: ServerState) -> RoundRecord:
-    """The server's own evaluation of ``state``'s model as a record of round ``state.round``.
+def _central_evaluation(evaluate_fn: EvaluateFn, state: ServerState, logged: set[str]) -> RoundRecord:
+    """The server's own evaluation of ``state``'s model as a record of round ``state.round``; ``logged``: the
+    errors of the run's evaluations so far that were logged with their traceback (a repeat gets one line).
 
     Its values are taken as they come when they are numbers, NaN and Inf included (a NaN test loss on real
     examples is how a diverged model shows); a value that is not a number is left out and counted, and so is every
@@ -933,8 +937,17 @@ def _central_evaluation(evaluate_fn: EvaluateFn, state: ServerState) -> RoundRec
             exc.message,
         )
         return RoundRecord(round=state.round)
-    except Exception:
-        log.exception("round %d: the server's evaluation failed; the round is recorded without it", state.round)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {bound_text(str(exc), 300)}"
+        if error in logged:  # its traceback is in the log already: one line a round
+            log.error(
+                "round %d: the server's evaluation failed again (%s); the round is recorded without it",
+                state.round,
+                error,
+            )
+        else:
+            logged.add(error)
+            log.exception("round %d: the server's evaluation failed; the round is recorded without it", state.round)
         return RoundRecord(round=state.round)
     values = {k: v for k, raw in reported.items() if isinstance(k, str) and (v := metric_value(raw)) is not None}
     if example_weight(result.num_examples) is None:
@@ -953,8 +966,10 @@ def _evaluate_round(
     config: RoundConfig,
     record: RoundRecord,
     evaluate_fn: EvaluateFn | None,
+    evaluation_errors: set[str],
 ) -> RoundRecord:
-    """Add the server's and the clients' evaluation of the new global model to the round's ``record``.
+    """Add the server's and the clients' evaluation of the new global model to the round's ``record``
+    (``evaluation_errors``: as :func:`_central_evaluation`'s).
 
     Neither can fail the round: see :func:`_central_evaluation`; a client's evaluation values are averaged with
     :func:`weighted_metrics`, which leaves out what cannot count; a transport error during federated evaluation
@@ -963,7 +978,7 @@ def _evaluate_round(
     changes: dict[str, Any] = {}
     left_out = record.metrics_left_out
     if evaluate_fn is not None:
-        central = _central_evaluation(evaluate_fn, state)
+        central = _central_evaluation(evaluate_fn, state, evaluation_errors)
         changes["eval_loss"] = central.eval_loss
         changes["eval_metrics"] = central.eval_metrics
         left_out += central.metrics_left_out

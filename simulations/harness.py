@@ -790,7 +790,7 @@ def _simulate(
     plot_path = plot_history(history, out_dir / "history.png") if config.output.plot else None
     wall = time.perf_counter() - started
     accuracy = history["test_accuracy"].dropna()
-    final_acc = float(accuracy.iloc[-1]) if len(accuracy) else float("nan")
+    final_acc = f"{float(accuracy.iloc[-1]):.4f}" if len(accuracy) else "none (no round has a server evaluation of it)"
     diverged = bool(divergent_rounds)
     if diverged:
         echo(
@@ -798,7 +798,7 @@ def _simulate(
             "lower train.lr (or strategy.server_lr) and run again"
         )
     echo(
-        f"final test accuracy {final_acc:.4f} after {final.round} rounds in {wall:.1f} s; "
+        f"final test accuracy {final_acc} after {final.round} rounds in {wall:.1f} s; "
         f"history: {csv_path}; plot: {plot_path if plot_path else 'off'}"
     )
     convergence = Convergence.replay(round_config.stop, rows)

@@ -191,9 +191,23 @@ def failing_evaluations() -> list[object]:
 )
 def test_the_servers_own_evaluation_never_costs_a_round(evaluate_fn: object, caplog: pytest.LogCaptureFixture) -> None:
     """An evaluation that fails is logged and left out of the round's record; the round and its model are kept. A
-    failure that names its cause in the server's data (a ClientTaskError) is one line a round, without traceback."""
+    failure that names its cause in the server's data (a ClientTaskError) is one line a round, without traceback;
+    another error has its traceback logged the first time, then one line each round it repeats."""
     with caplog.at_level(logging.ERROR, logger="fedcore.server"):
         params, records = run(plain(), evaluate_fn=evaluate_fn)
+    if evaluate_fn.__name__ == "raises":  # type: ignore[attr-defined]
+        failed = [r for r in caplog.records if "evaluation failed" in r.getMessage()]
+        assert [(r.getMessage(), r.exc_info is not None) for r in failed] == [
+            ("round 0: the server's evaluation failed; the round is recorded without it", True),
+            *(
+                (
+                    f"round {rnd}: the server's evaluation failed again (RuntimeError: the server's test data are "
+                    "gone); the round is recorded without it",
+                    False,
+                )
+                for rnd in (1, 2)
+            ),
+        ]
     if evaluate_fn.__name__ == "bad_labels":  # type: ignore[attr-defined]
         failed = [r for r in caplog.records if "evaluation failed" in r.getMessage()]
         assert [r.getMessage() for r in failed] == [

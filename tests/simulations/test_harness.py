@@ -75,6 +75,23 @@ def test_same_seed_gives_identical_histories(tmp_path: Path, strategy: str) -> N
     assert all(np.array_equal(model_a[n], model_b[n]) for n in model_a)
 
 
+def test_a_run_without_server_evaluation_says_it_has_no_test_accuracy(tmp_path: Path) -> None:
+    """No round has a server evaluation: the final line says so, rather than 'final test accuracy nan'."""
+    overrides = [
+        "data.dataset='digits'",
+        "data.num_clients=4",
+        "model.name='logreg'",
+        "rounds=1",
+        "task.server_evaluation=false",
+        "output.progress=false",
+        "output.plot=false",
+        f"output.dir={str(tmp_path)!r}",
+    ]
+    lines: list[str] = []
+    run_simulation(load_recipe(None, overrides), echo=lines.append)
+    assert lines[-1].startswith("final test accuracy none (no round has a server evaluation of it) after 1 rounds")
+
+
 @pytest.mark.slow
 def test_cli_simulate_prints_the_final_line_and_writes_the_report(tmp_path: Path) -> None:
     args = [
