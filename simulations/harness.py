@@ -525,6 +525,8 @@ def _simulate(
     strategy = apply_dp(
         build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
     )
+    if config.devices.availability == "always":  # every round selects as many: a robust rule's bound is known now
+        strategy.aggregator.check(min(strategy.sampling.num_fit(len(ids)), len(ids)))
     attackers = choose_attackers(ids, config.attack, seed=config.seed)
     client_task: Callable[[str], Task] = make_task
     classes = 0

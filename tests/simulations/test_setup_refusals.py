@@ -37,6 +37,23 @@ def test_an_unknown_client_metric_is_refused_before_anything_is_written(
     assert not out.exists()
 
 
+def test_a_robust_rule_the_rounds_are_too_small_for_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every client always online: each round selects max(2, floor(0.5 * 4)) = 2 clients, fewer than the median
+    needs to tolerate 1 Byzantine client (3); refused before round 1 (with an availability trace, in the round)."""
+    out = tmp_path / "run"
+    flags = ["--aggregator", "median", "--set", "strategy.byzantine=1", "--fraction-fit", "0.5", "--out", str(out)]
+    code = main(_simulate(*flags))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == (
+        "fedcore: error: the coordinate-wise median tolerates 1 Byzantine client(s) only with at least 3 clients per "
+        "round, got 2; select more clients or lower strategy.byzantine"
+    )
+    assert not out.exists()
+
+
 def test_an_unknown_server_evaluation_value_is_refused_with_the_ones_it_gives(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
