@@ -31,8 +31,8 @@ on ``with`` exit and at interpreter exit) ends the workers, killing any that do 
 removes the shared-memory directory; a worker also exits by itself when the pool's process dies (its command pipe
 reaches end of file, its reply cannot be written, or, mid-client, its watch thread sees another parent), removing
 that directory once the pool's process has gone, and a later pool removes directories left by pools whose process
-died (all of whose workers were killed too). Ctrl-C while a run waits for its clients kills the workers busy with
-one and closes the pool, rather than waiting for their clients to finish.
+died (all of whose workers were killed too). A run that stops early (Ctrl-C) does not wait for the clients still
+training: the next run does, and :meth:`ProcessPool.close` kills their workers instead.
 
 Fit and evaluate instructions keep no deadline (as in the in-memory pool: a simulation's model never depends on
 timing); a stage instruction is timed inside its worker against ``timeout_s``.
@@ -205,20 +205,24 @@ class VirtualClients(ABC):
         Fit instructions whose global model holds float64 tensors have their replies yielded in the instructions'
         order instead, as the in-process pool yields them: the round loop's float64 running sum of float64 updates
         rounds differently in another order (one of float32 updates times example counts is exact in practice, so
-        their replies need not wait). A reply that comes before those ahead of it is held until they have come.
+        their replies need not wait). A reply that comes before those ahead of it is held until they have come, in
+        memory (a process worker's update in ``/dev/shm``): behind a slow first client, up to the round's updates.
+
+        A caller that stops early (closes the generator: an error, Ctrl-C) leaves the clients still training to finish
+        on their own: the next run waits for them first and drops their replies, and :meth:`close` ends their workers
+        without waiting. So Ctrl-C ends a run at once, whether it came while the pool waited or while the caller
+        folded a reply.
 
         Raises:
             TransportError: the pool is closed.
         """
         if self._closed:
             raise TransportError(f"the {self.kind} is closed; make a new one")
+        self._drain()
         shared = self._affinity.split(instructions, self._slots())
         replies = self._schedule(instructions, shared, timeout_s)
         try:
             yield from in_order(instructions, replies) if sums_depend_on_order(instructions) else replies
-        except (KeyboardInterrupt, SystemExit):  # Ctrl-C while waiting for the workers: not for their clients too
-            self._abandon()
-            raise
         finally:
             if isinstance(replies, Generator):
                 replies.close()  # its own cleanup first, then the run's
@@ -246,12 +250,12 @@ class VirtualClients(ABC):
 
     @abstractmethod
     def _end_run(self) -> None:
-        """Wait for the tasks still in flight (the caller stopped early), drop their results and the run's inputs."""
+        """Drop the run's inputs and the clients not yet handed out; leave the tasks still in flight (the caller
+        stopped early) to :meth:`_drain` or :meth:`close`, never waiting for them here."""
 
-    def _abandon(self) -> None:
-        """End a run interrupted while it waited for its clients (Ctrl-C): the workers' clients are not waited for,
-        however long they would train, and the pool is closed (a later :meth:`run` raises TransportError)."""
-        self.close()
+    @abstractmethod
+    def _drain(self) -> None:
+        """Wait for the tasks a run that stopped early left in flight, and drop their replies."""
 
     def available(self) -> list[str]:
         """All virtual clients are always available."""
@@ -568,15 +572,17 @@ class ProcessPool(VirtualClients):
 
     def _end_run(self) -> None:
         for worker in self._workers:
-            if worker is None:
-                continue
-            worker.pinned.clear()
-            if worker.task is not None:
-                for _ in self._receive(worker, deque()):
-                    pass
-        for name, _, _ in self._files.values():
+            if worker is not None:
+                worker.pinned.clear()
+        for name, _, _ in self._files.values():  # a worker still training has mapped its input already
             (self._dir / name).unlink(missing_ok=True)
         self._files = {}
+
+    def _drain(self) -> None:
+        for worker in self._workers:
+            if worker is not None and worker.task is not None:
+                for _ in self._receive(worker, deque()):  # its update file is mapped, unlinked and dropped
+                    pass
 
     # -- processes ------------------------------------------------------------------------------------------
 
@@ -651,13 +657,6 @@ class ProcessPool(VirtualClients):
     def _kill(self, worker: _Worker) -> None:
         _stop(worker, timeout_s=0.0)
 
-    def _abandon(self) -> None:
-        for worker in self._workers:
-            if worker is not None and worker.task is not None:  # its client's update is not wanted: no stop message
-                self._kill(worker)
-                self._workers[worker.index] = None
-        self.close()
-
 
 def sums_depend_on_order(instructions: Mapping[str, ServerMessage]) -> bool:
     """Whether the updates that ``instructions`` ask for sum to other bits in another order: a fit instruction's
@@ -673,14 +672,17 @@ def sums_depend_on_order(instructions: Mapping[str, ServerMessage]) -> bool:
 
 def in_order(instructions: Mapping[str, ServerMessage], replies: Iterable[Reply]) -> Iterator[Reply]:
     """``replies`` (one per client of ``instructions``, in any order) in the order of ``instructions``: each is
-    yielded as soon as every reply ahead of it has been; one for a client not instructed is yielded at once."""
+    yielded as soon as every reply ahead of it has been; one for a client not instructed, or a second one for a
+    client, is yielded at once."""
     order = list(instructions)
     held: dict[str, Reply] = {}
+    seen: set[str] = set()
     position = 0
     for reply in replies:
-        if reply.client_id not in instructions:
+        if reply.client_id not in instructions or reply.client_id in seen:
             yield reply
             continue
+        seen.add(reply.client_id)
         held[reply.client_id] = reply
         while position < len(order) and order[position] in held:
             yield held.pop(order[position])
@@ -775,7 +777,9 @@ def _shutdown(workers: list[_Worker | None], directory: Path) -> None:
     """End every worker (a :data:`STOP` message, then its command pipe closed) and remove ``directory``."""
     live = [w for w in workers if w is not None]
     for worker in live:
-        if not worker.ready:  # still importing: nothing to finish, and it would read its pipe only once started
+        # still importing: nothing to finish, and it would read its pipe only once started; or training a client of a
+        # run that stopped early (Ctrl-C), whose update nobody will read: it would read the stop message only after
+        if not worker.ready or worker.task is not None:
             worker.process.kill()
     for worker in live:  # all asked at once, then each waited for
         with contextlib.suppress(OSError):  # a worker that died has closed its end

@@ -386,13 +386,15 @@ class RayPool(VirtualClients):
 
     def _end_run(self) -> None:
         for actor in self._actors:
-            if actor is None:
-                continue
-            actor.pinned.clear()
-            if actor.inflight:
+            if actor is not None:
+                actor.pinned.clear()
+        self._models = {}  # Ray frees an object when no reference is left (a call in flight holds its own)
+
+    def _drain(self) -> None:
+        for actor in self._actors:
+            if actor is not None and actor.inflight:
                 self._ray.wait([ref for ref, _, _ in actor.inflight], num_returns=len(actor.inflight))
                 actor.inflight.clear()
-        self._models = {}  # Ray frees an object when no reference is left
 
     # -- actors ---------------------------------------------------------------------------------------------
 

@@ -147,9 +147,11 @@ def test_float64_updates_come_in_the_instructions_order_as_in_process() -> None:
 def test_stopping_early_leaves_no_file_behind(pool: ProcessPool) -> None:
     replies = pool.run(_fit(IDS[3:], round=5))
     next(replies)
-    replies.close()  # the round loop gave up: in-flight clients are waited for, inputs removed
+    replies.close()  # the round loop gave up: the inputs are removed, the clients in flight left to finish
+    assert not any(p.name.startswith("in-") for p in pool.shm_dir.iterdir())
+    again = list(pool.run(_fit(["client-3"], round=6)))  # waits for them first, drops their replies
+    assert [(type(r), r.client_id, r.round) for r in again] == [(FitRes, "client-3", 6)]
     assert [p.name for p in pool.shm_dir.iterdir()] == []
-    assert len(list(pool.run(_fit(["client-3"], round=6)))) == 1
 
 
 def test_close_ends_every_worker_and_removes_shared_memory(pool: ProcessPool) -> None:
@@ -254,6 +256,25 @@ def test_ctrl_c_while_clients_train_ends_the_run_without_waiting_for_them(tmp_pa
     assert proc.returncode == 130 and out.strip() == "interrupted"
     assert not Path(directory).exists()
     assert not any(_alive(int(pid)) for pid in pids)
+
+
+def test_a_run_stopped_while_its_caller_folds_a_reply_does_not_wait_for_the_clients_still_training() -> None:
+    """Ctrl-C may come while the round loop folds a reply rather than while the pool waits: the run's generator is
+    then closed (GeneratorExit), and neither that nor closing the pool waits for the 60 s client still training."""
+    import time
+
+    options = {"slow": "client-1", "slow_s": "60"}
+    tasks = ClientTasks(factory=TINY, options=options, num_partitions=len(IDS), seed=0)
+    started = 0.0
+    with pytest.raises(KeyboardInterrupt), ProcessPool(IDS, tasks, workers=2) as pool:
+        pool.wait_until_ready()
+        pids, directory = pool.worker_pids(), pool.shm_dir
+        for reply in pool.run(_fit(["client-1", "client-3"])):
+            assert reply.client_id == "client-3"  # the fast one first; client-1 sleeps in the other worker
+            started = time.monotonic()
+            raise KeyboardInterrupt  # as if Ctrl-C came while the round loop folded it
+    assert time.monotonic() - started < 10
+    assert not directory.exists() and not any(_alive(pid) for pid in pids)
 
 
 def test_workers_still_starting_remove_the_directory_of_a_pool_killed_with_sigkill(tmp_path: Path) -> None:
