@@ -930,8 +930,9 @@ def train_stack(
 
 def _check_batch_labels(shards: Sequence[ClientShard], y_all: torch.Tensor, classes: int, round: int) -> None:
     """Raise a ClientTaskError naming the first of ``shards`` whose labels lie outside ``classes`` (its reason from
-    :func:`label_problem`), when the batch's labels ``y_all`` (theirs, concatenated) hold any: one pass over the
-    batch's labels, each client's read only then."""
+    :func:`label_problem`), when the batch's labels ``y_all`` hold any: one pass over ``y_all`` (the clients' labels
+    concatenated, or, when they view one storage, its rows from their first to their last, others' between them too),
+    each client's read only then (when the bad labels are another client's, each of theirs, to find none)."""
     if label_problem(y_all, classes) is None:
         return
     for shard in shards:
@@ -1564,13 +1565,15 @@ class BatchedPool(PoolWrapper):
         found when a client's data are read, so that the client fails alone before its batch trains (on a GPU an
         out-of-range index is a device-side assert that ends the process's CUDA context, not an error one client
         can fail with). The model's number of classes comes from one forward of one sample, once per model."""
+        if not len(x):  # nothing to train on: in process, the loss never reads its labels
+            return None
         class_indices = task.loss_fn in CLASS_LOSSES and not y.is_floating_point() and not y.is_meta
         if class_indices and y.dtype not in (torch.int64, torch.uint8):  # as one-by-one training, whose loss refuses
             return (  # them (bool, int32, ...; a batch's torch.cat would promote them to int64 and train on them)
                 f"labels of dtype {str(y.dtype).removeprefix('torch.')}: torch's {task.loss_fn.__name__} takes class "
                 "indices as int64 (or uint8); give y.long()"
             )
-        if not reads_class_labels(task.loss_fn, y) or not len(x):
+        if not reads_class_labels(task.loss_fn, y):
             return None
         if key not in self._classes:
             model = self._model(task)  # raises ConfigError: the model cannot be batched

@@ -543,17 +543,20 @@ def test_uint8_labels_train_batched_as_in_process_and_other_integer_labels_fail_
     """torch's cross-entropy takes uint8 class indices as int64 ones: batched clients train on them as in process
     (vmap's gather takes int64 only: the batch's labels are widened), also when the uint8 client comes first and
     sizes the batch. int32 and bool labels, which the loss refuses in process, fail their client batched too (the
-    batch's concatenation would have promoted them to int64 and trained on them)."""
+    batch's concatenation would have promoted them to int64 and trained on them), unless it has no data to train on
+    (then the loss never reads them, in process either)."""
     data = random_clients(10, "abcd")
     for cid in "ab":
         data[cid] = (data[cid][0], data[cid][1].to(torch.uint8))
     data["c"] = (data["c"][0], data["c"][1].to(torch.int32))
     data["d"] = (data["d"][0], data["d"][1] > 0)
+    data["e"] = (torch.empty(0, 12), torch.empty(0, dtype=torch.int32))  # no data: its labels are never read
     got, local = batched_and_in_process(data, FitConfig(local_epochs=1, batch_size=4, lr=0.1))
     assert one_per_client(got)
     replies = {r.client_id: r for r in got}
     inprocess = {r.client_id: r for r in local}
-    assert_as_in_process(got, inprocess.values(), "ab")
+    assert_as_in_process(got, inprocess.values(), "abe")
+    assert [r.num_examples for r in (replies["e"], inprocess["e"]) if isinstance(r, FitRes)] == [0, 0]
     failure, alone = replies["c"], inprocess["c"]
     assert isinstance(failure, Failure) and isinstance(alone, Failure)
     assert "labels of dtype int32: torch's cross_entropy takes class indices as int64" in failure.reason
