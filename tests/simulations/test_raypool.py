@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedcore.errors import ConfigError
 from fedcore.messages import Failure, FitIns, FitRes
 from fedcore.task import FitConfig, initial_parameters
 from simulations.procpool import ClientTasks
-from tests.simulations.procpool_tasks import linear
+from tests.simulations.procpool_tasks import linear, linear64
 from tests.simulations.test_procpool import DIGITS, SECAGG, assert_same_history_as_in_process
 
 TINY = "tests.simulations.procpool_tasks:tiny_task"
@@ -90,8 +92,8 @@ def ray_instance() -> Iterator[None]:
         ray.shutdown()
 
 
-def _fit(clients: list[str], round: int = 1) -> dict[str, FitIns]:
-    parameters = initial_parameters(linear, 0)
+def _fit(clients: list[str], round: int = 1, model_fn: Callable[[], torch.nn.Module] = linear) -> dict[str, FitIns]:
+    parameters = initial_parameters(model_fn, 0)
     ins = FitIns(round=round, parameters=parameters, config=FitConfig(local_epochs=1, batch_size=5, lr=0.1), seed=0)
     return {cid: ins for cid in clients}
 
@@ -115,6 +117,28 @@ def test_a_killed_actor_fails_only_its_client_and_is_replaced(ray_instance: None
         assert all(isinstance(r, FitRes) for r in again.values()) and len(again) == 5, again
         pids = {r.metrics["pid"] for r in again.values() if isinstance(r, FitRes)}
         assert pids == after, (pids, after)  # the first client of the round goes to each actor
+
+
+@pytest.mark.slow
+def test_float64_replies_come_in_order_and_a_run_stopped_early_waits_for_nothing(ray_instance: None) -> None:
+    """What the Ray pool shares with the process pool's run: a float64 model's replies in the clients' order even
+    when the first client finishes last; a run stopped after its first reply returns at once, its client still
+    training is waited for by the next run, which yields only its own replies."""
+    from simulations.raypool import RayPool
+
+    options = {"dtype": "float64", "slow": "client-0", "slow_s": "3"}
+    tasks = ClientTasks(factory=TINY, options=options, num_partitions=len(IDS), seed=0)
+    with RayPool(IDS, tasks, workers=2) as pool:
+        pool.wait_until_ready()
+        clients = ["client-0", "client-3", "client-4", "client-5"]
+        assert [r.client_id for r in pool.run(_fit(clients, model_fn=linear64))] == clients
+        replies = pool.run(_fit(["client-3", "client-0"], round=2, model_fn=linear64))
+        assert next(replies).client_id == "client-3"
+        started = time.monotonic()
+        replies.close()  # client-0 sleeps 3 s in the other actor
+        assert time.monotonic() - started < 1.0
+        again = list(pool.run(_fit(["client-4"], round=3, model_fn=linear64)))
+        assert [(type(r), r.client_id, r.round) for r in again] == [(FitRes, "client-4", 3)]
 
 
 @pytest.mark.slow
