@@ -866,7 +866,9 @@ def train_stack(
     if num_steps:
         x_all, y_all, firsts = _rows(shards, sizes, device, reuse, [reads[i] for i in order])
         if classes is not None and reads_class_labels(loss_fn, y_all):
-            _check_batch_labels(shards, y_all, classes, round)
+            # the batch's own labels: y_all when it holds just them, not rows of one storage with others' between
+            labels = y_all if len(y_all) == sum(sizes) else torch.cat([shard.y for shard in shards])
+            _check_batch_labels(shards, labels, classes, round)
         if y_all.dtype == torch.uint8:  # class indices, as the losses read them; vmap's gather takes int64 only
             y_all = y_all.long()
         arrays = _plan_arrays(sizes, plans)  # read by the index and the step table
@@ -928,12 +930,11 @@ def train_stack(
     )
 
 
-def _check_batch_labels(shards: Sequence[ClientShard], y_all: torch.Tensor, classes: int, round: int) -> None:
+def _check_batch_labels(shards: Sequence[ClientShard], labels: torch.Tensor, classes: int, round: int) -> None:
     """Raise a ClientTaskError naming the first of ``shards`` whose labels lie outside ``classes`` (its reason from
-    :func:`label_problem`), when the batch's labels ``y_all`` hold any: one pass over ``y_all`` (the clients' labels
-    concatenated, or, when they view one storage, its rows from their first to their last, others' between them too),
-    each client's read only then (when the bad labels are another client's, each of theirs, to find none)."""
-    if label_problem(y_all, classes) is None:
+    :func:`label_problem`), when the batch's labels ``labels`` (theirs, concatenated) hold any: one pass over them,
+    each client's read only then."""
+    if label_problem(labels, classes) is None:
         return
     for shard in shards:
         if (problem := label_problem(shard.y, classes)) is not None:

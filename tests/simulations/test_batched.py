@@ -512,6 +512,29 @@ def test_labels_changed_in_place_after_a_round_fail_their_client_by_name(presum:
     assert trained.num_examples().tolist() == [6, 6, 6]
 
 
+def test_the_per_round_label_check_reads_the_batchs_labels_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients viewing one storage of labels are read where they lie, rows of other clients between them; a bad
+    label among those others (a client failed when its data were read) is not the batch's: one check a batch, not
+    one more per client every round, and the batch trains."""
+    import simulations.batched as batched_module
+
+    x_store, y_store = torch.randn(24, 12), torch.randint(0, 3, (24,))
+    y_store[8] = 7  # another client's, between this batch's
+    clients = [ClientShard(cid, x_store[a:b], y_store[a:b]) for cid, a, b in (("a", 0, 6), ("c", 12, 18))]
+    calls: list[int] = []
+    real = batched_module.label_problem
+
+    def counted(y: torch.Tensor, num_classes: int) -> str | None:
+        calls.append(len(y))
+        return real(y, num_classes)
+
+    monkeypatch.setattr(batched_module, "label_problem", counted)
+    start = {n: t.detach().clone() for n, t in small_mlp().state_dict().items()}
+    config = FitConfig(local_epochs=1, batch_size=3, lr=0.1)
+    trained = train_stack(small_mlp(), start, clients, config, seed=SEED, round=ROUND, classes=3)
+    assert calls == [12] and trained.num_examples().tolist() == [6, 6]
+
+
 def _tensors_of(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(value) for name, value in arrays.items()}
 
