@@ -1776,7 +1776,9 @@ class BatchedPool(PoolWrapper):
         train_loss = trained.train_loss()
         metrics = {"train_loss": train_loss, "fit_seconds": np.full(count, seconds)}
         nan_loss = np.flatnonzero((num_examples > 0) & np.isnan(train_loss)).tolist()
-        alone = [position for position, ok in zip(nan_loss, trained.finite(nan_loss), strict=True) if ok]
+        finite = trained.finite(nan_loss)
+        alone = [position for position, ok in zip(nan_loss, finite, strict=True) if ok]
+        diverged = [position for position, ok in zip(nan_loss, finite, strict=True) if not ok]
         weights, refused = weigh(num_examples, metrics)
         for position in alone:
             refused.pop(position, None)  # weighed by the round loop, from its own reply
@@ -1789,16 +1791,22 @@ class BatchedPool(PoolWrapper):
         kept[alone] = False
         weights = np.where(kept, weights, 0.0)  # 0 for those left out: their updates are never read
 
+        def fail(position: int) -> None:
+            cid = ids[position]
+            error = NonFiniteError("the trained model holds NaN or Inf", round=rnd, client_id=cid, stage="fit")
+            replies[cid] = Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(error))
+            kept[position] = False
+            weights[position] = 0.0
+
         def reject(positions: Sequence[int]) -> None:
             for position, ok in zip(positions, trained.finite(positions), strict=True):
                 if not ok:
-                    cid = ids[position]
-                    error = NonFiniteError("the trained model holds NaN or Inf", round=rnd, client_id=cid, stage="fit")
-                    replies[cid] = Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(error))
-                    kept[position] = False
-                    weights[position] = 0.0
+                    fail(position)
 
-        reject(np.flatnonzero(kept & ((weights == 0.0) | np.isnan(train_loss))).tolist())  # and those that diverged
+        for position in diverged:  # checked above: a NaN loss and an update that is not finite
+            if kept[position]:
+                fail(position)
+        reject(np.flatnonzero(kept & (weights == 0.0)).tolist())
         weighted_sum = trained.weighted_sum(weights.tolist())
         if not all(bool(np.isfinite(total).all()) for total in weighted_sum.values()):
             reject(np.flatnonzero(kept).tolist())

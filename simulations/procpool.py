@@ -97,7 +97,8 @@ pool ends them itself)."""
 STOP = "stop"
 """The kind of the message that ends a worker (before its command pipe closes)."""
 ORPHAN_WAIT_S = 5.0
-"""How long a worker whose command pipe closed without a stop message waits to see its pool's process gone."""
+"""How long a worker whose command pipe closed without a stop message waits for its watch thread to see its pool's
+process gone."""
 ORPHAN_POLL_S = 0.2
 """How often a worker's watch thread looks whether its pool's process is gone (then it ends the worker at once)."""
 START_TIMEOUT_S = 300.0
@@ -224,8 +225,7 @@ class VirtualClients(ABC):
         try:
             yield from in_order(instructions, replies) if sums_depend_on_order(instructions) else replies
         finally:
-            if isinstance(replies, Generator):
-                replies.close()  # its own cleanup first, then the run's
+            replies.close()  # its own cleanup first, then the run's
             self._end_run()
 
     @abstractmethod
@@ -245,7 +245,7 @@ class VirtualClients(ABC):
     @abstractmethod
     def _schedule(
         self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
-    ) -> Iterator[Reply]:
+    ) -> Generator[Reply, None, None]:
         """Run every client: the ``shared`` queue and the workers' ``pinned`` ones."""
 
     @abstractmethod
@@ -432,7 +432,7 @@ class ProcessPool(VirtualClients):
 
     def _schedule(
         self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
-    ) -> Iterator[Reply]:
+    ) -> Generator[Reply, None, None]:
         while True:
             for worker in self._workers:
                 if worker is None or not worker.ready or worker.task is not None:
@@ -828,12 +828,12 @@ def _worker_main(commands: int, results: int, pool: int, directory: Path) -> int
     parent may already have died while Python and torch were importing).
 
     Ctrl-C in a terminal reaches the whole process group: the worker ignores it, and the pool, which gets it too,
-    ends the workers with a stop message. An end of file without one, or a reply that cannot be written (the worker
-    was training when it happened), means that the pool's process died (SIGKILL, the OOM killer) and could not
-    remove its shared-memory directory: once the pool's process has gone, the worker removes it (each worker tries;
-    the first one does it, and one that was still writing an update removes that too). A thread of the worker also
-    watches for that while the worker trains (:func:`_exit_when_orphaned`), so that a client of a dead pool does not
-    go on training for nobody."""
+    ends the workers with a stop message. If the pool's process dies (SIGKILL, SIGTERM, the OOM killer), it cannot
+    remove its shared-memory directory: a thread of the worker (:func:`_exit_when_orphaned`) sees it gone, removes
+    the directory and ends the worker, whatever the worker was doing (each worker's thread tries; the first one does
+    it). An end of file without a stop message, or a reply that cannot be written, gives that thread
+    :data:`ORPHAN_WAIT_S` seconds to see it (a dying process closes its pipes before its children are reparented);
+    a pool that lives closed this worker's pipe to end it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch = threading.Thread(target=_exit_when_orphaned, args=(pool, directory), name="fedcore-orphan-watch")
     watch.daemon = True
@@ -843,7 +843,7 @@ def _worker_main(commands: int, results: int, pool: int, directory: Path) -> int
     except (OSError, TransportError):  # a pipe broke mid-message: the pool died (or ended this worker)
         status = None
     if status is None:
-        _remove_if_orphaned(directory, pool)
+        watch.join(ORPHAN_WAIT_S)  # ends the process if the pool has died
         return 0
     return status
 
@@ -884,18 +884,6 @@ def _exit_when_orphaned(pool: int, directory: Path) -> None:
         time.sleep(ORPHAN_POLL_S)
     shutil.rmtree(directory, ignore_errors=True)
     os._exit(0)
-
-
-def _remove_if_orphaned(directory: Path, pool: int, *, wait_s: float = ORPHAN_WAIT_S) -> None:
-    """Remove ``directory`` (the pool's shared-memory files) if the pool's process ``pool`` has died: this worker
-    has been handed to another parent within ``wait_s`` seconds (a dying process closes its pipes before its children
-    are reparented)."""
-    deadline = time.monotonic() + wait_s
-    while os.getppid() == pool:
-        if time.monotonic() >= deadline:
-            return  # the pool lives (it closed this worker's pipe to end it)
-        time.sleep(0.01)
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 Payload = tuple[NamedArrays, dict[str, str]]

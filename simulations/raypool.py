@@ -38,7 +38,7 @@ import socket
 import sys
 import warnings
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -278,7 +278,7 @@ class RayPool(VirtualClients):
 
     def _schedule(
         self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
-    ) -> Iterator[Reply]:
+    ) -> Generator[Reply, None, None]:
         ray = self._ray
         while True:
             for actor in self._actors:
