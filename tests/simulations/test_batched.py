@@ -101,6 +101,12 @@ def wide_first_layer_with_bias() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 3, bias=False))
 
 
+def narrow_without_biases() -> nn.Module:
+    """A perceptron without biases whose first layer (12 -> 8) is too narrow to defer: the fused path runs every
+    layer itself, the round's first step through the global model's unstacked weights."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 8, bias=False), nn.ReLU(), nn.Linear(8, 3, bias=False))
+
+
 def shards(sizes: list[int], shape: tuple[int, ...]) -> list[ClientShard]:
     generator = torch.Generator().manual_seed(0)
     return [
@@ -149,6 +155,8 @@ def one_by_one(
         (wide_first_layer, (12,), [23, 0, 7, 10, 3, 23, 16], FitConfig(local_epochs=2, batch_size=4, lr=0.1)),
         # windows of 8 steps of 1 sample (the most rows deferred at once is 64)
         (wide_first_layer_with_bias, (12,), [9, 12, 4], FitConfig(local_epochs=1, batch_size=1, lr=0.05)),
+        # the fused path, no layer deferred and none with a bias; clients with partial batches at the first step
+        (narrow_without_biases, (12,), [3, 9, 0, 2, 12], FitConfig(local_epochs=2, batch_size=4, lr=0.1)),
         # a convolutional model
         (SmallCNN, (1, 8, 8), [11, 6, 8], FitConfig(local_epochs=2, batch_size=4, lr=0.05, momentum=0.5)),
     ],
