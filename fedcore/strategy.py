@@ -336,6 +336,17 @@ class StrategyConfig:
                 "updates in a finite field instead: use sum_dtype = 'float64' (--sum-dtype float64)"
             )
         build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
+        unweighted = self.aggregator in ("median", "trimmed_mean", "krum") or (
+            self.aggregator == "multi_krum" and self.multi_krum_m == 1
+        )
+        if unweighted and self.weighting in ("metric", "server"):
+            raise ConfigError(
+                f"aggregator {self.aggregator!r} ignores the clients' weights (a Byzantine client would choose its "
+                f"own), so weighting {self.weighting!r} would change nothing"
+                + (" and cost a server evaluation of every update" if self.weighting == "server" else "")
+                + ": use weighting = 'examples' or 'uniform', or an aggregator that weights the updates (mean, "
+                "multi_krum, norm_bound)"
+            )
         if not isinstance(self.secagg, SecAggConfig):
             raise ConfigError(f"strategy.secagg must be a SecAggConfig table, got {type(self.secagg).__name__}")
         if self.secure_aggregation and self.weighting not in ("examples", "uniform"):

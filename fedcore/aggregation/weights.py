@@ -20,14 +20,19 @@ Transforms of a quality value ``v`` (:class:`QualityWeights`):
 - ``softmax`` (for a loss, lower is better): ``w_k = exp(-v_k / T)``. This is the softmax over ``-v / T`` of the
   round's clients: its denominator ``sum_j exp(-v_j / T)`` is common to all and cancels in the weighted mean, so
   each weight is known as its reply arrives. ``T`` (temperature) > 0: small T trusts the best clients most; large T
-  tends to uniform. The exponent is clamped to [-300, 300] so that a weight is always a positive finite float64
-  (values further apart than 600 T are not told apart beyond that).
+  tends to uniform. Each weight is taken on its own, with no shift by the round's best value (which is known only
+  once every reply is in), so the exponent must stay within float64's range with room for the sum: a value with
+  ``|v| / T > 300`` is not usable (below), never clamped, since clamping would give every such value one weight
+  and, once all of a round's values are beyond it, turn the softmax into a uniform mean. So T must be at least
+  ``|v| / 300`` for the values expected (0.0077 for losses of 2.3): a round whose losses all lie beyond it fails,
+  naming that bound, rather than weighting its clients otherwise than asked.
 - ``proportional`` (for an accuracy, higher is better): ``w_k = v_k``, for ``v_k >= 0``.
 
 With ``times_examples`` the quality weight is multiplied by ``n_k`` (quality and data amount together).
 
-Fallback: an update whose value is missing, not a finite number, or negative under ``proportional`` (a client that
-reports nothing; a server evaluation that failed or saw 0 examples) takes the weight of ``fallback``, a value
+Fallback: an update whose value is missing, not a finite number, beyond ``300 T`` in size under ``softmax`` (a
+diverged client's loss), or negative under ``proportional`` (a client that reports nothing; a server evaluation that
+failed or saw 0 examples) takes the weight of ``fallback``, a value
 assumed in its place (e.g. a loss of 10, an accuracy of 0: no say in the mean); with no fallback (the default)
 such an update is rejected (:class:`~fedcore.errors.UpdateRejected`, a failure of the round that names the
 client), so a client cannot gain weight by staying silent. A weight of 0 is allowed; a round whose weights all
@@ -72,9 +77,22 @@ def example_count_weight(num_examples: int) -> float:
 
 
 def softmax_weight(value: float, temperature: float) -> float:
-    """``exp(-value / temperature)`` with the exponent clamped to [-300, 300]: a loss's softmax weight (see the
-    module docstring). ``value`` finite, ``temperature`` > 0."""
-    return math.exp(min(_MAX_EXPONENT, max(-_MAX_EXPONENT, -value / temperature)))
+    """``exp(-value / temperature)``: a loss's softmax weight (see the module docstring), a positive finite float64.
+
+    Raises:
+        UpdateRejected: ``|value| / temperature`` is above 300 (the weight would leave the range in which a round's
+            weights and their weighted sum stay apart and finite), or ``value`` is not finite; the message gives the
+            smallest temperature that takes the value.
+    """
+    exponent = -value / temperature
+    if not abs(exponent) <= _MAX_EXPONENT:
+        bound = abs(value) / _MAX_EXPONENT
+        raise UpdateRejected(
+            f"its value {value:.6g} is beyond what softmax weights at temperature {temperature:g} take (|value| / "
+            f"temperature at most {_MAX_EXPONENT:g}, so that weights stay finite and apart); raise strategy."
+            f"weight_temperature (--weight-temperature) to at least {bound:.3g}"
+        )
+    return math.exp(exponent)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,8 +127,17 @@ class QualityWeights:
             raise ConfigError(f"the weighting temperature must be a finite number > 0, got {self.temperature}")
         if self.fallback is not None and self._usable(self.fallback) is None:
             raise ConfigError(
-                f"the weighting fallback must be a finite number (>= 0 for 'proportional'), got {self.fallback}"
+                f"the weighting fallback must be a finite number (>= 0 for 'proportional'; under 'softmax' at most "
+                f"{_MAX_EXPONENT:g} x the temperature {self.temperature:g} in size), got {self.fallback}"
             )
+
+    def _too_far(self, value: object) -> float | None:
+        """``value`` as a float when it is a finite number that ``softmax`` cannot weight at this temperature, else
+        None."""
+        if self.transform != "softmax" or isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        v = float(value)
+        return v if math.isfinite(v) and not abs(v) / self.temperature <= _MAX_EXPONENT else None
 
     def _usable(self, value: object) -> float | None:
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -118,7 +145,7 @@ class QualityWeights:
         v = float(value)
         if not math.isfinite(v) or (self.transform == "proportional" and v < 0):
             return None
-        return v
+        return None if self._too_far(v) is not None else v
 
     def weight_of(
         self, value: object, num_examples: int, *, source: str, reported: Mapping[str, object] | None = None
@@ -135,7 +162,13 @@ class QualityWeights:
         if v is None:
             if self.fallback is None:
                 got = f"got {bound_text(repr(value), 40)}"
-                if value is None and reported is not None:
+                if (far := self._too_far(value)) is not None:
+                    got = (
+                        f"got {far:.6g}: beyond softmax weights at temperature {self.temperature:g}, which take "
+                        f"|value| up to {_MAX_EXPONENT:g} x the temperature; raise --weight-temperature to at least "
+                        f"{abs(far) / _MAX_EXPONENT:.3g} if such values are expected"
+                    )
+                elif value is None and reported is not None:
                     names = ", ".join(bound_text(str(k), 40) for k in sorted(map(str, reported))[:20]) or "none"
                     got = f"it reported: {names}; choose one with --weight-metric"
                 raise UpdateRejected(

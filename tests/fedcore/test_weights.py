@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedcore.aggregation import MeanAggregator
-from fedcore.aggregation.weights import QualityWeights, softmax_weight, update_weight
+from fedcore.aggregation.weights import QualityWeights, WeightRule, softmax_weight, update_weight
 from fedcore.errors import ConfigError, UpdateRejected
 from fedcore.messages import FitRes
 from fedcore.strategy import Strategy, StrategyConfig
@@ -71,10 +71,34 @@ def test_missing_or_unusable_values_are_rejected_or_take_the_fallback() -> None:
     assert update_weight("metric", accuracy, 10, {"accuracy": -0.5}) == 0.0  # negative: not an accuracy
 
 
-def test_the_exponent_is_clamped_so_a_weight_stays_positive_and_finite() -> None:
-    assert softmax_weight(1e6, 1.0) == math.exp(-300.0) > 0
-    assert softmax_weight(-1e6, 1.0) == math.exp(300.0) < math.inf
+def test_a_value_beyond_300_temperatures_is_not_clamped_but_unusable() -> None:
+    """Clamping the exponent gave every value beyond 300 T one weight: with a round's losses 2.1727 .. 2.2439 at
+    T = 0.005 (an adversarial user's run) all clients counted alike, a uniform mean where the two best should carry
+    99 %. Such a value is unusable now (the fallback, or a rejection that names the temperature needed)."""
     assert softmax_weight(-3.0, 0.5) == math.exp(6.0)
+    assert softmax_weight(300.0, 1.0) == math.exp(-300.0) > 0  # the edge is taken
+    assert softmax_weight(-300.0, 1.0) == math.exp(300.0) < math.inf
+    with pytest.raises(UpdateRejected, match=r"2\.1727 is beyond .* temperature 0\.005 .* at least 0\.00724"):
+        softmax_weight(2.1727, 0.005)
+    with pytest.raises(UpdateRejected):
+        softmax_weight(-1e6, 1.0)
+    strict = QualityWeights(metric="train_loss", temperature=0.005)
+    with pytest.raises(UpdateRejected, match=r"got 2\.1727: beyond softmax .* at least 0\.00724"):
+        update_weight("metric", strict, 10, {"train_loss": 2.1727})
+    assert update_weight("metric", strict, 10, {"train_loss": 1.5}) == math.exp(-300.0)  # 1.5 = 300 T: taken
+    # the round's five losses at T = 0.01 (all within 300 T): the softmax's own weights, the best first
+    sharp = QualityWeights(metric="train_loss", temperature=0.01)
+    losses = [2.1727, 2.1763, 2.1901, 2.2093, 2.2439]
+    weights = [update_weight("metric", sharp, 10, {"train_loss": v}) for v in losses]
+    share = [w / sum(weights) for w in weights]
+    expected = [math.exp(-(v - losses[0]) / 0.01) for v in losses]
+    assert share == pytest.approx([e / sum(expected) for e in expected], rel=1e-12)
+    assert share[0] > 0.5 > share[4] * 100
+    # a diverged client's loss takes the fallback; a fallback itself beyond 300 T is refused at configuration
+    lenient = QualityWeights(metric="train_loss", temperature=0.01, fallback=3.0)
+    assert update_weight("metric", lenient, 10, {"train_loss": 1e9}) == math.exp(-300.0)
+    with pytest.raises(ConfigError, match=r"at most 300 x the temperature 0\.01.*got 10"):
+        QualityWeights(metric="train_loss", temperature=0.01, fallback=10.0)
 
 
 def test_the_servers_evaluation_of_the_update() -> None:
@@ -117,3 +141,23 @@ def test_dp_fedavg_refuses_a_quality_weighting_instead_of_replacing_it() -> None
     assert apply_dp(Strategy(), private).weighting == "uniform"  # examples: replaced, as documented
     with pytest.raises(ConfigError, match="weighting 'metric' cannot be combined"):
         apply_dp(Strategy(weighting="metric"), private)
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean", "krum"])
+def test_a_quality_weighting_is_refused_by_a_rule_that_ignores_weights(aggregator: str) -> None:
+    """Median, trimmed mean and Krum ignore the clients' weights: an adversarial user found --weighting metric and
+    server accepted with them and every run's model the same bits as with examples. Now refused at configuration;
+    the weighting rules that change nothing (examples, uniform) and the rules that weight (Multi-Krum's average, norm
+    bounding) are taken."""
+    quality: tuple[WeightRule, ...] = ("metric", "server")
+    for weighting in quality:
+        refusal = rf"aggregator '{aggregator}' ignores the clients' weights.*'{weighting}'"
+        with pytest.raises(ConfigError, match=refusal):
+            StrategyConfig(name="fedavg", aggregator=aggregator, weighting=weighting)
+    with pytest.raises(ConfigError, match="ignores the clients' weights"):
+        StrategyConfig(name="fedavg", aggregator="multi_krum", multi_krum_m=1, weighting="metric")
+    plain: tuple[WeightRule, ...] = ("examples", "uniform")
+    for weighting in plain:
+        StrategyConfig(name="fedavg", aggregator=aggregator, weighting=weighting)
+    StrategyConfig(name="fedavg", aggregator="multi_krum", weighting="metric")
+    StrategyConfig(name="fedavg", aggregator="norm_bound", norm_bound=1.0, weighting="server")
