@@ -19,6 +19,7 @@ settings", "with what weight" and "how to step the global model".
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -430,13 +431,19 @@ def build_strategy(config: StrategyConfig, fit: FitConfig, sampling: SamplingCon
     """Compose the :class:`Strategy` a recipe describes.
 
     FedProx is FedAvg's server with the proximal coefficient ``fit.mu`` on the clients; with ``mu = 0`` it is
-    exactly FedAvg (Li et al. 2020, section 3). ``secure_aggregation`` wraps the result with
-    :func:`privacy.secagg.rounds.secure_aggregation`. SCAFFOLD is :func:`fedcore.algorithms.scaffold.scaffold` with
-    ``server_lr`` as its global step size eta_g. The aggregator (:func:`build_aggregator`) combines with any of
-    them: e.g. FedAvgM over the coordinate-wise median steps the global model by the median update.
-    ``compression`` declares the ``compress`` client mod (:func:`compression_mod`) outermost, so that it compresses
-    what every other mod returned (SCAFFOLD's model; its ``control`` group travels uncompressed).
+    exactly FedAvg (Li et al. 2020, section 3), which is taken (an ablation) with a warning on the log.
+    ``secure_aggregation`` wraps the result with :func:`privacy.secagg.rounds.secure_aggregation`. SCAFFOLD is
+    :func:`fedcore.algorithms.scaffold.scaffold` with ``server_lr`` as its global step size eta_g. The aggregator
+    (:func:`build_aggregator`) combines with any of them: e.g. FedAvgM over the coordinate-wise median steps the
+    global model by the median update. ``compression`` declares the ``compress`` client mod
+    (:func:`compression_mod`) outermost, so that it compresses what every other mod returned (SCAFFOLD's model; its
+    ``control`` group travels uncompressed).
     """
+    if config.name == "fedprox" and fit.mu == 0:
+        logging.getLogger("fedcore.strategy").warning(
+            "strategy fedprox with train.mu = 0 trains exactly as fedavg; set the proximal coefficient with "
+            "train.mu (--mu), e.g. 0.01 (Li et al. 2020 try 0.001 to 1)"
+        )
     strategy = _build_strategy(config, fit, sampling)
     compress = compression_mod(config)
     return strategy if compress is None else replace(strategy, mods=(compress, *strategy.mods))

@@ -122,6 +122,13 @@ class DPFedAvgAggregator:
             delta=self.delta,
             accountant=self.accountant,
         )
+        if self.target_epsilon is not None and not self.allows(1):  # known now: no round could ever be released
+            raise ConfigError(
+                f"target_epsilon {self.target_epsilon:g} cannot pay for one round: a round spends epsilon "
+                f"{self.epsilon_after(1):.4g} at noise multiplier {self.noise_multiplier:g}, sampling rate "
+                f"{self.expected_clients}/{self.population} and delta {self.delta:g}; raise privacy.target_epsilon "
+                "(--target-epsilon) to at least that, raise the noise multiplier, or select fewer clients a round"
+            )
         self._norms.setdefault(1, float(self.clipping_norm))
 
     @property

@@ -192,7 +192,14 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
             "cannot see one: enable secure aggregation (--secure-aggregation), or use a fixed clipping_norm"
         )
     mode: DPMode = "central" if config.dp == "central" else "distributed"
-    m = min(strategy.sampling.num_fit(n), n)
+    m = strategy.sampling.num_fit(n)
+    if m > n:  # the round loop would select m and find the accounting's rate wrong at round 1
+        raise ConfigError(
+            f"the rounds select {m} clients (min_fit_clients {strategy.sampling.min_fit_clients}, fraction_fit "
+            f"{strategy.sampling.fraction_fit:g}) but privacy.population is {n}: DP-FedAvg's sampling rate m / N "
+            "cannot exceed 1; give the number of clients rounds sample from (--population) or lower "
+            "--min-fit-clients"
+        )
     adaptive = None
     if config.adaptive_clipping:
         adaptive = AdaptiveClipping(

@@ -268,6 +268,29 @@ def test_a_round_beyond_the_target_epsilon_is_refused_before_it_starts() -> None
         rule.start(spec_of(reference), round=4, reference=reference)
 
 
+def test_a_target_epsilon_below_one_rounds_cost_is_refused_at_configuration() -> None:
+    """A budget that cannot pay for round 1 is a configuration error, known from z, q and delta alone: an adversarial
+    user's run with target 0.5 (one round: 3.894) loaded the data, replaced its output with the untrained model and
+    exited 0 after 0 rounds. The edge (the target equal to one round's epsilon) is taken."""
+    one = epsilon(noise_multiplier=1.0, sampling_rate=0.5, rounds=1, delta=1e-5)
+    assert one == pytest.approx(3.894, abs=1e-3)
+    with pytest.raises(
+        ConfigError, match=r"target_epsilon 0\.5 cannot pay for one round: a round spends epsilon 3\.894"
+    ):
+        central(noise_multiplier=1.0, expected_clients=5, population=10, target_epsilon=0.5)
+    central(noise_multiplier=1.0, expected_clients=5, population=10, target_epsilon=one)
+
+
+def test_more_clients_a_round_than_the_population_is_refused_at_configuration() -> None:
+    """min_fit_clients 3 with privacy.population 2 was taken (m quietly lowered to 2) and the server stopped at
+    round 1, after the daemons had joined."""
+    sampling = SamplingConfig(fraction_fit=1.0, min_fit_clients=3)
+    base = build_strategy(StrategyConfig(name="fedavg"), FitConfig(), sampling)
+    with pytest.raises(ConfigError, match=r"the rounds select 3 clients .* privacy\.population is 2"):
+        apply_dp(base, PrivacyConfig(dp="central", population=2))
+    apply_dp(base, PrivacyConfig(dp="central", population=3))
+
+
 # --- configuration ------------------------------------------------------------------------------------------------
 
 

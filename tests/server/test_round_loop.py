@@ -189,7 +189,7 @@ def test_same_seed_same_model_to_the_last_bit(shards: list[tuple[torch.Tensor, t
 
 
 def test_fedprox_mu_zero_equals_fedavg_and_mu_positive_changes_updates(
-    shards: list[tuple[torch.Tensor, torch.Tensor]],
+    shards: list[tuple[torch.Tensor, torch.Tensor]], caplog: pytest.LogCaptureFixture
 ) -> None:
     initial = initial_parameters(model_fn, seed=1)
     config = RoundConfig(num_rounds=2, seed=5)
@@ -198,13 +198,14 @@ def test_fedprox_mu_zero_equals_fedavg_and_mu_positive_changes_updates(
         return run_rounds(make_pool(shards), strategy, initial, config)[0].parameters
 
     fedavg = run(all_clients(mu=0.0))
-    prox0 = run(
-        build_strategy(
+    with caplog.at_level(logging.WARNING, logger="fedcore.strategy"):
+        prox0_strategy = build_strategy(
             StrategyConfig(name="fedprox"),
             FitConfig(batch_size=16, lr=0.1, mu=0.0),
             SamplingConfig(fraction_fit=1.0, min_fit_clients=NUM_CLIENTS),
         )
-    )
+    assert "fedprox with train.mu = 0 trains exactly as fedavg" in caplog.text  # taken, but said
+    prox0 = run(prox0_strategy)
     prox = run(all_clients(mu=1.0))
     assert all(np.array_equal(fedavg[n], prox0[n]) for n in fedavg)
     drift_avg = sum(float(np.sum((fedavg[n] - initial[n]) ** 2)) for n in initial)
