@@ -543,8 +543,9 @@ class _LinearChain:
 
         ``shared``: the one model every client of ``params`` holds before this step (name -> unstacked tensor; a
         round's first step), which the forward and the backward's products then read in place of the stacked
-        copies: one matrix product over all the clients' rows instead of one per client, the weight read once. The
-        updates still go to ``params``.
+        copies: one matrix product over all the clients' rows instead of one per client, the weight read once (a
+        client's rows may then round otherwise with the number of rows beside them). The updates still go to
+        ``params``.
         """
         h = x if first_done else x.flatten(2)
         clients, batch = y.shape[0], y.shape[1]
@@ -907,8 +908,10 @@ def train_stack(
         if defer_first_layer:
             not_deferred = "" if deferred is not None else _not_deferred(fused, config, loss_fn, params)
         # on the CPU the fused path takes the clients a cache-sized chunk at a time through all their steps, so that a
-        # chunk's stacked models stay in cache from one step to the next (each client's arithmetic is its own: the
-        # same bits whatever the chunk); elsewhere, and when deferring, all of them step by step
+        # chunk's stacked models stay in cache from one step to the next; elsewhere, and when deferring, all of them
+        # step by step. Each client's arithmetic is its own except at the first step, whose one product over a run's
+        # rows (shared=) can round otherwise when the run has very few rows (MKL takes another kernel below about 7):
+        # the same bits for the same seed and batch settings, not whatever clients train beside it
         cached = fused is not None and deferred is None and reuse is not None
         chunk = _fused_chunk(params, x_all, config.batch_size, count) if cached else count
         for lo in range(0, count, chunk):
