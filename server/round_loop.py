@@ -408,7 +408,12 @@ def run_rounds(
         release_memory()
         _trace(rnd, "round end")
         if last and rnd < config.num_rounds:
-            log.warning("round %d is the last within the strategy's budget; training stops", rnd)
+            log.warning(  # a WARNING so that it shows by default: the run ends short of the rounds asked for
+                "round %d is the last within the privacy budget (target_epsilon); training stops there, %d round(s) "
+                "before --rounds",
+                rnd,
+                config.num_rounds - rnd,
+            )
             break
     return state, records
 

@@ -161,19 +161,22 @@ class QualityWeights:
         v = self._usable(value)
         if v is None:
             if self.fallback is None:
-                got = f"got {bound_text(repr(value), 40)}"
-                if (far := self._too_far(value)) is not None:
-                    got = (
-                        f"got {far:.6g}: beyond softmax weights at temperature {self.temperature:g}, which take "
-                        f"|value| up to {_MAX_EXPONENT:g} x the temperature; raise --weight-temperature to at least "
-                        f"{abs(far) / _MAX_EXPONENT:.3g} if such values are expected"
+                if (far := self._too_far(value)) is not None:  # a sound value, a temperature too low for it
+                    raise UpdateRejected(
+                        f"{source}'s {self.metric!r} {far:.6g} is beyond what softmax weights at temperature "
+                        f"{self.temperature:g} take (|value| at most {_MAX_EXPONENT:g} x the temperature, so that "
+                        f"each weight stays a finite float64); raise strategy.weight_temperature "
+                        f"(--weight-temperature) to at least {abs(far) / _MAX_EXPONENT:.3g}, or above the largest "
+                        f"|value| the clients report / {_MAX_EXPONENT:g}; or set strategy.weight_fallback "
+                        "(--weight-fallback) to a value within that range to take such updates"
                     )
-                elif value is None and reported is not None:
+                got = f"got {bound_text(repr(value), 40)}"
+                if value is None and reported is not None:
                     names = ", ".join(bound_text(str(k), 40) for k in sorted(map(str, reported))[:20]) or "none"
                     got = f"it reported: {names}; choose one with --weight-metric"
                 raise UpdateRejected(
                     f"{source} gave no usable {self.metric!r} for quality weighting "
-                    f"({got}); set a weighting fallback value to take such updates"
+                    f"({got}); set strategy.weight_fallback (--weight-fallback) to take such updates"
                 )
             v = self.fallback
         weight = softmax_weight(v, self.temperature) if self.transform == "softmax" else v

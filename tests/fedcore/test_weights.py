@@ -83,7 +83,10 @@ def test_a_value_beyond_300_temperatures_is_not_clamped_but_unusable() -> None:
     with pytest.raises(UpdateRejected):
         softmax_weight(-1e6, 1.0)
     strict = QualityWeights(metric="train_loss", temperature=0.005)
-    with pytest.raises(UpdateRejected, match=r"got 2\.1727: beyond softmax .* at least 0\.00724"):
+    with pytest.raises(
+        UpdateRejected,
+        match=r"client's 'train_loss' 2\.1727 is beyond .* 0\.005 .* at least 0\.00724.*--weight-fallback",
+    ):
         update_weight("metric", strict, 10, {"train_loss": 2.1727})
     assert update_weight("metric", strict, 10, {"train_loss": 1.5}) == math.exp(-300.0)  # 1.5 = 300 T: taken
     # the round's five losses at T = 0.01 (all within 300 T): the softmax's own weights, the best first
