@@ -127,7 +127,8 @@ class DPFedAvgAggregator:
                 f"target_epsilon {self.target_epsilon:g} cannot pay for one round: a round spends epsilon "
                 f"{self.epsilon_after(1):.4g} at noise multiplier {self.noise_multiplier:g}, sampling rate "
                 f"{self.expected_clients}/{self.population} and delta {self.delta:g}; raise privacy.target_epsilon "
-                "(--target-epsilon) to at least that, raise the noise multiplier, or select fewer clients a round"
+                "(--target-epsilon) to at least that, raise privacy.noise_multiplier (--noise-multiplier), or select "
+                "fewer clients a round (--fraction-fit, --min-fit-clients)"
             )
         self._norms.setdefault(1, float(self.clipping_norm))
 
