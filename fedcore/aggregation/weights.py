@@ -84,15 +84,28 @@ def softmax_weight(value: float, temperature: float) -> float:
             weights and their weighted sum stay apart and finite), or ``value`` is not finite; the message gives the
             smallest temperature that takes the value.
     """
-    exponent = -value / temperature
-    if not abs(exponent) <= _MAX_EXPONENT:
-        bound = abs(value) / _MAX_EXPONENT
-        raise UpdateRejected(
-            f"its value {value:.6g} is beyond what softmax weights at temperature {temperature:g} take (|value| / "
-            f"temperature at most {_MAX_EXPONENT:g}, so that weights stay finite and apart); raise strategy."
-            f"weight_temperature (--weight-temperature) to at least {bound:.3g}"
-        )
-    return math.exp(exponent)
+    if _beyond_softmax(value, temperature):
+        raise UpdateRejected(_beyond_softmax_reason(value, temperature))
+    return math.exp(-value / temperature)
+
+
+def _beyond_softmax(value: float, temperature: float) -> bool:
+    """Whether ``exp(-value / temperature)`` is out of the range softmax weights take (or ``value`` is NaN)."""
+    return not abs(value) / temperature <= _MAX_EXPONENT
+
+
+def _beyond_softmax_reason(value: float, temperature: float) -> str:
+    """Why softmax weights at ``temperature`` cannot take ``value``, and the temperature that would."""
+    return (
+        f"{value:.6g} is beyond what softmax weights at temperature {temperature:g} take (|value| at most "
+        f"{_MAX_EXPONENT:g} x the temperature, so that each weight stays a finite float64); raise strategy."
+        f"weight_temperature (--weight-temperature) to at least {abs(value) / _MAX_EXPONENT:.3g}"
+    )
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a float when it is an int or a float (not a bool), else None."""
+    return None if isinstance(value, bool) or not isinstance(value, int | float) else float(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,16 +147,14 @@ class QualityWeights:
     def _too_far(self, value: object) -> float | None:
         """``value`` as a float when it is a finite number that ``softmax`` cannot weight at this temperature, else
         None."""
-        if self.transform != "softmax" or isinstance(value, bool) or not isinstance(value, int | float):
+        v = _number(value)
+        if self.transform != "softmax" or v is None or not math.isfinite(v):
             return None
-        v = float(value)
-        return v if math.isfinite(v) and not abs(v) / self.temperature <= _MAX_EXPONENT else None
+        return v if _beyond_softmax(v, self.temperature) else None
 
     def _usable(self, value: object) -> float | None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return None
-        v = float(value)
-        if not math.isfinite(v) or (self.transform == "proportional" and v < 0):
+        v = _number(value)
+        if v is None or not math.isfinite(v) or (self.transform == "proportional" and v < 0):
             return None
         return None if self._too_far(v) is not None else v
 
@@ -163,11 +174,8 @@ class QualityWeights:
             if self.fallback is None:
                 if (far := self._too_far(value)) is not None:  # a sound value, a temperature too low for it
                     raise UpdateRejected(
-                        f"{source}'s {self.metric!r} {far:.6g} is beyond what softmax weights at temperature "
-                        f"{self.temperature:g} take (|value| at most {_MAX_EXPONENT:g} x the temperature, so that "
-                        f"each weight stays a finite float64); raise strategy.weight_temperature "
-                        f"(--weight-temperature) to at least {abs(far) / _MAX_EXPONENT:.3g}, or above the largest "
-                        f"|value| the clients report / {_MAX_EXPONENT:g}; or set strategy.weight_fallback "
+                        f"{source}'s {self.metric!r} {_beyond_softmax_reason(far, self.temperature)}, or above the "
+                        f"largest |value| the clients report / {_MAX_EXPONENT:g}; or set strategy.weight_fallback "
                         "(--weight-fallback) to a value within that range to take such updates"
                     )
                 got = f"got {bound_text(repr(value), 40)}"
