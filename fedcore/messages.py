@@ -174,6 +174,17 @@ class Failure:
     reason: str
 
 
+DEADLINE_MISSED = "no reply within the"
+"""The words every pool's :class:`Failure` reason holds for a client that missed an exchange's deadline
+(:func:`missed_deadline`)."""
+
+
+def missed_deadline(failure: Failure) -> bool:
+    """Whether ``failure`` is a client that gave no reply before the exchange's deadline (a later deadline could
+    have helped), rather than one that failed or whose reply was rejected."""
+    return DEADLINE_MISSED in failure.reason
+
+
 StageValue = bytes | int | str
 """The value of one field of a stage message: bytes (keys, ciphertexts, digests), an int of 64 bits, or text."""
 

@@ -52,6 +52,7 @@ from fedcore.messages import (
     Stage,
     bound_text,
     bounded_repr,
+    missed_deadline,
 )
 from fedcore.mods import decode_reply, server_inverses
 from fedcore.selection import ClientObservation, batch_observations, observation
@@ -685,11 +686,10 @@ def _fit_round(
             _trace(rnd, "server step")
         except FedcoreError as exc:
             if attempt == config.max_round_attempts:
-                # too few valid updates (rather than a failed server step): what the operator can change
-                advice = "; check the failing clients' logs, lower the quorum, or raise the deadline"
+                advice = _quorum_advice(failures, accepted) if isinstance(exc, RoundFailed) else ""
                 raise RoundFailed(
                     f"round failed after {attempt} attempt(s): {exc.message.rstrip('.')}. The global model stays at "
-                    f"round {state.round}{advice if isinstance(exc, RoundFailed) else ''}.",
+                    f"round {state.round}{advice}.",
                     round=rnd,
                 ) from exc
             log.warning("round %d attempt %d failed (%s); retrying with a fresh selection", rnd, attempt, exc)
@@ -789,6 +789,15 @@ def _fold_batch(
         failures.extend(Failure(client_id=cid, round=rnd, stage=Stage.FIT, reason=str(exc)) for cid in ids)
         return False
     return True
+
+
+def _quorum_advice(failures: Sequence[Failure], accepted: Sequence[str]) -> str:
+    """What the operator can change when an attempt had too few valid updates (rather than a failed server step),
+    from how its clients failed: a later deadline helps only clients that missed it."""
+    if not failures or any(missed_deadline(failure) for failure in failures):
+        return "; check the failing clients' logs, lower the quorum, or raise the deadline"
+    lower = ", or lower the quorum" if accepted else ""
+    return f"; no client missed the deadline, so a later one would not help: remove the cause the failures name{lower}"
 
 
 def failure_summary(failures: Sequence[Failure], *, reasons: int = 5, ids: int = 3) -> str:

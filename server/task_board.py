@@ -28,6 +28,7 @@ import numpy as np
 
 from fedcore.errors import FedcoreError
 from fedcore.messages import (
+    DEADLINE_MISSED,
     Failure,
     FitIns,
     FitRes,
@@ -202,7 +203,7 @@ class TaskBoard:
                     client_id=task.client_id,
                     round=task.round,
                     stage=task.stage,
-                    reason=f"no reply within the {_exchange(task.stage)} deadline of {timeout_s} s",
+                    reason=f"{DEADLINE_MISSED} {_exchange(task.stage)} deadline of {timeout_s} s",
                 )
         finally:
             with self._lock:

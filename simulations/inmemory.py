@@ -29,7 +29,7 @@ from client.runner import ModelCache, ParallelTraining, run_instruction
 from client.stages import ClientStages
 from client.state import ClientStateStore
 from fedcore.errors import ConfigError, FedcoreError, RoundFailed, failure_reason
-from fedcore.messages import Failure, FitRes, Reply, ServerMessage, StageIns, packed_nbytes
+from fedcore.messages import DEADLINE_MISSED, Failure, FitRes, Reply, ServerMessage, StageIns, packed_nbytes
 from fedcore.supervised import SupervisedTask
 from fedcore.task import Task
 
@@ -275,6 +275,6 @@ class InMemoryPool:
                 client_id=client_id,
                 round=instruction.round,
                 stage=instruction.stage,
-                reason=f"no reply within the stage deadline of {timeout_s} s (it took {took:.2f} s)",
+                reason=f"{DEADLINE_MISSED} stage deadline of {timeout_s} s (it took {took:.2f} s)",
             )
         return reply

@@ -337,7 +337,7 @@ class DPFedAvgAccumulator:
         if weight != 1.0:
             raise UpdateRejected(f"DP-FedAvg weights every update 1, got weight {weight!r}; use weighting = 'uniform'")
         check_spec(update, self._spec, round=round, client_id=client_id)
-        check_finite(update, round=round, client_id=client_id)
+        check_finite(update, round=round, client_id=client_id, advice=self._nonfinite_advice())
         delta = {
             s.name: np.asarray(update[s.name], dtype=np.float64) - np.asarray(self._reference[s.name], dtype=np.float64)
             for s in self._floating
@@ -346,6 +346,23 @@ class DPFedAvgAccumulator:
             delta, norm = clip_update(delta, self._clipping_norm)
             self._unclipped += norm <= self._clipping_norm
         self._sum.add(delta, 1.0, client_id=client_id, round=round)
+
+    def _nonfinite_advice(self) -> str:
+        """What a non-finite update means here: from round 2 on, the global model the client trained from carries
+        the noise of the rounds released before, which can break a model whose weights cannot take it (the
+        client's learning rate and data are then not the cause)."""
+        if self._round <= 1:
+            return "the update is rejected. Check the client's learning rate and input data."
+        rule = self._rule
+        std = rule.update_noise_multiplier() * rule.clipping_norm_for(self._round - 1) / rule.expected_clients
+        return (
+            f"the update is rejected. The global model it was trained from carries DP-FedAvg's noise (standard "
+            f"deviation {std:.3g} per coordinate a round: noise multiplier {rule.update_noise_multiplier():g} times "
+            f"clipping norm {rule.clipping_norm_for(self._round - 1):g} over {rule.expected_clients} clients a "
+            "round). If many clients' updates are not finite, that noise is too large for this model: select more "
+            "clients a round (--min-fit-clients, --fraction-fit), or lower --clipping-norm or --noise-multiplier "
+            "(epsilon rises with a lower noise multiplier). Otherwise check the client's learning rate and input data."
+        )
 
     def result(self, *, release: bool = False) -> NamedArrays:
         """``w + (sum of the (clipped) updates + noise) / m`` in the spec's dtypes (integer tensors: ``w``'s).

@@ -203,6 +203,25 @@ def _round_with_a_good_client(
     return replies, record
 
 
+def test_a_round_whose_client_misses_the_deadline_says_to_raise_it(harness: Harness) -> None:
+    """Client "mute" takes its task and never replies; under a quorum of 2 the round fails, naming the missed
+    deadline, and its advice names the deadline and the quorum (either would let such a round through)."""
+    replies: dict[str, pb.PushReply] = {}
+    threads = [_client(harness, "good", _good, replies), _client(harness, "mute", lambda *_: pb.PushReply(), replies)]
+    strategy = Strategy(sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2), fit=FitConfig())
+    config = RoundConfig(
+        num_rounds=1, round_timeout_s=1.5, wait_for_clients_s=5, max_round_attempts=1, min_fit_results=2
+    )
+    with pytest.raises(RoundFailed) as caught:
+        run_rounds(harness.pool, strategy, dict(GLOBAL), config)
+    for t in threads:
+        t.join(10)
+    message = str(caught.value)
+    assert "only 1 of 2 selected clients returned a valid update; the quorum is 2" in message, message
+    assert "mute: no reply within the round deadline of 1.5 s" in message, message
+    assert message.endswith("check the failing clients' logs, lower the quorum, or raise the deadline."), message
+
+
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_bad_update_is_rejected_and_the_global_model_is_unchanged_by_it(harness: Harness, kind: str) -> None:
     replies, record = _round_with_a_good_client(harness, "bad", BAD[kind])

@@ -13,7 +13,7 @@ import pytest
 from dp_accounting import pld, rdp
 from scipy import stats
 
-from fedcore.errors import AggregationError, BudgetExhausted, ConfigError, UpdateRejected
+from fedcore.errors import AggregationError, BudgetExhausted, ConfigError, NonFiniteError, UpdateRejected
 from fedcore.messages import FitIns, FitRes
 from fedcore.mods import ModContext, check_mods
 from fedcore.strategy import SamplingConfig, StrategyConfig, build_strategy
@@ -141,6 +141,24 @@ def test_central_refusals() -> None:
         central(population=1)
     with pytest.raises(ConfigError, match="distributed mode"):
         central(tolerated_dropout=0.1)
+
+
+def test_a_non_finite_update_after_a_noisy_round_names_the_noise() -> None:
+    """From round 2 on the global model carries the released rounds' noise, z * C / m per coordinate (here
+    1.5 * 0.4 / 4 = 0.15): a NaN update then points at the DP settings as well as the client's learning rate."""
+    reference = {"w": np.zeros(3)}
+    rule = central(noise_multiplier=1.5, clipping_norm=0.4, expected_clients=4, population=40)
+    first = rule.start(spec_of(reference), round=1, reference=reference)
+    with pytest.raises(NonFiniteError) as caught:
+        first.add({"w": np.array([0.0, np.nan, 1.0])}, 1.0, client_id="c1", round=1)
+    assert "learning rate" in str(caught.value) and "noise" not in str(caught.value)
+    second = rule.start(spec_of(reference), round=2, reference=reference)
+    with pytest.raises(NonFiniteError) as caught:
+        second.add({"w": np.array([np.inf, 0.0, 1.0])}, 1.0, client_id="c1", round=2)
+    message = str(caught.value)
+    assert "standard deviation 0.15 per coordinate" in message, message
+    assert "--noise-multiplier" in message and "--min-fit-clients" in message and "learning rate" in message
+    assert second.count == 0  # nothing of it was folded
 
 
 # --- adaptive clipping --------------------------------------------------------------------------------------------

@@ -156,6 +156,9 @@ def test_clients_of_another_model_fail_the_round_with_one_readable_message(
     assert "round failed after 1 attempt(s)" in message
     assert "start them with the server's --task and --task-option values" in message
     assert ".." not in message
+    # every client replied: a later deadline would not help, and no update was valid, so neither would a lower quorum
+    assert "no client missed the deadline, so a later one would not help" in message
+    assert "raise the deadline" not in message and "quorum," not in message and "lower the quorum" not in message
 
 
 class ZeroExamplesTask(NaNTask):
