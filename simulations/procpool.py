@@ -78,7 +78,7 @@ from fedcore.messages import (
     payload_arrays,
 )
 from fedcore.payload import open_safetensors, save_payload
-from fedcore.tensors import NamedArrays
+from fedcore.tensors import NamedArrays, num_bytes
 from simulations.inmemory import all_virtual_clients
 
 log = logging.getLogger("fedcore.simulation")
@@ -195,6 +195,7 @@ class VirtualClients(ABC):
         self._index = {cid: i for i, cid in enumerate(self._ids)}
         self._attackers = attackers
         self._affinity = StageAffinity()
+        self._order: OrderWindow | None = None
         self._closed = False
 
     def run(
@@ -207,7 +208,9 @@ class VirtualClients(ABC):
         order instead, as the in-process pool yields them: the round loop's float64 running sum of float64 updates
         rounds differently in another order (one of float32 updates times example counts is exact in practice, so
         their replies need not wait). A reply that comes before those ahead of it is held until they have come, in
-        memory (a process worker's update in ``/dev/shm``): behind a slow first client, up to the round's updates.
+        memory (a process worker's update in ``/dev/shm``), and no client is started more than
+        :func:`order_window` places after the first reply not yet yielded: behind a slow client, at most that many
+        updates wait (about :data:`ORDER_BUDGET_BYTES` of them; other workers idle once it is reached).
 
         A caller that stops early (closes the generator: an error, Ctrl-C) leaves the clients still training to finish
         on their own: the next run waits for them first and drops their replies, and :meth:`close` ends their workers
@@ -221,12 +224,21 @@ class VirtualClients(ABC):
             raise TransportError(f"the {self.kind} is closed; make a new one")
         self._drain()
         shared = self._affinity.split(instructions, self._slots())
+        ordered = sums_depend_on_order(instructions)
+        self._order = OrderWindow(instructions, order_window(instructions, len(self._slots()))) if ordered else None
         replies = self._schedule(instructions, shared, timeout_s)
         try:
-            yield from in_order(instructions, replies) if sums_depend_on_order(instructions) else replies
+            yield from in_order(instructions, replies, self._order) if self._order is not None else replies
         finally:
             replies.close()  # its own cleanup first, then the run's
+            self._order = None
             self._end_run()
+
+    def _may_start(self, client_id: str, *, busy: bool) -> bool:
+        """Whether a free worker may take ``client_id`` now: always, unless the run's replies are yielded in order
+        and it lies beyond the window (:class:`OrderWindow`) while some client is still running (``busy``); with
+        none running it starts anyway, so the run always moves on."""
+        return self._order is None or not busy or self._order.allows(client_id)
 
     @abstractmethod
     def close(self) -> None:
@@ -438,7 +450,8 @@ class ProcessPool(VirtualClients):
                 if worker is None or not worker.ready or worker.task is not None:
                     continue
                 queue = worker.pinned if worker.pinned else shared
-                if queue:
+                busy = any(w is not None and w.task is not None for w in self._workers)
+                if queue and self._may_start(queue[0], busy=busy):
                     client_id = queue.popleft()
                     failure = self._dispatch(worker, client_id, instructions[client_id], timeout_s)
                     if failure is not None:
@@ -670,10 +683,42 @@ def sums_depend_on_order(instructions: Mapping[str, ServerMessage]) -> bool:
     return False
 
 
-def in_order(instructions: Mapping[str, ServerMessage], replies: Iterable[Reply]) -> Iterator[Reply]:
+ORDER_BUDGET_BYTES = 1 << 30
+"""About how many bytes of updates may wait for a slower client's reply when replies are yielded in order."""
+
+
+def order_window(instructions: Mapping[str, ServerMessage], workers: int) -> int:
+    """How many places past the first reply not yet yielded a client may be started when replies are yielded in
+    order: :data:`ORDER_BUDGET_BYTES` worth of updates the size of the fit instructions' model, and at least
+    ``4 * workers`` (so that small models never hold a worker back)."""
+    models = {id(m.parameters): m.parameters for m in instructions.values() if isinstance(m, FitIns)}
+    size = max((num_bytes(model) for model in models.values()), default=0)
+    return max(4 * max(workers, 1), ORDER_BUDGET_BYTES // max(size, 1))
+
+
+class OrderWindow:
+    """The clients of a run whose replies are yielded in ``instructions``' order (:func:`in_order` advances
+    :attr:`released`): a client may start while fewer than ``size`` places separate it from the first reply not yet
+    yielded, which bounds the replies held back behind a slow client to ``size``."""
+
+    def __init__(self, instructions: Mapping[str, ServerMessage], size: int) -> None:
+        if size < 1:
+            raise ConfigError(f"the order window must hold at least 1 client, got {size}")
+        self.size = size
+        self.released = 0
+        self._position = {client_id: i for i, client_id in enumerate(instructions)}
+
+    def allows(self, client_id: str) -> bool:
+        """Whether ``client_id`` (one of the instructions) lies within the window."""
+        return self._position[client_id] < self.released + self.size
+
+
+def in_order(
+    instructions: Mapping[str, ServerMessage], replies: Iterable[Reply], window: OrderWindow | None = None
+) -> Iterator[Reply]:
     """``replies`` (one per client of ``instructions``, in any order) in the order of ``instructions``: each is
     yielded as soon as every reply ahead of it has been; one for a client not instructed, or a second one for a
-    client, is yielded at once."""
+    client, is yielded at once. ``window.released`` follows how many have been yielded in order."""
     order = list(instructions)
     held: dict[str, Reply] = {}
     seen: set[str] = set()
@@ -685,8 +730,10 @@ def in_order(instructions: Mapping[str, ServerMessage], replies: Iterable[Reply]
         seen.add(reply.client_id)
         held[reply.client_id] = reply
         while position < len(order) and order[position] in held:
-            yield held.pop(order[position])
             position += 1
+            if window is not None:
+                window.released = position
+            yield held.pop(order[position - 1])
     yield from (held[cid] for cid in order[position:] if cid in held)  # after a client that never replied
 
 

@@ -284,7 +284,8 @@ class RayPool(VirtualClients):
             for actor in self._actors:
                 while actor is not None and len(actor.inflight) < QUEUE_DEPTH:
                     queue = actor.pinned if actor.pinned else shared
-                    if not queue:
+                    busy = any(a is not None and a.inflight for a in self._actors)
+                    if not queue or not self._may_start(queue[0], busy=busy):
                         break
                     client_id = queue.popleft()
                     failure = self._dispatch(actor, client_id, instructions[client_id], timeout_s)

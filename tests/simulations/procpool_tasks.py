@@ -2,7 +2,8 @@
 
 Options name clients that misbehave: ``crash`` (the worker process kills itself with SIGKILL while training),
 ``slow`` (training sleeps ``slow_s`` seconds first). ``dtype=float64`` makes the model and data float64. Every fit
-reports the worker's process id as metric ``pid``.
+reports the worker's process id as metric ``pid``, and when its training began and ended (``time.time()``, seconds)
+as ``started`` and ``ended``.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ class TinyTask(SupervisedTask):
     slow_s: float = 0.0
 
     def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        started = time.time()
         if self.behaviour == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.behaviour == "slow":
             time.sleep(self.slow_s)
         result = super().train(model, config, context)
-        return TrainResult(num_examples=result.num_examples, metrics={**result.metrics, "pid": os.getpid()})
+        times = {"started": started, "ended": time.time()}
+        return TrainResult(num_examples=result.num_examples, metrics={**result.metrics, "pid": os.getpid(), **times})
 
 
 def tiny_task(context: TaskContext) -> TinyTask:

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from fedcore.errors import TransportError
-from fedcore.messages import Failure, FitIns, FitRes
+from fedcore.errors import ConfigError, TransportError
+from fedcore.messages import Failure, FitIns, FitRes, Stage
 from fedcore.task import FitConfig, initial_parameters
 from simulations.procpool import DIR_PREFIX, ClientTasks, ProcessPool, remove_stale_dirs
 from tests.simulations.procpool_tasks import TinyTask, linear, linear64
@@ -142,6 +142,50 @@ def test_float64_updates_come_in_the_instructions_order_as_in_process() -> None:
         means.append(mean.result())
     for name, value in means[0].items():
         np.testing.assert_array_equal(means[1][name], value)
+
+
+def test_in_order_holds_back_no_more_than_the_window() -> None:
+    """Replies yielded in order advance the window: a client 3 places past the first reply not yet yielded may not
+    start under a window of 3, and may once that reply is out."""
+    from simulations.procpool import OrderWindow, in_order
+
+    instructions = _fit([f"client-{i}" for i in range(6)])
+    window = OrderWindow(instructions, 3)
+    assert [window.allows(f"client-{i}") for i in range(6)] == [True, True, True, False, False, False]
+    replies = [Failure(client_id=f"client-{i}", round=1, stage=Stage.FIT, reason="") for i in (2, 1, 0, 4, 3, 5)]
+    seen = []
+    for reply in in_order(instructions, replies, window):
+        seen.append((reply.client_id, window.released))
+    assert seen == [(f"client-{i}", i + 1) for i in range(6)]
+    with pytest.raises(ConfigError, match="at least 1"):
+        OrderWindow(instructions, 0)
+
+
+@pytest.mark.parametrize("window", [3, None])
+def test_float64_clients_wait_behind_a_slow_one_only_up_to_the_window(
+    monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
+    """Two workers, a float64 model, client-0 asleep for 1.5 s: under a window of 3 places, the two clients after it
+    run meanwhile and every later one starts only once client-0 has finished (at most 3 updates wait). Without the
+    window (the control) a later client starts while client-0 still sleeps."""
+    import simulations.procpool as procpool
+
+    if window is not None:
+        monkeypatch.setattr(procpool, "order_window", lambda instructions, workers: window)
+    options = {"dtype": "float64", "slow": "client-0", "slow_s": "1.5"}
+    clients = ["client-0", *IDS[3:]]
+    tasks = ClientTasks(factory=TINY, options=options, num_partitions=len(IDS), seed=0)
+    with ProcessPool(IDS, tasks, workers=2) as pool:
+        replies = list(pool.run(_fit(clients, round=2, model_fn=linear64)))
+    assert [r.client_id for r in replies] == clients
+    assert all(isinstance(r, FitRes) for r in replies)
+    started = {r.client_id: float(r.metrics["started"]) for r in replies if isinstance(r, FitRes)}
+    slow_end = next(float(r.metrics["ended"]) for r in replies if isinstance(r, FitRes) and r.client_id == "client-0")
+    early = [cid for cid in clients[1:] if started[cid] < slow_end]
+    if window is not None:
+        assert early == clients[1:3], early
+    else:
+        assert len(early) > 2, early
 
 
 def test_stopping_early_leaves_no_file_behind(pool: ProcessPool) -> None:

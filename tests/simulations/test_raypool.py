@@ -120,10 +120,14 @@ def test_a_killed_actor_fails_only_its_client_and_is_replaced(ray_instance: None
 
 
 @pytest.mark.slow
-def test_float64_replies_come_in_order_and_a_run_stopped_early_waits_for_nothing(ray_instance: None) -> None:
+def test_float64_replies_come_in_order_and_a_run_stopped_early_waits_for_nothing(
+    ray_instance: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the Ray pool shares with the process pool's run: a float64 model's replies in the clients' order even
     when the first client finishes last; a run stopped after its first reply returns at once, its client still
-    training is waited for by the next run, which yields only its own replies."""
+    training is waited for by the next run, which yields only its own replies. Under an order window of 3 places,
+    only the two clients after the slow one run while it sleeps."""
+    import simulations.procpool as procpool
     from simulations.raypool import RayPool
 
     options = {"dtype": "float64", "slow": "client-0", "slow_s": "3"}
@@ -139,6 +143,12 @@ def test_float64_replies_come_in_order_and_a_run_stopped_early_waits_for_nothing
         assert time.monotonic() - started < 1.0
         again = list(pool.run(_fit(["client-4"], round=3, model_fn=linear64)))
         assert [(type(r), r.client_id, r.round) for r in again] == [(FitRes, "client-4", 3)]
+        monkeypatch.setattr(procpool, "order_window", lambda instructions, workers: 3)
+        clients = IDS[:7]
+        windowed = [r for r in pool.run(_fit(clients, round=4, model_fn=linear64)) if isinstance(r, FitRes)]
+        assert [r.client_id for r in windowed] == clients
+        slow_end = float(windowed[0].metrics["ended"])
+        assert [r.client_id for r in windowed[1:] if float(r.metrics["started"]) < slow_end] == clients[1:3]
 
 
 @pytest.mark.slow
