@@ -799,6 +799,8 @@ def _simulate(
             "WARNING: training diverged: the global model's test loss became NaN or infinite; "
             "lower train.lr (or strategy.server_lr) and run again"
         )
+    if line := clients_left_out(history):
+        echo(line)
     echo(
         f"final test accuracy {final_acc} after {final.round} rounds in {wall:.1f} s; "
         f"history: {csv_path}; plot: {plot_path if plot_path else 'off'}"
@@ -816,6 +818,27 @@ def _simulate(
         diverged=diverged,
         reached=convergence.reached,
         stop=convergence.stop,
+    )
+
+
+def clients_left_out(history: pd.DataFrame) -> str | None:
+    """One line on the rounds of ``history`` (the ``clients`` and ``failures`` columns of its rows after round 0)
+    that went on without some of their clients (failed, or their updates rejected), or None when none did. It
+    starts with ``WARNING:`` when a round kept fewer than half of its clients' updates: such a model learned from
+    few clients, which the final accuracy alone does not say (e.g. DP noise that breaks most clients' training)."""
+    rounds = history[history["round"] > 0]
+    lossy = rounds[rounds["failures"] > 0]
+    if lossy.empty:
+        return None
+    share = (lossy["clients"] / (lossy["clients"] + lossy["failures"])).to_numpy(dtype=np.float64)
+    worst = lossy.iloc[int(np.argmin(share))]
+    kept, failed = int(worst["clients"]), int(worst["failures"])
+    warning = "WARNING: " if float(share.min()) < 0.5 else ""
+    return (
+        f"{warning}{len(lossy)} of {len(rounds)} round(s) went on without some of their clients "
+        f"({int(lossy['failures'].sum())} failed or rejected update(s) in all; the fewest kept: round "
+        f"{int(worst['round'])}, {kept} update(s) kept and {failed} failed or rejected); the log gives each reason, "
+        "history.csv's failures column the counts"
     )
 
 

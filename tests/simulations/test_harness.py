@@ -21,7 +21,7 @@ from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext, build_server_task
 from fedcore.tensors import decode
 from simulations.config import load_recipe
-from simulations.harness import RUN_LOCK, run_simulation
+from simulations.harness import RUN_LOCK, clients_left_out, run_simulation
 
 SMALL = [
     "data.dataset=digits",
@@ -454,3 +454,32 @@ def test_a_server_step_that_overflows_names_the_server_lr_not_the_clients(tmp_pa
     assert "the server step made the new global model non-finite" in message
     assert "Lower the server learning rate (--server-lr, now 1e+300)" in message
     assert "Check the client's" not in message and "lower the quorum" not in message
+
+
+def test_rounds_that_went_on_without_clients_are_summed_up_in_one_line() -> None:
+    """By hand: rounds 2 and 3 lost clients; round 3 kept 1 update of 10 (share 0.1 < 0.5: a warning)."""
+    history = pd.DataFrame({"round": [0, 1, 2, 3, 4], "clients": [0, 10, 7, 1, 10], "failures": [0, 0, 3, 9, 0]})
+    assert clients_left_out(history) == (
+        "WARNING: 2 of 4 round(s) went on without some of their clients (12 failed or rejected update(s) in all; "
+        "the fewest kept: round 3, 1 update(s) kept and 9 failed or rejected); the log gives each reason, "
+        "history.csv's failures column the counts"
+    )
+    mild = history.assign(clients=[0, 10, 7, 8, 10], failures=[0, 0, 3, 2, 0])
+    line = clients_left_out(mild)
+    assert line is not None and not line.startswith("WARNING") and "round 2, 7 update(s) kept and 3" in line
+    assert clients_left_out(history.assign(failures=0)) is None
+
+
+def test_a_run_whose_updates_overflow_says_so_at_its_end(tmp_path: Path) -> None:
+    """Three of ten clients scale their updates by 1e300: float32 overflows to Inf, so each is rejected and every
+    round goes on with the other seven; the run's last lines say so."""
+    attack = ['attack.kind="scale"', "attack.fraction=0.3", "attack.scale=1e300", "rounds=2"]
+    every = ["sampling.fraction_fit=1.0", "sampling.min_fit_clients=10"]
+    config = load_recipe(None, [*SMALL, *attack, *every, f"output.dir={str(tmp_path)!r}"])
+    lines: list[str] = []
+    result = run_simulation(config, echo=lines.append)
+    assert list(result.history["failures"]) == [0, 3, 3] and list(result.history["clients"].iloc[1:]) == [7, 7]
+    assert (
+        "2 of 2 round(s) went on without some of their clients (6 failed or rejected update(s) in all; the fewest "
+        "kept: round 1, 7 update(s) kept and 3 failed or rejected)"
+    ) in "\n".join(lines)
