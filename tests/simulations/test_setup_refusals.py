@@ -15,7 +15,7 @@ from simulations.config import load_recipe
 from simulations.harness import clients_at_once, run_simulation, worker_count
 
 TINY = "tests.simulations.test_harness:tiny_task"  # a plain SupervisedTask: declares train_loss and accuracy
-OWN_LOOP = "tests.simulations.procpool_tasks:tiny_task"  # overrides train (reports a pid too): declares nothing
+OWN_LOOP = "tests.simulations.procpool_tasks:tiny_task"  # overrides train (reports pid, times): declares nothing
 
 
 def _simulate(*flags: str) -> list[str]:
@@ -114,7 +114,7 @@ def test_a_task_that_declares_nothing_fails_round_one_saying_what_its_clients_re
     assert message.count("gave no usable 'bogus'") == 1
     assert (
         "client-00" in message
-        and "it reported: fit_seconds, pid, train_loss; choose one with --weight-metric" in message
+        and "it reported: ended, fit_seconds, pid, started, train_loss; choose one with --weight-metric" in message
     )
 
 
