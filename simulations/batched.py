@@ -368,7 +368,8 @@ def _batchable_trial(task: Task, strategy: Strategy | None) -> list[str] | None:
             return None  # this client's data, not batching: it fails alone in its round, as it would in process
         loss = getattr(task.loss_fn, "__name__", type(task.loss_fn).__name__)
         raise ConfigError(
-            f"batched clients could not vmap the training step, the model's forward and the task's loss {loss} "
+            f"batched clients could not vmap the training step, the model's forward and the task's loss function "
+            f"{loss!r} "
             f"({type(exc).__name__}: {str(exc)[:300]}); a model or loss that draws random numbers, writes to its own "
             "tensors or branches on a tensor's value (.item(), if on a tensor) cannot be batched" + _ADVICE
         ) from None

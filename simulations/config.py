@@ -480,6 +480,12 @@ class SimulationConfig:
                 f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="
                 f"{self.data.num_clients}"
             )
+        if self.sampling.fraction_evaluate > 0 and self.sampling.min_evaluate_clients > self.data.num_clients:
+            raise ConfigError(
+                f"sampling.min_evaluate_clients={self.sampling.min_evaluate_clients} exceeds data.num_clients="
+                f"{self.data.num_clients}: no round could evaluate on that many clients; lower "
+                "--min-evaluate-clients"
+            )
 
     def check_weight_metric(self, declared: DeclaredMetrics | None) -> None:
         """Refuse a weighting metric (``strategy.weight_metric``) that the virtual clients' task, which reports

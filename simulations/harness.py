@@ -32,7 +32,7 @@ from tqdm import tqdm
 from client.state import ClientStateStore
 from fedcore.config import check_creatable_dir, to_mapping
 from fedcore.convergence import Convergence, Stop
-from fedcore.errors import ConfigError, FedcoreError
+from fedcore.errors import ConfigError, FedcoreError, StateError
 from fedcore.payload import save_payload
 from fedcore.seeding import numpy_rng
 from fedcore.strategy import build_strategy
@@ -786,10 +786,15 @@ def _simulate(
         progress.close()
         if process is not None:
             process.close()
-    save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
+    _write_final_model(model_path, final, kept_checkpoints=config.output.checkpoints)
     rows = history_file.rows
     history = pd.DataFrame(rows, columns=history_columns(rows))
-    plot_path = plot_history(history, out_dir / "history.png") if config.output.plot else None
+    plot_path = None
+    if config.output.plot:
+        try:
+            plot_path = plot_history(history, out_dir / "history.png")
+        except OSError as unwritten:  # the plot is a view of history.csv: the run's results are written
+            echo(f"WARNING: the plot could not be written to {out_dir / 'history.png'}: {unwritten}")
     wall = time.perf_counter() - started
     accuracy = history["test_accuracy"].dropna()
     final_acc = f"{float(accuracy.iloc[-1]):.4f}" if len(accuracy) else "none (no round has a server evaluation of it)"
@@ -819,6 +824,31 @@ def _simulate(
         reached=convergence.reached,
         stop=convergence.stop,
     )
+
+
+def _write_final_model(model_path: Path, final: ServerState, *, kept_checkpoints: bool) -> None:
+    """Write the run's final global model to ``model_path``.
+
+    Raises:
+        StateError: the file cannot be written (disk full, a file size limit); says that training finished and how
+            to get the model: ``--resume`` from the checkpoints, which writes it without training again, or (a run
+            without checkpoints) a new run.
+    """
+    try:
+        save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
+    except OSError as exc:
+        if kept_checkpoints:
+            advice = (
+                "its checkpoints hold the model: free disk space and run the same command with --resume "
+                "(output.resume = true), which writes it without training again"
+            )
+        else:
+            advice = "the run kept no checkpoints (--no-checkpoints), so the model is lost: free space and run again"
+        raise StateError(
+            f"training finished after round {final.round}, but its model could not be written to "
+            f"{str(model_path)!r}: {exc}; {advice}",
+            round=final.round,
+        ) from exc
 
 
 def clients_left_out(history: pd.DataFrame) -> str | None:

@@ -274,8 +274,10 @@ def _shakespeare(config: DataConfig, seed: int) -> ShakespeareRoles:
             f"dataset shakespeare has {len(eligible)} roles (of {len(roles)}) with "
             + (f"at least {least} samples and " if least else "")
             + f"a train and a test sample at stride {stride} and train fraction {fraction}, fewer than num_clients="
-            f"{config.num_clients}; use num_clients <= {len(eligible)}"
-            + (" or a lower shakespeare_min_samples" if least else "")
+            f"{config.num_clients}; "
+            + (f"use num_clients <= {len(eligible)}" if eligible else "no role qualifies")
+            + (" or a lower shakespeare_min_samples" if least and eligible else "")
+            + ("; lower shakespeare_min_samples" if least and not eligible else "")
         )
     if config.num_clients < len(eligible):
         chosen = numpy_rng(seed, "shakespeare-roles").choice(len(eligible), size=config.num_clients, replace=False)

@@ -67,6 +67,10 @@ def test_overrides_are_typed_and_do_not_mutate_the_input() -> None:
         (["data.dataset=synthetic"], "partition = 'natural'"),
         (["sampling.fraction_fit=1.5"], r"fraction_fit must be in \(0, 1\]"),
         (["sampling.min_fit_clients=500"], "exceeds data.num_clients=100"),
+        (
+            ["sampling.fraction_evaluate=0.5", "sampling.min_evaluate_clients=101"],
+            "min_evaluate_clients=101 exceeds data.num_clients=100: no round could evaluate",
+        ),
         (["novalue"], "must look like section.key=value"),
         (["strategy.server_lr=inf"], r"server_lr \(--server-lr\) must be a finite number > 0"),
         (["strategy.name='fedadam'", "strategy.tau=0"], r"tau \(--tau\) must be a finite number > 0"),

@@ -483,3 +483,49 @@ def test_a_run_whose_updates_overflow_says_so_at_its_end(tmp_path: Path) -> None
         "2 of 2 round(s) went on without some of their clients (6 failed or rejected update(s) in all; the fewest "
         "kept: round 1, 7 update(s) kept and 3 failed or rejected)"
     ) in "\n".join(lines)
+
+
+def test_a_final_model_that_cannot_be_written_says_training_finished_and_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills as the final model is written (injected: ENOSPC on model.safetensors alone): the error says
+    training finished and that --resume writes the model from the checkpoints, which it then does, bit for bit the
+    model of an undisturbed run; without checkpoints it says the model is lost. A plot that cannot be written is a
+    warning: the results are there."""
+    import errno
+
+    import simulations.harness as harness
+    from fedcore.errors import StateError
+
+    original = harness.save_payload
+
+    def full_disk(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(path).name == "model.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(path, *args, **kwargs)
+
+    def overrides(out: Path, *extra: str) -> list[str]:
+        return [*SMALL, "rounds=2", f"output.dir={str(out)!r}", *extra]
+
+    monkeypatch.setattr(harness, "save_payload", full_disk)
+    with pytest.raises(StateError) as caught:
+        run_simulation(load_recipe(None, overrides(tmp_path / "full")), echo=lambda _: None)
+    assert "training finished after round 2, but its model could not be written to" in str(caught.value)
+    assert "No space left on device; its checkpoints hold the model" in str(caught.value)
+    assert "--resume (output.resume = true), which writes it without training again" in str(caught.value)
+    with pytest.raises(StateError, match=r"kept no checkpoints \(--no-checkpoints\), so the model is lost"):
+        run_simulation(load_recipe(None, overrides(tmp_path / "bare", "output.checkpoints=false")), echo=print)
+    monkeypatch.setattr(harness, "save_payload", original)
+
+    def no_plot(history: pd.DataFrame, path: Any) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(harness, "plot_history", no_plot)
+    lines: list[str] = []
+    resumed = run_simulation(load_recipe(None, overrides(tmp_path / "full", "output.resume=true")), echo=lines.append)
+    assert resumed.final.round == 2 and resumed.plot_path is None
+    assert any(line.startswith("WARNING: the plot could not be written to") for line in lines)
+    run_simulation(load_recipe(None, overrides(tmp_path / "clean")), echo=lambda _: None)
+    got = decode((tmp_path / "full" / "model.safetensors").read_bytes())
+    want = decode((tmp_path / "clean" / "model.safetensors").read_bytes())
+    assert set(got) == set(want) and all(np.array_equal(got[name], want[name]) for name in want)
