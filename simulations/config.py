@@ -39,6 +39,12 @@ NATURAL_DATASETS = ("synthetic", "shakespeare")
 the only partition they take."""
 
 
+MIN_ALPHA = 1e-300
+"""The smallest Dirichlet alpha taken: ``alpha * prior`` must stay a normal float64 for every class prior of a
+dataset of up to a million samples (a subnormal one rounds to 0, and the draw falls back to the prior: an IID
+split, the opposite of what a tiny alpha asks for)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Which dataset, and how it is split over the virtual clients.
@@ -56,11 +62,11 @@ class DataConfig:
         partition: iid, dirichlet (class-centric label skew), dirichlet-client (Hsu et al. 2019), shards
             (McMahan et al. 2017), quantity (lognormal sizes), natural (synthetic's own devices, shakespeare's
             roles).
-        alpha: Dirichlet concentration for the dirichlet partitions (small = more skew), > 0.
+        alpha: Dirichlet concentration for the dirichlet partitions (small = more skew), >= :data:`MIN_ALPHA`.
         shards_per_client: shards per client for ``partition = "shards"``.
         min_partition_size: smallest client allowed by the class-centric Dirichlet partition (redraws).
         max_redraws: how many times the Dirichlet partition may redraw before giving up with an error.
-        sigma: lognormal sigma of client sizes for ``partition = "quantity"``.
+        sigma: lognormal sigma of client sizes for ``partition = "quantity"``, in [0, 50] (0: equal sizes).
         normalize: standardize inputs with the training set's mean and standard deviation (not for shakespeare,
             whose inputs are character ids).
         synthetic_alpha, synthetic_beta: Synthetic(alpha, beta) heterogeneity (model, features).
@@ -103,16 +109,21 @@ class DataConfig:
             raise ConfigError(f"num_clients must be in 1..{MAX_CLIENTS:,}, got {self.num_clients}")
         if self.data_dir is not None and str(self.data_dir).strip() in ("", "."):
             raise ConfigError("data_dir is empty; give the directory that holds the dataset files, or leave it unset")
-        if not (0 < self.alpha < math.inf):
-            raise ConfigError(f"alpha must be a finite number > 0, got {self.alpha}")
+        if not (MIN_ALPHA <= self.alpha < math.inf):  # a smaller alpha * prior underflows to 0: no skew at all
+            raise ConfigError(
+                f"alpha must be a finite number >= {MIN_ALPHA:g} (a smaller one underflows in the Dirichlet "
+                f"draw), got {self.alpha}"
+            )
         if self.shards_per_client < 1:
             raise ConfigError(f"shards_per_client must be >= 1, got {self.shards_per_client}")
         if self.min_partition_size < 0:
             raise ConfigError(f"min_partition_size must be >= 0, got {self.min_partition_size}")
         if not 1 <= self.max_redraws <= 10_000:
             raise ConfigError(f"max_redraws must be in 1..10000, got {self.max_redraws}")
-        if not 0 < self.sigma <= 50:
-            raise ConfigError(f"sigma must be in (0, 50] (lognormal shape of client sizes), got {self.sigma}")
+        if not 0 <= self.sigma <= 50:
+            raise ConfigError(
+                f"sigma must be in [0, 50] (lognormal shape of client sizes; 0 gives equal sizes), got {self.sigma}"
+            )
         if (self.dataset in NATURAL_DATASETS) != (self.partition == "natural"):
             raise ConfigError(
                 f"partition = 'natural' is the split the {' and '.join(NATURAL_DATASETS)} datasets come with (by "
