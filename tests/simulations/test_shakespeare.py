@@ -63,6 +63,23 @@ def plays(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def test_plays_of_one_file_name_in_two_folders_stay_two_plays(tmp_path: Path) -> None:
+    """Two folders each hold a tiny.md: their roles are named by path (6 roles, each text its own play's), while a
+    file name found once keeps its stem."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "tiny.md").write_text(PLAY, encoding="utf-8")
+    (tmp_path / "b" / "other.md").write_text("**DELTA**\n" + "d" * 30 + "\n", encoding="utf-8")
+    roles = load_shakespeare_roles(tmp_path)
+    assert sorted(roles) == [
+        *(f"a/tiny/{role}" for role in ("ALPHA", "BETA", "GAMMA")),
+        *(f"b/tiny/{role}" for role in ("ALPHA", "BETA", "GAMMA")),
+        "other/DELTA",
+    ]
+    assert roles["a/tiny/ALPHA"] == roles["b/tiny/ALPHA"] == " ".join(ALPHA_LINES)
+    assert roles["other/DELTA"] == "d" * 30
+
+
 def data(plays: Path, **kw: object) -> ShakespeareRoles:
     config = DataConfig(dataset="shakespeare", partition="natural", data_dir=plays, **kw)  # type: ignore[arg-type]
     prepared = prepare_data(config, 0)
