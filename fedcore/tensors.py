@@ -78,12 +78,16 @@ def _all_finite(array: np.ndarray) -> bool:
     return all(bool(np.isfinite(flat[i : i + _FINITE_BLOCK]).all()) for i in range(0, flat.size, _FINITE_BLOCK))
 
 
+UPDATE_ADVICE = "the update is rejected. Check the client's learning rate and input data."
+""":func:`check_finite`'s advice by default: for a client's update."""
+
+
 def check_finite(
     arrays: Mapping[str, np.ndarray],
     *,
     round: int | None = None,
     client_id: str | None = None,
-    advice: str = "the update is rejected. Check the client's learning rate and input data.",
+    advice: str = UPDATE_ADVICE,
 ) -> None:
     """Raise :class:`NonFiniteError` naming the first tensor that holds NaN or Inf, followed by ``advice`` (what
     happens and what to do; by default, for a client's update).

@@ -758,7 +758,7 @@ def _simulate(
             last = finished[0]
             what = f"round {last.round}'s global model, the last round that finished,"
             try:
-                save_payload(model_path, last.parameters, {"round": str(last.round)}, self_digest=True)
+                _save_model(model_path, last)
             except OSError as unwritten:  # e.g. the disk that failed the round is full: the round's error is raised
                 echo(f"{what} could not be written to {model_path}: {unwritten}")
             else:
@@ -826,6 +826,15 @@ def _simulate(
     )
 
 
+def _save_model(model_path: Path, state: ServerState) -> None:
+    """Write ``state``'s global model to ``model_path`` (safetensors, its round in the header, self-digested).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    save_payload(model_path, state.parameters, {"round": str(state.round)}, self_digest=True)
+
+
 def _write_final_model(model_path: Path, final: ServerState, *, kept_checkpoints: bool) -> None:
     """Write the run's final global model to ``model_path``.
 
@@ -835,7 +844,7 @@ def _write_final_model(model_path: Path, final: ServerState, *, kept_checkpoints
             without checkpoints) a new run.
     """
     try:
-        save_payload(model_path, final.parameters, {"round": str(final.round)}, self_digest=True)
+        _save_model(model_path, final)
     except OSError as exc:
         if kept_checkpoints:
             advice = (

@@ -234,11 +234,15 @@ class VirtualClients(ABC):
             self._order = None
             self._end_run()
 
-    def _may_start(self, client_id: str, *, busy: bool) -> bool:
+    def _may_start(self, client_id: str) -> bool:
         """Whether a free worker may take ``client_id`` now: always, unless the run's replies are yielded in order
-        and it lies beyond the window (:class:`OrderWindow`) while some client is still running (``busy``); with
-        none running it starts anyway, so the run always moves on."""
-        return self._order is None or not busy or self._order.allows(client_id)
+        and it lies beyond the window (:class:`OrderWindow`) while some client is still running (:meth:`_busy`);
+        with none running it starts anyway, so the run always moves on."""
+        return self._order is None or self._order.allows(client_id) or not self._busy()
+
+    @abstractmethod
+    def _busy(self) -> bool:
+        """Whether some worker is running a client."""
 
     @abstractmethod
     def close(self) -> None:
@@ -442,6 +446,9 @@ class ProcessPool(VirtualClients):
     def _slots(self) -> Sequence[_Worker | None]:
         return self._workers
 
+    def _busy(self) -> bool:
+        return any(w is not None and w.task is not None for w in self._workers)
+
     def _schedule(
         self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
     ) -> Generator[Reply, None, None]:
@@ -450,8 +457,7 @@ class ProcessPool(VirtualClients):
                 if worker is None or not worker.ready or worker.task is not None:
                     continue
                 queue = worker.pinned if worker.pinned else shared
-                busy = any(w is not None and w.task is not None for w in self._workers)
-                if queue and self._may_start(queue[0], busy=busy):
+                if queue and self._may_start(queue[0]):
                     client_id = queue.popleft()
                     failure = self._dispatch(worker, client_id, instructions[client_id], timeout_s)
                     if failure is not None:

@@ -276,6 +276,9 @@ class RayPool(VirtualClients):
     def _slots(self) -> Sequence[_Actor | None]:
         return self._actors
 
+    def _busy(self) -> bool:
+        return any(a is not None and a.inflight for a in self._actors)
+
     def _schedule(
         self, instructions: Mapping[str, ServerMessage], shared: deque[str], timeout_s: float | None
     ) -> Generator[Reply, None, None]:
@@ -284,8 +287,7 @@ class RayPool(VirtualClients):
             for actor in self._actors:
                 while actor is not None and len(actor.inflight) < QUEUE_DEPTH:
                     queue = actor.pinned if actor.pinned else shared
-                    busy = any(a is not None and a.inflight for a in self._actors)
-                    if not queue or not self._may_start(queue[0], busy=busy):
+                    if not queue or not self._may_start(queue[0]):
                         break
                     client_id = queue.popleft()
                     failure = self._dispatch(actor, client_id, instructions[client_id], timeout_s)

@@ -41,7 +41,7 @@ import numpy as np
 from fedcore.aggregation import WeightedMean
 from fedcore.errors import AggregationError, BudgetExhausted, ConfigError, PayloadError, StateError, UpdateRejected
 from fedcore.messages import bound_text
-from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec
+from fedcore.tensors import UPDATE_ADVICE, NamedArrays, TensorSpec, check_finite, check_spec
 from privacy.dp.accounting import Accountant, epsilon
 from privacy.dp.accounting import check as check_accounting
 from privacy.dp.mechanism import (
@@ -318,6 +318,7 @@ class DPFedAvgAccumulator:
         self._clipping_norm = rule.clipping_norm_for(round)
         self._unclipped = 0
         self._noise_std = 0.0
+        self._nonfinite_advice = _nonfinite_advice(rule, round)
 
     @property
     def count(self) -> int:
@@ -337,7 +338,7 @@ class DPFedAvgAccumulator:
         if weight != 1.0:
             raise UpdateRejected(f"DP-FedAvg weights every update 1, got weight {weight!r}; use weighting = 'uniform'")
         check_spec(update, self._spec, round=round, client_id=client_id)
-        check_finite(update, round=round, client_id=client_id, advice=self._nonfinite_advice())
+        check_finite(update, round=round, client_id=client_id, advice=self._nonfinite_advice)
         delta = {
             s.name: np.asarray(update[s.name], dtype=np.float64) - np.asarray(self._reference[s.name], dtype=np.float64)
             for s in self._floating
@@ -346,23 +347,6 @@ class DPFedAvgAccumulator:
             delta, norm = clip_update(delta, self._clipping_norm)
             self._unclipped += norm <= self._clipping_norm
         self._sum.add(delta, 1.0, client_id=client_id, round=round)
-
-    def _nonfinite_advice(self) -> str:
-        """What a non-finite update means here: from round 2 on, the global model the client trained from carries
-        the noise of the rounds released before, which can break a model whose weights cannot take it (the
-        client's learning rate and data are then not the cause)."""
-        if self._round <= 1:
-            return "the update is rejected. Check the client's learning rate and input data."
-        rule = self._rule
-        std = rule.update_noise_multiplier() * rule.clipping_norm_for(self._round - 1) / rule.expected_clients
-        return (
-            f"the update is rejected. The global model it was trained from carries DP-FedAvg's noise (standard "
-            f"deviation {std:.3g} per coordinate a round: noise multiplier {rule.update_noise_multiplier():g} times "
-            f"clipping norm {rule.clipping_norm_for(self._round - 1):g} over {rule.expected_clients} clients a "
-            "round). If many clients' updates are not finite, that noise is too large for this model: select more "
-            "clients a round (--min-fit-clients, --fraction-fit), or lower --clipping-norm or --noise-multiplier "
-            "(epsilon rises with a lower noise multiplier). Otherwise check the client's learning rate and input data."
-        )
 
     def result(self, *, release: bool = False) -> NamedArrays:
         """``w + (sum of the (clipped) updates + noise) / m`` in the spec's dtypes (integer tensors: ``w``'s).
@@ -412,3 +396,20 @@ class DPFedAvgAccumulator:
             "dp_clipping_norm": self._clipping_norm,
             "dp_noise_std": self._noise_std,
         }
+
+
+def _nonfinite_advice(rule: DPFedAvgAggregator, round: int) -> str:
+    """What a non-finite update of round ``round`` means: from round 2 on, the global model the client trained
+    from carries the noise of the rounds released before, which can break a model whose weights cannot take it
+    (the client's learning rate and data are then not the cause)."""
+    if round <= 1:
+        return UPDATE_ADVICE
+    z, c = rule.update_noise_multiplier(), rule.clipping_norm_for(round - 1)
+    return (
+        f"the update is rejected. The global model it was trained from carries DP-FedAvg's noise (standard "
+        f"deviation {z * c / rule.expected_clients:.3g} per coordinate a round: noise multiplier {z:g} times "
+        f"clipping norm {c:g} over {rule.expected_clients} clients a round). If many clients' updates are not "
+        "finite, that noise is too large for this model: select more clients a round (--min-fit-clients, "
+        "--fraction-fit), or lower --clipping-norm or --noise-multiplier (epsilon rises with a lower noise "
+        "multiplier). Otherwise check the client's learning rate and input data."
+    )
