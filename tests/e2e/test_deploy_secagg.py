@@ -188,4 +188,4 @@ def test_distributed_dp_with_adaptive_clipping_over_tls_daemons_equals_the_simul
     assert 0.0066 < bound < 0.0076
     assert diff.std() == pytest.approx(bound, rel=0.15)  # 650 values: the std within ~3% (one sigma)
     assert np.abs(diff).max() < 6 * bound
-    assert abs(diff.mean()) < 4 * bound / math.sqrt(diff.size)
+    assert abs(diff.mean()) < 5 * bound / math.sqrt(diff.size)  # OS-entropy noise: 5 sigma, ~1e-6 false failures

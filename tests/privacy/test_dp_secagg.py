@@ -196,9 +196,11 @@ def test_noise_shares_sum_to_the_accounted_noise_and_only_masked_uploads_leave_t
     ]
     start = initial_parameters(model_fn, SEED)
     moved = np.concatenate([(final.parameters[n].astype(np.float64) - start[n]).ravel() for n in start])
-    # two rounds of independent noise: std sqrt(2) * 0.125; 1020 values estimate it within ~2.2% (one sigma)
-    assert moved.std() == pytest.approx(math.sqrt(2) * on_average, rel=0.08)
-    assert abs(moved.mean()) < 4 * math.sqrt(2) * on_average / math.sqrt(moved.size)
+    # two rounds of independent noise: std sqrt(2) * 0.125. The noise comes from OS entropy, so the bounds are 5.5 and
+    # 5 sigma of the estimates (1020 values give the std within 2.2%, one sigma): a false failure in ~1e-6 runs. A 4
+    # sigma bound on the mean failed once in CI (z = 4.1); 200 runs gave mean(z) = -0.03, std(z) = 1.04, no bias.
+    assert moved.std() == pytest.approx(math.sqrt(2) * on_average, rel=0.12)
+    assert abs(moved.mean()) < 5 * math.sqrt(2) * on_average / math.sqrt(moved.size)
 
 
 def test_fewer_survivors_than_n_min_are_never_unmasked_and_a_tolerated_dropout_is() -> None:
@@ -283,7 +285,7 @@ def test_the_same_option_runs_over_grpc_with_client_daemons(tmp_path: Path) -> N
     assert records[-1].aggregation["epsilon"] == epsilon(noise_multiplier=1.0, sampling_rate=1.0, rounds=1, delta=1e-5)
     start = initial_parameters(model_fn, SEED)
     moved = np.concatenate([(final.parameters[n].astype(np.float64) - start[n]).ravel() for n in start])
-    assert moved.std() == pytest.approx(0.125, rel=0.08)
+    assert moved.std() == pytest.approx(0.125, rel=0.12)  # OS-entropy noise: 5.5 sigma of the 2.2% estimate
 
 
 # -- adaptive clipping under secure aggregation ----------------------------------------------------------------------
@@ -383,7 +385,7 @@ def test_adaptive_clipping_under_secure_aggregation_announces_steps_and_accounts
         s = z_delta / 2 * (norms[r] + math.sqrt(1020) * 4.0 / levels)
         assert record.aggregation["dp_noise_std"] == pytest.approx(2 * s / 4, rel=1e-12)
         moved = np.concatenate([(models[r + 1][n].astype(np.float64) - models[r][n]).ravel() for n in models[0]])
-        assert moved.std() == pytest.approx(2 * s / 4, rel=0.1), r
+        assert moved.std() == pytest.approx(2 * s / 4, rel=0.12), r  # OS-entropy noise: 5.5 sigma of 2.2%
     # both releases together are the Gaussian mechanism of z = 1: dp-accounting's epsilon of the composition
     for r, record in enumerate(records, start=1):
         library = dp_accounting.rdp.RdpAccountant()
