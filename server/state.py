@@ -507,7 +507,11 @@ class StateStore:
         try:
             self._history_file.add(self._history_rows(rnd)[0])
         except OSError as exc:
-            raise StateError(f"cannot write the round history {str(self._history_file.path)!r}: {exc}") from exc
+            raise StateError(
+                f"cannot write the round history {str(self._history_file.path)!r}: {exc}. Round {rnd} is recorded in "
+                f"{str(self.database)!r}; free disk space (or raise the file size limit) and {self._advice.resume}",
+                round=rnd,
+            ) from exc
 
     def selection_history(self) -> list[tuple[int, list[ClientObservation]]]:
         """The client selection's feedback of every current round, ascending: ``(round, observations)`` as the
@@ -562,7 +566,10 @@ class StateStore:
                 return target
             return write_history(target, self.history())
         except OSError as exc:
-            raise StateError(f"cannot write the round history {str(target)!r}: {exc}") from exc
+            raise StateError(
+                f"cannot write the round history {str(target)!r}: {exc}. The rounds are recorded in "
+                f"{str(self.database)!r}; free disk space (or raise the file size limit) and {self._advice.resume}"
+            ) from exc
 
     def _supersede_after(self, rnd: int) -> list[int]:
         """Mark the current records of rounds after ``rnd`` superseded; return those rounds."""

@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -645,7 +645,7 @@ def _simulate(
     earlier: list[dict[str, float | int | None]] = []  # a resumed run's rounds before it
     if store is not None and start:
         earlier = store.history()
-        history_file.reset(earlier)
+        _write_history(history_file, earlier, at_round=resumed_round, kept_checkpoints=True)
         # the selector's learned state (losses, durations), rebuilt from the recorded rounds as a server's is
         strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= resumed_round)
         echo(f"resuming after round {resumed_round} from {out_dir / RUN_STATE_DIR}")
@@ -696,7 +696,8 @@ def _simulate(
             if record.round > 0:  # the record in it too: a kill before the record's row loses nothing
                 checkpoint = store.save_checkpoint(state, record)
             store.record_round(record)
-        history_file.add(row)  # after the checkpoint: a round whose checkpoint failed is not in history.csv either
+        # after the checkpoint: a round whose checkpoint failed is not in history.csv either
+        _write_history(history_file, row, at_round=record.round, kept_checkpoints=store is not None)
         if config.output.progress:
             say(_format_row(row, columns))
         mapped = continue_from(state, checkpoint) if checkpoint is not None else map_round_state(state, out_dir)
@@ -833,6 +834,38 @@ def _save_model(model_path: Path, state: ServerState) -> None:
         OSError: the file cannot be written.
     """
     save_payload(model_path, state.parameters, {"round": str(state.round)}, self_digest=True)
+
+
+def _write_history(
+    history: HistoryFile,
+    rows: Mapping[str, object] | Sequence[Mapping[str, object]],
+    *,
+    at_round: int,
+    kept_checkpoints: bool,
+) -> None:
+    """Add one round's row to ``history`` (a mapping), or rewrite it with a resumed run's earlier rows (a sequence).
+
+    Raises:
+        StateError: the file cannot be written (disk full, a file size limit); says which round's model the
+            checkpoints hold and that ``--resume`` goes on from it (rewriting history.csv from the checkpoints'
+            records), or, without checkpoints, that the run cannot go on.
+    """
+    try:
+        if isinstance(rows, Mapping):
+            history.add(rows)
+        else:
+            history.reset(rows)
+    except OSError as exc:
+        if at_round == 0:
+            advice = "no round was trained yet: free disk space and run again"
+        elif kept_checkpoints:
+            advice = (
+                f"round {at_round}'s checkpoint is saved: free disk space and run the same command with --resume "
+                "(output.resume = true), which writes history.csv again from the checkpoints' records and goes on"
+            )
+        else:
+            advice = "the run kept no checkpoints (--no-checkpoints), so it cannot go on: free space and run again"
+        raise StateError(f"cannot write the history {str(history.path)!r}: {exc}; {advice}", round=at_round) from exc
 
 
 def _write_final_model(model_path: Path, final: ServerState, *, kept_checkpoints: bool) -> None:

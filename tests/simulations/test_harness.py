@@ -529,3 +529,52 @@ def test_a_final_model_that_cannot_be_written_says_training_finished_and_how_to_
     got = decode((tmp_path / "full" / "model.safetensors").read_bytes())
     want = decode((tmp_path / "clean" / "model.safetensors").read_bytes())
     assert set(got) == set(want) and all(np.array_equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize("where", ["results", "checkpoints"])
+def test_a_history_that_cannot_be_written_mid_run_says_which_round_is_saved_and_resume_goes_on(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills as round 2's row goes into a history.csv (injected: ENOSPC; the run's own, or the one beside
+    its checkpoints), after the round's checkpoint was written: the error names the file and says --resume goes on,
+    which it does, to the model and history of an undisturbed run. Without checkpoints it says the run cannot go
+    on."""
+    import errno
+
+    import simulations.harness as harness
+    from fedcore.errors import StateError
+
+    original = harness.HistoryFile.add
+    full = tmp_path / "full" / ("history.csv" if where == "results" else "state/history.csv")
+
+    def full_disk(self: Any, row: Any) -> None:
+        if row["round"] == 2 and (self.path.parent.name == "state") == (where == "checkpoints"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(self, row)
+
+    def overrides(out: Path, *extra: str) -> list[str]:
+        return [*SMALL, "rounds=3", f"output.dir={str(out)!r}", *extra]
+
+    monkeypatch.setattr(harness.HistoryFile, "add", full_disk)
+    with pytest.raises(StateError) as caught:
+        run_simulation(load_recipe(None, overrides(tmp_path / "full")), echo=lambda _: None)
+    message = str(caught.value)
+    assert f" history {str(full)!r}: [Errno 28] No space left on device" in message
+    if where == "results":
+        assert "round 2's checkpoint is saved: free disk space and run the same command with --resume" in message
+        with pytest.raises(StateError, match=r"kept no checkpoints \(--no-checkpoints\), so it cannot go on"):
+            run_simulation(load_recipe(None, overrides(tmp_path / "bare", "output.checkpoints=false")), echo=print)
+    else:
+        assert "Round 2 is recorded in" in message and "and run the same command with --resume to go on" in message
+    monkeypatch.setattr(harness.HistoryFile, "add", original)
+    lines: list[str] = []
+    resumed = run_simulation(load_recipe(None, overrides(tmp_path / "full", "output.resume=true")), echo=lines.append)
+    assert "resuming after round 2" in "\n".join(lines) and resumed.final.round == 3
+    clean = run_simulation(load_recipe(None, overrides(tmp_path / "clean")), echo=lambda _: None)
+    got = decode((tmp_path / "full" / "model.safetensors").read_bytes())
+    want = decode((tmp_path / "clean" / "model.safetensors").read_bytes())
+    assert set(got) == set(want) and all(np.array_equal(got[name], want[name]) for name in want)
+    for written in (full.parent / "history.csv", tmp_path / "full" / "history.csv"):
+        rows = pd.read_csv(written)
+        assert list(rows["round"]) == [0, 1, 2, 3]
+        assert np.array_equal(rows["test_loss"], clean.history["test_loss"], equal_nan=True)  # NaN: not evaluated
