@@ -105,7 +105,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
     from server.state import lock_directory
     from simulations.config import load_data_recipe
-    from simulations.harness import RUN_LOCK
+    from simulations.harness import RUN_LOCK, enclosing_output
 
     overrides = to_overrides(given_values(args, _partition_options())) + args.overrides
     data, seed = load_data_recipe(args.recipe, overrides)
@@ -132,8 +132,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
                 f"{str(path)!r} is a symbolic link or a special file, where the partition report goes; move it, or "
                 "give another --out"
             )
-    inside = next((parent for parent in out.resolve().parents if (parent / RUN_LOCK).exists()), None)
-    if inside is not None:
+    if (inside := enclosing_output(out)) is not None:
         raise ConfigError(
             f"--out {str(out)!r} lies inside the simulation output directory {str(inside)!r}, whose checkpoints and "
             "client state would then hold files no simulation wrote; give --out outside it (or that directory itself)"

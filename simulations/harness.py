@@ -242,6 +242,13 @@ def worker_count(config: SimulationConfig) -> int | None:
     return sim.workers
 
 
+def enclosing_output(path: Path) -> Path | None:
+    """The simulation output directory (one holding :data:`RUN_LOCK`) that ``path`` lies inside, ``path`` itself
+    not counted, or None. Writing there would put files no simulation wrote into its checkpoints or client state
+    (which its ``--resume`` then refuses) or among its results."""
+    return next((parent for parent in path.resolve().parents if (parent / RUN_LOCK).exists()), None)
+
+
 def lock_output(out_dir: Path) -> int:
     """Make ``out_dir`` if it is missing and hold the simulation's lock on it (:data:`RUN_LOCK`; released when the
     returned descriptor is closed, or the process ends).
@@ -291,24 +298,41 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
                 "give another --out (a new or empty directory), or move them"
             )
         )
+    written = out_dir / ".config.json.tmp"  # replaced in one step: a kill never leaves the directory without one
+    kept = " (an earlier run's results there are left as they were)"
     try:
+        written.write_text(json.dumps(recipe_record(config), indent=2) + "\n")  # first: the directory is writable
+        if not resumed:  # nor an earlier run's checkpoints and client state, removed before its results: a tree
+            for tree in (checkpoints, out_dir / CLIENT_STATE_DIR):  # that cannot be removed leaves them in place
+                _remove_tree(tree)
+        kept = ""
         for name in OUTPUT_FILES[1:]:  # never leave an earlier run's results beside this run's config
             (out_dir / name).unlink(missing_ok=True)
-        if not resumed:  # nor an earlier run's client state and checkpoints
-            shutil.rmtree(out_dir / CLIENT_STATE_DIR, ignore_errors=True)
-            shutil.rmtree(checkpoints, ignore_errors=True)
         for pattern in (f"{MAPPED_STATE_PREFIX}*", f".{MAPPED_STATE_PREFIX}*"):  # nor a killed run's mapped state
             for stale in out_dir.glob(pattern):
                 if not stale.is_dir():  # a directory of that name is the user's
                     stale.unlink(missing_ok=True)
-        written = out_dir / ".config.json.tmp"  # replaced in one step: a kill never leaves the directory without one
-        written.write_text(json.dumps(recipe_record(config), indent=2) + "\n")
         written.replace(out_dir / "config.json")
     except OSError as exc:
+        written.unlink(missing_ok=True)
         where = f" ({exc.filename})" if exc.filename else ""
         raise ConfigError(
-            f"cannot write results to output.dir {str(out_dir)!r}{where}: {exc.strerror or exc}"
+            f"cannot write results to output.dir {str(out_dir)!r}{where}: {exc.strerror or exc}; fix its "
+            f"permissions{kept}, or give another --out"
         ) from None
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove the directory ``path`` with what it holds (a symbolic link there: the link alone); nothing when it
+    is missing or is another kind of file.
+
+    Raises:
+        OSError: something in it cannot be removed (the first such error; what was removed before it is gone).
+    """
+    if path.is_symlink():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 _RECIPE_KEYS = frozenset({"seed", "rounds", "data", "strategy", "output"})
@@ -468,6 +492,12 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         raise ConfigError(
             f"output.dir {str(out_dir)!r} is a server's state directory (it holds state.db); give the simulation "
             "its own output.dir"
+        )
+    if (inside := enclosing_output(out_dir)) is not None:
+        raise ConfigError(
+            f"output.dir {str(out_dir)!r} lies inside the simulation output directory {str(inside)!r}, whose "
+            "checkpoints, client state and results are that run's; give --out outside it (or, to run again there, "
+            "that directory itself)"
         )
     check_creatable_dir(out_dir, what="output.dir (--out)")  # created once the setup has succeeded
     held: list[int] = []  # the output directory's lock (lock_output), held until the run ends

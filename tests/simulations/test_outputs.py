@@ -190,3 +190,53 @@ def test_a_model_that_cannot_be_built_is_refused_before_the_output_is_touched(
     with pytest.raises(ConfigError, match=message):
         _simulate(tmp_path, f"task.factory='{__name__}:unbuildable_task'", f"task.options.model='{model}'")
     assert _files(tmp_path) == written  # the earlier run's model, history and checkpoints stay
+
+
+def test_a_run_inside_another_runs_directory_is_refused(tmp_path: Path) -> None:
+    """An output.dir inside another simulation's (its state/, client-state/, or any folder under it) would put files
+    no simulation wrote into that run's checkpoints or client state, and its --resume would then refuse: refused
+    before anything is written, naming the enclosing directory; that directory itself may be run into again."""
+    from fedcore.errors import ConfigError
+
+    outer = tmp_path / "outer"
+    written = _simulate(outer)
+    for inner in (outer / "state" / "inner", outer / "client-state", outer / "new" / "deeper"):
+        with pytest.raises(ConfigError, match=rf"lies inside the simulation output directory {str(outer)!r}"):
+            _simulate(inner)
+        assert not inner.exists() or not any(inner.iterdir())
+    assert not (outer / "new").exists() and _files(outer) == written
+    assert _simulate(outer).keys() == written.keys()
+
+
+def test_an_earlier_runs_checkpoints_that_cannot_be_removed_leave_its_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new run replaces an earlier run's results, checkpoints and client state; a checkpoint directory that
+    cannot be removed (injected: EACCES, as a state/ without write permission gives a user who is not root) is
+    refused before the earlier run's results are touched: its model, history and checkpoints stay, and the message
+    says so. Before, the results were removed first and the error came after."""
+    import errno
+    import shutil
+
+    import simulations.harness as harness
+    from fedcore.errors import ConfigError
+
+    out = tmp_path / "run"
+    written = _simulate(out)
+    checkpoints = sorted((out / "state").rglob("*.safetensors"))
+    assert checkpoints
+
+    def denied(path: object, *args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(harness.shutil, "rmtree", denied)
+    with pytest.raises(ConfigError) as caught:
+        _simulate(out, "rounds=2")
+    message = str(caught.value)
+    assert f"cannot write results to output.dir {str(out)!r} ({out / 'state'}): Permission denied" in message
+    assert "an earlier run's results there are left as they were" in message
+    assert _files(out) == written and sorted((out / "state").rglob("*.safetensors")) == checkpoints
+    monkeypatch.undo()
+    assert harness.shutil.rmtree is shutil.rmtree
+    assert _simulate(out, "rounds=2").keys() == written.keys()
+    assert json.loads((out / "config.json").read_text())["rounds"] == 2
