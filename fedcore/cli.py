@@ -68,12 +68,13 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from simulations.config import load_recipe
+    from simulations.config import check_given_data_keys, load_recipe
     from simulations.harness import run_simulation
 
     overrides = to_overrides(given_values(args, simulate_options()))
     overrides += args.overrides  # explicit --set comes last, so it wins over the flags
     config = load_recipe(args.recipe, overrides)
+    check_given_data_keys(config.data, overrides, {o.key: o.flag for o in simulate_options()})
     result = run_simulation(config)
     return 3 if result.diverged else 0
 
@@ -104,11 +105,12 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from server.state import lock_directory
-    from simulations.config import load_data_recipe
+    from simulations.config import check_given_data_keys, load_data_recipe
     from simulations.harness import RUN_LOCK, enclosing_output
 
     overrides = to_overrides(given_values(args, _partition_options())) + args.overrides
     data, seed = load_data_recipe(args.recipe, overrides)
+    check_given_data_keys(data, overrides, {o.key: o.flag for o in _partition_options()})
     if not args.out.strip():
         raise ConfigError("--out is empty; give the directory to write counts.csv and heatmap.png into")
     out = Path(args.out)

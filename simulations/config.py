@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,63 @@ the largest built-in dataset has 70,000 examples)."""
 NATURAL_DATASETS = ("synthetic", "shakespeare")
 """The datasets that come split by client (device, speaking role): the only ones partition ``natural`` takes, and
 the only partition they take."""
+
+APPLIES_TO: dict[str, tuple[str, tuple[str, ...]]] = {
+    "alpha": ("partition", ("dirichlet", "dirichlet-client")),
+    "min_partition_size": ("partition", ("dirichlet",)),
+    "max_redraws": ("partition", ("dirichlet",)),
+    "shards_per_client": ("partition", ("shards",)),
+    "sigma": ("partition", ("quantity",)),
+    "synthetic_alpha": ("dataset", ("synthetic",)),
+    "synthetic_beta": ("dataset", ("synthetic",)),
+    "shakespeare_min_samples": ("dataset", ("shakespeare",)),
+    "shakespeare_train_fraction": ("dataset", ("shakespeare",)),
+    "shakespeare_stride": ("dataset", ("shakespeare",)),
+    "shakespeare_test_samples": ("dataset", ("shakespeare",)),
+    "normalize": ("dataset", tuple(name for name in DATASET_NAMES if name != "shakespeare")),
+}
+"""The ``[data]`` keys read only for some partitions or datasets: key -> (the setting that decides, its values
+that read the key). The partition's own parameters are passed to :func:`simulations.partition.partition` from here."""
+
+
+def check_given_data_keys(data: DataConfig, overrides: Sequence[str], flags: Mapping[str, str] | None = None) -> None:
+    """Refuse a ``[data]`` key given on the command line (``key=value`` overrides, as the flags and ``--set``
+    make) that ``data``'s partition or dataset does not read (:data:`APPLIES_TO`): the run would ignore it, and
+    the user would think it changed something (``--alpha`` with an IID split, or with ``synthetic``, whose
+    heterogeneity is ``--synthetic-alpha``). A recipe file's keys are not checked: a recipe may keep them for the
+    partition it names while a flag picks another.
+
+    Args:
+        flags: each key's command-line flag (``data.normalize`` -> ``--no-normalize``), named in the message.
+
+    Raises:
+        ConfigError: naming the key, its flag, the setting that ignores it and what to do.
+    """
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        section, _, name = key.partition(".")
+        if section != "data" or name not in APPLIES_TO:
+            continue
+        setting, readers = APPLIES_TO[name]
+        value = getattr(data, setting)
+        if value in readers:
+            continue
+        hint = (
+            " (the Synthetic dataset's heterogeneity is --synthetic-alpha / --synthetic-beta)"
+            if name in ("alpha", "sigma") and data.dataset == "synthetic"
+            else ""
+        )
+        others = [v for v in (PARTITION_NAMES if setting == "partition" else DATASET_NAMES) if v not in readers]
+        which = (
+            f"any {setting} but {' and '.join(map(repr, others))}"
+            if len(others) < len(readers)
+            else f"{setting} {' or '.join(map(repr, readers))}"
+        )
+        flag = f" ({flags[key]})" if flags and key in flags else ""
+        raise ConfigError(
+            f"{key}{flag} is read only with {which}, and this run's {setting} is {value!r}, which would ignore "
+            f"it{hint}; drop it, or choose such a {setting}"
+        )
 
 
 MIN_ALPHA = 1e-300

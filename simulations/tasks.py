@@ -35,7 +35,7 @@ from fedcore.errors import ConfigError, PartitionError
 from fedcore.seeding import numpy_rng
 from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext
-from simulations.config import DataConfig, check_model_for_dataset
+from simulations.config import APPLIES_TO, DataConfig, check_model_for_dataset
 from simulations.datasets import (
     SHAKESPEARE_SEQ_LEN,
     SHAKESPEARE_VOCAB,
@@ -360,16 +360,11 @@ def prepare_data(config: DataConfig, seed: int) -> PreparedData | SyntheticDevic
     if config.dataset == "shakespeare":
         return _shakespeare(config, seed)
     dataset: Dataset = load_dataset(config.dataset, data_dir=config.data_dir, seed=seed)
-    params: dict[str, object] = {}
-    if config.partition in ("dirichlet", "dirichlet-client"):
-        params["alpha"] = config.alpha
-    if config.partition == "dirichlet":
-        params["min_partition_size"] = config.min_partition_size
-        params["max_redraws"] = config.max_redraws
-    if config.partition == "shards":
-        params["shards_per_client"] = config.shards_per_client
-    if config.partition == "quantity":
-        params["sigma"] = config.sigma
+    params: dict[str, object] = {
+        key: getattr(config, key)
+        for key, (setting, readers) in APPLIES_TO.items()
+        if setting == "partition" and config.partition in readers
+    }
     parts = partition(dataset.y_train, config.partition, config.num_clients, seed, **params)
     x_train, x_test = dataset.x_train, dataset.x_test
     if config.normalize:

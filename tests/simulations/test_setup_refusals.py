@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from fedcore.cli import main
@@ -158,3 +159,64 @@ def test_a_client_count_beyond_the_cap_is_refused_not_partitioned(
     # 10^20 synthetic devices: making the partition ran for minutes before the cap
     assert main(_simulate("--clients", str(10**20), "--out", str(tmp_path / "run"))) == 2
     assert "num_clients must be in 1..1,000,000, got 100000000000000000000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--dataset", "digits", "--partition", "iid", "--alpha", "0.1"],
+            "data.alpha (--alpha) is read only with partition 'dirichlet' or 'dirichlet-client', and this run's "
+            "partition is 'iid', which would ignore it; drop it, or choose such a partition",
+        ),
+        (
+            ["--dataset", "synthetic", "--partition", "natural", "--alpha", "0.1"],
+            "partition is 'natural', which would ignore it (the Synthetic dataset's heterogeneity is "
+            "--synthetic-alpha / --synthetic-beta)",
+        ),
+        (
+            ["--dataset", "digits", "--partition", "dirichlet", "--set", "data.sigma=2"],
+            "data.sigma (--sigma) is read only with partition 'quantity', and this run's partition is 'dirichlet'",
+        ),
+        (
+            ["--dataset", "digits", "--partition", "quantity", "--synthetic-beta", "2"],
+            "data.synthetic_beta (--synthetic-beta) is read only with dataset 'synthetic', and this run's dataset "
+            "is 'digits'",
+        ),
+        (
+            ["--dataset", "shakespeare", "--partition", "natural", "--no-normalize"],
+            "data.normalize (--no-normalize) is read only with any dataset but 'shakespeare', and this run's "
+            "dataset is 'shakespeare'",
+        ),
+        (
+            ["--dataset", "digits", "--partition", "dirichlet-client", "--shards-per-client", "3"],
+            "data.shards_per_client (--shards-per-client) is read only with partition 'shards'",
+        ),
+    ],
+)
+def test_a_data_flag_the_partition_or_dataset_would_ignore_is_refused(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A [data] flag (or --set) that the run's partition or dataset does not read would change nothing while the
+    user thinks it did: simulate and partition both refuse it in one line, before anything is written."""
+    for command in ("simulate", "partition"):
+        out = tmp_path / command
+        model = ["--model", "char-lstm" if "shakespeare" in flags else "logreg"] if command == "simulate" else []
+        assert main([command, "--clients", "4", *flags, *model, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not out.exists()
+
+
+def test_a_recipes_own_data_keys_stay_when_a_flag_picks_another_partition(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The pathological recipe sets shards_per_client for its shards; a flag that picks an IID split keeps the
+    recipe (its key is the recipe's, not the user's flag) and partitions IID: 6 clients of digits' 1438 training
+    samples, 239 or 240 each."""
+    recipe = "simulations/recipes/fedavg_pathological.toml"
+    out = tmp_path / "report"
+    flags = ["--recipe", recipe, "--dataset", "digits", "--clients", "6", "--partition", "iid", "--out", str(out)]
+    assert main(["partition", *flags]) == 0
+    counts = pd.read_csv(out / "counts.csv", index_col="client")
+    assert sorted(set(counts["total"])) == [239, 240] and counts["total"].sum() == 1438
