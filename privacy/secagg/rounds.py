@@ -44,7 +44,7 @@ from fedcore.messages import FitIns, FitRes, ModSpec, StageIns, StageRes, bound_
 from fedcore.mods import CallNext, ModContext
 from fedcore.stages import Exchange, Phase
 from fedcore.strategy import Strategy
-from fedcore.tensors import NamedArrays, TensorSpec
+from fedcore.tensors import NamedArrays, TensorSpec, check_finite
 from privacy.dp.ddgauss import CLIPPING_SETTING, COUNT_TENSOR, count_share, discrete_gaussian, integer_noise_stddev
 from privacy.dp.mechanism import clip_update
 from privacy.secagg import codec
@@ -507,6 +507,13 @@ class SecAggMod:
                 round=instruction.round,
                 client_id=context.client_id,
             ) from None
+        if self.noise_multiplier and instruction.round > 1:  # before the clip, which would spread a NaN
+            check_finite(
+                delta,
+                round=instruction.round,
+                client_id=context.client_id,
+                advice=self._nonfinite_advice(machine.params, clipping_norm, sum(a.size for a in delta.values())),
+            )
         noise = None
         norm = 0.0
         if clipping_norm:
@@ -525,6 +532,22 @@ class SecAggMod:
                 noise = np.concatenate([noise, count])
         masked = machine.mask(update, weight, noise)
         return replace(reply, parameters={codec.MASKED: masked})
+
+    def _nonfinite_advice(self, params: RoundParams, clipping_norm: float, size: int) -> str:
+        """What a non-finite update means under distributed DP (from round 2): the global model it was trained from
+        carries the noise of the shares of the rounds before; each client's share has standard deviation ``s`` (in
+        update units), so the average of ``n`` clients' updates carries ``s / sqrt(n)`` per coordinate."""
+        share = integer_noise_stddev(self.noise_multiplier, clipping_norm, params.clip, params.levels, size)
+        s = share * params.step
+        return (
+            "the update is not sent. The global model it was trained from carries distributed DP's noise: each "
+            f"client's share has standard deviation {s:.3g} per coordinate (noise multiplier share "
+            f"{self.noise_multiplier:.3g} times clipping norm {clipping_norm:g}, plus the field's rounding), so a "
+            f"round of n clients adds {s:.3g} / sqrt(n). If many clients' updates are not finite, that noise is too "
+            "large for this model: select more clients a round (--min-fit-clients, --fraction-fit), or lower "
+            "--clipping-norm or --noise-multiplier (epsilon rises with a lower noise multiplier). Otherwise check "
+            "the client's learning rate and input data."
+        )
 
     def _round_spec(
         self, machine: SecAggClientMachine, instruction: FitIns, context: ModContext

@@ -203,6 +203,47 @@ def test_noise_shares_sum_to_the_accounted_noise_and_only_masked_uploads_leave_t
     assert abs(moved.mean()) < 5 * math.sqrt(2) * on_average / math.sqrt(moved.size)
 
 
+class RootLinear(nn.Module):
+    """x -> x sqrt(W)^T with W = 0.05 everywhere at the start (D = 1000): it trains from the initial model, but a
+    model that carries noise of std 0.125 has negative weights, whose square root is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((20, 50), 0.05))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.sqrt().T
+
+
+def test_a_nan_update_under_distributed_dp_names_the_noise_the_global_model_carries() -> None:
+    """Round 1 trains from the initial model; the global model after it carries the noise of four shares, so in
+    round 2 every client's update is NaN. Each client refuses to send it with advice that gives the noise: by hand
+    s = (z / sqrt(4)) (C + sqrt(D) 2c / L) = 0.5 (0.5 + sqrt(1000) 4 / 1073741823) = 0.25 per share, 0.25 / sqrt(4)
+    = 0.125 on a round of four, the round's dp_noise_std."""
+
+    def root_task(cid: str) -> SupervisedTask:
+        return dataclasses.replace(make_task(cid), model_fn=RootLinear)
+
+    strategy = secure_dp()
+    state = initial_state(initial_parameters(RootLinear, SEED), strategy, trainable=trainable_names(RootLinear))
+    pool = Recording(InMemoryPool(IDS, root_task))
+    records: list[RoundRecord] = []
+
+    def keep(record: RoundRecord, state: ServerState) -> None:
+        records.append(record)
+
+    with pytest.raises(RoundFailed) as caught:
+        run_rounds(pool, strategy, state, RoundConfig(num_rounds=2, seed=SEED, max_round_attempts=1), on_round_end=keep)
+    assert [r.round for r in records] == [1] and records[0].aggregation["dp_noise_std"] == pytest.approx(0.125)
+    message = str(caught.value)
+    assert "tensor 'weight' holds" in message and "NaN/Inf value(s); the update is not sent" in message
+    assert (
+        "each client's share has standard deviation 0.25 per coordinate (noise multiplier share 0.5 times clipping "
+        "norm 0.5, plus the field's rounding), so a round of n clients adds 0.25 / sqrt(n)"
+    ) in message
+    assert "lower --clipping-norm or --noise-multiplier" in message
+
+
 def test_fewer_survivors_than_n_min_are_never_unmasked_and_a_tolerated_dropout_is() -> None:
     strategy = secure_dp()
     state = initial_state(initial_parameters(model_fn, SEED), strategy, trainable=trainable_names(model_fn))
