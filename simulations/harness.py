@@ -33,6 +33,7 @@ from client.state import ClientStateStore
 from fedcore.config import check_creatable_dir, to_mapping
 from fedcore.convergence import Convergence, Stop
 from fedcore.errors import ConfigError, FedcoreError, StateError
+from fedcore.interrupts import deferred_interrupts
 from fedcore.payload import save_payload
 from fedcore.seeding import numpy_rng
 from fedcore.strategy import build_strategy
@@ -661,10 +662,13 @@ def _simulate(
         if store is None and config.output.checkpoints:
             store = _open_store(out_dir, config)
     except BaseException:
-        if store is not None:
-            store.close()
-        if process is not None:
-            process.close()
+        with deferred_interrupts():  # a Ctrl-C more must not leave the pool's processes (see the run's end below)
+            try:
+                if store is not None:
+                    store.close()
+            finally:
+                if process is not None:
+                    process.close()
         raise
 
     resumed_round = resumed.round if resumed is not None else 0
@@ -809,14 +813,20 @@ def _simulate(
             echo(f"stopped; {_RESUME_HINT}")
         raise
     finally:
-        if store is not None:
-            store.close()
-        gc.unfreeze()  # the run's objects go back to the collector (gc cannot unfreeze only some)
-        if frozen_by_caller:  # what the caller froze stays frozen (with what is alive of the run now)
-            gc.freeze()
-        progress.close()
-        if process is not None:
-            process.close()
+        # The way out of a run that Ctrl-C stopped: a second Ctrl-C here (an impatient user presses it two or three
+        # times) cut it short and left the process pool's shared-memory directory, or Ray's processes, behind. It
+        # is held back until the pool is closed, and the pool is closed even if the state store's close fails.
+        with deferred_interrupts():
+            try:
+                if store is not None:
+                    store.close()
+                gc.unfreeze()  # the run's objects go back to the collector (gc cannot unfreeze only some)
+                if frozen_by_caller:  # what the caller froze stays frozen (with what is alive of the run now)
+                    gc.freeze()
+                progress.close()
+            finally:
+                if process is not None:
+                    process.close()
     _write_final_model(model_path, final, kept_checkpoints=config.output.checkpoints)
     rows = history_file.rows
     history = pd.DataFrame(rows, columns=history_columns(rows))

@@ -65,6 +65,7 @@ import numpy as np
 
 from fedcore.aggregation.blocks import release_mapped
 from fedcore.errors import ConfigError, FedcoreError, TransportError
+from fedcore.interrupts import deferred_interrupts
 from fedcore.messages import (
     Failure,
     FitIns,
@@ -437,9 +438,14 @@ class ProcessPool(VirtualClients):
 
     def close(self) -> None:
         """End the workers (killing those that do not exit within :data:`STOP_TIMEOUT_S`) and remove the
-        shared-memory directory. Idempotent."""
-        self._closed = True
-        self._finalizer()
+        shared-memory directory. Idempotent.
+
+        Ctrl-C is held back until both are done (:func:`fedcore.interrupts.deferred_interrupts`): close runs on
+        the way out of a run the first Ctrl-C stopped, and a second one, raised while it waited for a worker, left
+        the directory behind."""
+        with deferred_interrupts():
+            self._closed = True
+            self._finalizer()
 
     # -- scheduling -----------------------------------------------------------------------------------------
 
@@ -827,7 +833,18 @@ def _stop(worker: _Worker, *, timeout_s: float) -> None:
 
 
 def _shutdown(workers: list[_Worker | None], directory: Path) -> None:
-    """End every worker (a :data:`STOP` message, then its command pipe closed) and remove ``directory``."""
+    """End every worker (a :data:`STOP` message, then its command pipe closed) and remove ``directory``, with
+    Ctrl-C held back until both are done (:func:`fedcore.interrupts.deferred_interrupts`; also when it runs as the
+    pool's finalizer at interpreter exit)."""
+    with deferred_interrupts():
+        try:
+            _end_workers(workers)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _end_workers(workers: list[_Worker | None]) -> None:
+    """:func:`_shutdown`'s first part: ask every worker to stop, kill those that do not, empty ``workers``."""
     live = [w for w in workers if w is not None]
     for worker in live:
         # still importing: nothing to finish, and it would read its pipe only once started; or training a client of a
@@ -844,7 +861,6 @@ def _shutdown(workers: list[_Worker | None], directory: Path) -> None:
     for worker in live:
         _stop(worker, timeout_s=max(0.0, deadline - time.monotonic()))
     workers[:] = [None] * len(workers)
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def remove_stale_dirs(root: Path) -> list[Path]:

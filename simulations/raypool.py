@@ -47,6 +47,7 @@ import numpy as np
 
 from fedcore.aggregation.blocks import release_mapped
 from fedcore.errors import ConfigError, FedcoreError, TransportError, pip_install
+from fedcore.interrupts import deferred_interrupts
 from fedcore.messages import Failure, Reply, ServerMessage, bound_text, payload_arrays
 from fedcore.tensors import decode, encode, read_metadata
 from simulations.procpool import (
@@ -260,16 +261,21 @@ class RayPool(VirtualClients):
         return [int(p) for p in self._ray.get([a.handle.pid.remote() for a in self._actors if a is not None])]
 
     def close(self) -> None:
-        """Kill the actors and, when this pool started Ray, shut it down. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for actor in self._actors:
-            if actor is not None:
-                self._ray.kill(actor.handle, no_restart=True)
-        self._actors = [None] * len(self._actors)
-        if self._started_ray and self._ray.is_initialized():
-            self._ray.shutdown()
+        """Kill the actors and, when this pool started Ray, shut it down. Idempotent.
+
+        Ctrl-C is held back until both are done (:func:`fedcore.interrupts.deferred_interrupts`): close runs on
+        the way out of a run the first Ctrl-C stopped, and a second one, raised inside ``ray.shutdown``, left Ray's
+        agent processes running."""
+        with deferred_interrupts():
+            if self._closed:
+                return
+            self._closed = True
+            for actor in self._actors:
+                if actor is not None:
+                    self._ray.kill(actor.handle, no_restart=True)
+            self._actors = [None] * len(self._actors)
+            if self._started_ray and self._ray.is_initialized():
+                self._ray.shutdown()
 
     # -- scheduling -----------------------------------------------------------------------------------------
 
