@@ -7,6 +7,7 @@ the core never depends on them at import time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from fedcore.errors import ConfigError, FedcoreError
+from fedcore.interrupts import first_interrupt_only
 from fedcore.options import Option, add_options, derive_options, given_values, to_overrides
 
 if TYPE_CHECKING:
@@ -378,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedcore`` console script. Returns the process exit code.
 
-    fedcore's own errors are printed as one clear line (exit code 2), not a traceback.
+    fedcore's own errors are printed as one clear line (exit code 2), not a traceback. Ctrl-C prints
+    ``fedcore: interrupted`` (exit code 130); in ``simulate``, more Ctrl-C after the first are ignored while the
+    run cleans up and the process exits (:func:`fedcore.interrupts.first_interrupt_only`).
     """
     # OpenMP threads that spin while waiting (libgomp's default) slow torch several-fold when another process
     # shares the cores, which is the normal case on a data holder's machine or a CI runner; passive waiting
@@ -398,17 +402,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     # -v is for fedcore's own DEBUG lines: numba's compiler logs every bytecode pass at DEBUG (about 1.4 MB for
     # the first SecAgg+ round of a server), which buries them.
     logging.getLogger("numba").setLevel(logging.WARNING)
-    try:
-        return int(args.func(args))
-    except FedcoreError as exc:
-        print(f"fedcore: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a path the user gave cannot be read or written
-        print(f"fedcore: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("fedcore: interrupted", file=sys.stderr)
-        return 130
+    # A simulation's first Ctrl-C stops it; more of them (an impatient user presses it two or three times) are
+    # ignored, until the process exits: they cut its cleanup short (the process pool's shared-memory directory and
+    # Ray's processes were left behind) or interrupted Ray's own atexit shutdown (a traceback, or exit status 1).
+    once = first_interrupt_only() if args.command == "simulate" else contextlib.nullcontext()
+    with once:
+        try:
+            return int(args.func(args))
+        except FedcoreError as exc:
+            print(f"fedcore: error: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:  # a path the user gave cannot be read or written
+            print(f"fedcore: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("fedcore: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":
