@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -302,6 +303,59 @@ def test_ctrl_c_while_clients_train_ends_the_run_without_waiting_for_them(tmp_pa
     assert not any(_alive(int(pid)) for pid in pids)
 
 
+def test_a_burst_of_ctrl_c_while_the_pool_closes_still_ends_the_workers_and_removes_the_directory(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C pressed again while the pool closes after the first one (sent from the pool's own cleanup, before it
+    ends each worker, so that it always lands there): close holds it back until the workers are ended and the
+    shared-memory directory removed, and the program's KeyboardInterrupt is the first one's. (Before, the second
+    one was raised inside close, which left the directory behind.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = CTRL_C_BURST + (
+        "import sys\n"
+        "import simulations.procpool as procpool\n"
+        "from tests.simulations.test_procpool import _fit\n"
+        "stop = procpool._stop\n"
+        "def stop_again(worker, *, timeout_s):\n"
+        "    burst()\n"
+        "    stop(worker, timeout_s=timeout_s)\n"
+        "procpool._stop = stop_again\n"
+        f"tasks = procpool.ClientTasks(factory={TINY!r}, options={{'slow': 'a', 'slow_s': '60'}}, num_partitions=2,"
+        " seed=0)\n"
+        "try:\n"
+        f"    with procpool.ProcessPool(['a', 'b'], tasks, workers=2, shm_dir={str(tmp_path)!r}) as pool:\n"
+        "        print(pool.shm_dir, *pool.worker_pids(), flush=True)\n"
+        "        list(pool.run(_fit(['a', 'b'])))  # 'b' ends at once, 'a' trains for 60 s\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(130)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        directory, *pids = proc.stdout.readline().split()
+        time.sleep(1.0)  # 'a' is training
+        os.killpg(proc.pid, signal.SIGINT)  # the first Ctrl-C
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "Traceback" not in err, err
+    assert (proc.returncode, out.strip()) == (130, "interrupted"), (out, err)
+    assert not Path(directory).exists(), "the pool's shared-memory directory was left behind"
+    assert not any(_alive(int(pid)) for pid in pids)
+
+
 def test_a_run_stopped_while_its_caller_folds_a_reply_does_not_wait_for_the_clients_still_training() -> None:
     """Ctrl-C may come while the round loop folds a reply rather than while the pool waits: the run's generator is
     then closed (GeneratorExit), and neither that nor closing the pool waits for the 60 s client still training."""
@@ -473,3 +527,96 @@ def test_backend_options_are_checked_before_the_run(overrides: list[str], messag
     assert (
         load_recipe(None, ["simulation.backend='batched'", "simulation.batch_clients=4"]).simulation.batch_clients == 4
     )
+
+
+def group_processes(pgid: int) -> list[str]:
+    """The live processes (zombies aside) of process group ``pgid``: each as ``pid command line``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it exited meanwhile
+            continue
+        state, _, pgrp = text.rpartition(")")[2].split()[:3]  # after "(comm)": state, ppid, pgrp
+        if int(pgrp) == pgid and state != "Z":
+            found.append(f"{stat.parent.name} {cmdline.strip()}")
+    return found
+
+
+CTRL_C_BURST = (
+    "import os, signal\n"
+    "def burst():  # Ctrl-C pressed again: a terminal sends it to the whole process group\n"
+    "    os.killpg(os.getpgid(0), signal.SIGINT)\n"
+)
+"""The start of a simulate child's patches: ``burst()`` sends it a Ctrl-C as a terminal would, from inside."""
+
+
+def simulate_stopped_by_ctrl_c(
+    tmp_path: Path, backend: str, patches: str, *, wait_s: float = 10.0
+) -> tuple[int, str, str, list[str]]:
+    """Run ``fedcore simulate`` (``fedcore.cli.main`` in a fresh process group, after ``patches``, Python code that
+    may redefine what the run calls to press Ctrl-C again from inside its cleanup), press Ctrl-C once a round has
+    ended, and return its exit status, stdout, stderr and the processes of its group still alive ``wait_s``
+    seconds after it exited (none as soon as none is left). The group's leftovers are killed before returning."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [
+        "simulate", "--dataset", "digits", "--clients", "20", "--rounds", "1000", "--backend", backend,
+        "--workers", "2", "--out", str(tmp_path / "run"), "--no-plot",
+    ]  # fmt: skip
+    script = f"{patches}\nimport sys\nfrom fedcore.cli import main\nsys.exit(main({args!r}))\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        head = []
+        for line in proc.stdout:  # the table's rows: round 1 has ended, later ones are training
+            head.append(line)
+            if line.split()[:1] == ["1"]:
+                break
+        else:
+            raise AssertionError(f"the run ended before its first round: {''.join(head)}{proc.communicate()[1]}")
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group, as a terminal sends it
+        out, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + wait_s
+        while (left := group_processes(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return proc.returncode, "".join(head) + out, err, left
+
+
+@pytest.mark.slow
+def test_simulate_stopped_by_a_burst_of_ctrl_c_cleans_up_as_after_one(tmp_path: Path) -> None:
+    """Ctrl-C pressed two or three times: the later ones come while the harness closes the process pool, and while
+    the pool ends its workers (sent from there, so that they always land inside the cleanup). The run still ends
+    as after one Ctrl-C: "fedcore: interrupted", exit status 130, no traceback, no worker and no shared-memory
+    directory left. (Before, the second one cut the pool's close short: the directory stayed until the next
+    process-pool run.)"""
+    patches = CTRL_C_BURST + (
+        "from pathlib import Path\n"
+        "import simulations.procpool as procpool\n"
+        f"procpool.SHM_ROOT = Path({str(tmp_path)!r})  # where this test looks for the pool's directory\n"
+        "close, stop = procpool.ProcessPool.close, procpool._stop\n"
+        "def close_again(self):\n"
+        "    burst()  # on the harness's way out, just before the pool is closed\n"
+        "    close(self)\n"
+        "def stop_again(worker, *, timeout_s):\n"
+        "    burst()  # while the pool ends its workers, before the directory is removed\n"
+        "    stop(worker, timeout_s=timeout_s)\n"
+        "procpool.ProcessPool.close, procpool._stop = close_again, stop_again\n"
+    )
+    code, out, err, left = simulate_stopped_by_ctrl_c(tmp_path, "process", patches)
+    directories = [p.name for p in tmp_path.glob(f"{DIR_PREFIX}*")]
+    assert (code, err, directories, left) == (130, "fedcore: interrupted\n", [], []), out

@@ -17,7 +17,13 @@ from fedcore.messages import Failure, FitIns, FitRes
 from fedcore.task import FitConfig, initial_parameters
 from simulations.procpool import ClientTasks
 from tests.simulations.procpool_tasks import linear, linear64
-from tests.simulations.test_procpool import DIGITS, SECAGG, assert_same_history_as_in_process
+from tests.simulations.test_procpool import (
+    CTRL_C_BURST,
+    DIGITS,
+    SECAGG,
+    assert_same_history_as_in_process,
+    simulate_stopped_by_ctrl_c,
+)
 
 TINY = "tests.simulations.procpool_tasks:tiny_task"
 IDS = [f"client-{i}" for i in range(8)]
@@ -158,3 +164,27 @@ def test_simulate_with_the_ray_backend_gives_the_in_process_history_bit_for_bit(
 ) -> None:
     """FedAvgM on digits, and SecAgg+ (its stages keep each client on one actor for the round)."""
     assert_same_history_as_in_process(tmp_path, recipe, overrides, "ray")
+
+
+@pytest.mark.slow
+def test_simulate_on_ray_stopped_by_a_burst_of_ctrl_c_cleans_up_as_after_one(tmp_path: Path) -> None:
+    """Ctrl-C pressed two or three times: the later ones come as ray.shutdown starts (in the pool's close, and in
+    Ray's own atexit hook) and half-way through its ending of Ray's processes (sent from there, so that they always
+    land inside them). The run still ends as after one Ctrl-C: "fedcore: interrupted", exit status 130, no
+    traceback, no Ray process left. (Before, the run exited 1 and left ray::DashboardAgent and
+    ray::RuntimeEnvAgent running, or printed the KeyboardInterrupt of Ray's atexit shutdown.)"""
+    pytest.importorskip("ray", reason="the ray extra is not installed: pip install -e '.[ray]'")
+    patches = CTRL_C_BURST + (
+        "import ray.dag.compiled_dag_node as dags\n"
+        "from ray._private.node import Node\n"
+        "first, kill = dags._shutdown_all_compiled_dags, Node._kill_process_impl\n"
+        "def first_again():\n"
+        "    burst()  # ray.shutdown's first step (imported at each call)\n"
+        "    first()\n"
+        "def kill_again(self, *args, **kwargs):\n"
+        "    burst()  # before each of Ray's processes is ended\n"
+        "    return kill(self, *args, **kwargs)\n"
+        "dags._shutdown_all_compiled_dags, Node._kill_process_impl = first_again, kill_again\n"
+    )
+    code, out, err, left = simulate_stopped_by_ctrl_c(tmp_path, "ray", patches)
+    assert (code, err, left) == (130, "fedcore: interrupted\n", []), out
