@@ -303,8 +303,8 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
     kept = " (an earlier run's results there are left as they were)"
     try:
         written.write_text(json.dumps(recipe_record(config), indent=2) + "\n")  # first: the directory is writable
-        if not resumed:  # nor an earlier run's checkpoints and client state, removed before its results: a tree
-            for tree in (checkpoints, out_dir / CLIENT_STATE_DIR):  # that cannot be removed leaves them in place
+        if not resumed:  # no earlier run's checkpoints and client state, removed before its results: a tree that
+            for tree in (checkpoints, out_dir / CLIENT_STATE_DIR):  # cannot be removed leaves those in place
                 _remove_tree(tree)
         kept = ""
         for name in OUTPUT_FILES[1:]:  # never leave an earlier run's results beside this run's config
@@ -318,8 +318,8 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
         written.unlink(missing_ok=True)
         where = f" ({exc.filename})" if exc.filename else ""
         raise ConfigError(
-            f"cannot write results to output.dir {str(out_dir)!r}{where}: {exc.strerror or exc}; fix its "
-            f"permissions{kept}, or give another --out"
+            f"cannot write results to output.dir {str(out_dir)!r}{where}: {exc.strerror or exc}{kept}; fix that "
+            "(its permissions, or free disk space), or give another --out"
         ) from None
 
 

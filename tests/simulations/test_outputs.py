@@ -234,7 +234,7 @@ def test_an_earlier_runs_checkpoints_that_cannot_be_removed_leave_its_results(
         _simulate(out, "rounds=2")
     message = str(caught.value)
     assert f"cannot write results to output.dir {str(out)!r} ({out / 'state'}): Permission denied" in message
-    assert "an earlier run's results there are left as they were" in message
+    assert "(an earlier run's results there are left as they were); fix that (its permissions" in message
     assert _files(out) == written and sorted((out / "state").rglob("*.safetensors")) == checkpoints
     monkeypatch.undo()
     assert harness.shutil.rmtree is shutil.rmtree
