@@ -10,7 +10,9 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
@@ -420,5 +422,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
 
 
+def console_main() -> int:
+    """The ``fedcore`` console script (and ``python -m fedcore.cli``): :func:`main`, with Ctrl-C handled from the
+    process's start to its exit. A Ctrl-C before :func:`main` handles it (while the parser is built, which imports
+    torch and grpc) prints ``fedcore: interrupted`` (exit code 130) rather than a traceback; once :func:`main` has
+    returned, SIGINT is ignored, because the process only exits then: a Ctrl-C during the interpreter's exit
+    (torch's and Ray's ``atexit`` hooks) turned a finished run into a ``KeyboardInterrupt`` traceback and a
+    killed-by-SIGINT exit status. Returns the process exit code."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("fedcore: interrupted", file=sys.stderr)
+        code = 130
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

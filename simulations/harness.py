@@ -246,8 +246,18 @@ def worker_count(config: SimulationConfig) -> int | None:
 def enclosing_output(path: Path) -> Path | None:
     """The simulation output directory (one holding :data:`RUN_LOCK`) that ``path`` lies inside, ``path`` itself
     not counted, or None. Writing there would put files no simulation wrote into its checkpoints or client state
-    (which its ``--resume`` then refuses) or among its results."""
-    return next((parent for parent in path.resolve().parents if (parent / RUN_LOCK).exists()), None)
+    (which its ``--resume`` then refuses) or among its results.
+
+    Raises:
+        ConfigError: ``path`` cannot be resolved (a loop of symbolic links).
+    """
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: Python 3.11's Path.resolve on a symbolic-link loop
+        raise ConfigError(
+            f"the directory {str(path)!r} cannot be resolved ({exc}); give a path without a loop of symbolic links"
+        ) from None
+    return next((parent for parent in resolved.parents if (parent / RUN_LOCK).exists()), None)
 
 
 def lock_output(out_dir: Path) -> int:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +113,53 @@ def test_a_ctrl_c_held_by_a_cleanup_block_is_the_first_one() -> None:
         _ctrl_c()
         done.append("after")
     assert done == ["cleanup", "after"]
+
+
+def _console(tmp_path: Path, patches: str) -> subprocess.CompletedProcess[str]:
+    """``fedcore simulate`` (a 1-round digits run) through the console script's entry, after ``patches``."""
+    args = ["simulate", "--dataset", "digits", "--clients", "4", "--rounds", "1", "--no-plot", "--no-progress",
+            "--out", str(tmp_path / "run")]  # fmt: skip
+    script = f"import sys\nsys.argv = ['fedcore', *{args!r}]\n{patches}\nfrom fedcore.cli import console_main\n"
+    script += "sys.exit(console_main())\n"
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal starts it
+    )
+
+
+def test_a_ctrl_c_while_the_console_script_builds_its_parser_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C while the parser is built (it imports torch and grpc, the first second or two of every command):
+    "fedcore: interrupted", exit status 130, as later; before, a KeyboardInterrupt traceback through the imports."""
+    patches = (
+        "import os, signal, time\n"
+        "import fedcore.cli as cli\n"
+        "build = cli.build_parser\n"
+        "def interrupted():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "    return build()\n"
+        "cli.build_parser = interrupted\n"
+    )
+    done = _console(tmp_path, patches)
+    assert (done.returncode, done.stderr) == (130, "fedcore: interrupted\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_ctrl_c_after_the_run_finished_does_not_undo_its_success(tmp_path: Path) -> None:
+    """Ctrl-C while the interpreter exits after a finished run (sent from an exit hook that sleeps, as torch's and
+    Ray's do their work): ignored, so the run ends with exit status 0 and no traceback; before, "Exception ignored
+    in atexit callback ... KeyboardInterrupt" and the status of a process killed by SIGINT."""
+    patches = (
+        "import atexit, os, signal, time\n"
+        "def exit_hook():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.5)\n"
+        "atexit.register(exit_hook)\n"
+    )
+    done = _console(tmp_path, patches)
+    assert done.returncode == 0 and "final test accuracy" in done.stdout
+    assert "KeyboardInterrupt" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert (tmp_path / "run" / "model.safetensors").is_file()
