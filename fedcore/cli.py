@@ -72,13 +72,14 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from simulations.config import check_given_data_keys, load_recipe
+    from simulations.config import DEMO_TASK, check_given_data_keys, load_recipe
     from simulations.harness import run_simulation
 
     overrides = to_overrides(given_values(args, simulate_options()))
     overrides += args.overrides  # explicit --set comes last, so it wins over the flags
     config = load_recipe(args.recipe, overrides)
-    check_given_data_keys(config.data, overrides, {o.key: o.flag for o in simulate_options()})
+    flags = {o.key: o.flag for o in simulate_options()}
+    check_given_data_keys(config.data, overrides, flags, own_task=config.task.factory != DEMO_TASK)
     result = run_simulation(config)
     return 3 if result.diverged else 0
 

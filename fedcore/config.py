@@ -364,7 +364,9 @@ def _parse_scalar(text: str) -> Any:
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a deep copy of ``data`` with ``section.key=value`` overrides applied.
 
-    Values are parsed as TOML scalars (``0.1``, ``true``, ``"x"``, ``[1, 2]``), falling back to the raw string.
+    Values are parsed as TOML scalars (``0.1``, ``true``, ``"x"``, ``[1, 2]``), falling back to the raw string. An
+    inline table (``data={alpha=0.1}``) is laid over the table it names, key by key (:func:`merge_mappings`), as
+    that many ``section.key=value`` overrides would be: it does not drop the table's other keys.
 
     Raises:
         ConfigError: an override is not of the form ``key=value``.
@@ -386,7 +388,10 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a table")
             node = child
-        node[parts[-1]] = _parse_scalar(raw.strip())
+        value = _parse_scalar(raw.strip())
+        if isinstance(value, Mapping) and isinstance(node.get(parts[-1]), Mapping):
+            value = merge_mappings(node[parts[-1]], value)
+        node[parts[-1]] = value
     return result
 
 

@@ -52,12 +52,15 @@ APPLIES_TO: dict[str, tuple[str, tuple[str, ...]]] = {
     "shakespeare_stride": ("dataset", ("shakespeare",)),
     "shakespeare_test_samples": ("dataset", ("shakespeare",)),
     "normalize": ("dataset", tuple(name for name in DATASET_NAMES if name != "shakespeare")),
+    "data_dir": ("dataset", ("fashion-mnist", "shakespeare")),
 }
 """The ``[data]`` keys read only for some partitions or datasets: key -> (the setting that decides, its values
 that read the key). The partition's own parameters are passed to :func:`simulations.partition.partition` from here."""
 
 
-def check_given_data_keys(data: DataConfig, overrides: Sequence[str], flags: Mapping[str, str] | None = None) -> None:
+def check_given_data_keys(
+    data: DataConfig, overrides: Sequence[str], flags: Mapping[str, str] | None = None, *, own_task: bool = False
+) -> None:
     """Refuse a ``[data]`` key given on the command line (``key=value`` overrides, as the flags and ``--set``
     make) that ``data``'s partition or dataset does not read (:data:`APPLIES_TO`): the run would ignore it, and
     the user would think it changed something (``--alpha`` with an IID split, or with ``synthetic``, whose
@@ -66,15 +69,17 @@ def check_given_data_keys(data: DataConfig, overrides: Sequence[str], flags: Map
 
     Args:
         flags: each key's command-line flag (``data.normalize`` -> ``--no-normalize``), named in the message.
+        own_task: the run trains a user's task factory (``--task``), which is handed ``data_dir`` whatever the
+            dataset: that key is not checked then.
 
     Raises:
         ConfigError: naming the key, its flag, the setting that ignores it and what to do.
     """
-    for item in overrides:
-        key = item.partition("=")[0].strip()
-        section, _, name = key.partition(".")
-        if section != "data" or name not in APPLIES_TO:
+    given = apply_overrides({}, overrides).get("data", {})  # data.KEY=VALUE and data={KEY=VALUE, ...} alike
+    for name in given if isinstance(given, Mapping) else ():
+        if name not in APPLIES_TO or (own_task and name == "data_dir"):
             continue
+        key = f"data.{name}"
         setting, readers = APPLIES_TO[name]
         value = getattr(data, setting)
         if value in readers:

@@ -46,6 +46,17 @@ def test_overrides_are_typed_and_do_not_mutate_the_input() -> None:
     assert config.output.progress is False
 
 
+def test_a_table_given_whole_is_laid_over_the_recipes_table() -> None:
+    """``--set 'data={alpha=0.1}'`` sets data.alpha and keeps data's other keys (the flags before it among them),
+    as ``data.alpha=0.1`` does; before, it replaced the whole table, and the run silently went back to the default
+    dataset, clients and partition. A value that is not a table still replaces."""
+    base = {"data": {"dataset": "digits", "num_clients": 10, "partition": "dirichlet"}, "train": {"lr": 0.1}}
+    out = apply_overrides(base, ["data={alpha=0.1, partition='iid'}", "train=3"])
+    assert out == {"data": {"dataset": "digits", "num_clients": 10, "partition": "iid", "alpha": 0.1}, "train": 3}
+    assert out == apply_overrides(base, ["data.alpha=0.1", "data.partition='iid'", "train=3"])
+    assert base["data"] == {"dataset": "digits", "num_clients": 10, "partition": "dirichlet"}
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -240,3 +240,14 @@ def test_an_earlier_runs_checkpoints_that_cannot_be_removed_leave_its_results(
     assert harness.shutil.rmtree is shutil.rmtree
     assert _simulate(out, "rounds=2").keys() == written.keys()
     assert json.loads((out / "config.json").read_text())["rounds"] == 2
+
+
+def test_an_output_dir_in_a_loop_of_symbolic_links_is_one_clear_error(tmp_path: Path) -> None:
+    """Path.resolve raises RuntimeError on a loop of symbolic links (Python 3.11): a ConfigError that says so."""
+    from fedcore.errors import ConfigError
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for out in (tmp_path / "a", tmp_path / "a" / "sub"):
+        with pytest.raises(ConfigError, match=r"cannot be resolved .*; give a path without a loop of symbolic links"):
+            _simulate(out)

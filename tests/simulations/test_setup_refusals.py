@@ -192,6 +192,12 @@ def test_a_client_count_beyond_the_cap_is_refused_not_partitioned(
             ["--dataset", "digits", "--partition", "dirichlet-client", "--shards-per-client", "3"],
             "data.shards_per_client (--shards-per-client) is read only with partition 'shards'",
         ),
+        (["--dataset", "digits", "--partition", "iid", "--set", "data={alpha=0.1}"], "data.alpha (--alpha) is read"),
+        (
+            ["--dataset", "digits", "--partition", "quantity", "--data-dir", "/nonexistent"],
+            "data.data_dir (--data-dir) is read only with dataset 'fashion-mnist' or 'shakespeare', and this run's "
+            "dataset is 'digits'",
+        ),
     ],
 )
 def test_a_data_flag_the_partition_or_dataset_would_ignore_is_refused(
@@ -220,3 +226,14 @@ def test_a_recipes_own_data_keys_stay_when_a_flag_picks_another_partition(
     assert main(["partition", *flags]) == 0
     counts = pd.read_csv(out / "counts.csv", index_col="client")
     assert sorted(set(counts["total"])) == [239, 240] and counts["total"].sum() == 1438
+
+
+def test_a_users_task_is_handed_data_dir_whatever_the_dataset() -> None:
+    """A task factory of the user's own (--task) receives data_dir in its TaskContext: --data-dir is not refused
+    for it, while the built-in task's digits would ignore it."""
+    from simulations.config import DataConfig, check_given_data_keys
+
+    digits = DataConfig(dataset="digits", partition="iid")
+    check_given_data_keys(digits, ["data.data_dir='/somewhere'"], own_task=True)
+    with pytest.raises(ConfigError, match=r"data\.data_dir is read only with dataset 'fashion-mnist' or"):
+        check_given_data_keys(digits, ["data.data_dir='/somewhere'"])
