@@ -306,7 +306,10 @@ class OutputConfig:
 
     def __post_init__(self) -> None:
         if str(self.dir).strip() in ("", "."):
-            raise ConfigError("output.dir is empty; give a directory for the run's results (e.g. runs/my-run)")
+            raise ConfigError(
+                "output.dir is empty or '.' (the current directory, which a run would fill with its files and "
+                "folders); give a directory for the run's results (e.g. runs/my-run)"
+            )
         if self.resume and not self.checkpoints:
             raise ConfigError(
                 "output.resume goes on from the run's checkpoints, and output.checkpoints is off; turn checkpoints on "

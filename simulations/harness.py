@@ -311,12 +311,13 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
         )
     written = out_dir / ".config.json.tmp"  # replaced in one step: a kill never leaves the directory without one
     kept = " (an earlier run's results there are left as they were)"
+    removing: Path | None = None  # the earlier run's tree being removed: a failure there names its file in it
     try:
         written.write_text(json.dumps(recipe_record(config), indent=2) + "\n")  # first: the directory is writable
         if not resumed:  # no earlier run's checkpoints and client state, removed before its results: a tree that
-            for tree in (checkpoints, out_dir / CLIENT_STATE_DIR):  # cannot be removed leaves those in place
-                _remove_tree(tree)
-        kept = ""
+            for removing in (checkpoints, out_dir / CLIENT_STATE_DIR):  # cannot be removed leaves those in place
+                _remove_tree(removing)
+        removing, kept = None, ""
         for name in OUTPUT_FILES[1:]:  # never leave an earlier run's results beside this run's config
             (out_dir / name).unlink(missing_ok=True)
         for pattern in (f"{MAPPED_STATE_PREFIX}*", f".{MAPPED_STATE_PREFIX}*"):  # nor a killed run's mapped state
@@ -326,10 +327,13 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
         written.replace(out_dir / "config.json")
     except OSError as exc:
         written.unlink(missing_ok=True)
-        where = f" ({exc.filename})" if exc.filename else ""
+        name = exc.filename
+        if removing is not None and name and not Path(name).is_absolute():  # rmtree names files relative to a dir
+            name = str(removing / name)
+        where = f" ({name})" if name else ""
         raise ConfigError(
             f"cannot write results to output.dir {str(out_dir)!r}{where}: {exc.strerror or exc}{kept}; fix that "
-            "(its permissions, or free disk space), or give another --out"
+            "(permissions, disk space, or what stands where the file goes), or give another --out"
         ) from None
 
 
@@ -906,15 +910,16 @@ def _write_history(
         else:
             history.reset(rows)
     except OSError as exc:
+        fix = "fix what stops the write (a full disk, or something else where the file goes)"
         if at_round == 0:
-            advice = "no round was trained yet: free disk space and run again"
+            advice = f"no round was trained yet: {fix} and run again"
         elif kept_checkpoints:
             advice = (
-                f"round {at_round}'s checkpoint is saved: free disk space and run the same command with --resume "
+                f"round {at_round}'s checkpoint is saved: {fix} and run the same command with --resume "
                 "(output.resume = true), which writes history.csv again from the checkpoints' records and goes on"
             )
         else:
-            advice = "the run kept no checkpoints (--no-checkpoints), so it cannot go on: free space and run again"
+            advice = f"the run kept no checkpoints (--no-checkpoints), so it cannot go on: {fix} and run again"
         raise StateError(f"cannot write the history {str(history.path)!r}: {exc}; {advice}", round=at_round) from exc
 
 

