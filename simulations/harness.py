@@ -293,8 +293,9 @@ def prepare_output(out_dir: Path, config: SimulationConfig, *, resumed: bool = F
     """
     checkpoints = out_dir / RUN_STATE_DIR
     if config.output.checkpoints and (checkpoints.exists() or checkpoints.is_symlink()) and not checkpoints.is_dir():
+        what = "a symbolic link to nothing" if checkpoints.is_symlink() and not checkpoints.exists() else "a file"
         raise ConfigError(
-            f"{str(checkpoints)!r} is a file, where this simulation keeps its checkpoints; move it, or give another "
+            f"{str(checkpoints)!r} is {what}, where this simulation keeps its checkpoints; move it, or give another "
             "--out (or run with --no-checkpoints)"
         )
     if foreign := foreign_outputs(out_dir):

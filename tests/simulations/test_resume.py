@@ -295,6 +295,11 @@ def test_a_file_in_the_way_of_the_checkpoints_or_the_lock_is_refused_in_words(tm
     with pytest.raises(ConfigError, match=r"is a file, where this simulation keeps its checkpoints; move it"):
         simulate(out, "rounds=1")
     assert (out / RUN_STATE_DIR).read_text() == "notes"  # not removed
+    dangling = tmp_path / "dangling"
+    (dangling / RUN_STATE_DIR).parent.mkdir()
+    (dangling / RUN_STATE_DIR).symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match=r"is a symbolic link to nothing, where this simulation keeps its"):
+        simulate(dangling, "rounds=1")
     # nor does a run without checkpoints take it: it is no simulation's, under a name a run replaces
     with pytest.raises(ConfigError, match=r"holds 'state', which no fedcore simulation wrote there"):
         simulate(out, "rounds=1", "output.checkpoints=false")
