@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -311,8 +313,6 @@ def test_a_burst_of_ctrl_c_while_the_pool_closes_still_ends_the_workers_and_remo
     shared-memory directory removed, and the program's KeyboardInterrupt is the first one's. (Before, the second
     one was raised inside close, which left the directory behind.)"""
     import signal
-    import subprocess
-    import sys
     import time
 
     script = CTRL_C_BURST + (
@@ -334,13 +334,7 @@ def test_a_burst_of_ctrl_c_while_the_pool_closes_still_ends_the_workers_and_remo
         "    print('interrupted', flush=True)\n"
         "    sys.exit(130)\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _session_child(script)
     try:
         assert proc.stdout is not None
         directory, *pids = proc.stdout.readline().split()
@@ -415,8 +409,6 @@ def test_ctrl_c_while_the_workers_start_prints_no_traceback_of_theirs(tmp_path: 
     """Ctrl-C in a terminal reaches the whole process group, the workers too, which may still be importing torch:
     they ignore it from their first instruction (the pool ends them), so only the program's own handling shows."""
     import signal
-    import subprocess
-    import sys
     import time
 
     script = (
@@ -431,13 +423,7 @@ def test_ctrl_c_while_the_workers_start_prints_no_traceback_of_theirs(tmp_path: 
         "    print('interrupted', flush=True)\n"
         "    sys.exit(130)\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _session_child(script)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "go"
     time.sleep(0.5)  # the workers are starting: Python and torch importing
     os.killpg(proc.pid, signal.SIGINT)
@@ -529,6 +515,18 @@ def test_backend_options_are_checked_before_the_run(overrides: list[str], messag
     )
 
 
+def _session_child(script: str) -> subprocess.Popen[str]:
+    """``python -c script`` in a process group of its own (as a terminal's foreground job, which a Ctrl-C sent to
+    the group reaches whole), its stdout and stderr piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def group_processes(pgid: int) -> list[str]:
     """The live processes (zombies aside) of process group ``pgid``: each as ``pid command line``."""
     found = []
@@ -560,8 +558,6 @@ def simulate_stopped_by_ctrl_c(
     ended, and return its exit status, stdout, stderr and the processes of its group still alive ``wait_s``
     seconds after it exited (none as soon as none is left). The group's leftovers are killed before returning."""
     import signal
-    import subprocess
-    import sys
     import time
 
     args = [
@@ -569,13 +565,7 @@ def simulate_stopped_by_ctrl_c(
         "--workers", "2", "--out", str(tmp_path / "run"), "--no-plot",
     ]  # fmt: skip
     script = f"{patches}\nimport sys\nfrom fedcore.cli import main\nsys.exit(main({args!r}))\n"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _session_child(script)
     try:
         assert proc.stdout is not None
         head = []
