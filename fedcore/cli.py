@@ -75,10 +75,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from simulations.config import DEMO_TASK, check_given_data_keys, load_recipe
     from simulations.harness import run_simulation
 
-    overrides = to_overrides(given_values(args, simulate_options()))
+    options = simulate_options()
+    overrides = to_overrides(given_values(args, options))
     overrides += args.overrides  # explicit --set comes last, so it wins over the flags
     config = load_recipe(args.recipe, overrides)
-    flags = {o.key: o.flag for o in simulate_options()}
+    flags = {o.key: o.flag for o in options}
     check_given_data_keys(config.data, overrides, flags, own_task=config.task.factory != DEMO_TASK)
     result = run_simulation(config)
     return 3 if result.diverged else 0
@@ -113,9 +114,10 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     from simulations.config import check_given_data_keys, load_data_recipe
     from simulations.harness import RUN_LOCK, enclosing_output
 
-    overrides = to_overrides(given_values(args, _partition_options())) + args.overrides
+    options = _partition_options()
+    overrides = to_overrides(given_values(args, options)) + args.overrides
     data, seed = load_data_recipe(args.recipe, overrides)
-    check_given_data_keys(data, overrides, {o.key: o.flag for o in _partition_options()})
+    check_given_data_keys(data, overrides, {o.key: o.flag for o in options})
     if not args.out.strip():
         raise ConfigError("--out is empty; give the directory to write counts.csv and heatmap.png into")
     out = Path(args.out)
@@ -381,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``fedcore`` console script. Returns the process exit code.
+    """Run the ``fedcore`` command line on ``argv`` (``sys.argv[1:]`` when None); returns the process exit code.
+
+    The console script calls it through :func:`console_main`, which also handles Ctrl-C before and after it.
 
     fedcore's own errors are printed as one clear line (exit code 2), not a traceback. Ctrl-C prints
     ``fedcore: interrupted`` (exit code 130); in ``simulate``, more Ctrl-C after the first are ignored while the
