@@ -244,9 +244,11 @@ def worker_count(config: SimulationConfig) -> int | None:
 
 
 def enclosing_output(path: Path) -> Path | None:
-    """The simulation output directory (one holding :data:`RUN_LOCK`) that ``path`` lies inside, ``path`` itself
-    not counted, or None. Writing there would put files no simulation wrote into its checkpoints or client state
-    (which its ``--resume`` then refuses) or among its results.
+    """The simulation output directory (one holding :data:`RUN_LOCK`) under whose checkpoints, client state or
+    result files (:data:`RUN_STATE_DIR`, :data:`CLIENT_STATE_DIR`, :data:`OUTPUT_FILES`) ``path`` lies, or None.
+    Writing there would put files no simulation wrote into that run's checkpoints or client state (which its
+    ``--resume`` then refuses), and its next run would remove them. Any other folder of a run's directory is the
+    user's (``runs/`` as one run's output and ``runs/ablation/`` as another's): neither run touches the other's.
 
     Raises:
         ConfigError: ``path`` cannot be resolved (a loop of symbolic links).
@@ -257,7 +259,15 @@ def enclosing_output(path: Path) -> Path | None:
         raise ConfigError(
             f"the directory {str(path)!r} cannot be resolved ({exc}); give a path without a loop of symbolic links"
         ) from None
-    return next((parent for parent in resolved.parents if (parent / RUN_LOCK).exists()), None)
+    replaced = {RUN_STATE_DIR, CLIENT_STATE_DIR, *OUTPUT_FILES}
+    return next(
+        (
+            parent
+            for parent in resolved.parents
+            if (parent / RUN_LOCK).exists() and resolved.relative_to(parent).parts[0] in replaced
+        ),
+        None,
+    )
 
 
 def lock_output(out_dir: Path) -> int:
@@ -511,10 +521,21 @@ def _run_simulation(config: SimulationConfig, echo: Callable[[str], None]) -> Si
         )
     if (inside := enclosing_output(out_dir)) is not None:
         raise ConfigError(
-            f"output.dir {str(out_dir)!r} lies inside the simulation output directory {str(inside)!r}, whose "
-            "checkpoints, client state and results are that run's; give --out outside it (or, to run again there, "
-            "that directory itself)"
+            f"output.dir {str(out_dir)!r} lies inside the simulation output directory {str(inside)!r}, under the "
+            "checkpoints, client state or results that run keeps and replaces; give --out outside those (another "
+            "folder of that directory is fine), or, to run again there, that directory itself"
         )
+    for name in (RUN_STATE_DIR, CLIENT_STATE_DIR):  # a link into another run's: this run would resume from, write
+        linked = out_dir / name  # into or remove that run's checkpoints and client state
+        owner = enclosing_output(linked) if linked.is_symlink() else None
+        if linked.is_symlink() and owner is None and (linked / RUN_LOCK).exists():  # a link to a run's directory
+            owner = linked.resolve()
+        if owner is not None and owner != out_dir.resolve():
+            raise ConfigError(
+                f"{str(linked)!r} is a symbolic link into the simulation output directory {str(owner)!r}, whose "
+                "checkpoints and client state are that run's; remove the link (a run makes its own folder), or give "
+                "another --out"
+            )
     check_creatable_dir(out_dir, what="output.dir (--out)")  # created once the setup has succeeded
     held: list[int] = []  # the output directory's lock (lock_output), held until the run ends
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -193,19 +194,72 @@ def test_a_model_that_cannot_be_built_is_refused_before_the_output_is_touched(
 
 
 def test_a_run_inside_another_runs_directory_is_refused(tmp_path: Path) -> None:
-    """An output.dir inside another simulation's (its state/, client-state/, or any folder under it) would put files
-    no simulation wrote into that run's checkpoints or client state, and its --resume would then refuse: refused
-    before anything is written, naming the enclosing directory; that directory itself may be run into again."""
+    """An output.dir under another simulation's checkpoints, client state or result files would put files no
+    simulation wrote into that run's checkpoints or client state, and its --resume would then refuse: refused before
+    anything is written, naming the enclosing directory; that directory itself may be run into again."""
     from fedcore.errors import ConfigError
 
     outer = tmp_path / "outer"
     written = _simulate(outer)
-    for inner in (outer / "state" / "inner", outer / "client-state", outer / "new" / "deeper"):
+    for inner in (outer / "state" / "inner", outer / "client-state", outer / "history.png" / "deeper"):
         with pytest.raises(ConfigError, match=rf"lies inside the simulation output directory {str(outer)!r}"):
             _simulate(inner)
         assert not inner.exists() or not any(inner.iterdir())
-    assert not (outer / "new").exists() and _files(outer) == written
+    assert not (outer / "history.png").is_dir() and _files(outer) == written
     assert _simulate(outer).keys() == written.keys()
+
+
+def test_runs_in_a_folder_of_another_runs_directory_keep_each_other(tmp_path: Path) -> None:
+    """``runs/`` as one run's output and ``runs/ablation/`` as another's, made in either order: each runs again,
+    and neither touches the other's files. Before, the folder made first was refused from then on, as
+    lying inside the other run."""
+    inner = tmp_path / "runs" / "ablation"
+    inner_files = _simulate(inner)
+    outer_files = _simulate(tmp_path / "runs")
+    assert _files(inner) == inner_files
+    again = _simulate(inner)  # run again there: same seed, same model
+    assert again["model.safetensors"] == inner_files["model.safetensors"]
+    inner_files = _files(inner)
+    deeper = tmp_path / "runs" / "ablation" / "lr"  # and a third, inside the second's own folder
+    _simulate(deeper)
+    assert _files(inner) == inner_files
+    assert _simulate(tmp_path / "runs").keys() == outer_files.keys()
+    assert _files(inner) == inner_files and (deeper / "model.safetensors").is_file()
+
+
+def test_a_state_linked_into_another_run_is_refused(tmp_path: Path) -> None:
+    """A run's state/ or client-state/ that is a symbolic link into another run's directory: --resume went on from
+    that run's checkpoints and wrote its rounds there. Refused before anything is read or written; a link to a
+    folder of no run (the checkpoints moved to another disk) is resumed from."""
+    from fedcore.errors import ConfigError
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first_files = _simulate(first)
+    _simulate(second)
+    checkpoints = {p: p.read_bytes() for p in sorted((first / "state").rglob("*")) if p.is_file()}
+    for name, target in (("state", first / "state"), ("state", first), ("client-state", first / "state")):
+        link = second / name
+        if link.is_symlink():
+            link.unlink()
+        elif link.is_dir():
+            shutil.rmtree(link)
+        link.symlink_to(target, target_is_directory=True)
+        for extra in (("output.resume=true", "rounds=4"), ()):
+            with pytest.raises(
+                ConfigError, match=rf"is a symbolic link into the simulation output directory {str(first)!r}"
+            ):
+                _simulate(second, *extra)
+        link.unlink()
+    assert _files(first) == first_files
+    assert {p: p.read_bytes() for p in sorted((first / "state").rglob("*")) if p.is_file()} == checkpoints
+    elsewhere = tmp_path / "disk" / "checkpoints"  # moved to another disk, and linked: resumed from there
+    elsewhere.parent.mkdir()
+    _simulate(second)
+    shutil.move(second / "state", elsewhere)
+    (second / "state").symlink_to(elsewhere, target_is_directory=True)
+    _simulate(second, "output.resume=true", "rounds=4")
+    assert load_checkpoint(str(second / "model.safetensors")).round == 4
+    assert (second / "state").is_symlink() and (elsewhere / "state.db").is_file()
 
 
 def test_an_earlier_runs_checkpoints_that_cannot_be_removed_leave_its_results(
