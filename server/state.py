@@ -44,6 +44,7 @@ failure (a damaged file, a full disk) surfaces as a StateError that names the fi
 from __future__ import annotations
 
 import csv
+import errno
 import fcntl
 import io
 import json
@@ -53,6 +54,7 @@ import os
 import secrets
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -223,8 +225,11 @@ class HistoryFile:
         self.rows.append(row)
         line = io.StringIO()
         csv.writer(line, lineterminator="\n").writerow(_cells(row, self._columns))
-        try:
-            with self.path.open("a", newline="") as fh:
+        try:  # O_NONBLOCK: a FIFO put where the file was fails (ENXIO) rather than waiting for a reader forever
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)
+            with os.fdopen(fd, "a", newline="") as fh:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file (a run's history.csv is one)", str(self.path))
                 fh.write(line.getvalue())  # one write: a process killed around it leaves the line whole or absent
         except OSError:
             self._columns = []

@@ -591,6 +591,33 @@ def test_a_history_file_appends_rows_and_always_holds_write_historys_bytes(
     assert history.rows == rows
 
 
+def test_a_fifo_put_where_the_history_was_fails_the_write_rather_than_hanging(tmp_path: Path) -> None:
+    """A named pipe swapped in for history.csv while a run goes on: the next round's append waited for a reader
+    forever (the run hung until Ctrl-C). It now fails with an OSError (the row kept), with or without a reader on
+    the pipe, and the next add writes the whole history as a file in its place."""
+    path = tmp_path / "history.csv"
+    history = HistoryFile(path)
+    rows: list[dict[str, object]] = [{"round": r, "clients": 2, "failures": 0, "seconds": 0.5} for r in range(5)]
+    history.add(rows[0])
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(OSError, match="No such device or address"):  # ENXIO: no reader
+        history.add(rows[1])
+    history.add(rows[2])  # after a failed append, the whole file is written anew (in place of the pipe)
+    assert path.is_file() and list(pd.read_csv(path)["round"]) == [0, 1, 2]
+    path.unlink()
+    os.mkfifo(path)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with pytest.raises(OSError, match="not a regular file"):
+            history.add(rows[3])
+        assert os.read(reader, 4096) == b""  # nothing went down the pipe
+    finally:
+        os.close(reader)
+    history.add(rows[4])
+    assert list(pd.read_csv(path)["round"]) == [0, 1, 2, 3, 4]
+
+
 def test_the_servers_history_file_holds_state_db_after_every_round(tmp_path: Path) -> None:
     """The server appends each new round's row to history.csv and rewrites it from state.db when a round is
     recorded again, when a row brings a new column and when the store is opened anew; after each, the file is
