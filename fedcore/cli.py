@@ -79,10 +79,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     overrides = to_overrides(given_values(args, options))
     overrides += args.overrides  # explicit --set comes last, so it wins over the flags
     config = load_recipe(args.recipe, overrides)
-    flags = {o.key: o.flag for o in options}
-    check_given_data_keys(config.data, overrides, flags, own_task=config.task.factory != DEMO_TASK)
+    check_given_data_keys(
+        config.data, overrides, _given_flags(args, options), own_task=config.task.factory != DEMO_TASK
+    )
     result = run_simulation(config)
     return 3 if result.diverged else 0
+
+
+def _given_flags(args: argparse.Namespace, options: Sequence[Option]) -> dict[str, str]:
+    """Each key the user gave a flag for, with that flag (``data.alpha`` -> ``--alpha``): a message about a key names
+    the flag when that is how it was given (not when it came by ``--set``)."""
+    return {o.key: o.flag for o in options if getattr(args, o.dest, None) is not None}
 
 
 def _add_partition(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -117,7 +124,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     options = _partition_options()
     overrides = to_overrides(given_values(args, options)) + args.overrides
     data, seed = load_data_recipe(args.recipe, overrides)
-    check_given_data_keys(data, overrides, {o.key: o.flag for o in options})
+    check_given_data_keys(data, overrides, _given_flags(args, options))
     if not args.out.strip():
         raise ConfigError("--out is empty; give the directory to write counts.csv and heatmap.png into")
     out = Path(args.out)

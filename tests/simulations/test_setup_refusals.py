@@ -176,7 +176,7 @@ def test_a_client_count_beyond_the_cap_is_refused_not_partitioned(
         ),
         (
             ["--dataset", "digits", "--partition", "dirichlet", "--set", "data.sigma=2"],
-            "data.sigma (--sigma) is read only with partition 'quantity', and this run's partition is 'dirichlet'",
+            "data.sigma is read only with partition 'quantity', and this run's partition is 'dirichlet'",
         ),
         (
             ["--dataset", "digits", "--partition", "quantity", "--synthetic-beta", "2"],
@@ -192,7 +192,8 @@ def test_a_client_count_beyond_the_cap_is_refused_not_partitioned(
             ["--dataset", "digits", "--partition", "dirichlet-client", "--shards-per-client", "3"],
             "data.shards_per_client (--shards-per-client) is read only with partition 'shards'",
         ),
-        (["--dataset", "digits", "--partition", "iid", "--set", "data={alpha=0.1}"], "data.alpha (--alpha) is read"),
+        (["--dataset", "digits", "--partition", "iid", "--set", "data={alpha=0.1}"], "data.alpha is read only with"),
+        (["--dataset", "digits", "--partition", "iid", "--alpha", "0.1", "--set", "data.alpha=0.2"], "(--alpha) is"),
         (
             ["--dataset", "digits", "--partition", "quantity", "--data-dir", "/nonexistent"],
             "data.data_dir (--data-dir) is read only with dataset 'fashion-mnist' or 'shakespeare', and this run's "
