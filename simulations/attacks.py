@@ -111,7 +111,8 @@ def poison_update(
 ) -> NamedArrays:
     """The update an attacker sends instead of ``update`` (sign_flip, scale or gaussian; see the module docstring).
 
-    Floating tensors are computed in float64 and cast back to their dtype; other tensors are returned as they are.
+    Floating tensors are computed in float64 and cast back to their dtype (a value past its range becomes +-inf, as
+    an attacker may send); other tensors are returned as they are.
 
     Raises:
         ConfigError: ``config.kind`` is not a model-poisoning attack.
@@ -129,7 +130,8 @@ def poison_update(
         else:
             sign = -1.0 if config.kind == "sign_flip" else 1.0
             poisoned = g + sign * config.factor * (np.asarray(value, np.float64) - g)
-        out[name] = poisoned.astype(value.dtype)
+        with np.errstate(over="ignore"):  # a scaled update past the dtype's range is inf: the attack the run sees
+            out[name] = poisoned.astype(value.dtype)
     return out
 
 
