@@ -284,5 +284,5 @@ def test_mapped_tied_weights_load_as_load_state_dict_does(tmp_path: Path) -> Non
     loaded = build()
     load_parameters(loaded, mapped, round=1, client_id="c0")
     assert isinstance(expected[0], nn.Linear) and isinstance(loaded[0], nn.Linear)
-    assert float(expected[0].weight[0, 0]) == 2.0
+    assert expected[0].weight[0, 0].item() == 2.0
     assert torch.equal(loaded[0].weight, expected[0].weight)
