@@ -296,8 +296,9 @@ def load_task_factory(spec: str) -> TaskFactory:
     """Resolve ``"package.module:attr"`` to a task factory.
 
     Raises:
-        ConfigError: the string is not ``module:attr``, the module cannot be imported, or the attribute
-            is missing or not callable.
+        ConfigError: the string is not ``module:attr``, the module cannot be imported (not found, or its own
+            code raised, or has a syntax error, at import: the message says where), or the attribute is missing or
+            not callable.
     """
     import importlib
 
@@ -315,10 +316,33 @@ def load_task_factory(spec: str) -> TaskFactory:
                 "directory), for the server and for each client daemon"
             ) from exc
         raise ConfigError(f"cannot import task module {module_name!r}: importing it raised {exc!r}") from exc
+    except (Exception, SystemExit) as exc:  # the module's own code failed: a syntax error, a bug, a missing file
+        raise ConfigError(_import_failure(module_name, exc)) from None
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise ConfigError(f"{module_name!r} has no callable {attr!r}; a task factory takes a TaskContext")
     return factory
+
+
+def _import_failure(module_name: str, exc: BaseException) -> str:
+    """The message for a task module whose import raised ``exc`` (not an ImportError): what, and where in the
+    user's code (the traceback goes to the ``fedcore.task`` log at DEBUG, shown by ``fedcore -v``)."""
+    import traceback
+
+    logging.getLogger("fedcore.task").debug("importing the task module %s raised", module_name, exc_info=exc)
+    if isinstance(exc, SyntaxError):
+        where = f"{exc.filename}, line {exc.lineno}" if exc.filename else "its source"
+        what = f"a syntax error in {where}: {exc.msg}"
+    elif isinstance(exc, SystemExit):
+        what = f"it called sys.exit({exc.code!r})"
+    else:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""
+        what = f"its code raised {type(exc).__name__}{where}: {str(exc)[:300]}"
+    return (
+        f"cannot import task module {module_name!r}: {what}. Fix the module (fedcore -v shows the traceback); "
+        "--task is imported by the server, by each client daemon and by fedcore simulate"
+    )
 
 
 def build_server_task(factory: TaskFactory, context: TaskContext, *, spec: str) -> Task:
