@@ -192,20 +192,32 @@ class DaemonConfig:
             )
 
     def read_token(self) -> str:
-        """The token: ``token``, or the first line of ``token_file``.
+        """The token: ``token`` (the config's, ``--token`` or ``FEDCORE_TOKEN``), or the first line of
+        ``token_file``; surrounding whitespace and a UTF-8 byte-order mark are not part of it (a token has no
+        whitespace: the server's tokens file separates fields by it).
 
         Raises:
-            ConfigError: the token file cannot be read or is empty.
+            ConfigError: the token file cannot be read or is empty, or the token holds whitespace inside.
         """
         if self.token_file is None:
-            return self.token
-        try:
-            text = self.token_file.read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read token_file (--token-file) {str(self.token_file)!r}: {exc}") from None
-        if not text:
-            raise ConfigError(f"token_file (--token-file) {str(self.token_file)!r} is empty; write the token in it")
-        return text.splitlines()[0].strip()
+            token, source = self.token.strip(), "the token (--token, or FEDCORE_TOKEN)"
+        else:
+            source = f"the token in token_file (--token-file) {str(self.token_file)!r}"
+            try:
+                text = self.token_file.read_text(encoding="utf-8-sig").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"cannot read token_file (--token-file) {str(self.token_file)!r}: {exc}") from None
+            if not text:
+                raise ConfigError(f"token_file (--token-file) {str(self.token_file)!r} is empty; write the token in it")
+            token = text.splitlines()[0].strip()
+        if self.token and not token:
+            raise ConfigError(f"{source} is only whitespace; give the token the server's tokens file holds")
+        if len(token.split()) > 1:
+            raise ConfigError(
+                f"{source} holds whitespace inside it, which no token has; give the token alone, as the server's "
+                "tokens file holds it after the client id"
+            )
+        return token
 
 
 def load_daemon_config(

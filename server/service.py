@@ -120,7 +120,7 @@ def load_tokens(path: Path) -> dict[str, str]:
         ConfigError: the file is missing, holds no token, a line is malformed or a client id repeats.
     """
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark (Windows editors) is not text
     except OSError as exc:
         raise ConfigError(f"cannot read the tokens file {str(path)!r}: {exc}") from exc
     except UnicodeDecodeError as exc:  # a binary or UTF-16 file given by mistake

@@ -3,6 +3,7 @@ where the user asked for tokens (an empty policy means "no check")."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,50 @@ def test_certs_init_refuses_to_overwrite_a_binary_tokens_file(tmp_path: Path) ->
         init_certs(tmp_path, clients=["client-000"])
     assert (tmp_path / "tokens.txt").read_bytes() == junk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens.txt"]  # refused before any key was written
+
+
+def test_a_tokens_file_saved_with_a_byte_order_mark_reads_its_first_client(tmp_path: Path) -> None:
+    """A Windows editor's UTF-8 byte-order mark made the first client id '\ufeffclient-000': that client's join
+    was refused as unknown."""
+    path = tmp_path / "tokens.txt"
+    path.write_bytes("\ufeffclient-000 abc\r\nclient-001 def\r\n".encode())
+    assert load_tokens(path) == {"client-000": hash_token("abc"), "client-001": hash_token("def")}
+
+
+@pytest.mark.parametrize(
+    ("given", "file_bytes"),
+    [
+        ("abc\n", None),  # FEDCORE_TOKEN="$(cat token)\n", or a TOML string with its newline
+        ("  abc\r\n", None),
+        ("", b"abc\n"),
+        ("", b"\n  abc  \r\n\n"),
+        ("", b"\xef\xbb\xbfabc\r\n"),  # a byte-order mark
+    ],
+)
+def test_every_source_of_the_daemons_token_gives_the_same_token(
+    given: str, file_bytes: bytes | None, tmp_path: Path
+) -> None:
+    """--token-file stripped whitespace while --token and FEDCORE_TOKEN did not: a token with its newline was
+    refused by the server as a wrong token, a misleading diagnosis. Every source now gives 'abc'."""
+    from client.daemon import DaemonConfig
+
+    file = None
+    if file_bytes is not None:
+        file = tmp_path / "token"
+        file.write_bytes(file_bytes)
+    config = DaemonConfig(server="127.0.0.1:1", client_id="c0", insecure=True, token_file=file, token=given)
+    assert config.read_token() == "abc"
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [
+        ("   \n", "the token (--token, or FEDCORE_TOKEN) is only whitespace"),
+        ("abc def", "the token (--token, or FEDCORE_TOKEN) holds whitespace inside it"),
+    ],
+)
+def test_a_token_of_whitespace_or_with_whitespace_inside_is_refused(token: str, message: str) -> None:
+    from client.daemon import DaemonConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DaemonConfig(server="127.0.0.1:1", client_id="c0", insecure=True, token=token).read_token()
