@@ -54,7 +54,7 @@ from server.round_loop import (
     return_large_blocks_to_the_os,
     run_rounds,
 )
-from server.service import AuthPolicy, CoordinatorService, build_server, load_tokens
+from server.service import AuthPolicy, CoordinatorService, build_server, check_listen_address, load_tokens
 from server.state import StateStore, load_checkpoint, resumed_for_model
 
 log = logging.getLogger("fedcore.server")
@@ -106,6 +106,11 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
     tokens = load_tokens(config.auth.tokens_file) if config.auth.tokens_file is not None else {}
     return_large_blocks_to_the_os()
     metrics = _serve_metrics(config, echo)  # before the state directory: a port in use leaves nothing behind
+    try:
+        check_listen_address(config.listen_address)  # so does the gRPC address's
+    except BaseException:
+        metrics.close()
+        raise
     store: StateStore | None = None
     try:
         if (config.state_dir / "state.db").exists():  # a run to resume: its refusals (damaged, of another run)

@@ -30,9 +30,11 @@ Availability (no client, with or without credentials, can take the server away f
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -43,6 +45,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from fedcore.config import Address
 from fedcore.errors import ConfigError, FedcoreError, PayloadError
 from fedcore.messages import Failure, Reply, Stage, StageIns, bound_text
 from fedcore.payload import DataChunk, SpillFile, framed_sizes, read_safetensors_header
@@ -725,6 +728,45 @@ def _add_service(service: CoordinatorService, server: grpc.Server) -> None:
 _SERVICE = "fedcore.v1.Coordinator"
 _MAX_STREAMS_PER_CONNECTION = 16
 """HTTP/2 streams one connection may have open; a daemon uses three at most (pull, heartbeat, push)."""
+
+
+def check_listen_address(address: Address) -> None:
+    """Bind ``address`` as the gRPC server will (``SO_REUSEADDR``), and let it go at once: a port another process
+    listens on, a host that is not one of this machine's addresses or cannot be resolved, or a port the user may
+    not bind is refused with the OS's reason, before the server creates its state directory. (gRPC's own bind
+    error says only "Failed to bind ... set GRPC_VERBOSITY=debug", after the state directory exists.)
+
+    Raises:
+        ConfigError: no socket address of ``address`` can be bound: which, why, and what to give instead.
+    """
+    try:
+        found = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(
+            f"cannot listen on {address}: the host {address.host!r} cannot be resolved ({exc}); give an address of "
+            f"this machine, e.g. 0.0.0.0:{address.port} (every interface) or 127.0.0.1:{address.port} (this "
+            "machine only)"
+        ) from None
+    failure: OSError | None = None
+    for family, kind, proto, _, sockaddr in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+                return  # gRPC listens on every address it can bind, and needs one
+            except OSError as exc:
+                failure = failure or exc
+    advice = {
+        errno.EADDRINUSE: "another process listens there (a server still running?): stop it, or give another port",
+        errno.EADDRNOTAVAIL: f"it is not an address of this machine; give one of its addresses, or 0.0.0.0:"
+        f"{address.port} for every interface",
+        errno.EACCES: "a port below 1024 needs privileges: give a port of 1024 or above (e.g. 8443)",
+    }
+    reason = failure.strerror if failure is not None and failure.strerror else "no socket address to bind"
+    hint = "give an address of this machine and a free port"
+    if failure is not None and failure.errno is not None:
+        hint = advice.get(failure.errno, hint)
+    raise ConfigError(f"cannot listen on {address}: {reason}; {hint}")
 
 
 def build_server(

@@ -117,3 +117,32 @@ def test_a_daemons_bad_backoff_or_partition_count_is_refused_with_the_value(
     code = main(["client", "start", "--insecure", "--server", "127.0.0.1:1", "--client-id", "c0", *extra])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_address_the_server_cannot_listen_on_leaves_no_state_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A port another process listens on, a host that cannot be resolved, an address not on this machine: the
+    server created state.db, checkpoints/, spill/ and state.lock before gRPC failed to bind, and gRPC's message
+    hid the reason ("set GRPC_VERBOSITY=debug"). Each is now refused first, with the OS's reason and the fix."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (f"127.0.0.1:{port}", f"cannot listen on 127.0.0.1:{port}: Address already in use; another process"),
+            ("nonexistent.invalid:8443", "the host 'nonexistent.invalid' cannot be resolved"),
+            (
+                "192.0.2.1:8443",
+                "cannot listen on 192.0.2.1:8443: Cannot assign requested address; it is not an address",
+            ),
+        ]  # 192.0.2.1: TEST-NET-1 (RFC 5737), on no machine's interface
+        for address, message in cases:
+            state = tmp_path / "state"
+            flags = ["server", "start", "--insecure", "--address", address, "--state-dir", str(state), *DEMO]
+            assert main(flags) == 2
+            err = capsys.readouterr().err
+            assert message in err and err.count("fedcore: error:") == 1, err
+            assert not state.exists()
