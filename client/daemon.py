@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import signal
 import socket
 import ssl
 import threading
@@ -26,6 +27,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import grpc
@@ -262,6 +264,11 @@ class DamagedTask(FedcoreError):
         self.cause = cause
 
 
+class _Stopped(BaseException):
+    """Raised in the main thread by the daemon's SIGTERM handler: a BaseException, so that no handler of failures in
+    the user's task code takes it for one."""
+
+
 class _SessionLost(Exception):
     """The server no longer knows our session: join again."""
 
@@ -339,7 +346,10 @@ class ClientDaemon:
         stopped, :data:`EXIT_GAVE_UP` the server stayed unreachable for ``give_up_after_s``).
 
         Transient connection problems (connection refused, a restarting server, a deadline) are retried with
-        backoff; each distinct reason is logged once, not on every attempt.
+        backoff; each distinct reason is logged once, not on every attempt. SIGTERM (``systemctl stop``; run on the
+        main thread, where SIGTERM had its default action) stops the daemon at once, even in the middle of training:
+        it leaves its session, so the server drops it now rather than after its liveness timeout, logs that it
+        stopped and returns :data:`EXIT_FINISHED`. Ctrl-C leaves the session too, then raises KeyboardInterrupt.
 
         Raises:
             TransportError: a problem retrying cannot fix (see :func:`classify_connection_error`): the server's
@@ -351,66 +361,111 @@ class ClientDaemon:
             import torch
 
             torch.set_num_threads(self.config.threads)
+        handled = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+            signal.SIG_DFL,
+            None,
+        )
+        if handled:
+
+            def on_sigterm(signum: int, frame: FrameType | None) -> None:
+                self._stop.set()
+                raise _Stopped()
+
+            signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            return self._run()
+        except _Stopped:
+            log.info("stopped (SIGTERM); the session is left, and the server drops this client")
+            return EXIT_FINISHED
+        finally:
+            if handled:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def _run(self) -> int:
         delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
         unreachable_since: float | None = None
         shown_reason = ""
         while not self._stop.is_set():
             channel = self._channel()
-            stub = coordinator_stub(channel)  # payload chunks without protobuf copies
-            heartbeat: threading.Thread | None = None
             try:
-                seed = self._join(stub)
-                unreachable_since, shown_reason = None, ""
-                delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
-                # heartbeats start before the task is built: loading data can outlast the server's liveness
-                # timeout, and the session must stay alive meanwhile
-                heartbeat = threading.Thread(target=self._heartbeat_loop, args=(stub,), daemon=True)
-                heartbeat.start()
+                stub = coordinator_stub(channel)  # payload chunks without protobuf copies
                 try:
-                    self._prepare_task(seed)
-                except BaseException:  # the task cannot be built (bad settings, the factory raised) or Ctrl-C:
-                    self._leave(stub)  # the server drops this client now, not after its liveness timeout
+                    outcome = self._attempt(stub, delays, unreachable_since, shown_reason)
+                except (_Stopped, KeyboardInterrupt):
+                    if self._session:  # the server drops this client now, not after its liveness timeout
+                        self._leave(stub)
                     raise
-                if self._serve(stub):
-                    log.info("the server finished the run; exiting")
-                    self._leave(stub)
-                    return EXIT_FINISHED
-            except _SessionLost:
-                log.info("session lost; joining again")
-                continue
-            except grpc.RpcError as exc:
-                problem = classify_connection_error(exc, self.config, joined=bool(self._session))
-                if problem.permanent:  # the CLI prints it as "fedcore: error: ..." and exits with code 2
-                    raise TransportError(problem.reason, client_id=self.config.client_id) from exc
-                now = time.monotonic()
-                unreachable_since = unreachable_since if unreachable_since is not None else now
-                limit = self.config.give_up_after_s
-                if problem.reason != shown_reason:  # once per distinct reason, not on every attempt
-                    log.warning(
-                        "cannot reach the server %s: %s; retrying with backoff (up to %g s apart)%s",
-                        self.config.server,
-                        problem.reason,
-                        self.config.backoff_max_s,
-                        f", giving up after {limit:g} s" if limit is not None else "",
-                    )
-                    shown_reason = problem.reason
-                if limit is not None and now - unreachable_since > limit:
-                    log.error(
-                        "server %s unreachable for %.0f s; giving up (%s)",
-                        self.config.server,
-                        now - unreachable_since,
-                        problem.reason,
-                    )
-                    return EXIT_GAVE_UP
-                delay = next(delays)
-                log.debug("connection problem (%s); retrying in %.1f s", problem.reason, delay)
-                self._stop.wait(delay)
             finally:
-                self._session_ok.clear()
-                if heartbeat is not None:
-                    heartbeat.join(timeout=1)
                 channel.close()
+            if isinstance(outcome, int):
+                return outcome
+            delays, unreachable_since, shown_reason = outcome
         return EXIT_FINISHED
+
+    def _attempt(
+        self,
+        stub: pb_grpc.CoordinatorStub,
+        delays: Iterator[float],
+        unreachable_since: float | None,
+        shown_reason: str,
+    ) -> int | tuple[Iterator[float], float | None, str]:
+        """One connection: join, build the task, serve. Returns an exit code when the daemon is done, else the
+        retry state for the next connection (backoff delays, since when the server is unreachable, the reason
+        last logged)."""
+        heartbeat: threading.Thread | None = None
+        try:
+            seed = self._join(stub)
+            unreachable_since, shown_reason = None, ""
+            delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s, self._rng)
+            # heartbeats start before the task is built: loading data can outlast the server's liveness
+            # timeout, and the session must stay alive meanwhile
+            heartbeat = threading.Thread(target=self._heartbeat_loop, args=(stub,), daemon=True)
+            heartbeat.start()
+            try:
+                self._prepare_task(seed)
+            except (_Stopped, KeyboardInterrupt):
+                raise  # the caller leaves the session
+            except BaseException:  # the task cannot be built (bad settings, the factory raised):
+                self._leave(stub)  # the server drops this client now, not after its liveness timeout
+                raise
+            if self._serve(stub):
+                log.info("the server finished the run; exiting")
+                self._leave(stub)
+                return EXIT_FINISHED
+        except _SessionLost:
+            log.info("session lost; joining again")
+        except grpc.RpcError as exc:
+            problem = classify_connection_error(exc, self.config, joined=bool(self._session))
+            if problem.permanent:  # the CLI prints it as "fedcore: error: ..." and exits with code 2
+                raise TransportError(problem.reason, client_id=self.config.client_id) from exc
+            now = time.monotonic()
+            unreachable_since = unreachable_since if unreachable_since is not None else now
+            limit = self.config.give_up_after_s
+            if problem.reason != shown_reason:  # once per distinct reason, not on every attempt
+                log.warning(
+                    "cannot reach the server %s: %s; retrying with backoff (up to %g s apart)%s",
+                    self.config.server,
+                    problem.reason,
+                    self.config.backoff_max_s,
+                    f", giving up after {limit:g} s" if limit is not None else "",
+                )
+                shown_reason = problem.reason
+            if limit is not None and now - unreachable_since > limit:
+                log.error(
+                    "server %s unreachable for %.0f s; giving up (%s)",
+                    self.config.server,
+                    now - unreachable_since,
+                    problem.reason,
+                )
+                return EXIT_GAVE_UP
+            delay = next(delays)
+            log.debug("connection problem (%s); retrying in %.1f s", problem.reason, delay)
+            self._stop.wait(delay)
+        finally:
+            self._session_ok.clear()
+            if heartbeat is not None:
+                heartbeat.join(timeout=1)
+        return delays, unreachable_since, shown_reason
 
     def _join(self, stub: pb_grpc.CoordinatorStub) -> int:
         """Open a session; returns the run's seed (for :meth:`_prepare_task`). Heartbeats may start at once.

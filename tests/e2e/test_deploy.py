@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -131,6 +132,43 @@ def test_server_killed_after_round_2_resumes_and_matches(tmp_path: Path, referen
             proc.close()
     final = load_checkpoint(state / "checkpoints" / f"round-{ROUNDS:06d}.safetensors")
     _assert_same_model(final.parameters, reference)
+
+
+def test_a_daemon_stopped_mid_round_leaves_its_session_and_exits_as_documented(tmp_path: Path) -> None:
+    """SIGTERM (``systemctl stop``) in the middle of training: the daemon left no line and exited 143, and the
+    server waited for its liveness timeout. It now leaves its session at once, says it stopped and exits 0, as the
+    README says; Ctrl-C leaves too and exits 130 with ``fedcore: interrupted``. The round closes with the two others'
+    updates and two failures, well before the slow clients' liveness timeout of 30 s, and the run finishes."""
+    options = task_options(_config(tmp_path))
+    state = tmp_path / "state"
+    flags = [
+        "--seed", str(SEED), "--rounds", "1", "--fraction-fit", "1.0", "--min-fit-clients", "4",
+        "--min-fit-results", "2", "--round-timeout-s", "120", "--no-evaluate", "--liveness-timeout-s", "30",
+    ]  # fmt: skip
+    server = Proc("server", server_args(0, state, options, *flags), tmp_path)
+    slow = ["--task", "tests.e2e.slow_task:slow_demo_task", "--task-option", "sleep_s=6"]
+    clients: list[Proc] = []
+    try:
+        clients = _start_clients(server.listening_port(), options, tmp_path, *slow)
+        stopped, interrupted = clients[-2:]
+        for victim in (stopped, interrupted):
+            victim.wait_for_line("round 1 fit started", 120)
+        stopped.popen.send_signal(signal.SIGTERM)
+        interrupted.popen.send_signal(signal.SIGINT)
+        sent_at = time.monotonic()
+        assert stopped.wait(10) == 0, stopped.text()
+        assert "stopped (SIGTERM); the session is left" in stopped.text()
+        assert interrupted.wait(10) == 130, interrupted.text()
+        assert interrupted.text().rstrip().endswith("fedcore: interrupted"), interrupted.text()
+        closed_at = server.wait_for_line("round 1: 2 update(s), 2 failure(s)", 60)
+        assert closed_at - sent_at < 20  # the survivors' 6 s of training, not a 30 s liveness timeout
+        assert "no heartbeat" not in server.text()
+        assert server.wait(120) == 0, server.text()
+        for survivor in clients[:-2]:
+            assert survivor.wait(30) == 0, survivor.text()
+    finally:
+        for proc in [server, *clients]:
+            proc.close()
 
 
 def test_client_killed_mid_round_closes_round_with_quorum(tmp_path: Path) -> None:
