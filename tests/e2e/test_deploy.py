@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -134,22 +135,32 @@ def test_server_killed_after_round_2_resumes_and_matches(tmp_path: Path, referen
     _assert_same_model(final.parameters, reference)
 
 
+def _slow_round(
+    tmp_path: Path, *, results: int, sleep_s: float, deadline_s: float, extra: Sequence[str] = ()
+) -> tuple[Proc, list[Proc]]:
+    """A server for one round that starts once all 4 daemons are connected (so each is selected) and closes with
+    ``results`` updates, and the 4 daemons, whose training sleeps ``sleep_s`` first: a test acts mid-round."""
+    options = task_options(_config(tmp_path))
+    flags = [
+        "--seed", str(SEED), "--rounds", "1", "--fraction-fit", "1.0", "--min-fit-clients", "4",
+        "--min-fit-results", str(results), "--round-timeout-s", str(deadline_s), "--no-evaluate", *extra,
+    ]  # fmt: skip
+    server = Proc("server", server_args(0, tmp_path / "state", options, *flags), tmp_path)
+    slow = ["--task", "tests.e2e.slow_task:slow_demo_task", "--task-option", f"sleep_s={sleep_s}"]
+    try:
+        return server, _start_clients(server.listening_port(), options, tmp_path, *slow)
+    except BaseException:
+        server.close()
+        raise
+
+
 def test_a_daemon_stopped_mid_round_leaves_its_session_and_exits_as_documented(tmp_path: Path) -> None:
     """SIGTERM (``systemctl stop``) in the middle of training: the daemon left no line and exited 143, and the
     server waited for its liveness timeout. It now leaves its session at once, says it stopped and exits 0, as the
     README says; Ctrl-C leaves too and exits 130 with ``fedcore: interrupted``. The round closes with the two others'
     updates and two failures, well before the slow clients' liveness timeout of 30 s, and the run finishes."""
-    options = task_options(_config(tmp_path))
-    state = tmp_path / "state"
-    flags = [
-        "--seed", str(SEED), "--rounds", "1", "--fraction-fit", "1.0", "--min-fit-clients", "4",
-        "--min-fit-results", "2", "--round-timeout-s", "120", "--no-evaluate", "--liveness-timeout-s", "30",
-    ]  # fmt: skip
-    server = Proc("server", server_args(0, state, options, *flags), tmp_path)
-    slow = ["--task", "tests.e2e.slow_task:slow_demo_task", "--task-option", "sleep_s=6"]
-    clients: list[Proc] = []
+    server, clients = _slow_round(tmp_path, results=2, sleep_s=6, deadline_s=120, extra=["--liveness-timeout-s", "30"])
     try:
-        clients = _start_clients(server.listening_port(), options, tmp_path, *slow)
         stopped, interrupted = clients[-2:]
         for victim in (stopped, interrupted):
             victim.wait_for_line("round 1 fit started", 120)
@@ -172,19 +183,10 @@ def test_a_daemon_stopped_mid_round_leaves_its_session_and_exits_as_documented(t
 
 
 def test_client_killed_mid_round_closes_round_with_quorum(tmp_path: Path) -> None:
-    options = task_options(_config(tmp_path))
-    state = tmp_path / "state"
     deadline_s = 120
     # All 4 must be connected for round 1 (so the victim is certainly selected); 3 results make the quorum.
-    flags = [
-        "--seed", str(SEED), "--rounds", "1", "--fraction-fit", "1.0", "--min-fit-clients", "4",
-        "--min-fit-results", "3", "--round-timeout-s", str(deadline_s), "--no-evaluate",
-    ]  # fmt: skip
-    server = Proc("server", server_args(0, state, options, *flags), tmp_path)
-    slow = ["--task", "tests.e2e.slow_task:slow_demo_task", "--task-option", "sleep_s=4"]
-    clients: list[Proc] = []
+    server, clients = _slow_round(tmp_path, results=3, sleep_s=4, deadline_s=deadline_s)
     try:
-        clients = _start_clients(server.listening_port(), options, tmp_path, *slow)
         victim = clients[-1]
         victim.wait_for_line("round 1 fit started", 120)
         victim.kill9()
