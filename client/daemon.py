@@ -37,7 +37,14 @@ from client.stages import ClientStages
 from client.state import ClientStateStore
 from fedcore.config import apply_overrides, from_mapping, load_toml, merge_mappings, parse_address, parse_host
 from fedcore.engine.plan import ParallelPlan
-from fedcore.errors import ClientTaskError, ConfigError, FedcoreError, PayloadError, TransportError
+from fedcore.errors import (
+    ClientTaskError,
+    ConfigError,
+    FedcoreError,
+    ModelMismatch,
+    PayloadError,
+    TransportError,
+)
 from fedcore.messages import (
     Failure,
     FitRes,
@@ -311,6 +318,7 @@ class ClientDaemon:
             if warning is not None:
                 log.warning("%s", warning)
         self._damage_delays: Iterator[float] | None = None  # backoff while the server hands out unusable tasks
+        self._mismatch: ModelMismatch | None = None  # the last task's global model did not fit the task's model
         self._state = ClientStateStore(config.state_dir)
         # round protocols' client sides: those registered in this process (e.g. by the task's module, imported above)
         self._stages = ClientStages()
@@ -356,6 +364,9 @@ class ClientDaemon:
                 certificate is not trusted or not for this name, the server refuses this client's certificate
                 (or needs one), speaks TLS to an ``--insecure`` client or plaintext to a TLS one, or refuses the
                 join (token, revoked id).
+            ModelMismatch: the global model does not fit the model this daemon's task builds (another task than
+                the server's); the failure is reported to the server and the session left first. Not with
+                ``exit_when_finished`` off (``--stay``), where a later run may fit: each such round fails.
         """
         if self.config.threads is not None:
             import torch
@@ -578,7 +589,11 @@ class ClientDaemon:
             finished = False  # a task: a new run started
             task_id, instruction = pulled
             reply = self._execute(instruction)
-            self._push(stub, task_id, reply)
+            self._push(stub, task_id, reply)  # a failure too: the server hears why at once
+            if self._mismatch is not None and self.config.exit_when_finished:  # no retry fixes another task's model
+                self._leave(stub)  # the server drops this client now, and selects it no more
+                raise self._mismatch  # the CLI prints it as one line and exits with code 2
+            self._mismatch = None
         return False
 
     def _pull(self, stub: pb_grpc.CoordinatorStub) -> tuple[str, ServerMessage] | bool:
@@ -661,6 +676,8 @@ class ClientDaemon:
                     stages=self._stages,
                 )
         except FedcoreError as exc:
+            if isinstance(exc, ModelMismatch):
+                self._mismatch = exc
             log.warning("round %d %s failed: %s", instruction.round, _what(instruction), exc)
             reply = Failure(
                 client_id=self.config.client_id, round=instruction.round, stage=instruction.stage, reason=str(exc)

@@ -81,9 +81,9 @@ def load_parameters(model: torch.nn.Module, parameters: NamedArrays, *, round: i
     """Copy the global ``parameters`` (name -> numpy array) into ``model`` in place.
 
     Raises:
-        PayloadError: names, shapes or dtypes differ from the model's state dict.
+        ModelMismatch: names, shapes or dtypes differ from the model's state dict (the message names each side).
     """
-    check_spec(parameters, state_spec(model.state_dict()), round=round, client_id=client_id)
+    check_spec(parameters, state_spec(model.state_dict()), round=round, client_id=client_id, received_global=True)
     _copy_into(model, parameters)
 
 
@@ -191,7 +191,7 @@ class ModelCache:
             self._restore()
             self._reclaim()
         if not self._is_checked(parameters):
-            check_spec(parameters, self._spec, round=round, client_id=client_id)
+            check_spec(parameters, self._spec, round=round, client_id=client_id, received_global=True)
             # weak references to the arrays themselves: no other arrays can pass for them, and a global model the
             # server has replaced is not kept alive here (it would be a model-sized copy beside the next one)
             try:

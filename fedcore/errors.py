@@ -79,6 +79,11 @@ class PayloadError(FedcoreError, ValueError):
     """A tensor payload is malformed (truncated, corrupted) or does not match the expected spec."""
 
 
+class ModelMismatch(PayloadError):
+    """The global model a client received does not fit the model its task builds (other tensor names, shapes or
+    dtypes): the client runs another task than the server, which no retry fixes."""
+
+
 class NonFiniteError(PayloadError):
     """A payload or update holds NaN or Inf values."""
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fedcore.errors import NonFiniteError, PayloadError
+from fedcore.errors import ModelMismatch, NonFiniteError, PayloadError
 
 if TYPE_CHECKING:  # for the annotations only: importing this module does not import torch (to_state_dict does)
     import torch
@@ -112,18 +112,32 @@ SAME_MODEL = (
 """The advice of :func:`check_spec`'s name and shape mismatches."""
 
 
+LOCAL_MODEL = (
+    "This client's task builds another model than the server's: start the daemon with the server's --task and "
+    "--task-option values."
+)
+"""The advice of :func:`check_spec`'s mismatches for a global model a client received."""
+
+
 def check_spec(
     arrays: Mapping[str, np.ndarray],
     expected: Sequence[TensorSpec],
     *,
     round: int | None = None,
     client_id: str | None = None,
+    received_global: bool = False,
 ) -> None:
     """Raise :class:`PayloadError` unless ``arrays`` has exactly the names, shapes and dtypes of ``expected``.
 
-    The message lists missing and unexpected names, or the first shape/dtype mismatch.
+    The message lists missing and unexpected names, or the first shape/dtype mismatch. By default ``arrays`` is a
+    client's update, checked against the global model (``expected``). With ``received_global``, ``arrays`` is the
+    global model a client received, checked against the client's own model, and the error is a
+    :class:`ModelMismatch` that names each side.
     """
     want = {s.name: s for s in expected}
+    if received_global:
+        _check_received_global(arrays, want, round=round, client_id=client_id)
+        return
     if mismatch := name_mismatch(arrays, want):
         raise PayloadError(
             f"tensor names do not match the global model: {mismatch}. {SAME_MODEL}",
@@ -144,6 +158,30 @@ def check_spec(
                 round=round,
                 client_id=client_id,
             )
+
+
+def _check_received_global(
+    arrays: Mapping[str, np.ndarray], own: Mapping[str, TensorSpec], *, round: int | None, client_id: str | None
+) -> None:
+    only_global = [n for n in arrays if n not in own]
+    only_own = [n for n in own if n not in arrays]
+    if only_global or only_own:
+        raise ModelMismatch(
+            f"the global model from the server does not fit this client's model: only the global model has "
+            f"{_names(only_global)}, only this client's model has {_names(only_own)}. {LOCAL_MODEL}",
+            round=round,
+            client_id=client_id,
+        )
+    for name, spec in own.items():
+        array = arrays[name]
+        for what, theirs, ours in (("shape", tuple(array.shape), spec.shape), ("dtype", array.dtype.name, spec.dtype)):
+            if theirs != ours:
+                raise ModelMismatch(
+                    f"tensor {_name(name)} has {what} {theirs} in the global model from the server, {ours} in this "
+                    f"client's model. {LOCAL_MODEL}",
+                    round=round,
+                    client_id=client_id,
+                )
 
 
 #: safetensors dtype codes (the format's specification) and the little-endian numpy dtypes fedcore maps them to.

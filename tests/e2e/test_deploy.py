@@ -201,3 +201,36 @@ def test_client_killed_mid_round_closes_round_with_quorum(tmp_path: Path) -> Non
     finally:
         for proc in [server, *clients]:
             proc.close()
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ("model=logreg", "the global model from the server does not fit this client's model: only the global model "
+     "has ['net.1.weight', 'net.1.bias', 'net.3.weight', 'net.3.bias', 'net.5.weight'] ..., only this client's "
+     "model has ['linear.weight', 'linear.bias']"),
+    ("dataset=digits", "tensor 'net.1.weight' has shape (200, 784) in the global model from the server, (200, 64) "
+     "in this client's model"),
+])  # fmt: skip
+def test_a_daemon_whose_task_builds_another_model_exits_2_after_telling_the_server(
+    option: str, message: str, tmp_path: Path
+) -> None:
+    """A daemon started with another --task or --task-option than the server's stayed in the run forever, failing
+    every round and looking healthy to systemd, with a message that named its own tensors 'missing'. It now tells
+    the server why its round failed, leaves, and exits 2 (an error no retry fixes) with a message that names each
+    side; the server closes the round at once, without waiting for the deadline."""
+    options = task_options(_config(tmp_path))
+    flags = ["--seed", str(SEED), "--rounds", "1", "--min-fit-clients", "1", "--round-timeout-s", "120",
+             "--max-round-attempts", "1", "--no-evaluate"]  # fmt: skip
+    server = Proc("server", server_args(0, tmp_path / "state", options, *flags), tmp_path)
+    client: Proc | None = None
+    try:
+        port = server.listening_port()
+        key, value = option.split("=")
+        client = Proc("client", client_args(port, "client-000", 0, NUM_CLIENTS, {**options, key: value}), tmp_path)
+        assert client.wait(60) == 2, client.text()
+        assert f"fedcore: error: [round 1, client 'client-000'] {message}" in client.text(), client.text()
+        assert "start the daemon with the server's --task and --task-option values" in client.text()
+        assert server.wait(60) == 2, server.text()
+        assert message in server.text() and "no heartbeat" not in server.text()
+    finally:
+        for proc in [server, *([client] if client else [])]:
+            proc.close()
