@@ -6,6 +6,7 @@ context (round, client id, stage) where it has it, plus a sentence on what to do
     FedcoreError
     ├── ConfigError            (also ValueError)   invalid configuration, raised before a run starts
     ├── PayloadError           (also ValueError)   malformed or mismatched tensor payload
+    │   ├── ModelMismatch                          the global model does not fit a client's own model
     │   └── NonFiniteError                         NaN or Inf values in a payload or update
     ├── UpdateRejected                             one client's update failed validation (the round goes on)
     ├── AggregationError                           nothing valid to aggregate (e.g. zero total weight)
