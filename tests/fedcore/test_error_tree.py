@@ -44,6 +44,7 @@ ALLOWED_AT = {
 INTERNAL_CLASSES = {
     ("server/app.py", "_Stop"): "SIGTERM inside the server's main thread; run_server catches it and stops cleanly",
     ("client/daemon.py", "_SessionLost"): "the daemon's loop catches it and joins again",
+    ("client/daemon.py", "_Stopped"): "SIGTERM inside the daemon's main thread; ClientDaemon.run catches it and leaves",
 }
 
 BUILTIN_EXCEPTIONS = {
