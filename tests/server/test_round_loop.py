@@ -154,7 +154,7 @@ def test_clients_of_another_model_fail_the_round_with_one_readable_message(
         run_rounds(make_pool(shards, every), all_clients(), initial, RoundConfig(num_rounds=1, max_round_attempts=1))
     message = str(caught.value)
     assert "round failed after 1 attempt(s)" in message
-    assert "start them with the server's --task and --task-option values" in message
+    assert "start the daemon with the server's --task and --task-option values" in message
     assert ".." not in message
     # every client replied: a later deadline would not help, and no update was valid, so neither would a lower quorum
     assert "no client missed the deadline, so a later one would not help" in message
