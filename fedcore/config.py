@@ -518,10 +518,13 @@ def parse_address(text: object, *, what: str, allow_port_zero: bool = False) -> 
         if ":" in host:
             raise ConfigError(f"{what}: {text!r}: an IPv6 address goes in brackets before the port, e.g. [::1]:8443")
         if not host:
-            raise ConfigError(
-                f"{what}: {text!r} has no host; give one, e.g. 0.0.0.0:{port_text or 8443} to listen on every "
-                "interface or 127.0.0.1:8443"
+            shown = port_text or "8443"
+            example = (  # port 0 is allowed where fedcore listens
+                f"0.0.0.0:{shown} to listen on every interface or 127.0.0.1:{shown}"
+                if allow_port_zero
+                else f"the server's host name or address, as in server.example.org:{shown} or 127.0.0.1:{shown}"
             )
+            raise ConfigError(f"{what}: {text!r} has no host; give one, e.g. {example}")
     try:
         host = parse_host(f"[{host}]" if ":" in host else host, what=what)
     except ConfigError as exc:

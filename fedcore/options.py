@@ -212,7 +212,7 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
         text = option.help.replace("%", "%%")
         if option.default not in (None, (), {}) and option.action == "store":
             text = f"{text} (default: {option.default})".strip()
-        elif option.action == "store_false":
+        elif option.action == "store_false" and option.flag.startswith("--no-"):  # --stay's own help says it
             text = f"turn off, which is on by default: {text}"
         kwargs: dict[str, Any] = {"dest": option.dest, "default": None, "help": text or None}
         if option.action in ("store_true", "store_false"):

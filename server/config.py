@@ -46,6 +46,10 @@ from server.round_loop import RoundConfig
 log = logging.getLogger("fedcore.server")
 
 
+MAX_ROUNDS = 1_000_000
+"""The most rounds a server run may ask for, as a simulation (a run of a round a second would take 11 days)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoundSettings:
     """The ``[round]`` table: how many rounds, and how patient each is (see :class:`server.round_loop.RoundConfig`).
@@ -76,6 +80,8 @@ class RoundSettings:
     min_delta: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 1 <= self.rounds <= MAX_ROUNDS:  # named as the file and the flag name it (the loop's num_rounds)
+            raise ConfigError(f"rounds (--rounds) must be in 1..{MAX_ROUNDS:,}, got {self.rounds}")
         self.round_config(seed=0)  # the round loop's own checks, now
 
     def round_config(self, *, seed: int) -> RoundConfig:
@@ -182,6 +188,12 @@ class TlsSettings:
                     f"{', '.join(given)} cannot be combined with --insecure (plaintext): leave out --insecure to "
                     "serve TLS, or the TLS files to serve plaintext"
                 )
+        elif (self.cert is None) != (self.key is None):
+            present, missing = ("--tls-cert", "--tls-key") if self.key is None else ("--tls-key", "--tls-cert")
+            raise ConfigError(
+                f"{present} was given without {missing}: TLS needs both the server's certificate (--tls-cert) and its "
+                "private key (--tls-key), as `fedcore certs init` writes them (server.pem, server.key)"
+            )
         elif self.cert is None or self.key is None:
             raise ConfigError(
                 "TLS is on by default: give --tls-cert and --tls-key (make them with `fedcore certs init`), "

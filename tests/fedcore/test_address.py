@@ -47,7 +47,7 @@ BAD = {
     "127.0.0.1:": "port '' in '127.0.0.1:' is not a number",
     "127.0.0.1:84a3": "port '84a3' in '127.0.0.1:84a3' is not a number",
     "127.0.0.1:８４４３": "is not a number",  # full-width digits: str.isdigit() says yes, int() would take them
-    ":8443": "':8443' has no host; give one, e.g. 0.0.0.0:8443",
+    ":8443": "':8443' has no host; give one, e.g. the server's host name or address, as in server.example.org:8443",
     "::1:8443": "an IPv6 address goes in brackets before the port, e.g. [::1]:8443",
     "[::1]": "no port after the IPv6 address; write it as [::1]:8443",
     "[::1:8443": "opens '[' but never closes it",
@@ -69,6 +69,14 @@ def test_invalid_addresses_say_what_is_wrong_and_show_the_right_form(text: str) 
     assert message.startswith("--server: ")
     assert BAD[text] in message
     assert "8443" in message  # every message shows a right form
+
+
+def test_a_missing_host_is_explained_for_listening_and_for_connecting() -> None:
+    """A client's --server ':8443' was told to listen on 0.0.0.0 (the server's wording)."""
+    with pytest.raises(ConfigError, match=r"has no host; give one, e.g\. 0\.0\.0\.0:9000 to listen on every interface"):
+        parse_address(":9000", what="--address", allow_port_zero=True)
+    with pytest.raises(ConfigError, match=r"has no host; give one, e\.g\. the server's host name or address, as in"):
+        parse_address(":9000", what="--server")
 
 
 def test_port_zero_only_where_the_os_is_to_pick() -> None:
@@ -205,7 +213,7 @@ def test_the_client_connects_to_the_address_as_parsed() -> None:
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
-        ("--rounds=0", "num_rounds must be >= 1, got 0"),
+        ("--rounds=0", "rounds (--rounds) must be in 1..1,000,000, got 0"),
         ("--evaluate-every=0", "evaluate_every must be >= 1, got 0"),
         ("--max-round-attempts=0", "max_round_attempts must be >= 1, got 0"),
         ("--wait-for-clients-s=nan", "wait_for_clients_s must be > 0, got nan"),
