@@ -460,9 +460,32 @@ def _task_error(exc: Exception, instruction: Instruction, client_id: str) -> Cli
     )
 
 
+def _returned(result: object, ins: Instruction, client_id: str) -> None:
+    """Refuse what ``task.train`` (a fit) or ``task.evaluate`` (an evaluation) returned when it is not a
+    :class:`~fedcore.task.TrainResult` / :class:`~fedcore.task.EvalResult` (``None``: a ``return`` forgotten; a
+    tuple: Flower's ``fit`` convention), rather than failing on its first missing field.
+
+    Raises:
+        ClientTaskError: naming the method, what it returned and what it must return.
+    """
+    fit = isinstance(ins, FitIns)
+    fields = ("num_examples", "metrics") if fit else ("loss", "num_examples", "metrics")
+    if all(hasattr(result, name) for name in fields):
+        return
+    method, kind = ("task.train", "a TrainResult") if fit else ("task.evaluate", "an EvalResult")
+    raise ClientTaskError(
+        f"{method} returned {bounded_repr(result)} ({type(result).__name__}), not {kind}; it must return "
+        f"{kind.split()[1]}({', '.join(f'{name}=...' for name in fields)}) (fedcore.task)",
+        round=ins.round,
+        client_id=client_id,
+        stage=ins.stage.value,
+    )
+
+
 def _fit(task: Task, model: torch.nn.Module, ins: FitIns, client_id: str, models: ModelCache | None) -> FitRes:
     started = time.perf_counter()
     result = train_task(task, model, ins.config, ins.parameters, seed=ins.seed, round=ins.round, client_id=client_id)
+    _returned(result, ins, client_id)
     num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.FIT)
     for param in model.parameters():  # the gradients are done with: not held beside the update
         param.grad = None
@@ -533,6 +556,7 @@ def _fit_parallel(task: Task, parallel: ParallelTraining, ins: FitIns, client_id
 
 def _evaluate(task: Task, model: torch.nn.Module, ins: EvaluateIns, client_id: str) -> EvaluateRes:
     result: EvalResult = task.evaluate(model, ins.batch_size)
+    _returned(result, ins, client_id)
     num_examples = _example_count(result.num_examples, round=ins.round, client_id=client_id, stage=Stage.EVALUATE)
     loss = metric_value(result.loss)
     if loss is None:  # not a number at all: a bug in the task; NaN/Inf are values the server leaves out and counts

@@ -51,6 +51,46 @@ def test_a_task_that_raises_becomes_a_client_task_error_with_context() -> None:
         run_instruction(broken, FitIns(round=4, parameters=initial, config=CONFIG, seed=1), "a")
 
 
+class _Returns:
+    """The MLP task, with train and evaluate returning ``value`` instead of their results."""
+
+    def __init__(self, value: object) -> None:
+        self.inner = engine_tasks.mlp_task(context("a"))
+        self.value = value
+
+    def build_model(self) -> torch.nn.Module:
+        return self.inner.build_model()
+
+    def train(self, model: torch.nn.Module, config: FitConfig, context: object) -> object:
+        self.inner.train(model, config, context)  # type: ignore[arg-type]
+        return self.value
+
+    def evaluate(self, model: torch.nn.Module, batch_size: int) -> object:
+        return self.value
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(None, "None (NoneType)"), ((np.zeros(2), 40, {}), "(array([0., 0.]), 40, {}) (tuple)")]
+)
+def test_a_train_or_evaluate_that_returns_no_result_says_what_it_must_return(value: object, shown: str) -> None:
+    """A forgotten ``return`` (None) or Flower's (parameters, num_examples, metrics) tuple: the round failed with
+    "the task raised AttributeError: 'NoneType' object has no attribute 'num_examples'"."""
+    task = _Returns(value)
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    with pytest.raises(ClientTaskError) as caught:
+        run_instruction(task, FitIns(round=3, parameters=initial, config=CONFIG, seed=1), "a")  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"[round 3, client 'a', stage fit] task.train returned {shown}, not a TrainResult; it must return "
+        "TrainResult(num_examples=..., metrics=...) (fedcore.task)"
+    )
+    with pytest.raises(ClientTaskError) as caught:
+        run_instruction(task, EvaluateIns(round=3, parameters=initial), "a")  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"[round 3, client 'a', stage evaluate] task.evaluate returned {shown}, not an EvalResult; it must return "
+        "EvalResult(loss=..., num_examples=..., metrics=...) (fedcore.task)"
+    )
+
+
 def test_evaluate_reports_loss_and_accuracy() -> None:
     task = engine_tasks.mlp_task(context("b"))
     initial = engine_tasks.initial_parameters(engine_tasks.mlp)
