@@ -395,16 +395,22 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
     return result
 
 
-def merge_mappings(base: Mapping[str, Any], updates: Mapping[str, Any]) -> dict[str, Any]:
+def merge_mappings(base: Mapping[str, Any], updates: Mapping[str, Any], *, where: str = "") -> dict[str, Any]:
     """A new nested dict: ``base`` with ``updates`` laid over it, table by table (neither is mutated).
 
     A table in ``updates`` merges into the table of the same key in ``base``; any other value replaces it.
+
+    Raises:
+        ConfigError: ``base`` holds a value where ``updates`` has a table (a config file's ``round = 5`` beside a
+            ``[round]`` flag): the table's flags would silently replace it, as if the file never said it.
     """
     out: dict[str, Any] = {k: (merge_mappings(v, {}) if isinstance(v, Mapping) else v) for k, v in base.items()}
     for key, value in updates.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge_mappings(out[key], value)
+            out[key] = merge_mappings(out[key], value, where=f"{where}{key}.")
         elif isinstance(value, Mapping):
+            if key in out:
+                raise ConfigError(f"{where}{key}: expected a table, got {out[key]!r}")
             out[key] = merge_mappings(value, {})
         else:
             out[key] = value

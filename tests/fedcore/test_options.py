@@ -242,6 +242,37 @@ def test_contradictions_and_missing_files_are_refused_before_anything_is_created
     assert "invalid choice: 'median'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("file", "flags", "message"),
+    [
+        ("round = 5\n", ["--wait-for-clients-s", "3"], "round: expected a table, got 5"),
+        ('tls = "off"\n', ["--insecure"], "tls: expected a table, got 'off'"),
+        ("sampling = 0.5\n", ["--fraction-fit", "0.5"], "sampling: expected a table, got 0.5"),
+    ],
+)
+def test_a_files_value_where_a_flags_table_goes_is_refused_not_replaced(
+    file: str, flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config file's ``round = 5`` was refused ("expected a table") unless a flag of [round] was also given,
+    which replaced it silently, as if the file never said it."""
+    config = tmp_path / "server.toml"
+    config.write_text(file)
+    state = tmp_path / "state"
+    base = [
+        "server",
+        "start",
+        "--config",
+        str(config),
+        "--task",
+        "simulations.tasks:demo_task",
+        "--state-dir",
+        str(state),
+    ]
+    assert main([*base, *([] if "--insecure" in flags else ["--insecure"]), *flags]) == 2
+    assert capsys.readouterr().err == f"fedcore: error: {message}\n"
+    assert not state.exists()
+
+
 def test_the_daemon_reads_a_toml_file_and_flags_override_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
