@@ -52,6 +52,7 @@ import torch
 from fedcore.aggregation import metric_value
 from fedcore.config import scalar_fields
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError, pip_install
+from fedcore.messages import bounded_repr
 from fedcore.task import EvalResult, FitConfig, Task, TaskContext, TaskFactory, TrainContext, TrainResult
 
 log = logging.getLogger("fedcore.client")
@@ -194,7 +195,8 @@ def scalar_metrics(metrics: object, *, stage: str) -> dict[str, float]:
     floats (:func:`fedcore.aggregation.metric_value`: an int beyond the float range becomes ±inf, which the server
     leaves out of its averages; no value can fail the instruction).
 
-    String and bytes values, which fedcore's metrics cannot carry, are dropped (logged at debug level).
+    String and bytes values, which fedcore's metrics cannot carry, are dropped (logged at debug level); values that
+    are no Flower ``Scalar`` at all (None, a list, a dict) are dropped with a warning that names them.
 
     Raises:
         ClientTaskError: ``metrics`` is not a dict.
@@ -204,12 +206,23 @@ def scalar_metrics(metrics: object, *, stage: str) -> dict[str, float]:
             f"the Flower client's {stage} returned metrics of type {type(metrics).__name__}, not a dict"
         )
     kept: dict[str, float] = {}
+    invalid: list[str] = []  # not a Flower Scalar at all (None, a list, a dict): a bug in the client, said out loud
     for key, value in metrics.items():
         number = metric_value(value)  # 0-d arrays and numpy scalars too; an int beyond the float range is ±inf
-        if number is None:
+        if number is not None:
+            kept[str(key)] = number
+        elif isinstance(value, (str, bytes)):  # a Flower Scalar that fedcore's metrics cannot carry
             log.debug("dropping non-numeric Flower metric %r (%s)", key, type(value).__name__)
         else:
-            kept[str(key)] = number
+            invalid.append(f"{bounded_repr(str(key), 40)} ({type(value).__name__})")
+    if invalid:
+        log.warning(
+            "the Flower client's %s returned %d metric(s) that are not Flower Scalars (bool, bytes, float, int, "
+            "str), dropped: %s",
+            stage,
+            len(invalid),
+            ", ".join(invalid[:5]),
+        )
     return kept
 
 

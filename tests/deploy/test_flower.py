@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 import numpy as np
@@ -403,7 +404,7 @@ def test_what_is_no_number_is_still_refused_as_an_array() -> None:
         run_instruction(FlowerTask(Texts()), ins, "c0")
 
 
-def test_flower_metric_values_of_every_kind_never_fail_the_instruction() -> None:
+def test_flower_metric_values_of_every_kind_never_fail_the_instruction(caplog: pytest.LogCaptureFixture) -> None:
     # flwr's Scalar allows any int: 10**400 (like float("inf"), NaN or a string) must not fail the client's fit
     class Odd(_ScalarClient):
         def fit(self, parameters, config):  # type: ignore[no-untyped-def]
@@ -416,11 +417,17 @@ def test_flower_metric_values_of_every_kind_never_fail_the_instruction() -> None
 
     task = FlowerTask(Odd())
     initial = from_state_dict(task.build_model().state_dict())
-    reply = run_instruction(task, FitIns(round=1, parameters=initial, config=CONFIG, seed=SEED), "c0")
+    with caplog.at_level(logging.WARNING, logger="fedcore"):
+        reply = run_instruction(task, FitIns(round=1, parameters=initial, config=CONFIG, seed=SEED), "c0")
     assert isinstance(reply, FitRes)
     metrics = {k: v for k, v in reply.metrics.items() if k != "fit_seconds"}
     assert np.isnan(metrics.pop("nan"))  # passed on, for the server to leave out of its average
     assert metrics == {"huge": np.inf, "minus": -np.inf, "flag": 1.0, "zero_d": 2.0}
+    # strings and bytes are Flower Scalars fedcore cannot carry (dropped quietly); a vector is none (said out loud)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        "the Flower client's fit returned 1 metric(s) that are not Flower Scalars (bool, bytes, float, int, str), "
+        "dropped: 'vector' (ndarray)"
+    ]
     # a loss beyond the float range: inf, passed on for the server to leave out (and count)
     evaluated = run_instruction(task, EvaluateIns(round=1, parameters=reply.parameters, batch_size=4), "c0")
     assert isinstance(evaluated, EvaluateRes)
