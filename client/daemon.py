@@ -61,7 +61,7 @@ from fedcore.proto.v1 import fedcore_pb2 as pb
 from fedcore.proto.v1 import fedcore_pb2_grpc as pb_grpc
 from fedcore.selection import check_attributes
 from fedcore.task import Task, TaskContext, TaskFactory, check_engine_task, load_task_factory
-from fedcore.tensors import NamedArrays, decode, read_metadata
+from fedcore.tensors import NamedArrays, check_finite, decode, read_metadata
 from fedcore.wire import (
     TRANSFER_OPTIONS,
     BackgroundDigest,
@@ -676,6 +676,8 @@ class ClientDaemon:
                     state=self._state,
                     stages=self._stages,
                 )
+                if isinstance(reply, FitRes):  # said here, where the data holder reads: not only in the server's log
+                    check_finite(reply.parameters, round=instruction.round, client_id=self.config.client_id)
         except FedcoreError as exc:
             if isinstance(exc, ModelMismatch):
                 self._mismatch = exc

@@ -193,3 +193,52 @@ def test_a_daemon_with_a_parallel_plan_refuses_a_task_with_its_own_loop_at_start
         assert h.pool.available() == []  # left at once
     finally:
         h.close()
+
+
+def test_a_daemon_whose_training_blows_up_says_so_in_its_own_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A task whose training turns the model NaN: the daemon logged 'round 1 trained: 12 examples' and sent the
+    update, and only the server's log said it was rejected, so the data holder never learned. The daemon now
+    fails the round itself, with the tensor and the advice in its log, and the server records that reason."""
+    import logging
+
+    import torch
+
+    from fedcore.strategy import SamplingConfig, Strategy
+    from fedcore.task import EvalResult, FitConfig, TrainContext, TrainResult, initial_parameters
+    from server.round_loop import RoundConfig, initial_state, run_rounds
+    from tests.deploy.daemon_threads import daemon_threads
+    from tests.server.test_scaffold import make_task, model_fn
+
+    class Exploding:
+        def __init__(self) -> None:
+            self.inner = make_task("a")
+
+        def build_model(self) -> torch.nn.Module:
+            return model_fn()
+
+        def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("inf")  # the Linear's weight
+            return TrainResult(num_examples=12, metrics={})
+
+        def evaluate(self, model: torch.nn.Module, batch_size: int) -> EvalResult:
+            return self.inner.evaluate(model, batch_size)
+
+    strategy = Strategy(fit=FitConfig(lr=0.1), sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
+    start = initial_state(initial_parameters(model_fn, 3), strategy)
+    h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=5.0)
+    try:
+        tasks: dict[str, Task] = {"good": make_task("b"), "bad": Exploding()}
+        with caplog.at_level(logging.INFO, logger="fedcore.client"), daemon_threads(h, list(tasks), tasks.__getitem__):
+            _, records = run_rounds(h.pool, strategy, start, RoundConfig(num_rounds=1, seed=3, round_timeout_s=60))
+    finally:
+        h.pool.finish()
+        h.close()
+    advice = "tensor 'weight' holds 1 NaN/Inf value(s); the update is rejected. Check the client's learning rate"
+    assert records[0].accepted == ("good",)
+    assert [f.client_id for f in records[0].failures] == ["bad"] and advice in records[0].failures[0].reason
+    lines = [r.getMessage() for r in caplog.records if r.name == "fedcore.client"]
+    assert any(line.startswith("round 1 fit failed: [round 1, client 'bad'] " + advice) for line in lines), lines
+    assert sum(line.startswith("round 1 trained") for line in lines) == 1  # the good client's alone
