@@ -646,7 +646,8 @@ def _fit_round(
             if len(accepted) < config.min_fit_results:
                 raise RoundFailed(
                     f"only {len(accepted)} of {len(selected)} selected clients returned a valid update; the quorum "
-                    f"is {config.min_fit_results}. Failures: {failure_summary(failures)}",
+                    f"is {config.min_fit_results}. Failures: "
+                    + _with_model_hint(failure_summary(failures), state, selected, failures),
                     round=rnd,
                 )
             _stages_after_fit(pool, protocol_run, config, accepted, all_failures)
@@ -798,6 +799,37 @@ def _quorum_advice(failures: Sequence[Failure], accepted: Sequence[str]) -> str:
         return "; check the failing clients' logs, lower the quorum, or raise the deadline"
     lower = ", or lower the quorum" if accepted else ""
     return f"; no client missed the deadline, so a later one would not help: remove the cause the failures name{lower}"
+
+
+EXTREME_UPDATE_ADVICE = (
+    "a norm bound (--norm-bound) or a robust aggregator (--aggregator) keeps one client's extreme update out of "
+    "the global model"
+)
+
+
+def _with_model_hint(summary: str, state: ServerState, selected: Sequence[str], failures: Sequence[Failure]) -> str:
+    """``summary``, and when every one of two or more selected clients sent NaN/Inf from a trained global model, a
+    sentence that the model is the likely cause (its L2 norm, and what keeps an extreme update out), not each
+    client's learning rate and data, which each failure's own advice names."""
+    failed = {f.client_id for f in failures if "NaN/Inf value(s)" in f.reason}
+    if state.round < 1 or len(selected) < 2 or not failed >= set(selected):
+        return summary
+    names = state.trainable if state.trainable is not None else state.parameters.keys()
+    with np.errstate(over="ignore", invalid="ignore"):
+        size = math.sqrt(
+            sum(
+                float(np.sum(np.square(state.parameters[name], dtype=np.float64)))
+                for name in names
+                if state.parameters[name].dtype.kind == "f"
+            )
+        )
+    noised = any("noise" in f.reason for f in failures)  # distributed DP: the failures' own advice gives the noise
+    return (
+        f"{summary.rstrip('.')}. Every selected client's update from the global model of round {state.round} holds "
+        f"NaN/Inf: that model is the likely cause (its L2 norm is {size:.3g}; see that round's update_norm and "
+        "test_loss in history.csv), not each client's learning rate or data"
+        + ("" if noised else f"; {EXTREME_UPDATE_ADVICE}")
+    )
 
 
 def failure_summary(failures: Sequence[Failure], *, reasons: int = 5, ids: int = 3) -> str:
@@ -994,6 +1026,15 @@ def _evaluate_round(
     if evaluate_fn is not None:
         central = _central_evaluation(evaluate_fn, state, evaluation_errors)
         changes["eval_loss"] = central.eval_loss
+        if central.eval_loss is not None and not math.isfinite(central.eval_loss) and record.round > 0:
+            log.warning(  # said now: the next round's clients all fail from this model, and look to blame
+                "round %d: the new global model's test loss is %s (its update norm %.3g): an extreme update may have "
+                "taken it; %s",
+                record.round,
+                central.eval_loss,
+                record.update_norm,
+                EXTREME_UPDATE_ADVICE,
+            )
         changes["eval_metrics"] = central.eval_metrics
         left_out += central.metrics_left_out
     available = strategy.selection.candidates(pool.available(), round=state.round)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -159,6 +160,43 @@ def test_clients_of_another_model_fail_the_round_with_one_readable_message(
     # every client replied: a later deadline would not help, and no update was valid, so neither would a lower quorum
     assert "no client missed the deadline, so a later one would not help" in message
     assert "raise the deadline" not in message and "quorum," not in message and "lower the quorum" not in message
+
+
+class HugeUpdateTask(NaNTask):
+    """A client that trains, then multiplies its model by 1e30: a finite update no check refuses."""
+
+    def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        result = self.inner.train(model, config, context)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1e30)
+        return result
+
+
+def test_one_clients_extreme_update_is_named_as_the_cause_when_every_client_fails_the_next_round(
+    shards: list[tuple[torch.Tensor, torch.Tensor]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One client's update of norm ~1e30 is averaged in (finite: no check refuses it) and the next round every
+    client's update is NaN/Inf. Before, round 1 passed without a word and round 2's error told each client to
+    check its learning rate and data; now round 1 warns of the non-finite test loss, and round 2's error says the
+    global model is the likely cause, with its norm and what keeps such an update out."""
+    from fedcore.task import central_evaluation
+
+    initial = initial_parameters(model_fn, seed=1)
+    pool = make_pool(shards, {0: lambda: HugeUpdateTask(shards[0])})
+    evaluate = central_evaluation(SupervisedTask(model_fn=model_fn, train_data=shards[1], test_data=shards[1]), 64)
+    with caplog.at_level(logging.WARNING, logger="fedcore.server"), pytest.raises(RoundFailed) as caught:
+        run_rounds(pool, all_clients(), initial, RoundConfig(num_rounds=2, max_round_attempts=1), evaluate_fn=evaluate)
+    warnings = [r.getMessage() for r in caplog.records if "test loss" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("round 1: the new global model's test loss is nan (its update")
+    assert "a norm bound (--norm-bound) or a robust aggregator (--aggregator)" in warnings[0]
+    message = str(caught.value)
+    assert message.startswith("[round 2] round failed after 1 attempt(s): only 0 of 4 selected clients returned")
+    assert (
+        "Every selected client's update from the global model of round 1 holds NaN/Inf: that model is the " in message
+    )
+    assert re.search(r"its L2 norm is [0-9.]+e\+(29|30|31);", message), message
+    assert ".." not in message
 
 
 class ZeroExamplesTask(NaNTask):
