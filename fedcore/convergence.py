@@ -51,19 +51,32 @@ def update_norm(new: NamedArrays, old: NamedArrays, trainable: frozenset[str] | 
         ``sqrt(sum((new - old)**2))`` in float64 over those tensors, computed block by block (1 Mi elements), so
         no temporary of the model's size is made; 0.0 when no tensor is stepped.
     """
+    return _stepped_norm(new, old, trainable)
+
+
+def parameter_norm(parameters: NamedArrays, trainable: frozenset[str] | None = None) -> float:
+    """The L2 norm of a global model itself over the tensors the server optimizer steps: :func:`update_norm`
+    from the zero model (float64, block by block; inf when the squares overflow)."""
+    return _stepped_norm(parameters, None, trainable)
+
+
+def _stepped_norm(new: NamedArrays, old: NamedArrays | None, trainable: frozenset[str] | None) -> float:
+    """``sqrt(sum((new - old)**2))`` over the stepped tensors, block by block; ``old`` None: the zero model."""
     total = 0.0
     for name, after in new.items():
         if not stepped(name, after, trainable):
             continue
-        a, b = after.reshape(-1), old[name].reshape(-1)
-        fused = a.dtype in FUSED_DTYPES and b.dtype == a.dtype
+        a = after.reshape(-1)
+        b = old[name].reshape(-1) if old is not None else np.zeros(0, a.dtype)
+        fused = b.size and a.dtype in FUSED_DTYPES and b.dtype == a.dtype
         for i in range(0, a.size, _BLOCK):
             x, y = a[i : i + _BLOCK], b[i : i + _BLOCK]
             if fused:
                 total += squared_distance(x, y)
             else:
-                d = x.astype(np.float64) - y.astype(np.float64)
-                total += float(np.dot(d, d))
+                d = x.astype(np.float64) - (y.astype(np.float64) if b.size else 0.0)
+                with np.errstate(over="ignore"):  # an overflow is an infinite norm
+                    total += float(np.dot(d, d))
     return math.sqrt(total)
 
 

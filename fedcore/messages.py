@@ -20,7 +20,7 @@ import numpy as np
 from fedcore.errors import PayloadError
 from fedcore.payload import pack_groups
 from fedcore.task import FitConfig
-from fedcore.tensors import NamedArrays, num_bytes
+from fedcore.tensors import NON_FINITE_WORDS, NamedArrays, num_bytes
 
 MAX_METRICS = 256
 """The most metrics one reply carries (the gRPC server refuses a result with more: they become history columns)."""
@@ -177,6 +177,16 @@ class Failure:
 DEADLINE_MISSED = "no reply within the"
 """The words every pool's :class:`Failure` reason holds for a client that missed an exchange's deadline
 (:func:`missed_deadline`)."""
+
+
+DP_NOISE_WORDS = "carries distributed DP's noise"
+"""The words a client's :class:`Failure` reason holds when its non-finite update is put down to the noise the
+global model carries under distributed DP (the SecAgg+ client mod's advice)."""
+
+
+def non_finite_update(failure: Failure) -> bool:
+    """Whether ``failure`` is a client whose update held NaN or Inf (:func:`fedcore.tensors.check_finite`)."""
+    return NON_FINITE_WORDS in failure.reason
 
 
 def missed_deadline(failure: Failure) -> bool:

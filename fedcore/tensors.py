@@ -78,6 +78,10 @@ def _all_finite(array: np.ndarray) -> bool:
     return all(bool(np.isfinite(flat[i : i + _FINITE_BLOCK]).all()) for i in range(0, flat.size, _FINITE_BLOCK))
 
 
+NON_FINITE_WORDS = "NaN/Inf value(s)"
+"""The words every :func:`check_finite` message holds (and so a client's :class:`~fedcore.messages.Failure` reason
+for such an update: :func:`fedcore.messages.non_finite_update`)."""
+
 UPDATE_ADVICE = "the update is rejected. Check the client's learning rate and input data."
 """:func:`check_finite`'s advice by default: for a client's update."""
 
@@ -99,7 +103,7 @@ def check_finite(
         if array.dtype.kind in "fc" and not _all_finite(array):
             bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
             raise NonFiniteError(
-                f"tensor {name!r} holds {bad} NaN/Inf value(s); {advice}",
+                f"tensor {name!r} holds {bad} {NON_FINITE_WORDS}; {advice}",
                 round=round,
                 client_id=client_id,
             )
@@ -135,53 +139,32 @@ def check_spec(
     :class:`ModelMismatch` that names each side.
     """
     want = {s.name: s for s in expected}
-    if received_global:
-        _check_received_global(arrays, want, round=round, client_id=client_id)
-        return
-    if mismatch := name_mismatch(arrays, want):
-        raise PayloadError(
-            f"tensor names do not match the global model: {mismatch}. {SAME_MODEL}",
+    error = ModelMismatch if received_global else PayloadError
+    missing, extra = _name_differences(arrays, want)
+    if missing or extra:  # missing: only ``expected`` has them (the client's model, for a received global model)
+        raise error(
+            f"the global model from the server does not fit this client's model: only the global model has "
+            f"{_names(extra)}, only this client's model has {_names(missing)}. {LOCAL_MODEL}"
+            if received_global
+            else f"tensor names do not match the global model: missing {_names(missing)}, unexpected "
+            f"{_names(extra)}. {SAME_MODEL}",
             round=round,
             client_id=client_id,
         )
     for name, spec in want.items():
         array = arrays[name]
-        if tuple(array.shape) != spec.shape:
-            raise PayloadError(
-                f"tensor {_name(name)} has shape {tuple(array.shape)}, expected {spec.shape}. {SAME_MODEL}",
-                round=round,
-                client_id=client_id,
-            )
-        if array.dtype.name != spec.dtype:
-            raise PayloadError(
-                f"tensor {_name(name)} has dtype {array.dtype.name}, expected {spec.dtype}.",
-                round=round,
-                client_id=client_id,
-            )
-
-
-def _check_received_global(
-    arrays: Mapping[str, np.ndarray], own: Mapping[str, TensorSpec], *, round: int | None, client_id: str | None
-) -> None:
-    only_global = [n for n in arrays if n not in own]
-    only_own = [n for n in own if n not in arrays]
-    if only_global or only_own:
-        raise ModelMismatch(
-            f"the global model from the server does not fit this client's model: only the global model has "
-            f"{_names(only_global)}, only this client's model has {_names(only_own)}. {LOCAL_MODEL}",
-            round=round,
-            client_id=client_id,
-        )
-    for name, spec in own.items():
-        array = arrays[name]
-        for what, theirs, ours in (("shape", tuple(array.shape), spec.shape), ("dtype", array.dtype.name, spec.dtype)):
-            if theirs != ours:
-                raise ModelMismatch(
-                    f"tensor {_name(name)} has {what} {theirs} in the global model from the server, {ours} in this "
-                    f"client's model. {LOCAL_MODEL}",
-                    round=round,
-                    client_id=client_id,
+        for what, got, wanted in (("shape", tuple(array.shape), spec.shape), ("dtype", array.dtype.name, spec.dtype)):
+            if got == wanted:
+                continue
+            if received_global:
+                message = (
+                    f"tensor {_name(name)} has {what} {got} in the global model from the server, {wanted} in this "
+                    f"client's model. {LOCAL_MODEL}"
                 )
+            else:  # an update of another dtype is the client's cast, not another model
+                advice = f" {SAME_MODEL}" if what == "shape" else ""
+                message = f"tensor {_name(name)} has {what} {got}, expected {wanted}.{advice}"
+            raise error(message, round=round, client_id=client_id)
 
 
 #: safetensors dtype codes (the format's specification) and the little-endian numpy dtypes fedcore maps them to.
@@ -231,11 +214,17 @@ def _header_size_problem(header_len: int) -> str:
 def name_mismatch(arrays: Mapping[str, object], expected: Mapping[str, object] | Sequence[str]) -> str | None:
     """``"missing [...], unexpected [...]"`` (at most 5 names each, each bounded for an error message) when the
     names of ``arrays`` differ from ``expected``'s (a mapping's keys, or a sequence of names), else None."""
-    missing = [n for n in expected if n not in arrays]
-    extra = [n for n in arrays if n not in expected]
+    missing, extra = _name_differences(arrays, expected)
     if not missing and not extra:
         return None
     return f"missing {_names(missing)}, unexpected {_names(extra)}"
+
+
+def _name_differences(
+    arrays: Mapping[str, object], expected: Mapping[str, object] | Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """The names ``expected`` has and ``arrays`` lacks, and those ``arrays`` has and ``expected`` lacks."""
+    return [n for n in expected if n not in arrays], [n for n in arrays if n not in expected]
 
 
 def _names(names: Sequence[str]) -> str:

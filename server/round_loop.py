@@ -38,9 +38,10 @@ from fedcore.aggregation import (
     metric_value,
     weighted_metrics,
 )
-from fedcore.convergence import Convergence, Stop, StopRules, stop_columns, update_norm
+from fedcore.convergence import Convergence, Stop, StopRules, parameter_norm, stop_columns, update_norm
 from fedcore.errors import BudgetExhausted, ClientTaskError, ConfigError, FedcoreError, RoundFailed, UpdateRejected
 from fedcore.messages import (
+    DP_NOISE_WORDS,
     MAX_EXAMPLES,
     EvaluateIns,
     EvaluateRes,
@@ -53,6 +54,7 @@ from fedcore.messages import (
     bound_text,
     bounded_repr,
     missed_deadline,
+    non_finite_update,
 )
 from fedcore.mods import decode_reply, server_inverses
 from fedcore.selection import ClientObservation, batch_observations, observation
@@ -811,19 +813,11 @@ def _with_model_hint(summary: str, state: ServerState, selected: Sequence[str], 
     """``summary``, and when every one of two or more selected clients sent NaN/Inf from a trained global model, a
     sentence that the model is the likely cause (its L2 norm, and what keeps an extreme update out), not each
     client's learning rate and data, which each failure's own advice names."""
-    failed = {f.client_id for f in failures if "NaN/Inf value(s)" in f.reason}
+    failed = {f.client_id for f in failures if non_finite_update(f)}
     if state.round < 1 or len(selected) < 2 or not failed >= set(selected):
         return summary
-    names = state.trainable if state.trainable is not None else state.parameters.keys()
-    with np.errstate(over="ignore", invalid="ignore"):
-        size = math.sqrt(
-            sum(
-                float(np.sum(np.square(state.parameters[name], dtype=np.float64)))
-                for name in names
-                if state.parameters[name].dtype.kind == "f"
-            )
-        )
-    noised = any("noise" in f.reason for f in failures)  # distributed DP: the failures' own advice gives the noise
+    size = parameter_norm(state.parameters, state.trainable)
+    noised = any(DP_NOISE_WORDS in f.reason for f in failures)  # the failures' own advice gives the noise
     return (
         f"{summary.rstrip('.')}. Every selected client's update from the global model of round {state.round} holds "
         f"NaN/Inf: that model is the likely cause (its L2 norm is {size:.3g}; see that round's update_norm and "

@@ -40,7 +40,7 @@ from fedcore.errors import (
     RoundFailed,
     UpdateRejected,
 )
-from fedcore.messages import FitIns, FitRes, ModSpec, StageIns, StageRes, bound_text
+from fedcore.messages import DP_NOISE_WORDS, FitIns, FitRes, ModSpec, StageIns, StageRes, bound_text
 from fedcore.mods import CallNext, ModContext
 from fedcore.stages import Exchange, Phase
 from fedcore.strategy import Strategy
@@ -540,7 +540,7 @@ class SecAggMod:
         share = integer_noise_stddev(self.noise_multiplier, clipping_norm, params.clip, params.levels, size)
         s = share * params.step
         return (
-            "the update is not sent. The global model it was trained from carries distributed DP's noise: each "
+            f"the update is not sent. The global model it was trained from {DP_NOISE_WORDS}: each "
             f"client's share has standard deviation {s:.3g} per coordinate (noise multiplier share "
             f"{self.noise_multiplier:.3g} times clipping norm {clipping_norm:g}, plus the field's rounding), so a "
             f"round of n clients adds {s:.3g} / sqrt(n). If many clients' updates are not finite, that noise is too "
