@@ -323,13 +323,7 @@ def _parallel_plan(path: str | None, pairs: list[str]) -> ParallelPlan | None:
     table = load_toml(path).get("parallel", {}) if path is not None else {}
     if not isinstance(table, dict):
         raise ConfigError(f"[parallel] in {path!r} must be a table")
-    merged: dict[str, object] = dict(table)
-    for item in pairs:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--parallel expects key=value, got {item!r}")
-        merged[key.strip()] = value.strip()
-    return ParallelPlan.from_mapping(merged)
+    return ParallelPlan.from_cli(pairs, table)
 
 
 def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

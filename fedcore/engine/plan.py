@@ -286,38 +286,62 @@ class ParallelPlan:
         ``split_points="a,b"``, ``stage_modules="a,b;c,d"``, ``sharded="true"``.
 
         Raises:
-            ConfigError: an unknown key, or a value of the wrong type or range.
+            ConfigError: an unknown key, an option given twice (also as a field name and an alias), or a value of
+                the wrong type or range.
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for raw_key, value in table.items():
-            key = raw_key.strip().replace("-", "_").lower()
-            key = _ALIASES.get(key, key)
-            if key not in fields:
-                raise ConfigError(
-                    f"unknown parallel plan option {raw_key!r}; valid: {sorted(fields)} (aliases {sorted(_ALIASES)})"
-                )
-            if key in kwargs:
-                raise ConfigError(f"parallel plan option {key!r} is given twice")
-            kwargs[key] = _coerce(key, value)
-        return cls(**kwargs)
+        return cls._build(_canonical_options(table, "the [parallel] table"))
 
     @classmethod
-    def from_cli(cls, items: Sequence[str]) -> ParallelPlan:
+    def from_cli(cls, items: Sequence[str], table: Mapping[str, Any] | None = None) -> ParallelPlan:
         """Build a plan from ``--parallel key=value`` flags, e.g. ``["dp=2", "pp=2", "split_points=blocks.2"]``.
 
+        Args:
+            items: the flags' ``key=value`` strings; keys as in :meth:`from_mapping`.
+            table: a ``[parallel]`` table from a file; the flags win over its options, alias or not (the file's
+                ``data_parallel = 2`` and ``dp=3`` give 3).
+
         Raises:
-            ConfigError: an item is not ``key=value``, or as :meth:`from_mapping`.
+            ConfigError: an item is not ``key=value``, an option is given twice among the flags (``dp=2 dp=3``, or
+                ``dp=2 data_parallel=3``) or twice in ``table``, or as :meth:`from_mapping`.
         """
-        table: dict[str, str] = {}
+        pairs: list[tuple[str, str]] = []
         for item in items:
             key, sep, value = item.partition("=")
             if not sep or not key.strip():
                 raise ConfigError(f"--parallel expects key=value, got {item!r}")
-            if key.strip() in table:
-                raise ConfigError(f"--parallel option {key.strip()!r} is given twice")
-            table[key.strip()] = value.strip()
-        return cls.from_mapping(table)
+            pairs.append((key.strip(), value.strip()))
+        merged = _canonical_options(table or {}, "the [parallel] table")
+        merged.update(_canonical_options(pairs, "--parallel"))
+        return cls._build(merged)
+
+    @classmethod
+    def _build(cls, options: Mapping[str, Any]) -> ParallelPlan:
+        return cls(**{key: _coerce(key, value) for key, value in options.items()})
+
+
+def _canonical_options(table: Mapping[str, Any] | Sequence[tuple[str, Any]], where: str) -> dict[str, Any]:
+    """``table``'s options under their field names (aliases and ``-`` resolved), in order.
+
+    Raises:
+        ConfigError: an unknown key, or one option given twice (under any of its names); ``where`` names the source.
+    """
+    fields = {f.name for f in dataclasses.fields(ParallelPlan)}
+    out: dict[str, Any] = {}
+    named: dict[str, str] = {}
+    for raw_key, value in table.items() if isinstance(table, Mapping) else table:
+        key = str(raw_key).strip().replace("-", "_").lower()
+        key = _ALIASES.get(key, key)
+        if key not in fields:
+            raise ConfigError(
+                f"unknown parallel plan option {raw_key!r} in {where}; valid: {sorted(fields)} "
+                f"(aliases {sorted(_ALIASES)})"
+            )
+        if key in out:
+            names = f"as {named[key]!r} and {raw_key!r}" if named[key] != raw_key else f"as {raw_key!r}"
+            raise ConfigError(f"parallel plan option {key!r} is given twice in {where} ({names}); give it once")
+        out[key] = value
+        named[key] = str(raw_key)
+    return out
 
 
 def _enum(kind: type[StrEnum], value: object, name: str) -> Any:

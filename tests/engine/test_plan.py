@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -75,12 +77,27 @@ def test_from_mapping_and_cli_agree_and_round_trip() -> None:
         (["dp"], "key=value"),
         (["gpus=2"], "unknown parallel plan option"),
         (["dp=two"], "integer"),
-        (["dp=1", "dp=2"], "twice"),
+        (["dp=1", "dp=2"], r"'data_parallel' is given twice in --parallel \(as 'dp'\)"),
+        (["dp=1", "data_parallel=2"], r"'data_parallel' is given twice in --parallel \(as 'dp' and 'data_parallel'\)"),
+        (["fsdp=true", "shard=false"], r"'sharded' is given twice"),
     ],
 )
 def test_from_cli_errors(items: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ParallelPlan.from_cli(items)
+
+
+def test_flags_win_over_the_file_under_any_name() -> None:
+    """``--parallel dp=3`` overrides the file's ``data_parallel = 2`` (and the other way round), keeping its other
+    options; two names of one option in the file itself are refused."""
+    table = {"data_parallel": 2, "microbatches": 4, "pp": 2, "split_points": "2"}
+    plan = ParallelPlan.from_cli(["dp=3", "microbatch=8"], table)
+    assert (plan.data_parallel, plan.pipeline, plan.microbatches, plan.split_points) == (3, 2, 8, ("2",))
+    assert ParallelPlan.from_cli(["data-parallel=1"], {"dp": 2}).data_parallel == 1
+    with pytest.raises(ConfigError, match=r"given twice in the \[parallel\] table \(as 'dp' and 'data_parallel'\)"):
+        ParallelPlan.from_cli(["pp=2"], {"dp": 2, "data_parallel": 2})
+    with pytest.raises(ConfigError, match=r"given twice in the \[parallel\] table"):
+        ParallelPlan.from_mapping({"microbatch": 2, "microbatches": 2})
 
 
 def test_layers_flatten_nested_sequentials() -> None:
@@ -178,3 +195,15 @@ def test_one_f_one_b_keeps_at_most_p_micro_batches_alive() -> None:
                 assert peak_in_flight(order) == min(p - rank, m)
     # GPipe (all forwards, then all backwards) keeps all m alive
     assert peak_in_flight([("F", i) for i in range(8)] + [("B", i) for i in range(8)]) == 8
+
+
+def test_client_start_flags_refine_the_parallel_config_file(tmp_path: Path) -> None:
+    """``fedcore client start --parallel-config pc.toml --parallel dp=3`` with ``data_parallel = 2`` in the file."""
+    from fedcore.cli import _parallel_plan
+
+    path = tmp_path / "pc.toml"
+    path.write_text("[parallel]\ndata_parallel = 2\nsharded = true\n")
+    plan = _parallel_plan(str(path), ["dp=3"])
+    assert plan is not None and (plan.data_parallel, plan.sharded) == (3, True)
+    with pytest.raises(ConfigError, match="given twice in --parallel"):
+        _parallel_plan(str(path), ["dp=3", "dp=2"])
