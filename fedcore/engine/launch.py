@@ -168,10 +168,11 @@ def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: f
                     )
                 )
         deadline = time.monotonic() + timeout_s
+        alive_ns = [time.monotonic_ns()] * world_size
         while True:
-            codes = [p.poll() for p in procs]
+            codes = _poll(procs, alive_ns)
             if any(c not in (None, 0) for c in codes):
-                raise _failure(procs, workdir)
+                raise _failure(procs, workdir, alive_ns)
             if all(c == 0 for c in codes):
                 return
             if time.monotonic() > deadline:
@@ -181,16 +182,29 @@ def run_workers(spec_path: Path, world_size: int, workdir: Path, *, timeout_s: f
         _kill_all(procs)
 
 
-def _failure(procs: list[subprocess.Popen[bytes]], workdir: Path) -> EngineError:
-    """Name the root cause: the rank whose exception was raised first.
+def _poll(procs: list[subprocess.Popen[bytes]], alive_ns: list[int]) -> list[int | None]:
+    """Each worker's exit status (None while running); ``alive_ns[r]`` becomes now for each rank still running."""
+    now = time.monotonic_ns()
+    codes = [p.poll() for p in procs]
+    for r, code in enumerate(codes):
+        if code is None:
+            alive_ns[r] = now
+    return codes
+
+
+def _failure(procs: list[subprocess.Popen[bytes]], workdir: Path, alive_ns: list[int]) -> EngineError:
+    """Name the root cause: the rank that failed first.
 
     When one rank fails, its peers soon fail too with connection errors; they are symptoms. A worker reports its
-    exception, with the CLOCK_MONOTONIC time it was caught, before it leaves the process group, so the root
-    cause's report is always the earliest. The launcher waits a moment for the peers' reports, then blames the
-    earliest report (or the first dead rank without one).
+    exception, with the CLOCK_MONOTONIC time it was caught, before it leaves the process group. A worker that dies
+    without raising (a signal, ``os._exit``, the out-of-memory killer, a crash in native code) writes no report;
+    it died after ``alive_ns[r]``, the last poll that saw it running (polls are 50 ms apart). The launcher waits a
+    moment for the peers' reports, then blames the earliest of the reports' times and the unreported deaths'
+    last-seen times: a peer's connection error is caught after the death that caused it, so the dead rank is
+    named, not the peer that reported its lost connection.
     """
     deadline = time.monotonic() + REPORT_WAIT_S
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    while time.monotonic() < deadline and any(code is None for code in _poll(procs, alive_ns)):
         time.sleep(0.05)
     reports: dict[int, dict[str, Any]] = {}
     for r in range(len(procs)):
@@ -198,10 +212,11 @@ def _failure(procs: list[subprocess.Popen[bytes]], workdir: Path) -> EngineError
             reports[r] = json.loads(error_path(workdir, r).read_text())
         except (OSError, ValueError):  # no report (killed, or still being written): judged by its exit status
             continue
-    if reports:
-        rank = min(reports, key=lambda r: (int(reports[r]["failed_at_ns"]), r))
-    else:
-        rank = next(r for r, p in enumerate(procs) if p.poll() not in (None, 0))
+    failed_at = {r: int(info["failed_at_ns"]) for r, info in reports.items()}
+    for r, p in enumerate(procs):
+        if r not in failed_at and p.poll() not in (None, 0):
+            failed_at[r] = alive_ns[r]
+    rank = min(failed_at, key=lambda r: (failed_at[r], r))
     code = procs[rank].poll()
     if rank in reports:
         info = reports[rank]

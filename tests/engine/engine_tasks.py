@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -68,6 +69,21 @@ def _loss_failing_on_rank1(output: torch.Tensor, target: torch.Tensor, reduction
 def crashing_task(ctx: TaskContext) -> SupervisedTask:
     """Trains normally except on rank 1, whose loss function raises."""
     return SupervisedTask(model_fn=mlp, train_data=_data(ctx), loss_fn=_loss_failing_on_rank1)
+
+
+def _loss_dying_on_rank1(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    if os.environ.get("RANK") == "1":
+        time.sleep(0.5)  # rank 0 is waiting in the first gradient all-reduce by then
+        if os.environ["FEDCORE_TEST_DEATH"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(7)
+    return nn.functional.cross_entropy(output, target, reduction=reduction)
+
+
+def dying_task(ctx: TaskContext) -> SupervisedTask:
+    """Trains normally except on rank 1, which dies without raising: ``os._exit(7)``, or SIGKILL when the
+    environment's ``FEDCORE_TEST_DEATH`` is ``kill``."""
+    return SupervisedTask(model_fn=mlp, train_data=_data(ctx), loss_fn=_loss_dying_on_rank1)
 
 
 def initial_parameters(model_fn: type[nn.Module] | object, seed: int = 0) -> NamedArrays:

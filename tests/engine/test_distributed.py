@@ -95,6 +95,21 @@ def test_worker_crash_names_the_rank_and_leaves_no_processes() -> None:
     assert _worker_pids() - before == set()
 
 
+@pytest.mark.parametrize(("death", "cause"), [("exit", "exit code 7"), ("kill", "killed by signal SIGKILL")])
+def test_a_rank_dying_without_raising_is_named_not_its_peer(
+    death: str, cause: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 dies mid-step with no Python exception (``os._exit``, SIGKILL: what the OOM killer or a crash in native
+    code does); rank 0 then raises gloo's "Connection reset by peer". The error names rank 1, not the symptom."""
+    monkeypatch.setenv("FEDCORE_TEST_DEATH", death)
+    spec = f"{engine_tasks.__name__}:dying_task"
+    with pytest.raises(EngineError, match=rf"\] worker rank 1 failed: {cause}") as info:
+        train_with_plan(
+            spec, CTX, initial_parameters(mlp), CONFIG, ParallelPlan(data_parallel=2), seed=1, round=1, client_id="c1"
+        )
+    assert info.value.rank == 1
+
+
 def test_federated_round_with_a_pipelined_client_aggregates_to_the_single_device_model() -> None:
     global_parameters = initial_parameters(mlp)
     contexts = {cid: TaskContext(client_id=cid, seed=5, options={"n": n}) for cid, n in (("a", "40"), ("b", "24"))}
