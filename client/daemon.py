@@ -44,6 +44,7 @@ from fedcore.errors import (
     ModelMismatch,
     PayloadError,
     TransportError,
+    failure_reason,
 )
 from fedcore.messages import (
     Failure,
@@ -683,7 +684,10 @@ class ClientDaemon:
                 self._mismatch = exc
             log.warning("round %d %s failed: %s", instruction.round, _what(instruction), exc)
             reply = Failure(
-                client_id=self.config.client_id, round=instruction.round, stage=instruction.stage, reason=str(exc)
+                client_id=self.config.client_id,
+                round=instruction.round,
+                stage=instruction.stage,
+                reason=failure_reason(exc),
             )
         except Exception as exc:  # a bug in user code is reported, not fatal
             log.exception("the task raised")
@@ -691,7 +695,7 @@ class ClientDaemon:
                 client_id=self.config.client_id,
                 round=instruction.round,
                 stage=instruction.stage,
-                reason=f"{type(exc).__name__}: {exc}",
+                reason=failure_reason(exc),
             )
         seconds = time.perf_counter() - started
         if isinstance(reply, FitRes):  # the one INFO line of a round: what was trained, how long it took

@@ -149,8 +149,13 @@ class EngineError(FedcoreError):
 
 
 def failure_reason(exc: BaseException) -> str:
-    """A client failure's reason for ``exc``: a fedcore error's own message (with its context), anything else as
-    ``"TypeName: message"`` (a user's task or model raising)."""
+    """A client failure's reason for ``exc``, as the server records it: a fedcore error's own message (with its
+    context), anything else as ``"TypeName: message"`` (a user's task or model raising). An :class:`EngineError`
+    gives its first line, which names the failed rank and its exception; the lines after it, the worker's
+    traceback with the client machine's paths, stay in the client's own log."""
+    if isinstance(exc, EngineError):
+        first, _, rest = str(exc).partition("\n")
+        return f"{first} (the worker's traceback is in the client's log)" if rest.strip() else first
     return str(exc) if isinstance(exc, FedcoreError) else f"{type(exc).__name__}: {exc}"
 
 

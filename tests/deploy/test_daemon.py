@@ -242,3 +242,51 @@ def test_a_daemon_whose_training_blows_up_says_so_in_its_own_log(
     lines = [r.getMessage() for r in caplog.records if r.name == "fedcore.client"]
     assert any(line.startswith("round 1 fit failed: [round 1, client 'bad'] " + advice) for line in lines), lines
     assert sum(line.startswith("round 1 trained") for line in lines) == 1  # the good client's alone
+
+
+def test_a_parallel_workers_traceback_stays_in_the_clients_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank of a daemon's dp=2 plan raises: the server's failure reason is one line naming the rank and its
+    exception; the worker's traceback, with the client machine's paths, was forwarded into it (and into the
+    server's log and final error, newlines shown as '?'). The daemon's own log keeps the traceback."""
+    import logging
+    import threading
+
+    from fedcore.engine.plan import ParallelPlan
+    from fedcore.strategy import SamplingConfig, Strategy
+    from fedcore.task import FitConfig
+    from server.round_loop import RoundConfig, initial_state, run_rounds
+    from tests.engine import engine_tasks
+
+    strategy = Strategy(fit=FitConfig(lr=0.1), sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=1))
+    start = initial_state(engine_tasks.initial_parameters(engine_tasks.mlp), strategy)
+    h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=30.0)
+    daemons = [
+        ClientDaemon(DaemonConfig(server=f"127.0.0.1:{h.port}", client_id=cid, task=f"{engine_tasks.__name__}:{name}",
+                                  insecure=True, poll_s=0.5, exit_when_finished=False, parallel=plan),
+                     factory=getattr(engine_tasks, name))
+        for cid, name, plan in (("c1", "crashing_task", ParallelPlan(data_parallel=2)), ("c2", "mlp_task", None))
+    ]  # fmt: skip
+    threads = [threading.Thread(target=daemon.run, daemon=True) for daemon in daemons]
+    try:
+        with caplog.at_level(logging.INFO, logger="fedcore.client"):
+            for thread in threads:
+                thread.start()
+            h.pool.wait_for(2, timeout_s=30)
+            _, records = run_rounds(h.pool, strategy, start, RoundConfig(num_rounds=1, seed=3, round_timeout_s=120))
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+        for thread in threads:
+            thread.join(10)
+        h.pool.finish()
+        h.close()
+    assert records[0].accepted == ("c2",)
+    [failure] = records[0].failures
+    assert failure.reason == (
+        "client reported: [round 1, client 'c1'] worker rank 1 failed: RuntimeError: boom on rank 1 "
+        "(the worker's traceback is in the client's log)"
+    )
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "fedcore.client")
+    assert "worker rank 1 failed: RuntimeError: boom on rank 1\n" in logged and "engine_tasks.py" in logged
