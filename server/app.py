@@ -39,7 +39,7 @@ from fedcore.task import (
     load_task_factory,
     trainable_names,
 )
-from privacy.dp.config import apply_dp
+from privacy.dp.config import accounting_identity, apply_dp
 from privacy.tls import SERVER_FLAGS, exposure_warning, load_ca_bundle, load_identity
 from server.config import ServerConfig, check_server_config
 from server.grpc_pool import GrpcClientPool
@@ -296,6 +296,7 @@ def _open_run(
     or model, or fresh."""
     store.check_strategy(config.strategy)
     store.check_seed(config.seed)
+    store.check_privacy(accounting_identity(config.privacy, strategy))
     resumed = store.resume(mapped=True, rounds=config.round.rounds)
     if resumed is None:
         return _fresh_state(config, server_task, strategy, store, echo)

@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -274,6 +275,17 @@ def _strategy_identity(config: StrategyConfig) -> dict[str, object]:
     elif config.name in ("fedadam", "fedyogi"):
         identity.update(beta1=config.beta1, beta2=config.beta2)
     return identity
+
+
+def _privacy_flag(key: str) -> str:
+    """A privacy setting's name with its server flag: ``noise_multiplier (--noise-multiplier)``."""
+    if key == "clients_per_round":
+        return "clients per round (--fraction-fit, --min-fit-clients)"
+    return f"{key} (--{key.replace('_', '-')})"
+
+
+def _shown(value: object) -> str:
+    return "unset" if value is None else repr(value)
 
 
 def _describe(identity: Mapping[str, object]) -> str:
@@ -622,6 +634,56 @@ class StateStore:
             return
         self._set_meta("seed", str(seed))
 
+    def _parsed_record(self, recorded: str, what: str) -> Any:
+        """A JSON record of state.db's meta table (``what``: its name in the error).
+
+        Raises:
+            StateError: it is not JSON.
+        """
+        try:
+            return json.loads(recorded)
+        except json.JSONDecodeError as exc:
+            raise StateError(
+                f"the state database {str(self.database)!r} holds an unreadable {what} record; {self._advice.new_run}"
+            ) from exc
+
+    def check_privacy(self, identity: Mapping[str, object]) -> None:
+        """Record the run's privacy settings at its first start; refuse a restart with others.
+
+        ``identity`` is :func:`privacy.dp.config.accounting_identity`'s: the epsilon reported after a restart
+        composes every round released so far at the settings given now, so other settings (a noise multiplier,
+        population, delta, accountant or clients per round changed; DP turned on or off) would report an epsilon
+        that holds for neither run. A state directory where nothing was trained yet, or whose run recorded no
+        privacy settings (an earlier fedcore's), takes the given ones.
+
+        Raises:
+            ConfigError: the settings differ (each differing key with both values, and what to do).
+            StateError: the recorded settings cannot be read.
+        """
+        recorded = self._meta("privacy")
+        started = any(r > 0 for r in self.recorded_rounds()) or bool(checkpoint_files(self.directory))
+        now = json.loads(json.dumps(dict(identity), sort_keys=True))
+        if recorded is not None and started:
+            previous = self._parsed_record(recorded, "privacy")
+            if previous != now:
+                # a key of one side only follows from dp or dp_sgd turned on or off: those two say it
+                keys = sorted(
+                    (k for k in set(previous) | set(now) if k in ("dp", "dp_sgd") or (k in previous and k in now)),
+                    key=lambda k: (k != "dp", k),
+                )
+                differ = [
+                    f"{_privacy_flag(k)} {_shown(previous.get(k))} -> {_shown(now.get(k))}"
+                    for k in keys
+                    if previous.get(k) != now.get(k)
+                ]
+                raise ConfigError(
+                    f"the state directory {str(self.directory)!r} holds a run with other privacy settings "
+                    f"({'; '.join(differ)}): the epsilon of its rounds would be reported as if they had run with "
+                    f"these. Resume with the recorded settings (given as before), or {self._advice.new_run}"
+                )
+            return
+        self._set_meta("privacy", json.dumps(now, sort_keys=True))
+
     def check_strategy(self, config: StrategyConfig) -> None:
         """Record the run's strategy at its first start; refuse a restart with another one.
 
@@ -647,13 +709,7 @@ class StateStore:
                 + self._advice.new_run
             )
         if recorded is not None and started:
-            try:
-                previous = json.loads(recorded)
-            except json.JSONDecodeError as exc:
-                raise StateError(
-                    f"the state database {str(self.database)!r} holds an unreadable strategy record; "
-                    f"{self._advice.new_run}"
-                ) from exc
+            previous = self._parsed_record(recorded, "strategy")
             if previous != identity:
                 raise ConfigError(
                     f"the state directory {str(self.directory)!r} holds a run of strategy {_describe(previous)}, "

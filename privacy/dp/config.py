@@ -9,7 +9,7 @@ distributed mode, prepends the ``dp-clip`` client mod (:mod:`privacy.dp.distribu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from fedcore.aggregation import MeanAggregator
@@ -101,6 +101,32 @@ class PrivacyConfig:
     def enabled(self) -> bool:
         """Whether client-level DP is on."""
         return self.dp != "off"
+
+
+_SGD_KEYS = ("dp_sgd_noise_multiplier", "dp_sgd_max_grad_norm")
+
+
+def accounting_identity(config: PrivacyConfig, strategy: Strategy) -> dict[str, object]:
+    """The settings a run's privacy guarantee rests on, for a restarted server to hold against its first start
+    (:meth:`server.state.StateStore.check_privacy`): every ``[privacy]`` key in use except ``target_epsilon`` (the
+    budget may be raised; the epsilon reported stays true), and with DP-FedAvg the clients per round m that the
+    sampling rate m / N and the fixed denominator use. Epsilon is a function of the number of rounds released at
+    these settings, so a run resumed under others would report an epsilon that holds for neither (a noise
+    multiplier raised from 0.5 to 10 on restart reported the rounds before as almost free).
+
+    Returns:
+        A JSON-ready mapping: ``{"dp": "off", "dp_sgd": False}`` when both are off.
+    """
+    identity: dict[str, object] = {
+        k: v for k, v in asdict(config).items() if k != "target_epsilon" and (config.dp_sgd or k not in _SGD_KEYS)
+    }
+    if not config.enabled:
+        identity = {k: v for k, v in identity.items() if k in ("dp", "dp_sgd", *_SGD_KEYS) or k == "delta"}
+        if not config.dp_sgd:
+            identity.pop("delta")
+    else:
+        identity["clients_per_round"] = strategy.sampling.num_fit(config.population) if config.population else None
+    return identity
 
 
 def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | None = None) -> Strategy:

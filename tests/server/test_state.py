@@ -23,7 +23,7 @@ from fedcore.errors import ConfigError, PayloadError, StateError
 from fedcore.messages import Failure, Stage
 from fedcore.payload import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
 from fedcore.selection import ClientObservation
-from fedcore.strategy import StrategyConfig
+from fedcore.strategy import StrategyConfig, build_strategy
 from fedcore.tensors import NamedArrays
 from server.config import RoundSettings
 from server.round_loop import RoundRecord, ServerState
@@ -369,6 +369,75 @@ def test_the_server_refuses_another_strategy_before_it_listens(tmp_path: Path) -
     _run(tmp_path, 2).close()
     match = r"holds a run of strategy fedavg, but this server is configured for fedadam"
     _refused_before_listening(tmp_path, ConfigError, match, strategy=StrategyConfig(name="fedadam"))
+
+
+def test_a_restart_with_other_privacy_settings_is_refused_naming_each(tmp_path: Path) -> None:
+    """A DP run restarted with its noise multiplier raised from 0.5 to 10 reported the epsilon of all its rounds as
+    if they had run at 10 (0.74 after round 2, then 0.0036 after round 3). Refused; the same settings resume, and
+    the budget (target_epsilon) may change."""
+    from fedcore.strategy import SamplingConfig, Strategy
+    from privacy.dp.config import PrivacyConfig, accounting_identity
+
+    strategy = Strategy(sampling=SamplingConfig(fraction_fit=0.5, min_fit_clients=2))
+    first = PrivacyConfig(dp="central", noise_multiplier=0.5, population=4)
+    store = StateStore(tmp_path)
+    store.check_privacy(accounting_identity(first, strategy))
+    store.save_checkpoint(_state(1))
+    store.record_round(_record(1, 1.0))
+    refusals = [
+        (replace(first, noise_multiplier=10.0), r"noise_multiplier \(--noise-multiplier\) 0\.5 -> 10\.0\)"),
+        (
+            replace(first, population=1000),
+            r"clients per round \(--fraction-fit, --min-fit-clients\) 2 -> 500; population \(--population\) 4 -> "
+            r"1000\)",
+        ),
+        (PrivacyConfig(), r"dp \(--dp\) 'central' -> 'off'\)"),
+        (
+            replace(first, delta=1e-3, accountant="pld"),
+            r"accountant.*'rdp' -> 'pld'; delta \(--delta\) 1e-05 -> 0\.001",
+        ),
+    ]
+    for changed, named in refusals:
+        with pytest.raises(ConfigError, match=r"holds a run with other privacy settings \(.*" + named):
+            store.check_privacy(accounting_identity(changed, strategy))
+    with pytest.raises(ConfigError, match=r"clients per round \(--fraction-fit, --min-fit-clients\) 2 -> 3"):
+        store.check_privacy(accounting_identity(first, Strategy(sampling=SamplingConfig(min_fit_clients=3))))
+    store.check_privacy(accounting_identity(replace(first, target_epsilon=3.0), strategy))  # the same settings
+    store.close()
+
+
+def test_a_run_without_privacy_refuses_a_restart_with_it_and_an_untrained_directory_takes_any(tmp_path: Path) -> None:
+    from fedcore.strategy import Strategy
+    from privacy.dp.config import PrivacyConfig, accounting_identity
+
+    store = StateStore(tmp_path)
+    store.check_privacy(accounting_identity(PrivacyConfig(dp="central", population=10), Strategy()))
+    store.check_privacy(accounting_identity(PrivacyConfig(), Strategy()))  # nothing trained: recorded anew
+    off = PrivacyConfig(noise_multiplier=3.0)  # settings of a DP that is off do not count
+    store.save_checkpoint(_state(1))
+    store.record_round(_record(1, 1.0))
+    store.check_privacy(accounting_identity(off, Strategy()))
+    with pytest.raises(ConfigError, match=r"dp \(--dp\) 'off' -> 'distributed'"):
+        store.check_privacy(accounting_identity(PrivacyConfig(dp="distributed", population=10), Strategy()))
+    with pytest.raises(ConfigError, match=r"dp_sgd \(--dp-sgd\) False -> True"):
+        store.check_privacy(accounting_identity(PrivacyConfig(dp_sgd=True), Strategy()))
+    store.close()
+
+
+def test_the_server_refuses_other_privacy_settings_before_it_listens(tmp_path: Path) -> None:
+    from privacy.dp.config import PrivacyConfig, accounting_identity
+    from server.config import ServerConfig, TlsSettings
+
+    privacy = PrivacyConfig(dp="central", noise_multiplier=0.5, population=2)
+    defaults = ServerConfig(task="simulations.tasks:demo_task", tls=TlsSettings(insecure=True))
+    strategy = build_strategy(defaults.strategy, defaults.train, defaults.sampling)
+    store = _run(tmp_path, 0)
+    store.check_privacy(accounting_identity(privacy, strategy))
+    store.save_checkpoint(_state(1))
+    store.record_round(_record(1, 1.0))
+    store.close()
+    match = r"other privacy settings \(noise_multiplier \(--noise-multiplier\) 0\.5 -> 10\.0\)"
+    _refused_before_listening(tmp_path, ConfigError, match, privacy=replace(privacy, noise_multiplier=10.0))
 
 
 def test_the_server_refuses_fewer_rounds_than_it_finished_before_it_listens_and_changes_nothing(
