@@ -294,6 +294,16 @@ class Stateful(Protocol):
         ...
 
 
+@runtime_checkable
+class PoolSampled(Protocol):
+    """An aggregator whose guarantee depends on the number of clients a round samples from (DP-FedAvg's sampling
+    rate): the round loop tells it, after each selection, how many it selected of how many it could."""
+
+    def sampled_from(self, round: int, num_clients: int, available: int) -> None:
+        """Round ``round`` selects ``num_clients`` of ``available`` candidates."""
+        ...
+
+
 RoundCallback = Callable[[RoundRecord, ServerState], "ServerState | None"]
 """Called after each round with its record and the new state; may return an equal state to continue from instead
 (e.g. the same arrays mapped read-only from the checkpoint just written), or None to keep the state as is."""
@@ -574,6 +584,8 @@ def _fit_round(
             strategy.aggregator.check(num)
         except ConfigError as exc:  # too few clients this round for the rule: say which round
             raise ConfigError(exc.message, round=rnd) from None
+        if isinstance(strategy.aggregator, PoolSampled):  # before start(), which spends the round's epsilon
+            strategy.aggregator.sampled_from(rnd, num, len(available))
         stage = "fit" if attempt == 1 else f"fit-attempt-{attempt}"
         selected = strategy.selection.select(available, num, seed=config.seed, round=rnd, stage=stage)
         fit = FitIns(  # one instruction for all: it names no client (frozen; a stage that changes one replaces it)

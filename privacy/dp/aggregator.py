@@ -58,6 +58,9 @@ log = logging.getLogger("fedcore.privacy")
 DPMode = Literal["central", "distributed"]
 STATE_NORM = "dp_clipping_norm"
 """The checkpointed state's key: adaptive clipping's norm for the round after the checkpoint."""
+STATE_RATE = "dp_sampling_rate"
+"""The checkpointed state's key: the sampling rate the accountant composes, when a round sampled from fewer than N
+clients raised it above m / N (:meth:`DPFedAvgAggregator.sampled_from`)."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -97,7 +100,8 @@ class DPFedAvgAggregator:
     threads: int | None = None
     name: str = "dp-fedavg"
     _norms: dict[int, float] = field(default_factory=dict, repr=False)
-    _epsilons: dict[int, float] = field(default_factory=dict, repr=False)
+    _epsilons: dict[tuple[int, float], float] = field(default_factory=dict, repr=False)
+    _observed_rate: list[float] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("central", "distributed"):
@@ -134,8 +138,39 @@ class DPFedAvgAggregator:
 
     @property
     def sampling_rate(self) -> float:
-        """q = m / N."""
-        return self.expected_clients / self.population
+        """q, the rate the accountant composes for every round: m / N, or the highest rate of a round that sampled
+        from fewer than N clients (:meth:`sampled_from`), if higher."""
+        return max([self.expected_clients / self.population, *self._observed_rate])
+
+    def sampled_from(self, round: int, num_clients: int, available: int) -> None:
+        """Account for round ``round`` selecting ``num_clients`` of the ``available`` clients it could select.
+
+        The accountant's rate m / N assumes every round samples from N clients. A round that samples from fewer
+        (a deployment where only some of the N are connected) gives each of them a higher chance, ``num_clients /
+        available``: from then on every round is composed at that rate, an upper bound on what each round spent
+        (epsilon grows with q), and it is logged once per rise. A restarted server continues at the rate kept in
+        the checkpoint (:meth:`state_dict`).
+        """
+        if available >= self.population or available < 1:
+            return
+        rate = min(1.0, num_clients / available)
+        if rate <= self.sampling_rate:
+            return
+        log.warning(
+            "round %d selects %d of the %d clients connected, not of the population N=%d (--population): epsilon "
+            "is now composed at sampling rate %d/%d = %.4g for every round (was %.4g), an upper bound; connect "
+            "the %d clients for the rate m/N",
+            round,
+            num_clients,
+            available,
+            self.population,
+            num_clients,
+            available,
+            rate,
+            self.sampling_rate,
+            self.population,
+        )
+        self._observed_rate[:] = [rate]
 
     @property
     def minimum_clients(self) -> int:
@@ -157,10 +192,10 @@ class DPFedAvgAggregator:
 
     def epsilon_after(self, rounds: int) -> float:
         """The epsilon at :attr:`delta` once ``rounds`` rounds have been released (computed once per count)."""
-        known = self._epsilons.get(rounds)
+        known = self._epsilons.get((rounds, self.sampling_rate))
         if known is not None:
             return known
-        spent = self._epsilons[rounds] = epsilon(
+        spent = self._epsilons[rounds, self.sampling_rate] = epsilon(
             noise_multiplier=self.noise_multiplier,
             sampling_rate=self.sampling_rate,
             rounds=rounds,
@@ -216,19 +251,35 @@ class DPFedAvgAggregator:
 
     def state_dict(self, round: int) -> NamedArrays:
         """What a checkpoint of round ``round`` keeps (:class:`server.round_loop.Stateful`): with adaptive clipping,
-        ``dp_clipping_norm``, the norm round ``round + 1`` clips with (float64 scalar); nothing with a fixed norm.
-        The epsilon needs no state: it is a function of the number of rounds released."""
-        if self.adaptive is None:
-            return {}
-        return {STATE_NORM: np.array(self.clipping_norm_for(round + 1), dtype=np.float64)}
+        ``dp_clipping_norm``, the norm round ``round + 1`` clips with; ``dp_sampling_rate`` when a round sampled
+        from fewer than N clients raised the accountant's rate (:meth:`sampled_from`); float64 scalars. Otherwise
+        the epsilon needs no state: it is a function of the number of rounds released."""
+        state: NamedArrays = {}
+        if self.adaptive is not None:
+            state[STATE_NORM] = np.array(self.clipping_norm_for(round + 1), dtype=np.float64)
+        if self._observed_rate:
+            state[STATE_RATE] = np.array(self.sampling_rate, dtype=np.float64)
+        return state
 
     def load_state(self, round: int, state: NamedArrays) -> None:
         """Continue after round ``round`` with the clipping norm a checkpoint kept (:meth:`state_dict`); a
         checkpoint without one (fixed clipping, or written before the norm was kept) leaves the initial norm.
 
+        A kept sampling rate (:meth:`sampled_from`) is restored: epsilon goes on at the rate the run had reached.
+
         Raises:
-            StateError: the stored norm is not one finite number > 0.
+            StateError: the stored norm is not one finite number > 0, or the stored rate not one in (0, 1].
         """
+        self._observed_rate.clear()
+        if STATE_RATE in state:
+            stored_rate = np.asarray(state[STATE_RATE])
+            rate = float(stored_rate) if stored_rate.size == 1 and stored_rate.dtype.kind == "f" else math.nan
+            if not 0 < rate <= 1:
+                raise StateError(
+                    f"the checkpoint of round {round} holds a DP sampling rate that is not one number in (0, 1] "
+                    f"({bound_text(repr(stored_rate.tolist()), 60)}); restore an intact checkpoint or start a new run"
+                )
+            self._observed_rate.append(rate)
         if self.adaptive is None or STATE_NORM not in state:
             if self.adaptive is not None and round > 0:
                 log.warning(

@@ -117,8 +117,13 @@ class SecureDPAggregator:
         self.secagg.check(num_clients)
         self.selection.num_clients = num_clients
 
+    def sampled_from(self, round: int, num_clients: int, available: int) -> None:
+        """As :meth:`DPFedAvgAggregator.sampled_from` (a round sampling from fewer than N clients)."""
+        self.dp.sampled_from(round, num_clients, available)
+
     def state_dict(self, round: int) -> NamedArrays:
-        """As :meth:`DPFedAvgAggregator.state_dict`: adaptive clipping's norm for round ``round + 1``."""
+        """As :meth:`DPFedAvgAggregator.state_dict`: adaptive clipping's norm for round ``round + 1``, the raised
+        sampling rate."""
         return self.dp.state_dict(round)
 
     def load_state(self, round: int, state: NamedArrays) -> None:

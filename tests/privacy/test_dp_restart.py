@@ -38,8 +38,8 @@ def model_fn() -> nn.Module:
 
 def make_task(cid: str) -> SupervisedTask:
     g = torch.Generator().manual_seed(ord(cid))
-    x = torch.randn(SIZES[cid], 5, generator=g)
-    y = torch.randint(0, 3, (SIZES[cid],), generator=g)
+    x = torch.randn(SIZES.get(cid, 12), 5, generator=g)
+    y = torch.randint(0, 3, (SIZES.get(cid, 12),), generator=g)
     return SupervisedTask(model_fn=model_fn, train_data=(x, y))
 
 
@@ -126,6 +126,38 @@ def test_adaptive_clipping_norm_survives_a_server_restart(tmp_path: Path) -> Non
         assert [row["round"] for row in history.history()] == [1, 2, 3, 4]
     finally:
         history.close()
+
+
+def test_rounds_sampling_from_fewer_clients_than_the_population_are_accounted_at_their_rate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--population 8, 2 clients a round (q = 2/8), but only 4 clients connected: every round selects 2 of 4, so
+    each client's chance is 1/2, and epsilon was reported at 1/4 (0.74 where 4.73 was spent, in a user's run with
+    q = 3/1000 declared and 3 of 3 connected). Epsilon is composed at the rate the rounds really had, kept in the
+    checkpoint: a restart where all 8 are connected goes on at 1/2, not back to 1/4."""
+    privacy = PrivacyConfig(dp="central", noise_multiplier=1.0, population=8)
+
+    def strategy() -> Strategy:
+        return apply_dp(Strategy(fit=FIT, sampling=SamplingConfig(fraction_fit=0.25, min_fit_clients=2)), privacy)
+
+    store = StateStore(tmp_path / "server")
+    first = strategy()
+    with caplog.at_level("WARNING", logger="fedcore.privacy"):
+        records = run_until_crash(store, first, InMemoryPool(IDS, make_task), crash_at=3, rounds=4)
+    store.close()
+    half = [epsilon(noise_multiplier=1.0, sampling_rate=0.5, rounds=r, delta=1e-5) for r in (1, 2, 3, 4)]
+    assert [r.aggregation["epsilon"] for r in records] == half[:2]
+    assert half[1] > 1.3 * epsilon(noise_multiplier=1.0, sampling_rate=0.25, rounds=2, delta=1e-5)  # what was said
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fedcore.privacy"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "round 1 selects 2 of the 4 clients connected, not of the population N=8 (--population): epsilon is now "
+        "composed at sampling rate 2/4 = 0.5 for every round (was 0.25)"
+    )
+    stored = load_checkpoint(tmp_path / "server" / "checkpoints" / "round-000002.safetensors")
+    assert stored.aggregator_state["dp_sampling_rate"] == np.float64(0.5)
+    everyone = InMemoryPool([*IDS, "e", "f", "g", "h"], make_task)
+    resumed = resume(tmp_path / "server", strategy(), everyone, rounds=4)
+    assert [r.aggregation["epsilon"] for r in resumed] == half[2:]
 
 
 def test_a_damaged_stored_norm_is_refused_and_a_missing_one_falls_back_to_the_initial_norm() -> None:
