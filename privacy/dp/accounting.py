@@ -24,6 +24,9 @@ from dp_accounting import pld, rdp
 from fedcore.errors import ConfigError
 
 Accountant = Literal["rdp", "pld"]
+MAX_NOISE_MULTIPLIER = 1e6
+"""The largest noise multiplier taken: the noise is then a million times the clipping norm, and nothing of the
+updates is left to learn from; far above it (z^2 past a float's range, z ~ 1e154) dp-accounting overflows."""
 ACCOUNTANTS: tuple[Accountant, ...] = ("rdp", "pld")
 
 
@@ -35,8 +38,10 @@ def round_event(noise_multiplier: float, sampling_rate: float) -> dp_accounting.
     """
     if not (isinstance(sampling_rate, int | float) and 0 < sampling_rate <= 1):
         raise ConfigError(f"the sampling rate (clients per round / clients) must be in (0, 1], got {sampling_rate!r}")
-    if not (isinstance(noise_multiplier, int | float) and math.isfinite(noise_multiplier) and noise_multiplier > 0):
-        raise ConfigError(f"the noise multiplier must be a finite number > 0, got {noise_multiplier!r}")
+    if not (isinstance(noise_multiplier, int | float) and 0 < noise_multiplier <= MAX_NOISE_MULTIPLIER):
+        raise ConfigError(
+            f"the noise multiplier must be a number in (0, {MAX_NOISE_MULTIPLIER:g}], got {noise_multiplier!r}"
+        )
     return dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
 
 

@@ -16,7 +16,7 @@ from fedcore.aggregation import MeanAggregator
 from fedcore.errors import ConfigError
 from fedcore.messages import ModSpec
 from fedcore.strategy import Strategy
-from privacy.dp.accounting import ACCOUNTANTS, Accountant
+from privacy.dp.accounting import ACCOUNTANTS, MAX_NOISE_MULTIPLIER, Accountant
 from privacy.dp.aggregator import DPFedAvgAggregator, DPMode
 from privacy.dp.distributed import MOD_NAME
 from privacy.dp.mechanism import AdaptiveClipping
@@ -84,6 +84,11 @@ class PrivacyConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"privacy.{name} must be a finite number > 0, got {value!r}")
+            if name.endswith("noise_multiplier") and value > MAX_NOISE_MULTIPLIER:
+                raise ConfigError(
+                    f"privacy.{name} must be at most {MAX_NOISE_MULTIPLIER:g}, got {value!r}: the noise would be "
+                    f"{value:g} times the clipping norm, leaving nothing of the updates (typical values are 0.5 to 5)"
+                )
         for name in ("clipped_count_stddev", "target_epsilon"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

@@ -417,3 +417,33 @@ def test_simulation_in_distributed_mode_sends_the_mod_and_reports_epsilon(tmp_pa
     assert history["epsilon"].iloc[2] == expected
     # the noise on the average: 4 shares of z C / sqrt(3) over m = 4
     assert history["dp_noise_std"].iloc[2] == pytest.approx(0.5 * math.sqrt(4 / 3) / 4)
+
+
+@pytest.mark.parametrize("flag", ["--noise-multiplier", "--dp-sgd-noise-multiplier"])
+def test_an_overflowing_noise_multiplier_is_refused_before_the_first_round(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--noise-multiplier 1e300 printed round 0, then dp-accounting's OverflowError traceback (exit 1)."""
+    from fedcore.cli import main
+
+    out = tmp_path / "run"
+    argv = [
+        "simulate",
+        "--dataset",
+        "digits",
+        "--model",
+        "logreg",
+        "--clients",
+        "4",
+        "--rounds",
+        "1",
+        "--dp",
+        "central",
+    ]
+    assert main([*argv, flag, "1e300", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    name = flag[2:].replace("-", "_")
+    assert f"privacy.{name} must be at most 1e+06, got 1e+300" in err and "Traceback" not in err
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=r"noise multiplier must be a number in \(0, 1e\+06\], got 1e\+300"):
+        central(noise_multiplier=1e300)
