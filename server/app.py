@@ -39,6 +39,7 @@ from fedcore.task import (
     load_task_factory,
     trainable_names,
 )
+from fedcore.tensors import state_spec
 from privacy.dp.config import accounting_identity, apply_dp
 from privacy.tls import SERVER_FLAGS, exposure_warning, load_ca_bundle, load_identity
 from server.config import ServerConfig, check_server_config
@@ -47,6 +48,7 @@ from server.limits import ServiceLimits
 from server.metrics import ServerMetrics
 from server.round_loop import (
     EvaluateFn,
+    Preflighted,
     RoundRecord,
     ServerState,
     initial_state,
@@ -276,11 +278,16 @@ def _build_run(config: ServerConfig, echo: Callable[[str], None]) -> tuple[Strat
             TaskContext(role="server", seed=config.seed, data_dir=config.data_dir, options=dict(config.task_options)),
             spec=config.task,
         )
+        if isinstance(strategy.aggregator, Preflighted):  # the model's size too (SecAgg+'s field for DP noise)
+            spec = state_spec(server_task.build_model().state_dict())
+            strategy.aggregator.preflight(strategy.sampling.min_fit_clients, spec)
         if config.strategy.weighting == "server":  # the server's own evaluation: known now. The clients' metrics
             # (weighting "metric") come from their own tasks, which only their updates show.
             check_weight_metric(
                 "server", config.strategy.weight_metric, declared_metrics(server_task), report_validation=False
             )
+    elif isinstance(strategy.aggregator, Preflighted):
+        strategy.aggregator.preflight(strategy.sampling.min_fit_clients, None)
     _memory_line(echo, "before the model")
     return strategy, server_task
 

@@ -304,6 +304,18 @@ class PoolSampled(Protocol):
         ...
 
 
+@runtime_checkable
+class Preflighted(Protocol):
+    """An aggregator whose refusals of a round follow from settings known at start (SecAgg+'s neighbours against
+    the clients a round selects, the field against the noise): a server checks them before it listens, not at
+    round 1 once its clients joined."""
+
+    def preflight(self, smallest: int, spec: Sequence[TensorSpec] | None) -> None:
+        """Refuse what a round of ``smallest`` clients (min_fit_clients) of a model of ``spec`` (None: not known
+        yet) would refuse."""
+        ...
+
+
 RoundCallback = Callable[[RoundRecord, ServerState], "ServerState | None"]
 """Called after each round with its record and the new state; may return an equal state to continue from instead
 (e.g. the same arrays mapped read-only from the checkpoint just written), or None to keep the state as is."""

@@ -15,7 +15,6 @@ per round.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Literal
 
 import dp_accounting

@@ -160,23 +160,30 @@ class SecureDPAggregator:
             )
         return held
 
-    def start(
-        self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
-    ) -> SecureDPAccumulator:
-        """The round's accumulator, after the field was checked for the noise (before any client is contacted).
-
-        With adaptive clipping the round's norm (:meth:`DPFedAvgAggregator.clipping_norm_for`) is announced to the
-        clients with the keys; an adapted norm outside what the field carries is held at the nearer limit (logged;
-        :meth:`_held`), the configured initial norm is refused instead, as a fixed one is.
+    def preflight(self, smallest: int, spec: Sequence[TensorSpec] | None) -> None:
+        """Refuse before the first round what every round would refuse (:class:`server.round_loop.Preflighted`):
+        SecAgg+'s graph and threshold for rounds of m and of ``n_min`` clients, and with the model's ``spec`` the
+        field for the noisy sum at the initial clipping norm (:func:`~privacy.dp.ddgauss.check_field`).
+        ``smallest`` (the strategy's min_fit_clients) is not used: a round selects m clients, and one of fewer than
+        ``n_min`` is refused by :meth:`check` whatever the settings.
 
         Raises:
-            BudgetExhausted: releasing round ``round`` would exceed the target epsilon.
-            ConfigError: a field that cannot carry the noisy sum (:func:`~privacy.dp.ddgauss.check_field`) or the
-                noisy count (:func:`~privacy.dp.ddgauss.check_count_field`), or what the secure sum refuses.
+            ConfigError: what to change, as :meth:`start` says it at round 1.
         """
         dp = self.dp
-        spent = dp.spend(round)
-        n = self.selection.num_clients or dp.expected_clients
+        for n in sorted({dp.minimum_clients, dp.expected_clients}):
+            self.secagg.config.check(n)
+        if spec is not None:
+            self._checked(spec, dp.expected_clients, 1)
+
+    def _checked(self, spec: Sequence[TensorSpec], n: int, round: int) -> tuple[float, float, tuple[TensorSpec, ...]]:
+        """A round of ``n`` clients: the sum's noise standard deviation, the clipping norm and the secure sum's
+        spec (the model's, plus the count with adaptive clipping), once the field was checked for them.
+
+        Raises:
+            ConfigError: the field cannot carry the noisy sum or the noisy count, or SecAgg+ refuses ``n``.
+        """
+        dp = self.dp
         params = self.secagg.config.resolve(n)
         dimension = sum(int(np.prod(s.shape, dtype=np.int64)) for s in spec)
         clipping_norm = dp.clipping_norm_for(round)
@@ -199,6 +206,26 @@ class SecureDPAggregator:
             minimum_clients=dp.minimum_clients,
             num_clients=n,
         )
+        return noise, clipping_norm, secure_spec
+
+    def start(
+        self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
+    ) -> SecureDPAccumulator:
+        """The round's accumulator, after the field was checked for the noise (before any client is contacted).
+
+        With adaptive clipping the round's norm (:meth:`DPFedAvgAggregator.clipping_norm_for`) is announced to the
+        clients with the keys; an adapted norm outside what the field carries is held at the nearer limit (logged;
+        :meth:`_held`), the configured initial norm is refused instead, as a fixed one is.
+
+        Raises:
+            BudgetExhausted: releasing round ``round`` would exceed the target epsilon.
+            ConfigError: a field that cannot carry the noisy sum (:func:`~privacy.dp.ddgauss.check_field`) or the
+                noisy count (:func:`~privacy.dp.ddgauss.check_count_field`), or what the secure sum refuses.
+        """
+        dp = self.dp
+        spent = dp.spend(round)
+        n = self.selection.num_clients or dp.expected_clients
+        noise, clipping_norm, secure_spec = self._checked(spec, n, round)
         inner = self.secagg.start(secure_spec, round=round, reference=reference)
         if dp.adaptive is not None:
             inner.settings[CLIPPING_SETTING] = clipping_norm

@@ -168,6 +168,21 @@ class SecAggAggregator:
         """
         self.config.check(num_clients)
 
+    def preflight(self, smallest: int, spec: Sequence[TensorSpec] | None) -> None:
+        """Refuse before the first round a graph, threshold or bit budget that a round of ``smallest`` clients (the
+        strategy's min_fit_clients, the fewest a round selects) cannot run (:class:`server.round_loop.Preflighted`).
+
+        Raises:
+            ConfigError: what :meth:`SecAggConfig.resolve` refuses, and that rounds may be that small.
+        """
+        try:
+            self.config.check(smallest)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{exc.message} (a round may select as few as min_fit_clients = {smallest}); raise "
+                "--min-fit-clients or change the secure aggregation settings"
+            ) from None
+
     def start(
         self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
     ) -> SecAggAccumulator:

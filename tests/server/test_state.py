@@ -13,7 +13,6 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -28,6 +27,7 @@ from fedcore.tensors import NamedArrays
 from server.config import RoundSettings
 from server.round_loop import RoundRecord, ServerState
 from server.state import HISTORY_COLUMNS, HistoryFile, StateStore, load_checkpoint, write_history
+from tests.server.starting import refused_before_listening
 
 
 def _state(rnd: int) -> ServerState:
@@ -346,29 +346,10 @@ def test_learning_rate_may_change_and_an_untrained_directory_takes_any_strategy(
     store.close()
 
 
-def _refused_before_listening(state_dir: Path, error: type[Exception], match: str, **settings: Any) -> None:
-    """Start the demo server on ``state_dir``; it must raise ``error`` before it listens."""
-    from server.app import run_server
-    from server.config import ServerConfig, TlsSettings
-
-    config = ServerConfig(
-        tls=TlsSettings(insecure=True),
-        address="127.0.0.1:0",
-        state_dir=state_dir,
-        task="simulations.tasks:demo_task",
-        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
-        **settings,
-    )
-    lines: list[str] = []
-    with pytest.raises(error, match=match):
-        run_server(config, echo=lines.append)
-    assert not any("listening" in line for line in lines)
-
-
 def test_the_server_refuses_another_strategy_before_it_listens(tmp_path: Path) -> None:
     _run(tmp_path, 2).close()
     match = r"holds a run of strategy fedavg, but this server is configured for fedadam"
-    _refused_before_listening(tmp_path, ConfigError, match, strategy=StrategyConfig(name="fedadam"))
+    refused_before_listening(tmp_path, ConfigError, match, strategy=StrategyConfig(name="fedadam"))
 
 
 def test_a_restart_with_other_privacy_settings_is_refused_naming_each(tmp_path: Path) -> None:
@@ -437,7 +418,7 @@ def test_the_server_refuses_other_privacy_settings_before_it_listens(tmp_path: P
     store.record_round(_record(1, 1.0))
     store.close()
     match = r"other privacy settings \(noise_multiplier \(--noise-multiplier\) 0\.5 -> 10\.0\)"
-    _refused_before_listening(tmp_path, ConfigError, match, privacy=replace(privacy, noise_multiplier=10.0))
+    refused_before_listening(tmp_path, ConfigError, match, privacy=replace(privacy, noise_multiplier=10.0))
 
 
 def test_the_server_refuses_fewer_rounds_than_it_finished_before_it_listens_and_changes_nothing(
@@ -446,7 +427,7 @@ def test_the_server_refuses_fewer_rounds_than_it_finished_before_it_listens_and_
     _run(tmp_path, 3).close()
     history = (tmp_path / "history.csv").read_bytes()
     match = r"with rounds = 2: it has finished 3 rounds already\. Resume with rounds >= 3 .*new --state-dir"
-    _refused_before_listening(tmp_path, ConfigError, match, round=RoundSettings(rounds=2))
+    refused_before_listening(tmp_path, ConfigError, match, round=RoundSettings(rounds=2))
     assert (tmp_path / "history.csv").read_bytes() == history
     store = StateStore(tmp_path)
     assert store.recorded_rounds() == [0, 1, 2, 3]  # nothing superseded
@@ -460,7 +441,7 @@ def test_the_server_refuses_records_without_checkpoints_before_it_listens(tmp_pa
     for path in (tmp_path / "checkpoints").iterdir():
         path.unlink()
     history = (tmp_path / "history.csv").read_bytes()
-    _refused_before_listening(tmp_path, StateError, r"records rounds 1-3 but checkpoints/ holds no checkpoint")
+    refused_before_listening(tmp_path, StateError, r"records rounds 1-3 but checkpoints/ holds no checkpoint")
     assert (tmp_path / "history.csv").read_bytes() == history  # nothing overwritten
 
 
