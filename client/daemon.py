@@ -125,8 +125,8 @@ class DaemonConfig:
         backoff_initial_s: first reconnect delay in seconds (exponential, full jitter).
         backoff_max_s: longest reconnect delay in seconds.
         give_up_after_s: exit when the server stays unreachable this long, in seconds (unset: never).
-        exit_when_finished: exit once the server says the run is over; off (--stay): keep running, for the
-            server's next run.
+        exit_when_finished: exit once the server says the run is over (on by default); --stay turns it off:
+            the daemon keeps running, for the server's next run.
         max_payload_bytes: largest global model accepted from the server, in bytes.
         threads: torch threads for local training (default: one per core).
         parallel: train each round under this parallel plan (data/sharded/pipeline parallel, see

@@ -132,8 +132,8 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "", base
             kwargs[name] = _coerce(value, hints[name], here)
     try:
         return cls(**kwargs)
-    except ConfigError as exc:
-        raise ConfigError(f"[{where or 'top level'}] {exc.message}") from None
+    except ConfigError as exc:  # the root's own checks name their keys (a cross-table one: sampling.x, data.y)
+        raise ConfigError(f"[{where}] {exc.message}" if where else exc.message) from None
     except TypeError as exc:
         raise ConfigError(f"[{where or 'top level'}] {exc}") from None
 

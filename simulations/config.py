@@ -125,7 +125,7 @@ class DataConfig:
         partition: iid, dirichlet (class-centric label skew), dirichlet-client (Hsu et al. 2019), shards
             (McMahan et al. 2017), quantity (lognormal sizes), natural (synthetic's own devices, shakespeare's
             roles).
-        alpha: Dirichlet concentration for the dirichlet partitions (small = more skew), >= :data:`MIN_ALPHA`.
+        alpha: Dirichlet concentration for the dirichlet partitions (small = more skew), at least 1e-300.
         shards_per_client: shards per client for ``partition = "shards"``.
         min_partition_size: smallest client allowed by the class-centric Dirichlet partition (redraws).
         max_redraws: how many times the Dirichlet partition may redraw before giving up with an error.
@@ -555,7 +555,8 @@ class SimulationConfig:
         if self.sampling.min_fit_clients > self.data.num_clients:
             raise ConfigError(
                 f"sampling.min_fit_clients={self.sampling.min_fit_clients} exceeds data.num_clients="
-                f"{self.data.num_clients}"
+                f"{self.data.num_clients}: no round could select that many clients; lower --min-fit-clients or "
+                "raise --clients"
             )
         if self.sampling.fraction_evaluate > 0 and self.sampling.min_evaluate_clients > self.data.num_clients:
             raise ConfigError(
