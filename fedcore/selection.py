@@ -255,10 +255,12 @@ def check_private_selection(policy: str, *, client_dp: bool, trace: bool = False
         ConfigError: ``client_dp`` with a policy other than uniform, or with an availability trace.
     """
     if client_dp and (policy != "uniform" or trace):
+        other = f"selection {policy!r}, which chooses by other rules,"
+        breaks = "an availability trace" if policy == "uniform" else other
         raise ConfigError(
             "client-level differential privacy accounts for uniform sampling of the clients (rate m / N); "
-            + (f"selection {policy!r} chooses by other rules" if policy != "uniform" else "an availability trace")
-            + " would make its epsilon wrong: use selection = 'uniform' (and no trace) with [privacy], or turn DP off"
+            f"{breaks} would make its epsilon wrong: use selection = 'uniform' (and no trace) with [privacy], or turn "
+            "DP off"
         )
 
 

@@ -153,7 +153,7 @@ def test_stratifying_virtual_clients_by_an_attribute_they_lack_is_refused() -> N
 
 
 def test_client_level_dp_is_refused_with_a_selection_that_is_not_uniform() -> None:
-    with pytest.raises(ConfigError, match="selection 'oort' chooses by other rules"):
+    with pytest.raises(ConfigError, match="selection 'oort', which chooses by other rules, would make its epsilon"):
         load_recipe(None, ["privacy.dp='central'", "strategy.selection='oort'"])
     with pytest.raises(ConfigError, match="an availability trace"):
         load_recipe(None, ["privacy.dp='central'", "devices.availability='diurnal'"])
