@@ -49,6 +49,7 @@ from server.metrics import ServerMetrics
 from server.round_loop import (
     EvaluateFn,
     Preflighted,
+    Rereleased,
     RoundRecord,
     ServerState,
     initial_state,
@@ -128,6 +129,8 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         raise
     # the selection's learned state (losses, durations) is rebuilt from the stored rounds, not checkpointed
     strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= initial.round)
+    if isinstance(strategy.aggregator, Rereleased):  # DP: rounds released, then superseded, count as releases
+        strategy.aggregator.superseded_releases(store.superseded_rounds())
     warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
 

@@ -316,6 +316,16 @@ class Preflighted(Protocol):
         ...
 
 
+@runtime_checkable
+class Rereleased(Protocol):
+    """An aggregator whose guarantee counts every release (DP-FedAvg's epsilon): told, when a run resumes, how many
+    recorded rounds were superseded and run again (:meth:`server.state.StateStore.superseded_rounds`)."""
+
+    def superseded_releases(self, count: int) -> None:
+        """``count`` rounds were released and then superseded."""
+        ...
+
+
 RoundCallback = Callable[[RoundRecord, ServerState], "ServerState | None"]
 """Called after each round with its record and the new state; may return an equal state to continue from instead
 (e.g. the same arrays mapped read-only from the checkpoint just written), or None to keep the state as is."""

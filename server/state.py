@@ -551,6 +551,14 @@ class StateStore:
         with self._lock, self._sqlite("reading the rounds"):
             return [int(r) for (r,) in self._db.execute("SELECT round FROM rounds WHERE superseded = 0 ORDER BY 1")]
 
+    def superseded_rounds(self) -> int:
+        """How many round records were superseded (:meth:`resume` fell back past them: a damaged or missing
+        checkpoint): rounds whose results were released and then run again, each a release of its own for
+        differential privacy's accounting."""
+        with self._lock, self._sqlite("reading the rounds"):
+            (count,) = self._db.execute("SELECT COUNT(*) FROM rounds WHERE superseded > 0 AND round > 0").fetchone()
+        return int(count)
+
     def history(self) -> list[dict[str, float | int | None]]:
         """One dict per current round record, ``round`` first, then its metrics (integers stay integers)."""
         return self._history_rows()

@@ -55,6 +55,7 @@ from privacy.dp.config import apply_dp
 from server.pool import ClientPool
 from server.round_loop import (
     EvaluateFn,
+    Rereleased,
     RoundConfig,
     RoundRecord,
     ServerState,
@@ -718,6 +719,8 @@ def _simulate(
         _write_history(history_file, earlier, at_round=resumed_round, kept_checkpoints=True)
         # the selector's learned state (losses, durations), rebuilt from the recorded rounds as a server's is
         strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= resumed_round)
+        if isinstance(strategy.aggregator, Rereleased):  # DP: rounds released, then superseded, are releases too
+            strategy.aggregator.superseded_releases(store.superseded_rounds())
         echo(f"resuming after round {resumed_round} from {out_dir / RUN_STATE_DIR}")
         stateful = (
             any(mod.name in ("scaffold", "dp-sgd") for mod in strategy.mods) or config.strategy.compression == "topk"

@@ -23,9 +23,11 @@ Floating tensors are privatized; integer tensors (e.g. BatchNorm's ``num_batches
 model's value, so nothing of a client's data reaches them. After each released round the accumulator reports the
 epsilon spent so far (:mod:`privacy.dp.accounting`), and a round whose release would exceed ``target_epsilon`` is
 refused before any client is contacted (:class:`~fedcore.errors.BudgetExhausted`: the run ends with the last round
-within budget). The epsilon is a function of the number of rounds released, so a round run again after a server
-restart (resumed from the checkpoint before it) is counted once; adaptive clipping's norm is kept in each
-checkpoint (:meth:`DPFedAvgAggregator.state_dict`), so a restarted server clips with the norm the run had reached.
+within budget). The epsilon is a function of the number of rounds released, so a round trained again after a server
+restart (resumed from the checkpoint before it) is counted once, unless it had been recorded before (its checkpoint
+damaged): then both releases count (:meth:`DPFedAvgAggregator.superseded_releases`). Adaptive clipping's norm is
+kept in each checkpoint (:meth:`DPFedAvgAggregator.state_dict`), so a restarted server clips with the norm the run
+had reached.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class DPFedAvgAggregator:
     _norms: dict[int, float] = field(default_factory=dict, repr=False)
     _epsilons: dict[tuple[int, float], float] = field(default_factory=dict, repr=False)
     _observed_rate: list[float] = field(default_factory=list, repr=False)
+    _superseded: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("central", "distributed"):
@@ -190,15 +193,24 @@ class DPFedAvgAggregator:
             self.noise_multiplier, self.clipping_norm, self.expected_clients, self.tolerated_dropout
         )
 
+    def superseded_releases(self, count: int) -> None:
+        """Count ``count`` rounds that were released (recorded, their model evaluated) and then run again, when a
+        restarted run fell back past their damaged checkpoints (:meth:`server.state.StateStore.superseded_rounds`):
+        each rerun draws fresh noise, so each is a release of its own, and :meth:`epsilon_after` composes them too.
+        A round that was trained but never recorded (the process died first) released nothing and counts once."""
+        self._superseded[:] = [int(count)]
+
     def epsilon_after(self, rounds: int) -> float:
-        """The epsilon at :attr:`delta` once ``rounds`` rounds have been released (computed once per count)."""
-        known = self._epsilons.get((rounds, self.sampling_rate))
+        """The epsilon at :attr:`delta` once rounds 1..``rounds`` have been released, with the superseded
+        releases (:meth:`superseded_releases`); computed once per count."""
+        releases = rounds + sum(self._superseded) if rounds > 0 else 0
+        known = self._epsilons.get((releases, self.sampling_rate))
         if known is not None:
             return known
-        spent = self._epsilons[rounds, self.sampling_rate] = epsilon(
+        spent = self._epsilons[releases, self.sampling_rate] = epsilon(
             noise_multiplier=self.noise_multiplier,
             sampling_rate=self.sampling_rate,
-            rounds=rounds,
+            rounds=releases,
             delta=self.delta,
             accountant=self.accountant,
         )

@@ -117,6 +117,10 @@ class SecureDPAggregator:
         self.secagg.check(num_clients)
         self.selection.num_clients = num_clients
 
+    def superseded_releases(self, count: int) -> None:
+        """As :meth:`DPFedAvgAggregator.superseded_releases` (rounds released, then run again)."""
+        self.dp.superseded_releases(count)
+
     def sampled_from(self, round: int, num_clients: int, available: int) -> None:
         """As :meth:`DPFedAvgAggregator.sampled_from` (a round sampling from fewer than N clients)."""
         self.dp.sampled_from(round, num_clients, available)

@@ -248,3 +248,27 @@ def test_distributed_adaptive_clipping_norm_survives_a_server_restart(tmp_path: 
     assert [r.aggregation["epsilon"] for r in resumed] == [
         epsilon(noise_multiplier=1.0, sampling_rate=1.0, rounds=r, delta=1e-5) for r in (3, 4)
     ]
+
+
+def test_a_released_round_run_again_after_its_checkpoint_was_damaged_is_accounted_twice(tmp_path: Path) -> None:
+    """Round 3 was released (recorded, evaluated, its model written), then its checkpoint was damaged: --resume
+    went back to round 2 and released round 3 again with fresh noise, but epsilon still counted 3 releases
+    (4.42 where 4 releases spend 4.87). The superseded release counts."""
+    import pandas as pd
+
+    from fedcore.cli import main
+
+    out = tmp_path / "run"
+    argv = ["simulate", "--dataset", "digits", "--clients", "20", "--min-fit-clients", "5", "--fraction-fit", "0.25",
+            "--model", "logreg", "--partition", "iid", "--strategy", "fedavg", "--lr", "0.1", "--dp", "central",
+            "--clipping-norm", "0.5", "--rounds", "3", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    checkpoint = out / "state" / "checkpoints" / "round-000003.safetensors"
+    data = bytearray(checkpoint.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor: the digest no longer matches
+    checkpoint.write_bytes(bytes(data))
+    assert main([*argv, "--resume"]) == 0
+    history = pd.read_csv(out / "history.csv")
+    releases = {1: 1, 2: 2, 3: 4}  # round 3's first release, superseded, and its rerun
+    expected = [epsilon(noise_multiplier=1.0, sampling_rate=0.25, rounds=releases[r], delta=1e-5) for r in (1, 2, 3)]
+    assert history.loc[history["round"] > 0, "epsilon"].tolist() == pytest.approx(expected, rel=1e-12)
