@@ -552,7 +552,10 @@ class ClientDaemon:
         plan = self.config.parallel
         if plan is not None and not plan.is_single_process:
             check_engine_task(self._task, client_id=self.config.client_id)  # a task with its own loop: refused now
-            plan.check_model(self._task.build_model())  # a bad split point fails here, before any round
+            from fedcore.engine.train import check_plan_here  # the engine's modules: only under a plan
+
+            # a bad split point, a tensor-parallel degree the model cannot take, bf16 without CUDA: refused now
+            check_plan_here(self._task, self._task.build_model(), plan)
             self._parallel = ParallelTraining(task_factory=self.config.task, task_context=context, plan=plan)
         log.debug("task ready in %.2f s", time.perf_counter() - started)
 

@@ -16,10 +16,11 @@ import math
 
 import numpy as np
 import torch
+from torch import nn
 
 from fedcore.engine.batch_stats import check_batches
 from fedcore.engine.launch import DEFAULT_TIMEOUT_S, run_workers, worker_directory
-from fedcore.engine.plan import ParallelPlan
+from fedcore.engine.plan import Device, ParallelPlan
 from fedcore.engine.runner import train_rank
 from fedcore.engine.runtime import single_process_env
 from fedcore.engine.tensor_parallel import resolve_plan
@@ -36,6 +37,24 @@ from fedcore.task import (
 )
 from fedcore.tensors import NamedArrays, decode, encode, from_state_dict, to_state_dict
 from fedcore.training import train_task
+
+
+def check_plan_here(task: Task, model: nn.Module, plan: ParallelPlan) -> Device:
+    """Check ``plan`` against ``task``'s ``model`` and this machine, as every round would: split points and
+    stages (:meth:`ParallelPlan.check_model`), tensor parallelism's layers and degree
+    (:func:`~fedcore.engine.tensor_parallel.resolve_plan`), the devices and precision (:meth:`ParallelPlan.
+    check_runtime`). A client daemon calls it when it starts, so that a plan no round can run is refused then.
+
+    Returns:
+        The device the ranks run on (``cpu`` or ``cuda``).
+
+    Raises:
+        ConfigError: what does not fit, and what to change.
+    """
+    plan.check_model(model)
+    if plan.tp_enabled:
+        resolve_plan(task, model, plan.tensor_parallel)  # the layers to split exist and the degree divides them
+    return plan.check_runtime()
 
 
 def train_with_plan(
@@ -93,10 +112,7 @@ def train_with_plan(
     if not plan.is_single_process:
         check_engine_task(task, round=round, client_id=client_id)  # before any worker starts
     model = task.build_model()
-    plan.check_model(model)
-    if plan.tp_enabled:
-        resolve_plan(task, model, plan.tensor_parallel)  # the layers to split exist and the degree divides them
-    device = plan.check_runtime()
+    device = check_plan_here(task, model, plan)
     expected = list(model.state_dict())
     if expected != list(global_parameters):
         missing = [n for n in expected if n not in global_parameters][:5]

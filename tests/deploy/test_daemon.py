@@ -290,3 +290,30 @@ def test_a_parallel_workers_traceback_stays_in_the_clients_log(
     )
     logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "fedcore.client")
     assert "worker rank 1 failed: RuntimeError: boom on rank 1\n" in logged and "engine_tasks.py" in logged
+
+
+@pytest.mark.parametrize(
+    ("plan", "refusal"),
+    [
+        ({"data_parallel": 2, "precision": "bf16"}, "bf16 autocast needs CUDA, and training runs on the CPU here"),
+        ({"tensor_parallel": 2}, "tensor_parallel=2, but Sequential declares no tensor-parallel plan"),
+    ],
+)
+def test_a_plan_no_round_can_run_on_this_machine_is_refused_at_start(
+    plan: dict[str, object], refusal: str, tmp_path: Path
+) -> None:
+    """bf16 on a machine without CUDA, or tensor parallelism for a model that gives no tensor-parallel plan: the
+    daemon joined and failed every round, and the server aborted the run after 3 attempts."""
+    from fedcore.engine.plan import ParallelPlan
+    from fedcore.errors import ConfigError
+    from tests.engine import engine_tasks
+
+    h = Harness(tmp_path, heartbeat_interval_s=0.2, liveness_timeout_s=30.0)
+    config = DaemonConfig(server=f"127.0.0.1:{h.port}", client_id="c1", task=f"{engine_tasks.__name__}:mlp_task",
+                          insecure=True, parallel=ParallelPlan.from_mapping(plan))  # fmt: skip
+    try:
+        with pytest.raises(ConfigError, match=refusal):
+            ClientDaemon(config, factory=engine_tasks.mlp_task).run()
+        assert h.pool.available() == []  # left at once
+    finally:
+        h.close()
