@@ -40,7 +40,7 @@ from fedcore.task import (
     trainable_names,
 )
 from fedcore.tensors import state_spec
-from privacy.dp.config import accounting_identity, apply_dp
+from privacy.dp.config import accounting_identity, apply_dp, weak_delta
 from privacy.tls import SERVER_FLAGS, exposure_warning, load_ca_bundle, load_identity
 from server.config import ServerConfig, check_server_config
 from server.grpc_pool import GrpcClientPool
@@ -273,6 +273,8 @@ def _build_run(config: ServerConfig, echo: Callable[[str], None]) -> tuple[Strat
             evaluation does not give (:func:`fedcore.aggregation.weights.check_weight_metric`).
     """
     strategy = apply_dp(build_strategy(config.strategy, config.train, config.sampling), config.privacy)
+    if (weak := weak_delta(config.privacy, config.privacy.population)) is not None:
+        log.warning("%s", weak)
     server_task = None
     if config.task is not None:
         factory = load_task_factory(config.task)

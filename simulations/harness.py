@@ -51,7 +51,7 @@ from fedcore.task import (
     trainable_names,
 )
 from fedcore.training import STEP_IN_BACKWARD_MIN_ELEMENTS
-from privacy.dp.config import apply_dp
+from privacy.dp.config import apply_dp, weak_delta
 from server.pool import ClientPool
 from server.round_loop import (
     EvaluateFn,
@@ -593,6 +593,8 @@ def _simulate(
     strategy = apply_dp(
         build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
     )
+    if (weak := weak_delta(config.privacy, len(ids))) is not None:
+        log.warning("%s", weak)
     if config.devices.availability == "always":  # every round selects as many: a robust rule's bound is known now
         strategy.aggregator.check(min(strategy.sampling.num_fit(len(ids)), len(ids)))
     attackers = choose_attackers(ids, config.attack, seed=config.seed)

@@ -134,6 +134,23 @@ def accounting_identity(config: PrivacyConfig, strategy: Strategy) -> dict[str, 
     return identity
 
 
+def weak_delta(config: PrivacyConfig, population: int) -> str | None:
+    """The warning for a client-level DP run whose delta is not below 1 / N, or None.
+
+    An (epsilon, delta) guarantee may fail outright with probability delta; at delta of the order of 1 / N it is
+    met by a mechanism that publishes a few clients' data whole (Dwork & Roth 2014, "The Algorithmic Foundations of
+    Differential Privacy", section 2.3), so such a delta protects little, whatever the epsilon (a delta of 0.5
+    reported epsilon 0.0000). The usual choice is well below 1 / N, e.g. 1 / N^1.1.
+    """
+    if not config.enabled or population < 1 or config.delta < 1 / population:
+        return None
+    return (
+        f"privacy.delta = {config.delta:g} is not below 1 / N = 1/{population} = {1 / population:.3g}: the "
+        "guarantee then allows publishing a few clients' data whole, whatever epsilon is reported; choose delta below "
+        f"1 / N (--delta), e.g. {population**-1.1:.2g}"
+    )
+
+
 def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | None = None) -> Strategy:
     """``strategy`` with client-level DP-FedAvg and/or sample-level DP-SGD as ``config`` says (unchanged when
     both are off).

@@ -447,3 +447,23 @@ def test_an_overflowing_noise_multiplier_is_refused_before_the_first_round(
     assert not out.exists()
     with pytest.raises(ConfigError, match=r"noise multiplier must be a number in \(0, 1e\+06\], got 1e\+300"):
         central(noise_multiplier=1e300)
+
+
+def test_a_delta_not_below_one_over_the_clients_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--delta 0.5 with 20 clients ran and reported epsilon 0.0000 without a word."""
+    from fedcore.cli import main
+    from privacy.dp.config import weak_delta
+
+    assert weak_delta(PrivacyConfig(dp="central", delta=1 / 20), 20) is not None  # 1 / N itself is too large
+    assert weak_delta(PrivacyConfig(dp="central", delta=0.049), 20) is None
+    assert weak_delta(PrivacyConfig(delta=0.5), 20) is None  # DP off: no guarantee claimed
+    argv = ["simulate", "--dataset", "digits", "--model", "logreg", "--clients", "20", "--rounds", "1", "--dp",
+            "central", "--delta", "0.5", "--out", str(tmp_path / "run")]  # fmt: skip
+    with caplog.at_level("WARNING", logger="fedcore.simulation"):
+        assert main(argv) == 0
+    assert [r.getMessage() for r in caplog.records if "privacy.delta" in r.getMessage()] == [
+        "privacy.delta = 0.5 is not below 1 / N = 1/20 = 0.05: the guarantee then allows publishing a few clients' "
+        "data whole, whatever epsilon is reported; choose delta below 1 / N (--delta), e.g. 0.037"
+    ]
