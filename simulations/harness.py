@@ -205,6 +205,10 @@ def client_ids(num_clients: int) -> list[str]:
     return [f"client-{i:0{width}d}" for i in range(num_clients)]
 
 
+_HEADINGS = {"train_sgd_epsilon": "sgd_eps"}
+"""The console table's heading of a column whose name is wider than the table's 10 characters."""
+
+
 def _format_row(row: Mapping[str, object], columns: tuple[str, ...] = COLUMNS) -> str:
     def fmt(key: str, value: object) -> str:
         if value is None or (isinstance(value, float) and value != value):
@@ -747,9 +751,10 @@ def _simulate(
         leave=False,
     )
     say = tqdm.write if config.output.progress else echo
-    columns = (*COLUMNS[:-1], "epsilon", COLUMNS[-1]) if config.privacy.enabled else COLUMNS
+    spent = (("epsilon", config.privacy.enabled), ("train_sgd_epsilon", config.privacy.dp_sgd))
+    columns = (*COLUMNS[:-1], *(name for name, shown in spent if shown), COLUMNS[-1])
     if config.output.progress:
-        say(" ".join(f"{c:>10}" for c in columns))
+        say(" ".join(f"{_HEADINGS.get(c, c):>10}" for c in columns))
 
     # the last trained round's state (a resumed run's checkpoint, mapped, until this run finishes a round)
     finished: list[ServerState] = start[:1]

@@ -11,6 +11,11 @@ import numpy as np
 
 from fedcore.errors import AggregationError
 
+MAXIMUM_METRICS = frozenset({"sgd_epsilon"})
+"""Metrics a round reports as their largest value over its clients, not their example-weighted mean: a privacy
+guarantee is the worst client's (DP-SGD's per-client ``sgd_epsilon``, :mod:`privacy.dp.sgd`). A client's epsilon
+only grows, so the running maximum of the column over the rounds is the run's guarantee."""
+
 
 def weighted_average(values: Sequence[float], weights: Sequence[float]) -> float:
     """Return ``Σ w_i · v_i / Σ w_i`` (math.fsum, exact rounding).
@@ -118,7 +123,8 @@ class MetricColumns:
 
 
 def weighted_metrics(results: Iterable[tuple[int, Mapping[str, object]] | MetricColumns]) -> MetricAverages:
-    """Average each metric over the clients that report it, weighted by their example counts.
+    """Average each metric over the clients that report it, weighted by their example counts; a metric named in
+    :data:`MAXIMUM_METRICS` (a privacy guarantee) gets the largest reported value instead.
 
     A metric value never makes this fail: a value that is not a finite real number (NaN, Inf, a string, None;
     see :func:`metric_value`), or any value of a report whose example count is not a positive integer (0 for
@@ -156,6 +162,9 @@ def weighted_metrics(results: Iterable[tuple[int, Mapping[str, object]] | Metric
             weights.setdefault(name, []).append(weight)
     averages: dict[str, float] = {}
     for name, kept in values.items():
+        if name in MAXIMUM_METRICS:
+            averages[name] = max(kept)
+            continue
         try:
             averages[name] = weighted_average(kept, weights[name])
         except AggregationError:  # a mean beyond the float range: leave the metric out

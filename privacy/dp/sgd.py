@@ -20,8 +20,8 @@ adding one: epsilon after a restart equals an uninterrupted run's. This treats t
 released, which holds when the server discarded it (a crashed server loses the round's updates with its memory
 and empties its spill directory at start; a failed attempt's accumulator is dropped); against a server that kept
 it, both runs count. It reports ``sgd_epsilon`` (at ``delta``) with its training metrics (the history column
-``train_sgd_epsilon`` is the example-weighted mean over the round's clients; each client's own value is its
-reply's). fedcore's loop draws
+``train_sgd_epsilon`` is the largest over the round's clients, :data:`fedcore.aggregation.metrics.MAXIMUM_METRICS`;
+each client's own value is its reply's). fedcore's loop draws
 shuffled batches of fixed size, which the accountant treats as Poisson sampling at rate q, as Opacus does for its
 own non-Poisson loaders.
 

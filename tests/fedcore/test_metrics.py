@@ -112,3 +112,16 @@ def test_a_batch_as_columns_averages_to_the_bits_of_its_reports_one_by_one() -> 
     assert got.left_out == want.left_out == 1 + 1 + 2 + 3 * 2  # others' NaN and count 0; inf, -inf; 3 reports of 0
     assert list(got.values) == ["train_loss", "accuracy", "fit_seconds"]
     assert weighted_metrics([MetricColumns(np.zeros(0, dtype=np.int64), {"x": np.zeros(0)})]) == MetricAverages({}, 0)
+
+
+def test_a_privacy_guarantee_is_the_largest_reported_not_the_mean() -> None:
+    """DP-SGD's per-client epsilon: the round's value was the example-weighted mean (3.41 where a client that had
+    trained in every round was at 4.96); the guarantee is the worst client's."""
+    reports = [(10, {"sgd_epsilon": 1.5, "acc": 0.5}), (30, {"sgd_epsilon": 4.96, "acc": 0.9}), (60, {"acc": 0.2})]
+    merged = weighted_metrics(reports)
+    assert merged.values == {"sgd_epsilon": 4.96, "acc": pytest.approx((5 + 27 + 12) / 100)}
+    columns = MetricColumns(
+        num_examples=np.array([10, 30, 60]),
+        metrics={"sgd_epsilon": np.array([1.5, 4.96, np.nan]), "acc": np.array([0.5, 0.9, 0.2])},
+    )
+    assert weighted_metrics([columns]).values == merged.values
