@@ -54,6 +54,7 @@ from privacy.dp.ddgauss import (
     min_clipping_norm,
     read_count,
 )
+from privacy.secagg.config import weak_points
 from privacy.secagg.rounds import MOD, SecAggAccumulator, SecAggAggregator, SecureAggregation
 
 log = logging.getLogger("fedcore.privacy")
@@ -171,12 +172,18 @@ class SecureDPAggregator:
         ``smallest`` (the strategy's min_fit_clients) is not used: a round selects m clients, and one of fewer than
         ``n_min`` is refused by :meth:`check` whatever the settings.
 
+        Settings that run but protect or survive less are logged (:func:`~privacy.secagg.config.weak_points`: a
+        threshold of 1, fewer tolerated neighbour dropouts than ``tolerated_dropout`` promises).
+
         Raises:
             ConfigError: what to change, as :meth:`start` says it at round 1.
         """
         dp = self.dp
         for n in sorted({dp.minimum_clients, dp.expected_clients}):
             self.secagg.config.check(n)
+        params = self.secagg.config.resolve(dp.expected_clients)
+        for warning in weak_points(params, dropouts=dp.expected_clients - dp.minimum_clients):
+            log.warning("%s", warning)
         if spec is not None:
             self._checked(spec, dp.expected_clients, 1)
 

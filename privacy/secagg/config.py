@@ -221,3 +221,34 @@ class SecAggConfig:
     def check(self, num_clients: int) -> None:
         """Refuse, with ConfigError, a round of ``num_clients`` clients that :meth:`resolve` refuses."""
         self.resolve(num_clients)
+
+
+def weak_points(params: RoundParams, dropouts: int = 0) -> list[str]:
+    """Warnings for SecAgg+ settings that run but protect or survive less than a user would expect, one text each.
+
+    - Threshold 1 (one neighbour): a single share rebuilds a client's mask seeds, so one neighbour colluding with
+      the server unmasks that client's update (Bell et al. 2020 take ``k`` of the order of ``log n`` and ``t``
+      above ``k / 2`` against such coalitions).
+    - ``dropouts`` (the clients a round's DP noise is set to tolerate losing) above ``k - t``: a client whose
+      neighbours drop beyond ``k - t`` leaves fewer than ``t`` shares of a seed, and the round is aborted.
+
+    Args:
+        params: a round's resolved parameters (:meth:`SecAggConfig.resolve`).
+        dropouts: the dropped clients the rounds should survive.
+    """
+    k, t = params.neighbours, params.threshold
+    found = []
+    if t == 1:
+        found.append(
+            f"secure aggregation with {k} neighbour(s) and threshold 1: one neighbour's share rebuilds a client's "
+            "masks, so a single client colluding with the server unmasks that client's update; use neighbours >= 3 "
+            "(the threshold is then >= 2)"
+        )
+    if dropouts > k - t:
+        found.append(
+            f"the rounds are set to tolerate {dropouts} dropped client(s) (privacy.tolerated_dropout), but SecAgg+ "
+            f"with {k} neighbours and threshold {t} cannot unmask a client that loses more than {k - t} of its "
+            "neighbours: a round with such dropouts is aborted; raise neighbours (--neighbours) or lower the "
+            "threshold (--threshold, down to neighbours / 2 + 1)"
+        )
+    return found

@@ -25,6 +25,7 @@ OS CSPRNG and cancel exactly.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,7 +50,7 @@ from privacy.dp.ddgauss import CLIPPING_SETTING, COUNT_TENSOR, count_share, disc
 from privacy.dp.mechanism import clip_update
 from privacy.secagg import codec
 from privacy.secagg.client import SecAggClient
-from privacy.secagg.config import RoundParams, SecAggConfig
+from privacy.secagg.config import RoundParams, SecAggConfig, weak_points
 from privacy.secagg.messages import (
     AdvertiseKeysIns,
     MaskedInputIns,
@@ -61,6 +62,7 @@ from privacy.secagg.messages import (
 from privacy.secagg.quantize import check_quantizable
 from privacy.secagg.server import SecAggServer
 
+log = logging.getLogger("fedcore.privacy")
 MOD = "secagg"
 """The client mod's name (:class:`SecAggMod`)."""
 
@@ -173,15 +175,18 @@ class SecAggAggregator:
         strategy's min_fit_clients, the fewest a round selects) cannot run (:class:`server.round_loop.Preflighted`).
 
         Raises:
-            ConfigError: what :meth:`SecAggConfig.resolve` refuses, and that rounds may be that small.
+            ConfigError: what :meth:`SecAggConfig.resolve` refuses, and that rounds may be that small. Settings
+                that run but protect less are logged (:func:`~privacy.secagg.config.weak_points`).
         """
         try:
-            self.config.check(smallest)
+            params = self.config.resolve(smallest)
         except ConfigError as exc:
             raise ConfigError(
                 f"{exc.message} (a round may select as few as min_fit_clients = {smallest}); raise "
                 "--min-fit-clients or change the secure aggregation settings"
             ) from None
+        for warning in weak_points(params):
+            log.warning("%s", warning)
 
     def start(
         self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
