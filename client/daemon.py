@@ -682,18 +682,13 @@ class ClientDaemon:
                 )
                 if isinstance(reply, FitRes):  # said here, where the data holder reads: not only in the server's log
                     check_finite(reply.parameters, round=instruction.round, client_id=self.config.client_id)
-        except FedcoreError as exc:
-            if isinstance(exc, ModelMismatch):
-                self._mismatch = exc
-            log.warning("round %d %s failed: %s", instruction.round, _what(instruction), exc)
-            reply = Failure(
-                client_id=self.config.client_id,
-                round=instruction.round,
-                stage=instruction.stage,
-                reason=failure_reason(exc),
-            )
-        except Exception as exc:  # a bug in user code is reported, not fatal
-            log.exception("the task raised")
+        except Exception as exc:  # a fedcore error, or a bug in user code: reported, not fatal
+            if isinstance(exc, FedcoreError):
+                if isinstance(exc, ModelMismatch):
+                    self._mismatch = exc
+                log.warning("round %d %s failed: %s", instruction.round, _what(instruction), exc)
+            else:
+                log.exception("the task raised")
             reply = Failure(
                 client_id=self.config.client_id,
                 round=instruction.round,

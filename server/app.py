@@ -39,7 +39,6 @@ from fedcore.task import (
     load_task_factory,
     trainable_names,
 )
-from fedcore.tensors import state_spec
 from privacy.dp.config import accounting_identity, apply_dp, weak_delta
 from privacy.tls import SERVER_FLAGS, exposure_warning, load_ca_bundle, load_identity
 from server.config import ServerConfig, check_server_config
@@ -48,17 +47,16 @@ from server.limits import ServiceLimits
 from server.metrics import ServerMetrics
 from server.round_loop import (
     EvaluateFn,
-    Preflighted,
-    Rereleased,
     RoundRecord,
     ServerState,
     initial_state,
+    preflight,
     resident_mib,
     return_large_blocks_to_the_os,
     run_rounds,
 )
 from server.service import AuthPolicy, CoordinatorService, build_server, check_listen_address, load_tokens
-from server.state import StateStore, load_checkpoint, resumed_for_model
+from server.state import StateStore, load_checkpoint, restore_strategy, resumed_for_model
 
 log = logging.getLogger("fedcore.server")
 
@@ -128,9 +126,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         metrics.close()
         raise
     # the selection's learned state (losses, durations) is rebuilt from the stored rounds, not checkpointed
-    strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= initial.round)
-    if isinstance(strategy.aggregator, Rereleased):  # DP: rounds released, then superseded, count as releases
-        strategy.aggregator.superseded_releases(store.superseded_rounds())
+    restore_strategy(strategy, store, initial.round)
     warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
 
@@ -283,16 +279,13 @@ def _build_run(config: ServerConfig, echo: Callable[[str], None]) -> tuple[Strat
             TaskContext(role="server", seed=config.seed, data_dir=config.data_dir, options=dict(config.task_options)),
             spec=config.task,
         )
-        if isinstance(strategy.aggregator, Preflighted):  # the model's size too (SecAgg+'s field for DP noise)
-            spec = state_spec(server_task.build_model().state_dict())
-            strategy.aggregator.preflight(strategy.sampling.min_fit_clients, spec)
         if config.strategy.weighting == "server":  # the server's own evaluation: known now. The clients' metrics
             # (weighting "metric") come from their own tasks, which only their updates show.
             check_weight_metric(
                 "server", config.strategy.weight_metric, declared_metrics(server_task), report_validation=False
             )
-    elif isinstance(strategy.aggregator, Preflighted):
-        strategy.aggregator.preflight(strategy.sampling.min_fit_clients, None)
+    # a round may start with min_fit_clients connected; the model's size counts for SecAgg+'s field under DP noise
+    preflight(strategy, strategy.sampling.min_fit_clients, server_task.build_model if server_task else None)
     _memory_line(echo, "before the model")
     return strategy, server_task
 

@@ -61,7 +61,7 @@ from fedcore.selection import ClientObservation, batch_observations, observation
 from fedcore.stages import Phase
 from fedcore.strategy import Strategy
 from fedcore.task import EvalResult
-from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, spec_of
+from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec, spec_of, state_spec
 from server.pool import ClientPool, received_bytes, sent_bytes
 from server.stages import ProtocolRun, start_protocol
 
@@ -314,6 +314,25 @@ class Preflighted(Protocol):
         """Refuse what a round of ``smallest`` clients (min_fit_clients) of a model of ``spec`` (None: not known
         yet) would refuse."""
         ...
+
+
+def preflight(strategy: Strategy, smallest: int, build_model: Callable[[], Any] | None = None) -> None:
+    """Refuse before the first round what every round of ``strategy`` would refuse, when its aggregator can tell
+    (:class:`Preflighted`: SecAgg+'s graph for rounds of ``smallest`` clients; with ``build_model``, the model's
+    size against the field that carries distributed DP's noise).
+
+    Args:
+        strategy: the run's strategy.
+        smallest: the fewest clients a round selects (a server's min_fit_clients: a round may start with only
+            that many connected; a simulation whose clients are always available, the number every round selects).
+        build_model: the task's model factory (``Task.build_model``); None where the server has no task.
+
+    Raises:
+        ConfigError: what to change.
+    """
+    if isinstance(strategy.aggregator, Preflighted):
+        spec = state_spec(build_model().state_dict()) if build_model is not None else None
+        strategy.aggregator.preflight(smallest, spec)
 
 
 @runtime_checkable

@@ -76,10 +76,10 @@ from fedcore.payload import (
     save_payload,
 )
 from fedcore.selection import ClientObservation
-from fedcore.strategy import StrategyConfig
+from fedcore.strategy import Strategy, StrategyConfig
 from fedcore.task import trainable_names
 from fedcore.tensors import NamedArrays, check_spec, num_bytes, state_spec
-from server.round_loop import RoundRecord, ServerState
+from server.round_loop import Rereleased, RoundRecord, ServerState
 
 log = logging.getLogger("fedcore.server")
 
@@ -275,6 +275,15 @@ def _strategy_identity(config: StrategyConfig) -> dict[str, object]:
     elif config.name in ("fedadam", "fedyogi"):
         identity.update(beta1=config.beta1, beta2=config.beta2)
     return identity
+
+
+def restore_strategy(strategy: Strategy, store: StateStore, round: int) -> None:
+    """What a run resumed after round ``round`` learns from its stored rounds rather than its checkpoint: the
+    selection's state (losses, durations of the rounds up to ``round``) and, for DP-FedAvg
+    (:class:`~server.round_loop.Rereleased`), the rounds released and then superseded."""
+    strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= round)
+    if isinstance(strategy.aggregator, Rereleased):
+        strategy.aggregator.superseded_releases(store.superseded_rounds())
 
 
 def _privacy_flag(key: str) -> str:
@@ -614,6 +623,11 @@ class StateStore:
         return rounds
 
     # ------------------------------------------------------------------ the run
+    def _started(self) -> bool:
+        """Whether the run in this directory trained a round (a record past round 0, or a checkpoint): what its
+        recorded seed and settings are held against."""
+        return any(r > 0 for r in self.recorded_rounds()) or bool(checkpoint_files(self.directory))
+
     def check_seed(self, seed: int) -> None:
         """Record the run's seed at its first start; refuse a restart with another one (the seed keys the client
         selection and every client's randomness: a run resumed under another seed would match neither seed's
@@ -625,7 +639,7 @@ class StateStore:
             StateError: the recorded seed cannot be read.
         """
         recorded = self._meta("seed")
-        started = any(r > 0 for r in self.recorded_rounds()) or bool(checkpoint_files(self.directory))
+        started = self._started()
         if recorded is not None and started:
             try:
                 previous = int(recorded)
@@ -669,7 +683,7 @@ class StateStore:
             StateError: the recorded settings cannot be read.
         """
         recorded = self._meta("privacy")
-        started = any(r > 0 for r in self.recorded_rounds()) or bool(checkpoint_files(self.directory))
+        started = self._started()
         now = json.loads(json.dumps(dict(identity), sort_keys=True))
         if recorded is not None and started:
             previous = self._parsed_record(recorded, "privacy")

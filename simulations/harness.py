@@ -55,7 +55,6 @@ from privacy.dp.config import apply_dp, weak_delta
 from server.pool import ClientPool
 from server.round_loop import (
     EvaluateFn,
-    Rereleased,
     RoundConfig,
     RoundRecord,
     ServerState,
@@ -74,6 +73,7 @@ from server.state import (
     history_columns,
     lock_directory,
     map_round_state,
+    restore_strategy,
     resumed_for_model,
 )
 from simulations.attacks import (
@@ -723,10 +723,7 @@ def _simulate(
     if store is not None and start:
         earlier = store.history()
         _write_history(history_file, earlier, at_round=resumed_round, kept_checkpoints=True)
-        # the selector's learned state (losses, durations), rebuilt from the recorded rounds as a server's is
-        strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= resumed_round)
-        if isinstance(strategy.aggregator, Rereleased):  # DP: rounds released, then superseded, are releases too
-            strategy.aggregator.superseded_releases(store.superseded_rounds())
+        restore_strategy(strategy, store, resumed_round)  # as a server's is
         echo(f"resuming after round {resumed_round} from {out_dir / RUN_STATE_DIR}")
         stateful = (
             any(mod.name in ("scaffold", "dp-sgd") for mod in strategy.mods) or config.strategy.compression == "topk"

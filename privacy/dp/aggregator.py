@@ -65,6 +65,19 @@ STATE_RATE = "dp_sampling_rate"
 clients raised it above m / N (:meth:`DPFedAvgAggregator.sampled_from`)."""
 
 
+@dataclass
+class _Releases:
+    """What the accountant learns as a run goes on (mutable, inside the frozen :class:`DPFedAvgAggregator`).
+
+    Attributes:
+        rate: the highest ``m / available`` of a round that sampled from fewer than N clients; 0.0: none did.
+        superseded: rounds released and then run again (:meth:`DPFedAvgAggregator.superseded_releases`).
+    """
+
+    rate: float = 0.0
+    superseded: int = 0
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class DPFedAvgAggregator:
     """Client-level DP-FedAvg's aggregation (see the module docstring).
@@ -103,8 +116,7 @@ class DPFedAvgAggregator:
     name: str = "dp-fedavg"
     _norms: dict[int, float] = field(default_factory=dict, repr=False)
     _epsilons: dict[tuple[int, float], float] = field(default_factory=dict, repr=False)
-    _observed_rate: list[float] = field(default_factory=list, repr=False)
-    _superseded: list[int] = field(default_factory=list, repr=False)
+    _spent: _Releases = field(default_factory=_Releases, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("central", "distributed"):
@@ -143,7 +155,7 @@ class DPFedAvgAggregator:
     def sampling_rate(self) -> float:
         """q, the rate the accountant composes for every round: m / N, or the highest rate of a round that sampled
         from fewer than N clients (:meth:`sampled_from`), if higher."""
-        return max([self.expected_clients / self.population, *self._observed_rate])
+        return max(self.expected_clients / self.population, self._spent.rate)
 
     def sampled_from(self, round: int, num_clients: int, available: int) -> None:
         """Account for round ``round`` selecting ``num_clients`` of the ``available`` clients it could select.
@@ -173,7 +185,7 @@ class DPFedAvgAggregator:
             self.sampling_rate,
             self.population,
         )
-        self._observed_rate[:] = [rate]
+        self._spent.rate = rate
 
     @property
     def minimum_clients(self) -> int:
@@ -198,12 +210,12 @@ class DPFedAvgAggregator:
         restarted run fell back past their damaged checkpoints (:meth:`server.state.StateStore.superseded_rounds`):
         each rerun draws fresh noise, so each is a release of its own, and :meth:`epsilon_after` composes them too.
         A round that was trained but never recorded (the process died first) released nothing and counts once."""
-        self._superseded[:] = [int(count)]
+        self._spent.superseded = int(count)
 
     def epsilon_after(self, rounds: int) -> float:
         """The epsilon at :attr:`delta` once rounds 1..``rounds`` have been released, with the superseded
         releases (:meth:`superseded_releases`); computed once per count."""
-        releases = rounds + sum(self._superseded) if rounds > 0 else 0
+        releases = rounds + self._spent.superseded if rounds > 0 else 0
         known = self._epsilons.get((releases, self.sampling_rate))
         if known is not None:
             return known
@@ -269,7 +281,7 @@ class DPFedAvgAggregator:
         state: NamedArrays = {}
         if self.adaptive is not None:
             state[STATE_NORM] = np.array(self.clipping_norm_for(round + 1), dtype=np.float64)
-        if self._observed_rate:
+        if self._spent.rate:
             state[STATE_RATE] = np.array(self.sampling_rate, dtype=np.float64)
         return state
 
@@ -282,7 +294,7 @@ class DPFedAvgAggregator:
         Raises:
             StateError: the stored norm is not one finite number > 0, or the stored rate not one in (0, 1].
         """
-        self._observed_rate.clear()
+        self._spent.rate = 0.0
         if STATE_RATE in state:
             stored_rate = np.asarray(state[STATE_RATE])
             rate = float(stored_rate) if stored_rate.size == 1 and stored_rate.dtype.kind == "f" else math.nan
@@ -291,7 +303,7 @@ class DPFedAvgAggregator:
                     f"the checkpoint of round {round} holds a DP sampling rate that is not one number in (0, 1] "
                     f"({bound_text(repr(stored_rate.tolist()), 60)}); restore an intact checkpoint or start a new run"
                 )
-            self._observed_rate.append(rate)
+            self._spent.rate = rate
         if self.adaptive is None or STATE_NORM not in state:
             if self.adaptive is not None and round > 0:
                 log.warning(

@@ -122,14 +122,15 @@ def accounting_identity(config: PrivacyConfig, strategy: Strategy) -> dict[str, 
     Returns:
         A JSON-ready mapping: ``{"dp": "off", "dp_sgd": False}`` when both are off.
     """
-    identity: dict[str, object] = {
-        k: v for k, v in asdict(config).items() if k != "target_epsilon" and (config.dp_sgd or k not in _SGD_KEYS)
-    }
-    if not config.enabled:
-        identity = {k: v for k, v in identity.items() if k in ("dp", "dp_sgd", *_SGD_KEYS) or k == "delta"}
+    unused = {"target_epsilon"}
+    if not config.dp_sgd:
+        unused.update(_SGD_KEYS)
+    if not config.enabled:  # DP-FedAvg's settings count only with it; delta only with one of the two
+        unused.update(k for k in asdict(config) if k not in ("dp", "dp_sgd", "delta", *_SGD_KEYS))
         if not config.dp_sgd:
-            identity.pop("delta")
-    else:
+            unused.add("delta")
+    identity: dict[str, object] = {k: v for k, v in asdict(config).items() if k not in unused}
+    if config.enabled:
         identity["clients_per_round"] = strategy.sampling.num_fit(config.population) if config.population else None
     return identity
 

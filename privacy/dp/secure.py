@@ -179,13 +179,12 @@ class SecureDPAggregator:
             ConfigError: what to change, as :meth:`start` says it at round 1.
         """
         dp = self.dp
-        for n in sorted({dp.minimum_clients, dp.expected_clients}):
-            self.secagg.config.check(n)
+        self.secagg.config.check(dp.minimum_clients)  # the smallest round released (m itself without dropout)
+        if spec is not None:
+            self._checked(spec, dp.expected_clients, 1)  # resolves SecAgg+ for m too
         params = self.secagg.config.resolve(dp.expected_clients)
         for warning in weak_points(params, dropouts=dp.expected_clients - dp.minimum_clients):
             log.warning("%s", warning)
-        if spec is not None:
-            self._checked(spec, dp.expected_clients, 1)
 
     def _checked(self, spec: Sequence[TensorSpec], n: int, round: int) -> tuple[float, float, tuple[TensorSpec, ...]]:
         """A round of ``n`` clients: the sum's noise standard deviation, the clipping norm and the secure sum's
