@@ -59,6 +59,7 @@ from server.round_loop import (
     RoundRecord,
     ServerState,
     initial_state,
+    preflight,
     return_large_blocks_to_the_os,
     run_rounds,
 )
@@ -599,8 +600,11 @@ def _simulate(
     )
     if (weak := weak_delta(config.privacy, len(ids))) is not None:
         log.warning("%s", weak)
-    if config.devices.availability == "always":  # every round selects as many: a robust rule's bound is known now
-        strategy.aggregator.check(min(strategy.sampling.num_fit(len(ids)), len(ids)))
+    if config.devices.availability == "always":  # every round selects as many: a robust rule's bound is known now,
+        # and SecAgg+'s graph and field for that many, before output.dir is made
+        every = min(strategy.sampling.num_fit(len(ids)), len(ids))
+        strategy.aggregator.check(every)
+        preflight(strategy, every, server_task.build_model)
     attackers = choose_attackers(ids, config.attack, seed=config.seed)
     client_task: Callable[[str], Task] = make_task
     classes = 0

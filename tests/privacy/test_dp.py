@@ -467,3 +467,18 @@ def test_a_delta_not_below_one_over_the_clients_is_warned_about(
         "privacy.delta = 0.5 is not below 1 / N = 1/20 = 0.05: the guarantee then allows publishing a few clients' "
         "data whole, whatever epsilon is reported; choose delta below 1 / N (--delta), e.g. 0.037"
     ]
+
+
+def test_a_secagg_field_too_small_for_the_noise_is_refused_before_a_simulation_writes_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a server refuses it at start: simulate evaluated round 0 and wrote its output directory first."""
+    from fedcore.cli import main
+
+    out = tmp_path / "run"
+    argv = ["simulate", "--dataset", "digits", "--model", "2nn", "--clients", "3", "--min-fit-clients", "3",
+            "--fraction-fit", "1.0", "--secure-aggregation", "--clip", "1", "--dp", "distributed", "--clipping-norm",
+            "1", "--noise-multiplier", "0.5", "--rounds", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 2
+    assert "Set [strategy.secagg] clip (--clip) to at least 2.3" in capsys.readouterr().err
+    assert not out.exists()
