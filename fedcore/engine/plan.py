@@ -33,6 +33,25 @@ from fedcore.engine.layers import model_layers, split_stages, tied_parameters
 from fedcore.engine.schedules import Schedule, check_schedule
 from fedcore.errors import ConfigError
 
+RANK_BASE_MIB = 220
+"""Resident memory of one worker rank before it builds its model or loads data: a fresh interpreter with torch and
+fedcore's engine imported (measured 221 MiB, torch 2.13 on Linux x86-64). A CPU plan of more ranks than the
+machine's available memory holds at this much each is refused before any process starts
+(:meth:`ParallelPlan.check_runtime`)."""
+
+
+def available_memory_mib() -> float | None:
+    """The memory the kernel estimates is available for new processes without swapping (``MemAvailable`` of
+    /proc/meminfo), in MiB; None where there is no procfs (then nothing is checked against it)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
 
 class Precision(StrEnum):
     """Compute precision. Master weights and the returned update stay in the global model's dtype."""
@@ -248,7 +267,9 @@ class ParallelPlan:
         """Resolve ``device`` on this machine and check the plan fits it; returns ``cpu`` or ``cuda``.
 
         Raises:
-            ConfigError: bf16 without CUDA, or ``device='cuda'`` with fewer GPUs than ranks.
+            ConfigError: bf16 without CUDA, ``device='cuda'`` with fewer GPUs than ranks, or more CPU ranks than
+                this machine's available memory holds at :data:`RANK_BASE_MIB` each (a lower bound: the
+                model and data come on top).
         """
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         device = self.device
@@ -258,6 +279,15 @@ class ParallelPlan:
             raise ConfigError(f"parallel plan needs {self.total_ranks} GPUs (one per rank) but {gpus} are visible")
         if self.precision is Precision.BF16 and device is not Device.CUDA:
             raise ConfigError("parallel plan: bf16 autocast needs CUDA, and training runs on the CPU here")
+        available = available_memory_mib()
+        if device is Device.CPU and available is not None and self.total_ranks * RANK_BASE_MIB > available:
+            raise ConfigError(
+                f"parallel plan: {self.total_ranks} ranks on the CPU are {self.total_ranks} processes, each a Python "
+                f"interpreter with torch (about {RANK_BASE_MIB} MiB before its model and data), at least "
+                f"{self.total_ranks * RANK_BASE_MIB:,} MiB in all, and this machine has {available:,.0f} MiB "
+                f"available; lower the degrees (data_parallel x pipeline_parallel x tensor_parallel) to at most "
+                f"{int(available // RANK_BASE_MIB)} ranks"
+            )
         return device
 
     # -------------------------------------------------------------------------------------------- loading

@@ -297,13 +297,15 @@ def test_a_parallel_workers_traceback_stays_in_the_clients_log(
     [
         ({"data_parallel": 2, "precision": "bf16"}, "bf16 autocast needs CUDA, and training runs on the CPU here"),
         ({"tensor_parallel": 2}, "tensor_parallel=2, but Sequential declares no tensor-parallel plan"),
+        ({"data_parallel": 100_000}, "100000 ranks on the CPU are 100000 processes"),
     ],
 )
 def test_a_plan_no_round_can_run_on_this_machine_is_refused_at_start(
     plan: dict[str, object], refusal: str, tmp_path: Path
 ) -> None:
     """bf16 on a machine without CUDA, or tensor parallelism for a model that gives no tensor-parallel plan: the
-    daemon joined and failed every round, and the server aborted the run after 3 attempts."""
+    daemon joined and failed every round, and the server aborted the run after 3 attempts. More CPU ranks than the
+    machine's memory holds: the daemon joined, and the first round started processes until memory ran out."""
     from fedcore.engine.plan import ParallelPlan
     from fedcore.errors import ConfigError
     from tests.engine import engine_tasks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,22 @@ def test_check_runtime_on_cpu() -> None:
     assert ParallelPlan(data_parallel=2).check_runtime().value == "cpu"
     with pytest.raises(ConfigError, match="bf16"):
         ParallelPlan(precision="bf16").check_runtime()  # type: ignore[arg-type]
+
+
+def test_more_cpu_ranks_than_memory_holds_are_refused() -> None:
+    """dp=100,000 on the CPU started one interpreter per rank (221 MiB each before any data) until the machine ran
+    out of memory; the refusal names the most ranks that fit, which this machine's /proc/meminfo gives."""
+    from fedcore.engine.plan import RANK_BASE_MIB, available_memory_mib
+
+    available = available_memory_mib()
+    if available is None:
+        pytest.skip("no /proc/meminfo here")
+    fits = int(available // RANK_BASE_MIB)
+    with pytest.raises(ConfigError, match=r"lower the degrees .* to at most (\d+) ranks$") as refused:
+        ParallelPlan(data_parallel=2 * fits + 1).check_runtime()  # twice: the free memory moves between the reads
+    found = re.search(r"at most (\d+) ranks", str(refused.value))
+    assert found is not None and fits / 2 < int(found.group(1)) < 2 * fits + 1
+    assert ParallelPlan(data_parallel=min(fits, 4)).check_runtime().value == "cpu"
 
 
 # ------------------------------------------------------------------------------------------ schedule rules
