@@ -435,7 +435,7 @@ class KrumAggregator:
 
     Tolerates ``f`` Byzantine clients of ``n`` when ``n >= 2f + 3`` (the paper's ``2f + 2 < n``).
 
-    Distances are accumulated block by block as a Gram matrix of the updates centred on their mean (float64,
+    Distances are accumulated block by block as a Gram matrix of the updates centred on their median (float64,
     one single-threaded BLAS product per block, summed in block order so the scores do not depend on the thread
     count): memory O(clients^2 + clients x block) besides the result.
 
@@ -550,10 +550,14 @@ class KrumAccumulator(_KeepsWholeUpdates):
 def pairwise_squared_distances(updates: SpilledUpdates, rows: Sequence[KeptUpdate]) -> np.ndarray:
     """``D[i, j] = ||u_i - u_j||^2`` over every tensor of the spec, for the updates ``rows`` (float64, ``n x n``).
 
-    Block by block: the block of every update is gathered (float64), centred on its mean over the updates
-    (distances do not change; the Gram products stay of the size of the distances, not of the updates), and its
-    Gram matrix added to a running one, in block order, on single-threaded BLAS. ``D = diag + diag' - 2 G``,
-    clipped at 0 against rounding.
+    Block by block: the block of every update is gathered (float64), centred on its coordinate-wise median over the
+    updates, and its Gram matrix added to a running one, in block order, on single-threaded BLAS.
+    ``D = diag + diag' - 2 G``, clipped at 0 against rounding. Centring does not change the distances; it keeps
+    ``diag`` of the size of each update's own distance from the others, so that ``diag_i + diag_j - 2 G_ij`` does
+    not cancel away the distances between the honest updates. The mean would not do: one update of 1e10 moves the
+    mean (so every row) by 1e10 / n, the honest updates' squared norms then reach 1e20 / n^2, and their distances of
+    about 1e-2 are lost in float64's 16 digits, which let a colluding second update be chosen. The median stays
+    within the honest values of each coordinate while fewer than half the updates are Byzantine.
     """
     n = len(rows)
     blocks = updates.blocks()
@@ -568,7 +572,7 @@ def pairwise_squared_distances(updates: SpilledUpdates, rows: Sequence[KeptUpdat
 
             def gram(worker: int, k: int, batch: list[Block] = batch) -> None:
                 values = updates.gather(rows, batch[k], buffers[k])
-                values -= values.mean(axis=0)
+                values -= np.median(values, axis=0)
                 np.matmul(values, values.T, out=grams[k])
 
             run_blocks(threads, len(batch), gram)

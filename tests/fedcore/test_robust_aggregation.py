@@ -104,6 +104,28 @@ def test_norm_bound_by_hand() -> None:
         NormBoundAggregator(bound=1.0).start(spec_of(g), round=1)
 
 
+@pytest.mark.parametrize("swamp", [1e6, 1e10, 1e14])
+def test_one_huge_update_does_not_let_krum_choose_a_colluding_one(swamp: float) -> None:
+    """Five honest updates near 0 (sd 0.01), one attacker at -5 everywhere, a second one of ``swamp``: f = 2 of
+    n = 7 = 2f + 3. Distances from a Gram matrix centred on the mean lost the honest updates' distances in float64
+    rounding once one update was huge (its 1e10 / 7 moved every row), and Krum chose the attacker at -5; direct
+    differences (flwr's aggregate_krum) choose an honest update. Both attackers stay unchosen, as flwr's."""
+    from flwr.server.strategy.aggregate import aggregate_krum
+
+    rng = np.random.default_rng(3)
+    honest = [{"w": rng.normal(0.0, 0.01, 1000)} for _ in range(5)]
+    updates = [*honest, {"w": np.full(1000, -5.0)}, {"w": honest[0]["w"] + swamp}]
+    accumulator = KrumAggregator(byzantine=2).start(spec_of(updates[0]), round=1)
+    for k, update in enumerate(updates):
+        accumulator.add(update, 1.0, client_id=f"c{k}")
+    out = accumulator.result()
+    (expected,) = aggregate_krum([([u["w"]], 1) for u in updates], num_malicious=2, to_keep=0)
+    assert accumulator.selected[0] in {f"c{k}" for k in range(5)}
+    np.testing.assert_array_equal(out["w"], expected)
+    multi = _aggregate(KrumAggregator(byzantine=2, select=None), updates)  # n - f = 5: exactly the honest ones
+    np.testing.assert_allclose(multi["w"], np.mean([u["w"] for u in honest], axis=0), rtol=1e-12, atol=1e-15)
+
+
 # ------------------------------------------------------------------------------------------------- refusals
 
 
