@@ -32,6 +32,7 @@ import numpy as np
 
 from fedcore.aggregation import (
     Accumulator,
+    CountsRejections,
     MetricColumns,
     SumAccumulator,
     example_weight,
@@ -683,6 +684,9 @@ def _fit_round(
                 for name, rule in strategy.groups.items():  # already checked: adding them cannot fail now
                     group_sums[name].add(reply.groups[name], rule.weight(num_examples), client_id=client_id, round=rnd)
             except FedcoreError as exc:
+                for refusing in (accumulator, *group_sums.values()):  # a faulty client: one of a robust rule's f
+                    if isinstance(refusing, CountsRejections):
+                        refusing.rejected(client_id)
                 failures.append(Failure(client_id=client_id, round=rnd, stage=Stage.FIT, reason=str(exc)))
                 if not failure_log.add(failures[-1]):
                     log.warning("round %d: rejected the update of client %s: %s", rnd, client_id, exc)

@@ -21,7 +21,7 @@ from fedcore.aggregation.metrics import (
     weighted_average,
     weighted_metrics,
 )
-from fedcore.aggregation.protocol import Accumulator, Aggregator, BlockArray, SumAccumulator
+from fedcore.aggregation.protocol import Accumulator, Aggregator, BlockArray, CountsRejections, SumAccumulator
 from fedcore.aggregation.robust import (
     KrumAggregator,
     MedianAggregator,
@@ -35,6 +35,7 @@ __all__ = [
     "Accumulator",
     "Aggregator",
     "BlockArray",
+    "CountsRejections",
     "KrumAggregator",
     "MeanAggregator",
     "MedianAggregator",

@@ -76,6 +76,23 @@ class Accumulator(Protocol):
 
 
 @runtime_checkable
+class CountsRejections(Protocol):
+    """An :class:`Accumulator` of a rule that tolerates ``f`` Byzantine clients and is told of the updates the round
+    loop refused (not finite, the wrong names, shapes or dtypes, a bad weight or example count, undecodable).
+
+    A client whose update was refused is faulty, so it is one of the ``f`` the rule tolerates: the kept updates
+    hold at most ``f - r`` Byzantine ones after ``r`` distinct clients were refused, and the rule is applied for
+    that many (Blanchard et al. 2017 and Yin et al. 2018 count any deviation from the protocol as Byzantine).
+    Without this, ``f`` clients that sent NaN left too few updates for a rule sized for ``f`` and failed the round.
+    A client that failed to reply is not counted: it may be honest and merely slow.
+    """
+
+    def rejected(self, client_id: str) -> None:
+        """Record that ``client_id``'s update was refused (each client counts once)."""
+        ...
+
+
+@runtime_checkable
 class SumAccumulator(Accumulator, Protocol):
     """An :class:`Accumulator` that also takes several clients' updates already combined into their weighted sum
     (:class:`~fedcore.messages.FitBatchRes`, from a pool that trains clients together). Only a rule that is linear
@@ -106,8 +123,8 @@ class Aggregator(Protocol):
     the :class:`Accumulator` it starts for the round (DESIGN.md, "Round protocol seams").
 
     Implementations: :class:`~fedcore.aggregation.MeanAggregator` (the default streaming weighted mean) and the
-    robust rules of :mod:`fedcore.aggregation.robust`; :func:`~fedcore.aggregation.make_aggregator` builds one by
-    name.
+    robust rules of :mod:`fedcore.aggregation.robust`; :func:`fedcore.strategy.build_aggregator` builds one
+    from a recipe's ``[strategy]`` table.
     """
 
     @property

@@ -245,9 +245,22 @@ def _map_file(path: Path, spec: Sequence[TensorSpec]) -> dict[str, np.ndarray]:
 
 
 class _KeepsWholeUpdates:
-    """An accumulator that keeps every update whole in a :class:`SpilledUpdates` until its result is taken."""
+    """An accumulator that keeps every update whole in a :class:`SpilledUpdates` until its result is taken, and
+    counts the clients whose updates the round loop refused
+    (:class:`~fedcore.aggregation.protocol.CountsRejections`)."""
 
     _updates: SpilledUpdates
+    _byzantine: int
+    _refused: set[str]
+
+    def rejected(self, client_id: str) -> None:
+        """Record that ``client_id``'s update was refused: one of the ``f`` faulty clients the rule tolerates."""
+        self._refused.add(client_id)
+
+    @property
+    def byzantine_left(self) -> int:
+        """``max(f - r, 0)``: the Byzantine clients the kept updates may still hold after ``r`` were refused."""
+        return max(self._byzantine - len(self._refused), 0)
 
     @property
     def count(self) -> int:
@@ -277,11 +290,14 @@ class CoordinateWiseAccumulator(_KeepsWholeUpdates):
         updates: SpilledUpdates,
         trim: Callable[[int], int],
         *,
-        minimum: int,
+        byzantine: int,
+        minimum: Callable[[int], int],
         rule: str,
     ) -> None:
         self._updates = updates
         self._trim = trim
+        self._byzantine = byzantine
+        self._refused = set()
         self._minimum = minimum
         self._rule = rule
 
@@ -292,16 +308,19 @@ class CoordinateWiseAccumulator(_KeepsWholeUpdates):
             release: also drop the kept updates and their files; the accumulator is spent afterwards.
 
         Raises:
-            AggregationError: fewer kept updates than the rule needs for its Byzantine budget.
+            AggregationError: fewer kept updates than the rule needs for the Byzantine clients they may hold
+                (``f`` less the clients whose updates were refused).
         """
         updates = self._updates
         updates._check_open()
         kept = updates.kept()
-        n = len(kept)
-        if n < self._minimum:
+        n, f = len(kept), self.byzantine_left
+        minimum = self._minimum(f)
+        if n < minimum:
+            refused = f" ({len(self._refused)} of the {self._byzantine} refused)" if self._refused else ""
             raise AggregationError(
-                f"{self._rule} needs at least {self._minimum} updates of positive weight to tolerate its Byzantine "
-                f"clients, got {n}",
+                f"{self._rule} needs at least {minimum} updates of positive weight to tolerate {f} Byzantine "
+                f"client(s){refused}, got {n}",
                 stage="aggregate",
             )
         trim = self._trim(n)
@@ -369,7 +388,7 @@ class MedianAggregator:
         """A fresh accumulator for one round (``reference`` is not needed)."""
         updates = SpilledUpdates(spec, threads=self.threads, spill_dir=self.spill_dir)
         return CoordinateWiseAccumulator(
-            updates, lambda n: (n - 1) // 2, minimum=max(1, 2 * self.byzantine + 1), rule="the median"
+            updates, lambda n: (n - 1) // 2, byzantine=self.byzantine, minimum=lambda f: 2 * f + 1, rule="the median"
         )
 
 
@@ -418,10 +437,22 @@ class TrimmedMeanAggregator:
     ) -> CoordinateWiseAccumulator:
         """A fresh accumulator for one round (``reference`` is not needed)."""
         updates = SpilledUpdates(spec, threads=self.threads, spill_dir=self.spill_dir)
+        return CoordinateWiseAccumulator(
+            updates, self.trimmed, byzantine=self.byzantine, minimum=self.smallest_round, rule="the trimmed mean"
+        )
+
+    def smallest_round(self, byzantine: int) -> int:
+        """The fewest updates (>= 1) whose trim, ``floor(beta * n)``, covers ``byzantine`` clients.
+
+        Raises:
+            ConfigError: ``beta`` is 0 and ``byzantine`` > 0 (no round is large enough).
+        """
+        if byzantine > 0 and self.beta == 0:
+            raise ConfigError("the trimmed mean with beta=0 trims nothing, so it tolerates no Byzantine client")
         minimum = 1
-        while self.trimmed(minimum) < self.byzantine:
+        while self.trimmed(minimum) < byzantine:
             minimum += 1
-        return CoordinateWiseAccumulator(updates, self.trimmed, minimum=minimum, rule="the trimmed mean")
+        return minimum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -491,6 +522,8 @@ class KrumAccumulator(_KeepsWholeUpdates):
     def __init__(self, updates: SpilledUpdates, rule: KrumAggregator) -> None:
         self._updates = updates
         self._rule = rule
+        self._byzantine = rule.byzantine
+        self._refused = set()
         self.selected: tuple[str, ...] = ()
         """The client ids the last result was built from."""
 
@@ -498,14 +531,16 @@ class KrumAccumulator(_KeepsWholeUpdates):
         """Krum's score of each kept update, in :meth:`SpilledUpdates.kept` order (float64, shape ``(n,)``).
 
         Raises:
-            AggregationError: fewer than ``2f + 3`` kept updates.
+            AggregationError: fewer than ``2f + 3`` kept updates (``f`` less the clients whose updates were
+                refused).
         """
         kept = self._updates.kept()
-        n, f = len(kept), self._rule.byzantine
+        n, f = len(kept), self.byzantine_left
         if n < 2 * f + 3:
+            refused = f" ({len(self._refused)} of the {self._byzantine} refused)" if self._refused else ""
             raise AggregationError(
                 f"{self._rule.name} needs at least {2 * f + 3} updates of positive weight to tolerate {f} Byzantine "
-                f"client(s), got {n}",
+                f"client(s){refused}, got {n}",
                 stage="aggregate",
             )
         distances = pairwise_squared_distances(self._updates, kept)
@@ -526,7 +561,7 @@ class KrumAccumulator(_KeepsWholeUpdates):
         updates._check_open()
         scores = self.scores()
         kept = updates.kept()
-        n, f = len(kept), self._rule.byzantine
+        n, f = len(kept), self.byzantine_left
         m = self._rule.select if self._rule.select is not None else n - f
         if m > n - f:
             raise AggregationError(

@@ -16,6 +16,7 @@ import pytest
 
 from fedcore.aggregation import (
     Aggregator,
+    CountsRejections,
     KrumAggregator,
     MedianAggregator,
     NormBoundAggregator,
@@ -163,6 +164,45 @@ def test_result_refuses_too_few_updates_after_dropouts() -> None:
     assert accumulator.count == 5
     with pytest.raises(AggregationError, match="at least 5"):
         accumulator.result()
+
+
+def test_refused_updates_count_against_the_byzantine_budget() -> None:
+    """A client whose update is refused (NaN, wrong shape) is one of the f faulty clients: the kept updates hold at
+    most f - r Byzantine ones. The rule sized for f failed the round when f clients sent NaN (trimmed mean, beta
+    0.25, f = 1 of 4: 3 kept, floor(0.75) = 0 < 1), so f attackers could stop a run the rule claims to survive."""
+    rows = [[1.0, 4.0], [2.0, 0.0], [6.0, 2.0]]
+    accumulator = TrimmedMeanAggregator(beta=0.25, byzantine=1).start(spec_of(_vector([0, 0])), round=1)
+    for k, row in enumerate(rows):
+        accumulator.add(_vector(row), 1.0, client_id=f"c{k}")
+    with pytest.raises(NonFiniteError):
+        accumulator.add(_vector([float("nan"), 0.0]), 1.0, client_id="bad")
+    with pytest.raises(AggregationError, match=r"at least 4 updates .* to tolerate 1 Byzantine client"):
+        accumulator.result()
+    assert isinstance(accumulator, CountsRejections)
+    accumulator.rejected("bad")
+    accumulator.rejected("bad")  # the same client counts once
+    np.testing.assert_allclose(accumulator.result()["w"], [3.0, 2.0], rtol=1e-7)  # trim 0 of 3: the plain mean
+    # Krum with f = 2 of 7, two refused: the 5 kept hold no Byzantine update, so each is scored on its n - 0 - 2 = 3
+    # nearest others (5 < 2f + 3 before any refusal). Points 0, 1, 2, 4, 8: scores 1+4+16, 1+1+9, 1+4+4, 4+9+16,
+    # 16+36+49 -> the point 2 (9)
+    krum = KrumAggregator(byzantine=2).start(spec_of(_vector([0.0])), round=1)
+    for k, point in enumerate([0.0, 1.0, 2.0, 4.0, 8.0]):
+        krum.add(_vector([point]), 1.0, client_id=f"c{k}")
+    with pytest.raises(AggregationError, match="at least 7 updates"):
+        krum.scores()
+    assert isinstance(krum, CountsRejections)
+    krum.rejected("x")  # f - r = 1: each scored on its 2 nearest others: 1+4, 1+1, 1+4, 4+9, 16+36
+    np.testing.assert_array_equal(krum.scores(), [5.0, 2.0, 5.0, 13.0, 52.0])
+    krum.rejected("y")
+    np.testing.assert_array_equal(krum.scores(), [21.0, 11.0, 9.0, 29.0, 101.0])
+    np.testing.assert_array_equal(krum.result()["w"], [2.0])
+    median = MedianAggregator(byzantine=2).start(spec_of(_vector([0.0])), round=1)
+    for k, point in enumerate([0.0, 5.0, 1.0]):
+        median.add(_vector([point]), 1.0, client_id=f"c{k}")
+    assert isinstance(median, CountsRejections)
+    median.rejected("x")
+    median.rejected("y")
+    np.testing.assert_array_equal(median.result()["w"], [1.0])
 
 
 # ------------------------------------------------------------------------------------------------- validation

@@ -130,3 +130,38 @@ def test_fedavg_collapses_under_sign_flipping_and_the_trimmed_mean_holds(tmp_pat
     assert clean > 0.8
     assert fedavg < clean - 0.3
     assert trimmed > clean - 0.05
+
+
+@pytest.mark.parametrize(
+    ("aggregator", "clients", "fraction"),
+    [("trimmed_mean", 10, 0.2), ("median", 5, 0.4), ("krum", 7, 0.29)],  # the fewest clients each rule takes for f = 2
+)
+def test_attackers_that_send_inf_are_refused_and_the_run_goes_on(
+    aggregator: str, clients: int, fraction: float, tmp_path: Path
+) -> None:
+    """f = 2 attackers send updates of infinities (noise of sd 1e39 overflows float32): both are refused, so the
+    kept updates hold no Byzantine one. The rules were sized for 2 among the kept (the trimmed mean: floor(0.2 * 8)
+    = 1 < 2; the median: 3 < 2f + 1; Krum: 5 < 2f + 3) and failed every round after 3 attempts, so f attackers
+    stopped a run the rule claims to survive."""
+    recipe = Path(__file__).resolve().parents[2] / "simulations/recipes/robust_sign_flip.toml"
+    overrides = [
+        'data.dataset="digits"',
+        f"data.num_clients={clients}",
+        'model.name="logreg"',
+        f"sampling.min_fit_clients={clients}",
+        "strategy.byzantine=2",
+        f'strategy.aggregator="{aggregator}"',
+        'attack.kind="gaussian"',
+        f"attack.fraction={fraction}",
+        "attack.noise_std=1e39",
+        "rounds=3",
+        "evaluate_every=3",
+        "output.progress=false",
+        "output.plot=false",
+        f'output.dir="{tmp_path}"',
+    ]
+    history = run_simulation(load_recipe(recipe, overrides), echo=lambda _: None).history
+    assert history["round"].tolist()[-1] == 3
+    assert history["failures"].iloc[1:].tolist() == [2, 2, 2]
+    assert history["clients"].iloc[1:].tolist() == [clients - 2] * 3
+    assert history["test_accuracy"].dropna().iloc[-1] > 0.7
