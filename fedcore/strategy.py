@@ -336,7 +336,11 @@ class StrategyConfig:
                 "sum_dtype = 'float32' sets the streaming mean's running sum; secure_aggregation sums quantized "
                 "updates in a finite field instead: use sum_dtype = 'float64' (--sum-dtype float64)"
             )
-        build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
+        aggregator = build_aggregator(self)  # the rule's own checks (ranges), now rather than at the first round
+        if self.name == "scaffold":
+            from fedcore.algorithms.scaffold import control_aggregator
+
+            control_aggregator(aggregator)  # the control variates can be combined by it
         unweighted = self.aggregator in ("median", "trimmed_mean", "krum") or (
             self.aggregator == "multi_krum" and self.multi_krum_m == 1
         )

@@ -18,7 +18,9 @@ label_noise    trains on noisy labels: each of its training labels is replaced, 
                client from (seed, client). Not an attack so much as a low-quality client (quality weighting's case)
 =============  ===================================================================================================
 
-Only floating tensors are changed; integer buffers (BatchNorm's counters) pass through.
+Only floating tensors are changed; integer buffers (BatchNorm's counters) pass through. A reply's tensor groups
+(SCAFFOLD's control variates' ``delta c_i``) are differences already: an attacker sends ``-s·delta``, ``s·delta``
+or ``N(0, σ²)`` for them (the same attacks around 0), from its own draw of the noise.
 """
 
 from __future__ import annotations
@@ -174,10 +176,18 @@ class AttackedPool(PoolWrapper):
             if rewrites and attacker and isinstance(reply, FitRes) and isinstance(instruction, FitIns):
                 rng = numpy_rng(self._seed, "attack", reply.round, reply.client_id)
                 poisoned = poison_update(reply.parameters, instruction.parameters, self._config, rng)
-                reply = dataclasses.replace(reply, parameters=poisoned)
+                groups = {
+                    name: poison_update(group, _zeros(group), self._config, rng) for name, group in reply.groups.items()
+                }
+                reply = dataclasses.replace(reply, parameters=poisoned, groups=groups)
                 del poisoned
             yield reply
             del reply  # not kept while the next client trains (a model-sized update)
+
+
+def _zeros(group: Mapping[str, np.ndarray]) -> NamedArrays:
+    """Zeros of a tensor group's shapes: the reference its differences are poisoned around."""
+    return {name: np.zeros(np.shape(value)) for name, value in group.items()}
 
 
 def num_classes(task: Task) -> int:

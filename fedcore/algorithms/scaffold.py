@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from fedcore.aggregation import Aggregator, MeanAggregator
+from fedcore.aggregation import Aggregator, MeanAggregator, NormBoundAggregator
 from fedcore.aggregation.weights import WeightRule
 from fedcore.errors import ClientTaskError, ConfigError, PayloadError
 from fedcore.messages import FitIns, FitRes, ModSpec, bounded_repr
@@ -59,7 +59,9 @@ class ControlRule:
 
     Attributes:
         aggregator: combines the replies' delta c_i (default: the streaming mean, every client weight 1, as the
-            paper's uniform mean).
+            paper's uniform mean). :func:`scaffold` gives it the model's robust rule when the model has one: a
+            Byzantine client's delta c_i reaches every client's gradients through c, so averaging it plainly would
+            undo the model's protection.
     """
 
     aggregator: Aggregator = field(default_factory=MeanAggregator)
@@ -192,6 +194,23 @@ def _control_before(state: StateEntry, rnd: int, c: NamedArrays) -> NamedArrays:
     return stored
 
 
+def control_aggregator(model_rule: Aggregator) -> Aggregator:
+    """How SCAFFOLD combines the control variates' delta c_i when ``model_rule`` combines the models: the plain
+    mean (the paper's) for the mean, else the same robust rule with the same Byzantine budget.
+
+    Raises:
+        ConfigError: ``model_rule`` is norm bounding: its bound is on the model's change, and a control variate
+            (of a gradient's scale) would reach every client unbounded.
+    """
+    if isinstance(model_rule, NormBoundAggregator):
+        raise ConfigError(
+            "SCAFFOLD with norm bounding: the bound limits each client's change of the model, but its control "
+            "variate (delta c_i, of a gradient's scale) would reach every client unbounded; use aggregator = "
+            "'median', 'trimmed_mean', 'krum' or 'multi_krum', which also combine the control variates"
+        )
+    return MeanAggregator() if isinstance(model_rule, MeanAggregator) else model_rule
+
+
 def scaffold(
     *,
     fit: FitConfig,
@@ -210,16 +229,23 @@ def scaffold(
         server_lr: eta_g, > 0 (1 in most of the paper's experiments).
         weighting: how the models are averaged: ``"uniform"`` as in the paper, ``"examples"`` as FedAvg (or a
             quality rule of :mod:`fedcore.aggregation.weights`).
-        aggregator: how the models are combined (default: the streaming mean).
+        aggregator: how the models are combined (default: the streaming mean). A robust rule (median, trimmed
+            mean, Krum) also combines the control variates' delta c_i, with the same Byzantine budget: an attacker's
+            delta c_i is added to every honest client's gradients through c (an unbounded c_i of sd 10 took a
+            median-protected run from 0.72 to 0.13 accuracy).
         evaluate_batch_size: as in :class:`~fedcore.strategy.Strategy`.
 
     Raises:
-        ConfigError: ``server_lr`` is not > 0, or ``fit.mu`` > 0 (SCAFFOLD's correction replaces FedProx's term).
+        ConfigError: ``server_lr`` is not > 0, ``fit.mu`` > 0 (SCAFFOLD's correction replaces FedProx's term), or
+            the aggregator is norm bounding (its bound is on the model's change; a control variate has a scale of
+            its own, so it would be left unbounded).
     """
     if not (isinstance(server_lr, int | float) and math.isfinite(server_lr) and server_lr > 0):
         raise ConfigError(f"SCAFFOLD's server_lr (eta_g) must be a finite number > 0, got {server_lr!r}")
     if fit.mu > 0:
         raise ConfigError("SCAFFOLD with FedProx's proximal term (train.mu > 0) is not an algorithm; set mu = 0")
+    model_rule = aggregator if aggregator is not None else MeanAggregator()
+    control = ControlRule(aggregator=control_aggregator(model_rule))
     return Strategy(
         name="scaffold",
         fit=fit,
@@ -227,7 +253,7 @@ def scaffold(
         weighting=weighting,
         server_optimizer=ServerSGD(lr=server_lr),
         evaluate_batch_size=evaluate_batch_size,
-        groups={CONTROL: ControlRule()},
+        groups={CONTROL: control},
         mods=(ModSpec("scaffold"),),
-        aggregator=aggregator if aggregator is not None else MeanAggregator(),
+        aggregator=model_rule,
     )
