@@ -669,7 +669,7 @@ class ClientDaemon:
             else:
                 self._stages.observe(instruction.round)
                 parallel = self._parallel
-                if parallel is not None and self._deadline_s > 0:  # parallel workers are killed at the deadline
+                if parallel is not None and 0 < self._deadline_s < math.inf:  # workers are killed at the deadline
                     parallel = dataclasses.replace(parallel, timeout_s=self._deadline_s)
                 reply = run_instruction(
                     self._task,

@@ -102,10 +102,15 @@ class RoundConfig:
     def __post_init__(self) -> None:
         if self.num_rounds < 1:
             raise ConfigError(f"num_rounds must be >= 1, got {self.num_rounds}")
-        if self.round_timeout_s is not None and not self.round_timeout_s > 0:
-            raise ConfigError(f"round_timeout_s must be > 0 or unset, got {self.round_timeout_s}")
-        if not self.wait_for_clients_s > 0:
-            raise ConfigError(f"wait_for_clients_s must be > 0, got {self.wait_for_clients_s}")
+        if self.round_timeout_s is not None and not 0 < self.round_timeout_s < math.inf:
+            raise ConfigError(
+                f"round_timeout_s must be a finite number of seconds > 0, or unset for no deadline, got "
+                f"{self.round_timeout_s}"
+            )
+        if not 0 < self.wait_for_clients_s < math.inf:
+            raise ConfigError(
+                f"wait_for_clients_s must be a finite number of seconds > 0, got {self.wait_for_clients_s}"
+            )
         if self.min_fit_results < 1:
             raise ConfigError(f"min_fit_results must be >= 1, got {self.min_fit_results}")
         if self.max_round_attempts < 1:

@@ -216,8 +216,11 @@ def test_the_client_connects_to_the_address_as_parsed() -> None:
         ("--rounds=0", "rounds (--rounds) must be in 1..1,000,000, got 0"),
         ("--evaluate-every=0", "evaluate_every must be >= 1, got 0"),
         ("--max-round-attempts=0", "max_round_attempts must be >= 1, got 0"),
-        ("--wait-for-clients-s=nan", "wait_for_clients_s must be > 0, got nan"),
-        ("--round-timeout-s=-1", "round_timeout_s must be > 0 or unset, got -1.0"),
+        ("--wait-for-clients-s=nan", "wait_for_clients_s must be a finite number of seconds > 0, got nan"),
+        ("--wait-for-clients-s=inf", "wait_for_clients_s must be a finite number of seconds > 0, got inf"),
+        ("--round-timeout-s=-1", "round_timeout_s must be a finite number of seconds > 0, or unset for no deadline"),
+        # inf was accepted, and every daemon under a parallel plan failed every round ("timeout_s must be finite")
+        ("--round-timeout-s=inf", "round_timeout_s must be a finite number of seconds > 0, or unset for no deadline"),
         ("--liveness-timeout-s=nan", "liveness_timeout_s (nan) must exceed heartbeat_interval_s (5.0)"),
         ("--chunk-bytes=0", "chunk_bytes must be in [1 KiB, 64 MiB], got 0"),
         ("--linger-s=nan", "linger_s must be a number of seconds >= 0, got nan"),
