@@ -127,6 +127,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
         raise
     # the selection's learned state (losses, durations) is rebuilt from the stored rounds, not checkpointed
     restore_strategy(strategy, store, initial.round)
+    metrics.current_round.set(initial.round)  # a resumed run's last completed round, not 0 until the next one ends
     warm_up_kernels()
     _memory_line(echo, "with the model mapped from its file")
 
@@ -313,6 +314,11 @@ def _open_run(
             advice="use a new --state-dir for a new run, or the task options of the run being resumed",
         )
     echo(f"resuming after round {resumed.round} from {config.state_dir}")
+    if config.initial is not None:
+        echo(
+            f"WARNING: --initial {config.initial} is not used: it sets a new run's starting model, and this run "
+            f"resumes from its round-{resumed.round} checkpoint; use a new --state-dir to start from it"
+        )
     return resumed
 
 

@@ -517,6 +517,49 @@ def _demo_server_config(state_dir: Path, *, wait_for_clients_s: float) -> Server
     )
 
 
+def test_a_resumed_server_reports_its_last_round_and_says_initial_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart, fedcore_current_round ("Last completed round") read 0 until the next round ended, and
+    --initial was silently ignored by a run that resumed from its checkpoint."""
+    import dataclasses
+    import re
+    import urllib.request
+    from typing import Any
+
+    import server.app
+    from fedcore.task import TaskContext, initial_parameters, load_task_factory
+
+    options = {"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"}
+    task = load_task_factory("simulations.tasks:demo_task")(TaskContext(role="server", options=options))
+    params = initial_parameters(task.build_model, 0)
+    store = StateStore(tmp_path / "state")
+    store.check_strategy(StrategyConfig())
+    for rnd in (1, 2):
+        store.save_checkpoint(ServerState(round=rnd, parameters=params, optimizer_state={}))
+        store.record_round(RoundRecord(round=rnd))
+    store.close()
+    initial = tmp_path / "state" / "checkpoints" / "round-000001.safetensors"  # a model file, as any would be
+    lines: list[str] = []
+    scraped: list[str] = []
+
+    def scrape_then_stop(*args: Any, **kwargs: Any) -> Any:
+        port = next(m.group(1) for line in lines if (m := re.search(r"metrics on http://127.0.0.1:(\d+)/", line)))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            scraped.append(response.read().decode())
+        raise RoundFailed("stop here: the test only looks at the server before its first round")
+
+    monkeypatch.setattr(server.app, "run_rounds", scrape_then_stop)
+    monkeypatch.setattr(server.app, "warm_up_kernels", lambda: None)
+    config = dataclasses.replace(
+        _demo_server_config(tmp_path / "state", wait_for_clients_s=1.0), metrics_port=0, initial=initial
+    )
+    with pytest.raises(RoundFailed, match="stop here"):
+        server.app.run_server(config, echo=lines.append)
+    assert "fedcore_current_round 2.0" in scraped[0].splitlines()
+    assert f"WARNING: --initial {initial} is not used" in "\n".join(lines)
+
+
 def test_server_refuses_to_resume_a_checkpoint_of_another_model(tmp_path: Path) -> None:
     """A state directory from another run (another model) is refused at start, not after clients trained."""
     from fedcore.errors import ConfigError
