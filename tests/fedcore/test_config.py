@@ -143,6 +143,11 @@ def test_fit_config_validates_on_construction() -> None:
         (["strategy.server_momentum=0.9"], "fedavgm", 0.9, 1.0, "mean"),
         (["strategy.name=fedadam", "strategy.server_lr=0.01"], "fedadam", 0.0, 0.01, "mean"),  # another kind
         (["strategy.name=fedavg"], "fedavg", 0.0, 1.0, "mean"),
+        # the adaptive strategies' own server lr: it was 1.0, at which FedAdam did not learn (accuracy 0.098)
+        (["strategy.name=fedadam"], "fedadam", 0.0, 0.01, "mean"),
+        (["strategy.name=fedyogi"], "fedyogi", 0.0, 0.01, "mean"),
+        (["strategy.name=fedadagrad", "strategy.server_lr=0.1"], "fedadagrad", 0.0, 0.1, "mean"),
+        (["strategy.name=scaffold"], "scaffold", 0.0, 1.0, "mean"),
     ],
 )
 def test_a_strategy_flag_changes_only_its_key_of_the_default_strategy(
