@@ -55,8 +55,11 @@ def make_task(cid: str) -> SupervisedTask:
     return SupervisedTask(model_fn=bn_model, train_data=client_data(cid))
 
 
-def strategy_for(name: str) -> Strategy:
-    config = StrategyConfig(name="fedavgm", server_momentum=0.9) if name == "fedavgm" else StrategyConfig(name=name)
+def strategy_for(name: str, server_lr: float | None = None) -> Strategy:
+    if name == "fedavgm":
+        config = StrategyConfig(name="fedavgm", server_momentum=0.9, server_lr=server_lr)
+    else:
+        config = StrategyConfig(name=name, server_lr=server_lr)
     return build_strategy(config, FIT, SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
 
 
@@ -105,15 +108,17 @@ def hand_chain(name: str, rounds: int) -> list[NamedArrays]:
             else:
                 m64 = 0.9 * m[n].astype(np.float64) + 0.1 * delta
                 v64 = 0.99 * v[n].astype(np.float64) + 0.01 * delta * delta
-                new[n] = (a64 + 1.0 * m64 / (np.sqrt(v64) + 1e-3)).astype(a.dtype)
+                new[n] = (a64 + 0.01 * m64 / (np.sqrt(v64) + 1e-3)).astype(a.dtype)  # FedAdam's default eta
                 m[n], v[n] = m64.astype(a.dtype), v64.astype(a.dtype)
         x = new
         chain.append(x)
     return chain
 
 
-def run_loop(name: str, rounds: int, trainable: frozenset[str] | None) -> tuple[list[NamedArrays], list[RoundRecord]]:
-    strategy = strategy_for(name)
+def run_loop(
+    name: str, rounds: int, trainable: frozenset[str] | None, server_lr: float | None = None
+) -> tuple[list[NamedArrays], list[RoundRecord]]:
+    strategy = strategy_for(name, server_lr)
     seen: list[NamedArrays] = []
 
     def keep(record: RoundRecord, state: ServerState) -> None:
@@ -146,15 +151,15 @@ def test_three_rounds_equal_the_hand_run_chain(name: str) -> None:
         assert record.eval_loss is not None and math.isfinite(record.eval_loss)
 
 
-def test_fedadam_at_the_default_server_lr_keeps_running_var_positive_and_the_loss_finite() -> None:
-    # the case: before, every floating tensor was stepped and running_var went negative in round 2
-    assert StrategyConfig(name="fedadam").server_lr == 1.0  # the default this test is about
-    got, records = run_loop("fedadam", 3, trainable_names(bn_model))
+def test_fedadam_at_server_lr_1_keeps_running_var_positive_and_the_loss_finite() -> None:
+    # the case (at 1.0, the default then): every floating tensor was stepped and running_var went negative
+    # in round 2
+    got, records = run_loop("fedadam", 3, trainable_names(bn_model), server_lr=1.0)
     for rnd, (params, record) in enumerate(zip(got, records, strict=True), start=1):
         assert (params["1.running_var"] > 0).all(), rnd
         assert record.eval_loss is not None and math.isfinite(record.eval_loss), rnd
     # and this is what stepping the buffers did (trainable=None: every floating tensor through Adam)
-    stepped, stepped_records = run_loop("fedadam", 2, None)
+    stepped, stepped_records = run_loop("fedadam", 2, None, server_lr=1.0)
     assert (stepped[1]["1.running_var"] < 0).any()
     assert stepped_records[1].eval_loss is not None and math.isnan(stepped_records[1].eval_loss)
 
