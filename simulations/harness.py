@@ -600,11 +600,15 @@ def _simulate(
     )
     if (weak := weak_delta(config.privacy, len(ids))) is not None:
         log.warning("%s", weak)
-    if config.devices.availability == "always":  # every round selects as many: a robust rule's bound is known now,
-        # and SecAgg+'s graph and field for that many, before output.dir is made
+    # before output.dir is made: a robust rule's bound, SecAgg+'s graph and field, for the fewest clients a round
+    # selects: as many as every round when all are always available, else min_fit_clients (a round waits for that
+    # many online ones, as a server waits for connected ones)
+    if config.devices.availability == "always":
         every = min(strategy.sampling.num_fit(len(ids)), len(ids))
         strategy.aggregator.check(every)
         preflight(strategy, every, server_task.build_model)
+    else:
+        preflight(strategy, min(strategy.sampling.min_fit_clients, len(ids)), server_task.build_model)
     attackers = choose_attackers(ids, config.attack, seed=config.seed)
     client_task: Callable[[str], Task] = make_task
     classes = 0

@@ -25,6 +25,7 @@ order in which replies arrived: simulation and deployment give the same model bi
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import shutil
@@ -56,6 +57,8 @@ from fedcore.kernels import FUSED_DTYPES, squared_distance, trimmed_mean_columns
 from fedcore.payload import read_safetensors_header, save_payload
 from fedcore.tensors import NamedArrays, TensorSpec, check_finite, check_spec
 
+log = logging.getLogger("fedcore.aggregation")
+
 _GATHER_BYTES = 8 << 20
 """Bytes of the float64 buffer (clients x block) each thread gathers one block of every update into; a block has
 ``_GATHER_BYTES / (8 * clients)`` elements (at least :data:`_MIN_BLOCK`, at most :data:`_MAX_BLOCK`)."""
@@ -79,6 +82,16 @@ class KeptUpdate:
     arrays: dict[str, np.ndarray]
     flat: dict[str, np.ndarray]
     handles: dict[str, mmap.mmap]
+
+
+def _refuse_small_rounds(check: Callable[[int], None], smallest: int) -> None:
+    """``check(smallest)``, its refusal saying that a round may be that small (a server's min_fit_clients)."""
+    try:
+        check(smallest)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc.message.rstrip('.')} (a round may select as few as min_fit_clients = {smallest}, --min-fit-clients)"
+        ) from None
 
 
 def _check_byzantine(byzantine: int) -> None:
@@ -382,6 +395,15 @@ class MedianAggregator:
                 "strategy.byzantine"
             )
 
+    def preflight(self, smallest: int, spec: Sequence[TensorSpec] | None) -> None:
+        """Refuse before the first round what :meth:`check` refuses of a round of ``smallest`` clients, the fewest
+        a round selects (:class:`server.round_loop.Preflighted`).
+
+        Raises:
+            ConfigError: as :meth:`check`, saying that rounds may be that small.
+        """
+        _refuse_small_rounds(self.check, smallest)
+
     def start(
         self, spec: Sequence[TensorSpec], *, round: int, reference: Mapping[str, np.ndarray] | None = None
     ) -> CoordinateWiseAccumulator:
@@ -430,6 +452,28 @@ class TrimmedMeanAggregator:
             raise ConfigError(
                 f"the trimmed mean with beta={self.beta} drops {self.trimmed(num_clients)} of {num_clients} values at "
                 f"each end, fewer than the {self.byzantine} Byzantine client(s) to tolerate; {fix} strategy.trim_beta"
+            )
+
+    def preflight(self, smallest: int, spec: Sequence[TensorSpec] | None) -> None:
+        """Refuse before the first round what :meth:`check` refuses of a round of ``smallest`` clients, the fewest
+        a round selects (:class:`server.round_loop.Preflighted`); warn when such a round trims nothing, which
+        makes it the plain mean (``beta`` 0.1 of 6 clients: floor(0.6) = 0).
+
+        Raises:
+            ConfigError: as :meth:`check`, saying that rounds may be that small.
+        """
+        _refuse_small_rounds(self.check, smallest)
+        if self.beta > 0 and self.trimmed(smallest) == 0:
+            log.warning(
+                "the trimmed mean with beta=%g trims floor(%g x %d) = 0 values at each end of a round of %d clients: "
+                "such a round is the plain mean, which one Byzantine client moves anywhere; select at least %d "
+                "clients a round or raise trim_beta (--trim-beta) to at least %.3g",
+                self.beta,
+                self.beta,
+                smallest,
+                smallest,
+                math.ceil(1 / self.beta - 1e-9),
+                1 / smallest,
             )
 
     def start(
@@ -507,6 +551,22 @@ class KrumAggregator:
             raise ConfigError(
                 f"multi_krum averages m={self.select} updates, more than the n - f = {num_clients - f} it can trust of "
                 f"{num_clients}; lower strategy.multi_krum_m"
+            )
+
+    def preflight(self, smallest: int, spec: Sequence[TensorSpec] | None) -> None:
+        """Refuse before the first round what :meth:`check` refuses of a round of ``smallest`` clients, the fewest
+        a round selects (:class:`server.round_loop.Preflighted`); warn when Multi-Krum averages every update
+        (``byzantine`` 0 and ``select`` None: m = n - 0), which is the plain weighted mean.
+
+        Raises:
+            ConfigError: as :meth:`check`, saying that rounds may be that small.
+        """
+        _refuse_small_rounds(self.check, smallest)
+        if self.select is None and self.byzantine == 0:
+            log.warning(
+                "multi_krum with byzantine = 0 averages m = n - f = n updates, all of them: the plain weighted "
+                "mean, which one Byzantine client moves anywhere; set byzantine (--byzantine) to the clients to "
+                "tolerate, or multi_krum_m (--multi-krum-m) below the clients a round selects"
             )
 
     def start(

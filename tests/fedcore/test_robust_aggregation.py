@@ -156,6 +156,32 @@ def test_check_refuses_rounds_a_rule_cannot_honour() -> None:
             bad()
 
 
+def test_preflight_refuses_small_rounds_and_warns_when_a_rule_removes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The trimmed mean's default beta 0.1 of 6 clients trims floor(0.6) = 0 values, and Multi-Krum with f = 0 and
+    no m averages all n: both were the plain mean without a word (a scaled attacker took the loss from 2.4 to
+    116)."""
+    TrimmedMeanAggregator(beta=0.1).preflight(10, None)
+    KrumAggregator(byzantine=1, select=None).preflight(5, None)
+    MedianAggregator().preflight(2, None)
+    assert caplog.records == []
+    TrimmedMeanAggregator(beta=0.1).preflight(6, None)
+    assert caplog.messages[-1].startswith(
+        "the trimmed mean with beta=0.1 trims floor(0.1 x 6) = 0 values at each end of a round of 6 clients: such a "
+        "round is the plain mean"
+    )
+    assert caplog.messages[-1].endswith(
+        "select at least 10 clients a round or raise trim_beta (--trim-beta) to at least 0.167"
+    )
+    KrumAggregator(select=None).preflight(5, None)
+    assert caplog.messages[-1].startswith("multi_krum with byzantine = 0 averages m = n - f = n updates, all of them")
+    with pytest.raises(
+        ConfigError, match=r"at least 5 clients per round \(n > 2f \+ 2\), got 4; .* min_fit_clients = 4"
+    ):
+        KrumAggregator(byzantine=1).preflight(4, None)
+
+
 def test_result_refuses_too_few_updates_after_dropouts() -> None:
     accumulator = KrumAggregator(byzantine=1).start(spec_of(_vector([0.0])), round=1)
     for k in range(4):

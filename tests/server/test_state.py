@@ -842,3 +842,15 @@ def test_a_restart_with_another_seed_is_refused_and_the_same_seed_resumes(tmp_pa
     resumed = store.resume()
     assert resumed is not None and resumed.round == 2
     store.close()
+
+
+def test_a_robust_rule_too_strict_for_min_fit_clients_is_refused_before_listening(tmp_path: Path) -> None:
+    """Krum for 1 Byzantine client needs 5 clients a round, and a round may start with min_fit_clients = 2
+    connected: the server listened, made its state directory and exited 2 at round 1 once its clients joined."""
+    match = (
+        r"krum tolerates 1 Byzantine client\(s\) only with at least 5 clients per round \(n > 2f \+ 2\), got 2; "
+        r".* \(a round may select as few as min_fit_clients = 2, --min-fit-clients\)"
+    )
+    state = tmp_path / "state"
+    refused_before_listening(state, ConfigError, match, strategy=StrategyConfig(aggregator="krum", byzantine=1))
+    assert not state.exists()
