@@ -36,7 +36,7 @@ from client.runner import ModelCache, ParallelTraining, run_instruction
 from client.stages import ClientStages
 from client.state import ClientStateStore
 from fedcore.config import apply_overrides, from_mapping, load_toml, merge_mappings, parse_address, parse_host
-from fedcore.engine.plan import ParallelPlan
+from fedcore.engine.plan import ParallelPlan, refine_options
 from fedcore.errors import (
     ClientTaskError,
     ConfigError,
@@ -237,23 +237,35 @@ def load_daemon_config(
     flags: Mapping[str, Any] | None = None,
     *,
     parallel: ParallelPlan | None = None,
+    parallel_items: Sequence[str] = (),
+    parallel_file: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> DaemonConfig:
     """Build a daemon's config from an optional TOML file, then ``key=value`` overrides, then ``flags`` (a nested
-    mapping, as :func:`fedcore.options.given_values` makes), each winning over the one before. The file's
-    ``[parallel]`` table is the plan (:meth:`ParallelPlan.from_mapping`) unless ``parallel`` is given. Without a
-    token or token file, the token comes from ``FEDCORE_TOKEN`` in ``environ`` (default: the process's).
+    mapping, as :func:`fedcore.options.given_values` makes), each winning over the one before. Without a token or
+    token file, the token comes from ``FEDCORE_TOKEN`` in ``environ`` (default: the process's).
+
+    The parallel plan, unless ``parallel`` gives it whole, is built the same way, each source winning over the one
+    before under any name of an option (``dp`` or ``data_parallel``): the ``[parallel]`` table of
+    ``parallel_file`` (``--parallel-config``), else of the file at ``path`` (``--config``); then the
+    ``parallel.KEY=VALUE`` overrides (``--set``); then ``parallel_items`` (``--parallel KEY=VALUE``). None of them:
+    no plan.
 
     Raises:
-        ConfigError: unreadable file, unknown key, wrong type or invalid value, no server or client id.
+        ConfigError: unreadable file, unknown key, wrong type or invalid value, no server or client id, or a plan
+            :meth:`ParallelPlan.from_cli` refuses.
     """
+    plan_sets = [item for item in overrides if item.partition("=")[0].strip().startswith("parallel.")]
     data: dict[str, Any] = load_toml(Path(path)) if path is not None else {}
-    data = merge_mappings(apply_overrides(data, list(overrides)), flags or {})
+    data = merge_mappings(apply_overrides(data, [item for item in overrides if item not in plan_sets]), flags or {})
     table = data.pop("parallel", None)
-    if parallel is None and table is not None:
-        if not isinstance(table, Mapping):
+    if parallel_file is not None:
+        table = load_toml(Path(parallel_file)).get("parallel", {})
+    if parallel is None and (table is not None or plan_sets or parallel_items):
+        if table is not None and not isinstance(table, Mapping):
             raise ConfigError(f"[parallel] must be a table of the plan's keys, got {table!r}")
-        parallel = ParallelPlan.from_mapping(table)
+        refined = refine_options(table or {}, apply_overrides({}, plan_sets).get("parallel", {}), "--set parallel.*")
+        parallel = ParallelPlan.from_cli(parallel_items, refined)
     for key, flag in (("server", "--server HOST:PORT"), ("client_id", "--client-id ID")):
         if key not in data:
             raise ConfigError(f"give the daemon its {key}: {flag}, or {key} = ... in the --config file")

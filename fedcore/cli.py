@@ -23,7 +23,6 @@ from fedcore.options import Option, add_options, derive_options, given_values, t
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from fedcore.engine.plan import ParallelPlan
     from simulations.config import DataConfig
 
 #: simulate's flags whose name is not their key's last part (the others are derived: ``--server-lr`` sets
@@ -303,27 +302,15 @@ def _cmd_client_start(args: argparse.Namespace) -> int:
     shortcuts = {k: v for k, v in (("dataset", args.dataset), ("partition", args.partition)) if v}
     if shortcuts:  # the demo task's options, by their own flags
         flags["task_options"] = {**flags.get("task_options", {}), **shortcuts}
-    # --parallel refines the plan of --parallel-config, else of the --config file's [parallel] table
-    plan = _parallel_plan(args.parallel_config or (args.config if args.parallel else None), args.parallel)
-    config = load_daemon_config(args.config, args.overrides, flags, parallel=plan)
+    # the plan: --parallel over --set parallel.* over --parallel-config's [parallel] table, else --config's
+    config = load_daemon_config(
+        args.config, args.overrides, flags, parallel_items=args.parallel, parallel_file=args.parallel_config
+    )
     if not args.verbose:  # on success the daemon says it joined, each round it trained and the run's end (INFO)
         logging.getLogger("fedcore.client").setLevel(logging.INFO)
     if config.insecure:
         print("WARNING: connecting without TLS (--insecure): the model and updates travel in plaintext")
     return ClientDaemon(config).run()
-
-
-def _parallel_plan(path: str | None, pairs: list[str]) -> ParallelPlan | None:
-    """The client's parallel plan: ``--parallel-config``'s ``[parallel]`` table, overridden by ``--parallel``."""
-    if path is None and not pairs:
-        return None
-    from fedcore.config import load_toml
-    from fedcore.engine.plan import ParallelPlan
-
-    table = load_toml(path).get("parallel", {}) if path is not None else {}
-    if not isinstance(table, dict):
-        raise ConfigError(f"[parallel] in {path!r} must be a table")
-    return ParallelPlan.from_cli(pairs, table)
 
 
 def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

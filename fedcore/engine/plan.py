@@ -349,6 +349,16 @@ class ParallelPlan:
         return cls(**{key: _coerce(key, value) for key, value in options.items()})
 
 
+def refine_options(base: Mapping[str, Any], top: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``base``'s plan options with ``top``'s laid over them, under their field names: ``top``'s
+    ``data_parallel = 3`` replaces ``base``'s ``dp = 2`` (``where`` names ``top``'s source for errors).
+
+    Raises:
+        ConfigError: an unknown key, or an option given twice within one of the two tables.
+    """
+    return {**_canonical_options(base, "the [parallel] table"), **_canonical_options(top, where)}
+
+
 def _canonical_options(table: Mapping[str, Any] | Sequence[tuple[str, Any]], where: str) -> dict[str, Any]:
     """``table``'s options under their field names (aliases and ``-`` resolved), in order.
 

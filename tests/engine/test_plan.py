@@ -214,13 +214,49 @@ def test_one_f_one_b_keeps_at_most_p_micro_batches_alive() -> None:
     assert peak_in_flight([("F", i) for i in range(8)] + [("B", i) for i in range(8)]) == 8
 
 
+def _daemon_plan(argv: list[str]) -> ParallelPlan | None:
+    """The plan ``fedcore client start ARGV`` would train under (its config built as the command builds it)."""
+    from client.daemon import load_daemon_config
+    from fedcore.cli import build_parser, client_options
+    from fedcore.options import given_values
+
+    args = build_parser().parse_args(["client", "start", "--server", "h:1", "--client-id", "c", "--insecure", *argv])
+    config = load_daemon_config(
+        args.config,
+        args.overrides,
+        given_values(args, client_options()),
+        parallel_items=args.parallel,
+        parallel_file=args.parallel_config,
+    )
+    return config.parallel
+
+
 def test_client_start_flags_refine_the_parallel_config_file(tmp_path: Path) -> None:
     """``fedcore client start --parallel-config pc.toml --parallel dp=3`` with ``data_parallel = 2`` in the file."""
-    from fedcore.cli import _parallel_plan
-
     path = tmp_path / "pc.toml"
     path.write_text("[parallel]\ndata_parallel = 2\nsharded = true\n")
-    plan = _parallel_plan(str(path), ["dp=3"])
+    plan = _daemon_plan(["--parallel-config", str(path), "--parallel", "dp=3"])
     assert plan is not None and (plan.data_parallel, plan.sharded) == (3, True)
     with pytest.raises(ConfigError, match="given twice in --parallel"):
-        _parallel_plan(str(path), ["dp=3", "dp=2"])
+        _daemon_plan(["--parallel-config", str(path), "--parallel", "dp=3", "dp=2"])
+    assert _daemon_plan([]) is None
+
+
+def test_set_parallel_refines_the_plan_beside_the_parallel_flags(tmp_path: Path) -> None:
+    """``--set parallel.KEY=VALUE`` was dropped whenever ``--parallel`` or ``--parallel-config`` was also given: the
+    daemon trained on one device without a word, or refused the plan for a key the --set had given."""
+    pipeline = ["--set", "parallel.pipeline=2", "--set", 'parallel.split_points=["2"]', "--set",
+                "parallel.microbatches=2"]  # fmt: skip
+    plan = _daemon_plan([*pipeline, "--parallel", "schedule=gpipe"])
+    assert plan is not None
+    assert (plan.pipeline, plan.split_points, plan.microbatches, plan.schedule.value) == (2, ("2",), 2, "gpipe")
+    config = tmp_path / "c.toml"
+    config.write_text('[parallel]\ndp = 2\nschedule = "1f1b"\nmicrobatches = 1\n')
+    plan = _daemon_plan(["--config", str(config), "--set", "parallel.microbatches=4", "--parallel", "pp=2",
+                         "split_points=2"])  # fmt: skip
+    assert plan is not None and (plan.data_parallel, plan.pipeline, plan.microbatches) == (2, 2, 4)
+    # --set wins over the file under another name of the option, and --parallel over both
+    plan = _daemon_plan(["--parallel-config", str(config), "--set", "parallel.data_parallel=3"])
+    assert plan is not None and plan.data_parallel == 3
+    plan = _daemon_plan(["--config", str(config), "--set", "parallel.data_parallel=3", "--parallel", "dp=4"])
+    assert plan is not None and plan.data_parallel == 4
