@@ -374,6 +374,8 @@ class ClientDaemon:
         stopped and returns :data:`EXIT_FINISHED`. Ctrl-C leaves the session too, then raises KeyboardInterrupt.
 
         Raises:
+            ConfigError: the parallel plan cannot run on this machine (before joining), or does not fit the task's
+                model (after joining, the session left first).
             TransportError: a problem retrying cannot fix (see :func:`classify_connection_error`): the server's
                 certificate is not trusted or not for this name, the server refuses this client's certificate
                 (or needs one), speaks TLS to an ``--insecure`` client or plaintext to a TLS one, or refuses the
@@ -386,6 +388,11 @@ class ClientDaemon:
             import torch
 
             torch.set_num_threads(self.config.threads)
+        if self.config.parallel is not None and not self.config.parallel.is_single_process:
+            # what the machine cannot run (bf16 without CUDA, too few GPUs, more ranks than memory holds) before
+            # joining: a daemon that joined and left at once could be selected in between and fail a round attempt.
+            # The model's fit (split points, tensor parallelism) is checked once the task is built for the seed.
+            self.config.parallel.check_runtime()
         handled = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
             signal.SIG_DFL,
             None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -319,3 +320,21 @@ def test_a_plan_no_round_can_run_on_this_machine_is_refused_at_start(
         assert h.pool.available() == []  # left at once
     finally:
         h.close()
+
+
+def test_a_plan_this_machine_cannot_run_is_refused_before_joining() -> None:
+    """More CPU ranks than memory holds is known before the server is reached: the daemon refuses at once, even
+    with no server listening. It joined first, and a round could select it in the moment before it left."""
+    from fedcore.engine.plan import ParallelPlan
+    from fedcore.errors import ConfigError
+    from tests.engine import engine_tasks
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = DaemonConfig(server=f"127.0.0.1:{port}", client_id="c1", task=f"{engine_tasks.__name__}:mlp_task",
+                          insecure=True, give_up_after_s=5.0, parallel=ParallelPlan(data_parallel=100_000))  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="100000 ranks on the CPU are 100000 processes"):
+        ClientDaemon(config, factory=engine_tasks.mlp_task).run()
+    assert time.monotonic() - started < 2.0
