@@ -232,10 +232,10 @@ def _failure(procs: list[subprocess.Popen[bytes]], workdir: Path, alive_ns: list
 def _timeout(procs: list[subprocess.Popen[bytes]], workdir: Path, timeout_s: float) -> EngineError:
     """The error for a run past its bound: which ranks were still running, and the end of their logs."""
     running = [r for r, p in enumerate(procs) if p.poll() is None]
-    tails = "".join(
-        f"\n--- rank {r} log tail ---\n" + "\n".join(_tail(log_path(workdir, r), 1000).strip().splitlines()[-5:])
-        for r in running[:2]
-    )
+    lines = {r: _tail(log_path(workdir, r), 1000).strip().splitlines()[-5:] for r in running[:2]}
+    tails = "".join(f"\n--- rank {r} log tail ---\n" + "\n".join(lines[r]) for r in lines if lines[r])  # none: none
+    if lines and not tails:
+        tails = " (they logged nothing)"
     return EngineError(
         f"parallel training did not finish within {timeout_s:g} s (ranks {running} still running: hung or too "
         "slow); all workers were killed. Raise the timeout (the client daemon uses the time left until the "

@@ -6,6 +6,7 @@ Real worker processes on loopback gloo; a caller is a real Python process that i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,6 +147,7 @@ def test_a_hanging_worker_fails_within_the_bound_and_leaves_nothing() -> None:
     elapsed = time.monotonic() - started
     assert timeout_s <= elapsed < timeout_s + GRACE_S + 5.0
     assert info.value.round == 4 and info.value.client_id == "c1"
+    assert not re.search(r"log tail ---\n(---|\n|$)", str(info.value))  # an empty rank log gives no empty section
     assert _workers_of(os.getpid()) == set()
     assert _workdirs_of(os.getpid()) == []
 
