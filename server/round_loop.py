@@ -1084,8 +1084,9 @@ def _evaluate_round(
         changes["eval_loss"] = central.eval_loss
         if central.eval_loss is not None and not math.isfinite(central.eval_loss) and record.round > 0:
             log.warning(  # said now: the next round's clients all fail from this model, and look to blame
-                "round %d: the new global model's test loss is %s (its update norm %.3g): an extreme update may have "
-                "taken it; %s",
+                "round %d: the new global model's test loss is %s (its parameters are finite, its update norm %.3g): "
+                "an extreme update may have taken it where the loss overflows, or the evaluation itself returns a "
+                "non-finite loss; %s",
                 record.round,
                 central.eval_loss,
                 record.update_norm,
