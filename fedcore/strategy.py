@@ -387,7 +387,7 @@ class StrategyConfig:
             raise ConfigError(
                 f"compression {self.compression!r} sends an encoded update that the server decodes block by block "
                 "into the streaming mean: it needs aggregator = 'mean' and no secure_aggregation (SecAgg+ masks "
-                f"the full update, robust rules read whole updates); got aggregator {self.aggregator!r}"
+                f"the full update, the other aggregators read each update whole); got aggregator {self.aggregator!r}"
                 + (" with secure_aggregation" if self.secure_aggregation else "")
             )
 

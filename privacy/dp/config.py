@@ -225,6 +225,13 @@ def apply_dp(strategy: Strategy, config: PrivacyConfig, *, population: int | Non
             "under secure aggregation the server never sees an update, so it cannot clip or add noise (central "
             "mode); use privacy.dp = 'distributed' (--dp distributed): each client clips and adds its noise share"
         )
+    compressed = [mod.name for mod in strategy.mods if mod.name == "compress"]
+    if compressed:
+        raise ConfigError(
+            "privacy.dp clips each update whole and adds noise to their sum, and a compressed update is decoded "
+            "block by block into the streaming mean: strategy.compression cannot be combined with it; use "
+            "--compression none"
+        )
     if isinstance(strategy.aggregator, MeanAggregator) and strategy.aggregator.delta:
         raise ConfigError(
             "privacy.dp replaces the streaming mean with DP-FedAvg's clipped mean, which sums in float64: "
