@@ -43,6 +43,7 @@ import hashlib
 import logging
 import math
 import numbers
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, cast
 
@@ -367,16 +368,19 @@ def as_numpy_client(client: object) -> NumPyClientLike:
 
 
 def _option_value(text: str) -> bool | int | float | str:
-    """A ``--task-option`` string as Flower's run_config would type it: bool, int, float, else the string."""
+    """A ``--task-option`` string as Flower's run_config would type it: a TOML value (``flwr run --run-config``
+    and ``[tool.flwr.app.config]`` are TOML: ``true``, ``3``, ``1e-3``, ``nan``, ``inf``, ``"quoted"``), else the
+    string as given (Flower would need it quoted). ``NaN`` or ``Infinity`` are not TOML numbers, so they stay
+    strings (Python's ``float`` read them as numbers); ``True``/``False`` in any case are booleans, since the
+    string ``"False"`` would test true."""
     lowered = text.strip().lower()
     if lowered in ("true", "false"):
         return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    try:
+        value = tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+    return value if isinstance(value, bool | int | float | str) else text
 
 
 #: The ``node_config`` the server-side ``client_fn`` call gets unless the factory names its own: partition 0 of 1,

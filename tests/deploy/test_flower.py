@@ -432,3 +432,23 @@ def test_flower_metric_values_of_every_kind_never_fail_the_instruction(caplog: p
     evaluated = run_instruction(task, EvaluateIns(round=1, parameters=reply.parameters, batch_size=4), "c0")
     assert isinstance(evaluated, EvaluateRes)
     assert (evaluated.loss, evaluated.num_examples, evaluated.metrics) == (np.inf, 5, {"ok": 0.25})
+
+
+def test_task_options_are_typed_as_flowers_run_config_types_them() -> None:
+    """``--task-option k=v`` reaches a Flower client_fn as ``flwr run --run-config "k=v"`` would give it (flwr's
+    own parse_config_args, TOML values); Python's float() made 'NaN' and 'Infinity' numbers where Flower refuses
+    them. Unquoted strings, which Flower would refuse, stay strings; True/False in any case are booleans."""
+    import math
+
+    from flwr.common.config import parse_config_args
+
+    same = ["nan", "inf", "-inf", "3", "-7", "1_000", "0x10", "1e-3", "2.5", "true", "false", '"quoted"']
+    options = {f"k{i}": text for i, text in enumerate(same)}
+    options.update({"a": "NaN", "b": "Infinity", "c": "hello", "d": "False", "e": "2026-01-01"})
+    got = flower_context(TaskContext(client_id="c1", options=options)).run_config
+    for i, text in enumerate(same):
+        (expected,) = parse_config_args([f"k={text}"]).values()
+        value = got[f"k{i}"]
+        assert type(value) is type(expected), text
+        assert value == expected or (math.isnan(cast(float, value)) and math.isnan(cast(float, expected))), text
+    assert [got[k] for k in "abcde"] == ["NaN", "Infinity", "hello", False, "2026-01-01"]
