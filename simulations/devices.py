@@ -96,9 +96,19 @@ def slow_clients(client_ids: Sequence[str], fraction: float, *, seed: int) -> fr
     return frozenset(ids[int(i)] for i in order[:count])
 
 
-def fit_seconds(factor: float, step_seconds: float, local_epochs: int, batch_size: int, num_examples: int) -> float:
-    """A fit's simulated duration: ``factor * step_seconds * local_epochs * ceil(num_examples / batch_size)``."""
-    return factor * step_seconds * local_epochs * math.ceil(num_examples / batch_size)
+def fit_seconds(
+    factor: float,
+    step_seconds: float,
+    local_epochs: int,
+    batch_size: int,
+    num_examples: int,
+    max_steps: int | None = None,
+) -> float:
+    """A fit's simulated duration: ``factor * step_seconds * steps``, the steps training takes:
+    ``local_epochs * ceil(num_examples / batch_size)``, at most ``max_steps`` (:class:`~fedcore.task.FitConfig`'s
+    cap, where training stops) when given."""
+    steps = local_epochs * math.ceil(num_examples / batch_size)
+    return factor * step_seconds * (steps if max_steps is None else min(steps, max_steps))
 
 
 def diurnal_phases(client_ids: Sequence[str], *, seed: int) -> dict[str, float]:
@@ -260,6 +270,7 @@ class SimulatedDevices(PoolWrapper):
             instruction.config.local_epochs,
             instruction.config.batch_size,
             num_examples,
+            instruction.config.max_steps,
         )
 
     def _timed(self, reply: FitRes, instructions: Mapping[str, ServerMessage]) -> FitRes:

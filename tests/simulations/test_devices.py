@@ -130,6 +130,18 @@ def test_a_simulation_times_its_rounds_and_selects_only_online_clients(tmp_path:
     assert "simulated_seconds" not in plain.history.columns
 
 
+def test_a_step_cap_caps_the_simulated_time(tmp_path: Path) -> None:
+    """--max-steps 1 with 3 epochs: every client takes one step (training stops there), so a round lasts one step
+    of the slowest device, 5 x 0.01 s. The device model counted every epoch's batches (0.15 s and more), and Oort
+    then penalised clients for data they never trained on."""
+    extra = ["train.max_steps=1", "train.local_epochs=3", "devices.slow_fraction=0.5", "devices.slowdown=5.0"]
+    config = load_recipe(None, [*SMALL, f"output.dir={str(tmp_path / 'run')!r}", *extra])
+    history = run_simulation(config, echo=lambda _: None).history
+    assert list(history["simulated_seconds"][1:]) == pytest.approx([5 * 0.01] * (len(history) - 1))
+    assert fit_seconds(5.0, 0.02, 3, 10, 25, max_steps=4) == pytest.approx(0.4)  # 9 steps, capped at 4
+    assert fit_seconds(5.0, 0.02, 3, 10, 25, max_steps=100) == pytest.approx(0.9)
+
+
 def test_stratified_by_size_in_simulation_takes_each_bucket_in_proportion() -> None:
     ids = [f"c{i}" for i in range(8)]
     sizes = {cid: 10 * (i + 1) for i, cid in enumerate(ids)}  # c0..c3 the small half, c4..c7 the large
