@@ -418,7 +418,9 @@ def oort_select(
     unexplored candidates, drawn uniformly (Oort prefers faster unexplored clients when it knows their speed;
     here it does not). Exploitation fills the other k slots: the explored candidates are ranked by
     :func:`oort_scores`; those scoring at least ``cutoff`` times the k-th best score form the pool, from which k
-    are drawn without replacement in proportion to their scores (uniformly when all scores are 0).
+    are drawn without replacement in proportion to their scores; when fewer than k score above 0 (a staleness of
+    0 leaves the least useful client at 0, a large speed penalty underflows), all of those are taken and the rest
+    drawn uniformly from the ones scoring 0.
 
     Returns:
         The selected ids, sorted.
@@ -442,10 +444,19 @@ def oort_select(
         ranked = sorted(explored, key=lambda cid: (-scores[cid], cid))
         threshold = config.cutoff * scores[ranked[exploit - 1]]
         top = [cid for cid in ranked if scores[cid] >= threshold]
-        weights = np.array([scores[cid] for cid in top], dtype=np.float64)
         rng = numpy_rng(seed, "select", "oort", "exploit", stage, round)
-        p = weights / weights.sum() if weights.sum() > 0 else None
-        chosen += [top[int(i)] for i in rng.choice(len(top), size=exploit, replace=False, p=p)]
+        positive = [cid for cid in top if scores[cid] > 0]
+        if len(positive) >= exploit:
+            weights = np.array([scores[cid] for cid in top], dtype=np.float64)
+            chosen += [
+                top[int(i)] for i in rng.choice(len(top), size=exploit, replace=False, p=weights / weights.sum())
+            ]
+        else:  # fewer scores above 0 than slots (staleness 0, or a speed penalty that underflows): all of those,
+            # the rest drawn uniformly from the ones scoring 0
+            zero = [cid for cid in top if scores[cid] <= 0]
+            chosen += positive + [
+                zero[int(i)] for i in rng.choice(len(zero), size=exploit - len(positive), replace=False)
+            ]
     return sorted(chosen)
 
 

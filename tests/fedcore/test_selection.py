@@ -145,6 +145,27 @@ def test_oort_draws_the_exploitation_pool_in_proportion_to_scores() -> None:
     assert "e" not in picks and 0.58 < picks.count("b") / 300 < 0.75  # 2/3 +- 2.5 standard deviations
 
 
+def test_oort_fills_slots_that_clients_of_score_0_must_take() -> None:
+    """Three clients, all three selected, staleness 0: the least useful scores exactly 0, and numpy's weighted draw
+    without replacement raised ValueError ('Fewer non-zero entries in p than size') at round 2, in a simulation
+    and on a server (again at every restart). A speed penalty of 1000 underflows a slow client's score to 0 alike."""
+    config = SelectionConfig(staleness=0.0)
+    stats = {
+        "a": ClientStats(num_examples=10, loss=1.0, seconds=1.0, round=1),
+        "b": ClientStats(num_examples=20, loss=1.0, seconds=1.0, round=1),
+        "e": ClientStats(num_examples=5, loss=1.0, seconds=1.0, round=1),
+    }
+    assert oort_scores(stats, round=2, config=config)["e"] == 0.0
+    for seed in range(3):
+        assert oort_select(["a", "b", "e"], stats, 3, config=config, seed=seed, round=2) == ["a", "b", "e"]
+        # two slots: a and b, the two above 0, whatever the draw
+        assert oort_select(["a", "b", "e"], stats, 2, config=config, seed=seed, round=2) == ["a", "b"]
+    slow = {**stats, "e": ClientStats(num_examples=50, loss=1.0, seconds=100.0, round=1)}
+    penalised = SelectionConfig(speed_penalty=1000.0, staleness=0.0)
+    assert oort_scores(slow, round=2, config=penalised)["e"] == 0.0  # (1 / 100) ** 1000 underflows
+    assert oort_select(["a", "b", "e"], slow, 3, config=penalised, seed=0, round=2) == ["a", "b", "e"]
+
+
 def test_observation_reads_loss_and_duration_and_leaves_out_the_rest() -> None:
     seen = observation("c", 12, {"train_loss": 0.5, "fit_seconds": 3.0, "simulated_seconds": 2.0})
     assert seen == ClientObservation(client_id="c", num_examples=12, loss=0.5, seconds=2.0)
