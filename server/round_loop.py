@@ -193,8 +193,9 @@ class RoundRecord:
         observations: what each accepted update told the client selection (loss, examples, duration), as fed to
             :meth:`fedcore.selection.Selector.observe`; the server stores them so that a restart rebuilds the
             selector's state.
-        simulated_seconds: a simulation's simulated duration of the round (synchronous: its slowest accepted
-            client's simulated device time), the history column ``simulated_seconds``; None outside simulation.
+        simulated_seconds: a simulation's simulated duration of the round (synchronous: each attempt lasts its
+            slowest replying client's simulated device time, refused updates included, and a retried round all
+            its attempts), the history column ``simulated_seconds``; None outside simulation.
         bytes_up: the payload bytes received in the round (:func:`server.pool.received_bytes`): the fit replies
             (every attempt; accepted and rejected updates alike), as the pool measured them
             (:attr:`fedcore.messages.FitRes.payload_bytes`, before any decoding), and a round protocol's stage
@@ -623,6 +624,7 @@ def _fit_round(
 ) -> tuple[ServerState, RoundRecord]:
     all_failures: list[Failure] = []
     bytes_up = bytes_down = 0
+    waited: float | None = None  # simulated seconds of the attempts that failed: the round waited for them too
     for attempt in range(1, config.max_round_attempts + 1):
         needed = max(strategy.sampling.min_fit_clients, config.min_fit_results)
         available = _candidates(strategy, pool.wait_for(needed, config.wait_for_clients_s), needed, rnd)
@@ -654,6 +656,7 @@ def _fit_round(
         accepted: list[str] = []
         failures: list[Failure] = []
         metric_rows: list[tuple[int, Mapping[str, object]] | MetricColumns] = []
+        timed: list[tuple[int, Mapping[str, object]] | MetricColumns] = []  # every reply's metrics, refused too
         failure_log = _FailureLog()
         observations: list[ClientObservation] = []
         protocol_run, instructions = _stages_before_fit(pool, strategy, config, rnd, attempt, instructions, failures)
@@ -662,6 +665,7 @@ def _fit_round(
         for reply in pool.run(instructions, timeout_s=config.round_timeout_s):
             if isinstance(reply, FitBatchRes):  # several clients' updates, already summed where they were trained
                 bytes_up += received_bytes(pool, reply)
+                timed.append(MetricColumns(reply.num_examples, reply.metrics))
                 if _fold_batch(reply, accumulator, strategy, instructions, rnd, failures):  # read as columns
                     accepted.extend(reply.client_ids)
                     metric_rows.append(MetricColumns(reply.num_examples, reply.metrics))
@@ -677,6 +681,7 @@ def _fit_round(
                 log.warning("round %d: discarding an unexpected reply %r", rnd, type(reply).__name__)
                 continue
             client_id, num_examples, fit_metrics = reply.client_id, reply.num_examples, reply.metrics
+            timed.append((num_examples, fit_metrics))  # a synchronous round waits for a reply it then refuses
             reply_bytes = received_bytes(pool, reply)
             bytes_up += reply_bytes
             try:
@@ -758,6 +763,7 @@ def _fit_round(
                     round=rnd,
                 ) from exc
             log.warning("round %d attempt %d failed (%s); retrying with a fresh selection", rnd, attempt, exc)
+            waited = _after(waited, _simulated_duration(timed))
             continue
         finally:  # the attempt's stage traffic, whether it failed or not
             if protocol_run is not None:
@@ -776,7 +782,7 @@ def _fit_round(
             metrics_left_out=train_metrics.left_out,
             aggregation=aggregation,
             observations=tuple(observations),
-            simulated_seconds=_simulated_duration(metric_rows),
+            simulated_seconds=_after(waited, _simulated_duration(timed)),
             bytes_up=bytes_up,
             bytes_down=bytes_down,
             update_norm=norm,
@@ -937,9 +943,15 @@ def _mapping(metrics: object) -> Mapping[str, object]:
     return metrics if isinstance(metrics, Mapping) else {}
 
 
+def _after(earlier: float | None, attempt: float | None) -> float | None:
+    """Simulated seconds of the attempts before and of this one, in sequence (None where none was timed)."""
+    return attempt if earlier is None else earlier + (attempt or 0.0)
+
+
 def _simulated_duration(rows: Sequence[tuple[int, Mapping[str, object]] | MetricColumns]) -> float | None:
-    """A synchronous round's simulated duration: the slowest accepted client's ``simulated_seconds`` (a simulation's
-    device model reports it with each update); None when no client reported one (a real deployment)."""
+    """A synchronous attempt's simulated duration: the slowest replying client's ``simulated_seconds`` (a
+    simulation's device model reports it with each update; the round waits for an update it then refuses as for
+    any other); None when no client reported one (a real deployment). A round's is the sum over its attempts."""
     known: list[float] = []
     for row in rows:
         if isinstance(row, MetricColumns):

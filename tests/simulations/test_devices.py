@@ -142,6 +142,26 @@ def test_a_step_cap_caps_the_simulated_time(tmp_path: Path) -> None:
     assert fit_seconds(5.0, 0.02, 3, 10, 25, max_steps=100) == pytest.approx(0.9)
 
 
+def test_a_refused_update_still_takes_its_simulated_time(tmp_path: Path) -> None:
+    """Half the clients (drawn from the seed) send updates of infinities and are refused; the synchronous round
+    still waited for them, so it lasts as long as its slowest client, refused or not. Only the accepted updates
+    were timed, and the slowest device, an attacker's, was left out of the history."""
+    from simulations.attacks import AttackConfig, choose_attackers
+
+    extra = ["devices.slow_fraction=0.2", "devices.slowdown=5.0", "attack.kind=scale", "attack.scale=1e300",
+             "attack.fraction=0.5"]  # fmt: skip
+    config = load_recipe(None, [*SMALL, f"output.dir={str(tmp_path / 'run')!r}", *extra])
+    history = run_simulation(config, echo=lambda _: None).history
+    ids = client_ids(6)
+    sizes = partition_sizes(config, ids)
+    slow = slow_clients(ids, 0.2, seed=0)  # client-002, one of the attackers
+    attackers = choose_attackers(ids, AttackConfig(kind="scale", fraction=0.5), seed=0)
+    time = {cid: fit_seconds(5.0 if cid in slow else 1.0, 0.01, 1, 32, sizes[cid]) for cid in ids}
+    assert max(time[cid] for cid in ids if cid not in attackers) < max(time.values())  # an attacker is slowest
+    assert list(history["failures"][1:]) == [3, 3, 3]
+    assert list(history["simulated_seconds"][1:]) == pytest.approx([max(time.values())] * 3)
+
+
 def test_stratified_by_size_in_simulation_takes_each_bucket_in_proportion() -> None:
     ids = [f"c{i}" for i in range(8)]
     sizes = {cid: 10 * (i + 1) for i, cid in enumerate(ids)}  # c0..c3 the small half, c4..c7 the large
