@@ -571,15 +571,24 @@ class SimulationConfig:
         (:func:`fedcore.aggregation.weights.check_weight_metric`). A simulated duration counts with timed devices.
 
         Raises:
-            ConfigError: the metric is not one the weighting can read; the message lists those it can.
+            ConfigError: the metric is not one the weighting can read (the message lists those it can), or is
+                ``fit_seconds``, wall-clock time, which would make the run's model differ from run to run.
         """
         timed = self.devices.timed or self.strategy.selection == "oort"
+        if self.strategy.weighting == "metric" and self.strategy.weight_metric == "fit_seconds":
+            raise ConfigError(
+                "weight_metric 'fit_seconds' is each client's wall-clock training time, which differs from run to run "
+                "on a shared machine, so a simulation weighted by it gives another model each time; weigh by the "
+                "simulated device time instead: --weight-metric simulated_seconds with --simulate-time (or "
+                "--slow-fraction)"
+            )
         check_weight_metric(
             self.strategy.weighting,
             self.strategy.weight_metric,
             declared,
             report_validation=self.train.report_validation,
             extra=("simulated_seconds",) if timed else (),
+            exclude=("fit_seconds",),
         )
 
     def stop_rules(self) -> StopRules:

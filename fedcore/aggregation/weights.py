@@ -217,17 +217,21 @@ def check_weight_metric(
     *,
     report_validation: bool,
     extra: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
 ) -> None:
     """Refuse, before the first round, a weighting metric the task cannot report (rules ``metric`` and ``server``;
     the others read no metric). A task that declares no metric names (``declared`` None) is not checked: its
     updates say in the first round (:meth:`QualityWeights.weight_of` names what they reported instead).
+    ``exclude`` names reported values the caller does not allow (a simulation's wall-clock ``fit_seconds``): they
+    are left out of the list the refusal gives.
 
     Raises:
         ConfigError: ``metric`` is not one of :func:`weight_metric_names`; the message lists them.
     """
     if declared is None or rule not in ("metric", "server"):
         return
-    names = weight_metric_names(rule, declared, report_validation=report_validation, extra=extra)
+    reported = weight_metric_names(rule, declared, report_validation=report_validation, extra=extra)
+    names = [name for name in reported if name not in exclude]
     if metric in names:
         return
     hint = ""
