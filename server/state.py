@@ -656,6 +656,27 @@ class StateStore:
             return
         self._set_meta("seed", str(seed))
 
+    def check_trace(self, digest: str | None) -> None:
+        """Record the SHA-256 of the run's availability trace file (None: no such file) at its first start; refuse a
+        restart whose file holds other contents, wherever it lies: the rounds after it would have other clients
+        online than the run's recipe says (config.json records only the file's path).
+
+        Raises:
+            ConfigError: the trace differs from the recorded one (what to do).
+        """
+        recorded = self._meta("trace")
+        now = digest or ""
+        if recorded is not None and self._started():
+            if recorded != now:
+                raise ConfigError(
+                    "the availability trace file (devices.availability_file) holds other contents than the one this "
+                    f"run in {str(self.directory)!r} started with (SHA-256 {recorded[:12] or 'none'}..., now "
+                    f"{now[:12] or 'none'}...): the resumed rounds would have other clients online. Resume with the "
+                    f"file as it was, or {self._advice.new_run}"
+                )
+            return
+        self._set_meta("trace", now)
+
     def _parsed_record(self, recorded: str, what: str) -> Any:
         """A JSON record of state.db's meta table (``what``: its name in the error).
 

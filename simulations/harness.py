@@ -12,6 +12,7 @@ JSON. For the same recipe and seed every file but the plot is byte for byte the 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import math
@@ -400,7 +401,8 @@ def foreign_outputs(out_dir: Path) -> list[str]:
 
 def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
     """Refuse to resume the run in ``out_dir`` with a recipe that differs from its recorded one (config.json) in
-    anything but :data:`RESUMABLE_CHANGES`. A run with no checkpoint (no round finished) has nothing to resume and
+    anything but :data:`RESUMABLE_CHANGES` and the availability trace file's path (its contents are compared by
+    :meth:`server.state.StateStore.check_trace`). A run with no checkpoint (no round finished) has nothing to resume and
     is not checked: it starts anew.
 
     Raises:
@@ -423,6 +425,9 @@ def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
     for key in RESUMABLE_CHANGES:
         recorded.pop(key, None)
         now.pop(key, None)
+    for record in (recorded, now):  # the trace file's path may change; its contents are checked (check_trace)
+        if isinstance(record.get("devices"), dict):
+            record["devices"].pop("availability_file", None)
     differ = _differences(recorded, now)
     if differ:
         raise ConfigError(
@@ -449,10 +454,26 @@ def _open_store(out_dir: Path, config: SimulationConfig) -> StateStore:
     try:
         store.check_strategy(config.strategy)
         store.check_seed(config.seed)
+        store.check_trace(trace_digest(config))
     except BaseException:
         store.close()
         raise
     return store
+
+
+def trace_digest(config: SimulationConfig) -> str | None:
+    """The SHA-256 (hex) of the recipe's availability trace file, None without one (``availability`` not ``csv``).
+
+    Raises:
+        ConfigError: the file cannot be read (it was readable when the recipe was checked).
+    """
+    path = config.devices.availability_file
+    if config.devices.availability != "csv" or path is None:
+        return None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ConfigError(f"devices.availability_file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
 
 
 _MISSING = object()

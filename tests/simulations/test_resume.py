@@ -366,3 +366,25 @@ def test_a_round_whose_checkpoint_cannot_be_written_is_not_in_the_history(
     simulate(tmp_path / "full", "rounds=3", "output.resume=true")
     simulate(tmp_path / "never", "rounds=3")
     assert_same_run(tmp_path / "full", tmp_path / "never")
+
+
+def test_a_resume_checks_the_trace_files_contents_not_its_path(tmp_path: Path) -> None:
+    """An edited availability file at the same path was resumed without a word, the history a mix of two traces;
+    the same file by another path was refused. Now the contents count: the same bytes elsewhere resume, and the
+    same path with other contents is refused before any round."""
+    ids = client_ids(10)
+    rows = "".join(f"{cid},1,9\n" for cid in ids[:6])
+    trace = tmp_path / "online.csv"
+    trace.write_text("client,from_round,to_round\n" + rows)
+    recipe = ["devices.availability='csv'", "sampling.min_fit_clients=2"]
+    out = tmp_path / "run"
+    simulate(out, *recipe, f"devices.availability_file={str(trace)!r}", "rounds=2")
+    moved = tmp_path / "elsewhere" / "trace.csv"
+    moved.parent.mkdir()
+    moved.write_bytes(trace.read_bytes())
+    history = simulate(out, *recipe, f"devices.availability_file={str(moved)!r}", "rounds=3", "output.resume=true")
+    assert list(history["round"]) == [0, 1, 2, 3]
+    trace.write_text("client,from_round,to_round\n" + "".join(f"{cid},5,9\n" for cid in ids[:6]))
+    with pytest.raises(ConfigError, match=r"availability trace file .* holds other contents than the one this run"):
+        simulate(out, *recipe, f"devices.availability_file={str(trace)!r}", "rounds=4", "output.resume=true")
+    assert list(pd.read_csv(out / "history.csv")["round"]) == [0, 1, 2, 3]
