@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -136,12 +137,25 @@ def read_trace(path: Path, client_ids: Sequence[str] | None = None) -> Availabil
     Args:
         path: the CSV file.
         client_ids: the run's client ids; when given, the file must name at least one of them (a trace of other
-            ids, e.g. ``0,1,2`` for ``client-000, ...``, or of no rows would leave every client always online).
+            ids, e.g. ``0,1,2`` for ``client-000, ...``, or of no rows would leave every client always online), and
+            rows naming none of them are ignored with a warning.
 
     Raises:
         ConfigError: the file cannot be read or is not UTF-8, lacks the header, a row is not ``id,int,int`` with
             1 <= from_round <= to_round (the message names the line), or it names none of ``client_ids``.
     """
+    intervals = read_intervals(path, client_ids)
+
+    def online(client_id: str, round: int) -> bool:
+        spans = intervals.get(client_id)
+        return spans is None or any(start <= round <= end for start, end in spans)
+
+    return online
+
+
+def read_intervals(path: Path, client_ids: Sequence[str] | None = None) -> dict[str, list[tuple[int, int]]]:
+    """The online intervals ``client -> [(from_round, to_round), ...]`` of a CSV trace, checked as
+    :func:`read_trace` says."""
     intervals: dict[str, list[tuple[int, int]]] = {}
     try:
         check_regular_file(path, "devices.availability_file", "a CSV file")
@@ -179,12 +193,59 @@ def read_trace(path: Path, client_ids: Sequence[str] | None = None) -> Availabil
             f"would be always online; its client column must hold the virtual clients' ids "
             f"({client_ids[0]!r}..{client_ids[-1]!r}), or use availability = 'always'"
         )
+    if client_ids is not None and (unknown := sorted(intervals.keys() - set(client_ids))):
+        logging.getLogger("fedcore.simulation").warning(
+            "availability_file %r names %d id(s) that are no client of this run (%s%s): their rows are ignored; "
+            "the run's clients are %r..%r, and a client listed nowhere is always online",
+            str(path),
+            len(unknown),
+            ", ".join(repr(cid) for cid in unknown[:3]),
+            ", ..." if len(unknown) > 3 else "",
+            client_ids[0],
+            client_ids[-1],
+        )
+    return intervals
 
-    def online(client_id: str, round: int) -> bool:
-        spans = intervals.get(client_id)
-        return spans is None or any(start <= round <= end for start, end in spans)
 
-    return online
+ONLINE_COUNT_BUDGET = 50_000_000
+"""The most (client, round) pairs :func:`online_counts` evaluates for a diurnal trace (about a second); a larger run
+is not counted ahead, and its rounds say when too few clients are online."""
+
+
+def online_counts(config: DevicesConfig, client_ids: Sequence[str], *, seed: int, rounds: int) -> np.ndarray | None:
+    """How many of ``client_ids`` the trace of ``config`` has online in each round, computed as the selection
+    computes it (int64, shape ``(rounds,)``, entry ``r - 1`` for round ``r``); None with no trace (``always``), or a
+    diurnal one of more than :data:`ONLINE_COUNT_BUDGET` (client, round) pairs.
+
+    Raises:
+        ConfigError: as :func:`availability_trace`.
+    """
+    ids = list(client_ids)
+    if config.availability == "diurnal":
+        if len(ids) * rounds > ONLINE_COUNT_BUDGET:
+            return None
+        phases = np.fromiter(diurnal_phases(ids, seed=seed).values(), dtype=np.float64, count=len(ids))
+        return np.array(
+            [
+                np.count_nonzero((r / config.period + phases) % 1.0 < config.online_fraction)
+                for r in range(1, rounds + 1)
+            ],
+            dtype=np.int64,
+        )
+    if config.availability == "csv" and config.availability_file is not None:
+        intervals = read_intervals(config.availability_file, ids)
+        listed = [cid for cid in ids if cid in intervals]
+        change = np.zeros(rounds + 2, dtype=np.int64)  # +1 where a client comes online, -1 after it leaves
+        for cid in listed:
+            last = 0  # the union of the client's intervals, within rounds 1..rounds
+            for start, end in sorted(intervals[cid]):
+                start, end = max(start, last + 1), min(end, rounds)
+                if start <= end:
+                    change[start] += 1
+                    change[end + 1] -= 1
+                    last = end
+        return (len(ids) - len(listed)) + np.cumsum(change)[1 : rounds + 1]
+    return None
 
 
 def availability_trace(config: DevicesConfig, client_ids: Sequence[str], *, seed: int) -> Availability | None:

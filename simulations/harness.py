@@ -87,7 +87,7 @@ from simulations.attacks import (
     num_classes,
 )
 from simulations.config import DEMO_TASK, SimulationConfig, training_device, worker_device
-from simulations.devices import SimulatedDevices, simulation_selector, slow_clients
+from simulations.devices import SimulatedDevices, online_counts, simulation_selector, slow_clients
 from simulations.inmemory import InMemoryPool
 from simulations.procpool import ClientTasks, ProcessPool
 
@@ -461,6 +461,28 @@ def _open_store(out_dir: Path, config: SimulationConfig) -> StateStore:
     return store
 
 
+def check_online_counts(config: SimulationConfig, ids: Sequence[str], needed: int) -> None:
+    """Refuse, before anything is written, a run whose availability trace has fewer than ``needed``
+    (min_fit_clients) clients online in one of its rounds: the trace is fixed by the recipe and seed, so that round
+    would fail at every attempt and every ``--resume`` (:func:`simulations.devices.online_counts`).
+
+    Raises:
+        ConfigError: the first such round, how many are online then, and what to change.
+    """
+    counts = online_counts(config.devices, ids, seed=config.seed, rounds=config.rounds)
+    if counts is None:
+        return
+    short = np.flatnonzero(counts < needed)
+    if short.size:
+        first = int(short[0]) + 1
+        raise ConfigError(
+            f"the availability trace has {int(counts[first - 1])} of the {len(ids)} clients online in round {first}"
+            + (f" ({short.size} of the {config.rounds} rounds are short)" if short.size > 1 else "")
+            + f", and a round needs min_fit_clients = {needed}; raise the trace's online share (online_fraction, or "
+            "the file's intervals), lower --min-fit-clients, or run fewer --rounds"
+        )
+
+
 def trace_digest(config: SimulationConfig) -> str | None:
     """The SHA-256 (hex) of the recipe's availability trace file, None without one (``availability`` not ``csv``).
 
@@ -630,6 +652,7 @@ def _simulate(
         preflight(strategy, every, server_task.build_model)
     else:
         preflight(strategy, min(strategy.sampling.min_fit_clients, len(ids)), server_task.build_model)
+        check_online_counts(config, ids, strategy.sampling.min_fit_clients)
     attackers = choose_attackers(ids, config.attack, seed=config.seed)
     client_task: Callable[[str], Task] = make_task
     classes = 0

@@ -16,6 +16,7 @@ from simulations.devices import (
     availability_trace,
     diurnal,
     fit_seconds,
+    online_counts,
     read_trace,
     simulation_selector,
     slow_clients,
@@ -160,6 +161,46 @@ def test_a_refused_update_still_takes_its_simulated_time(tmp_path: Path) -> None
     assert max(time[cid] for cid in ids if cid not in attackers) < max(time.values())  # an attacker is slowest
     assert list(history["failures"][1:]) == [3, 3, 3]
     assert list(history["simulated_seconds"][1:]) == pytest.approx([max(time.values())] * 3)
+
+
+@pytest.mark.parametrize("kind", ["diurnal", "csv"])
+def test_online_counts_are_what_the_selection_sees(kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The counts a simulation checks at start equal, round by round, the clients the selector has online. A row
+    naming no client of the run (a typo) is ignored with a warning; it was ignored without one."""
+    ids = client_ids(40)
+    trace = tmp_path / "trace.csv"
+    rows = [f"{cid},{1 + i % 7},{1 + i % 7 + i % 11}\n" for i, cid in enumerate(ids[:30])]  # 10 listed nowhere
+    rows += [f"{ids[0]},2,5\n", f"{ids[1]},20,30\n", "client-999,1,9\n"]  # overlapping, late, not a client
+    trace.write_text("client,from_round,to_round\n" + "".join(rows))
+    devices = (
+        DevicesConfig(availability="diurnal", online_fraction=0.3, period=7)
+        if kind == "diurnal"
+        else DevicesConfig(availability="csv", availability_file=trace)
+    )
+    counts = online_counts(devices, ids, seed=3, rounds=25)
+    online = availability_trace(devices, ids, seed=3)
+    assert counts is not None and online is not None
+    assert counts.tolist() == [sum(online(cid, r) for cid in ids) for r in range(1, 26)]
+    assert counts.min() < counts.max()  # the trace varies: the comparison means something
+    if kind == "csv":
+        assert "names 1 id(s) that are no client of this run ('client-999'): their rows are ignored" in caplog.text
+
+
+def test_a_trace_too_thin_for_min_fit_clients_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """Round 4 of this trace has 1 client online, and every round needs 2: the run wrote its output, trained rounds
+    1-3 and failed at round 4, and every --resume failed there again (the trace is fixed)."""
+    trace = tmp_path / "trace.csv"
+    rows = "".join(f"client-00{i},1,3\nclient-00{i},5,9\n" for i in range(1, 6))  # client-000: always online
+    trace.write_text("client,from_round,to_round\n" + rows)
+    out = tmp_path / "run"
+    extra = ["devices.availability=csv", f"devices.availability_file={str(trace)!r}", "rounds=6"]
+    with pytest.raises(ConfigError, match=r"has 1 of the 6 clients online in round 4, and a round needs min_fit_clie"):
+        run_simulation(load_recipe(None, [*SMALL, f"output.dir={str(out)!r}", *extra]), echo=lambda _: None)
+    assert not out.exists()
+    history = run_simulation(  # three rounds never reach round 4
+        load_recipe(None, [*SMALL, f"output.dir={str(out)!r}", *extra[:2], "rounds=3"]), echo=lambda _: None
+    ).history
+    assert list(history["round"]) == [0, 1, 2, 3]
 
 
 def test_stratified_by_size_in_simulation_takes_each_bucket_in_proportion() -> None:
