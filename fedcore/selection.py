@@ -159,7 +159,9 @@ class SelectionConfig:
             raise ConfigError(f"selector.exploration_decay must be in (0, 1], got {self.exploration_decay}")
         if not 0 <= self.exploration_min <= self.exploration:
             raise ConfigError(
-                f"selector.exploration_min must be in [0, exploration={self.exploration}], got {self.exploration_min}"
+                f"selector.exploration_min (--exploration-min, the floor epsilon decays to; default 0.3) must be in "
+                f"[0, exploration], and exploration (--exploration) is {self.exploration}: got {self.exploration_min}; "
+                "give both"
             )
         if not 0 < self.cutoff <= 1:
             raise ConfigError(f"selector.cutoff must be in (0, 1], got {self.cutoff}")

@@ -428,7 +428,8 @@ def run_rounds(
     if convergence.stop is not None:
         log.warning(
             "the run stopped after round %d (%s: %s); no further round is run. To train on, start a new run in a new "
-            "state directory from this run's checkpoint",
+            "state directory from this run's model: fedcore server start --initial takes its checkpoint (a "
+            "simulation starts only from its task's model)",
             convergence.stop.round,
             convergence.stop.rule,
             convergence.stop.detail,
