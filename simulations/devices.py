@@ -255,6 +255,16 @@ def availability_trace(config: DevicesConfig, client_ids: Sequence[str], *, seed
         ConfigError: an unreadable or malformed CSV trace, or one that names none of ``client_ids``.
     """
     if config.availability == "diurnal":
+        if config.online_fraction * config.period < 1:
+            logging.getLogger("fedcore.simulation").warning(
+                "a diurnal trace with online_fraction %g of a period of %d rounds has each client online %g rounds "
+                "a period, less than one: some clients are never online and the others once a period; raise "
+                "--period to at least %d or --online-fraction",
+                config.online_fraction,
+                config.period,
+                config.online_fraction * config.period,
+                math.ceil(1 / config.online_fraction - 1e-9),
+            )
         phases = diurnal_phases(client_ids, seed=seed)
         return diurnal(phases, online_fraction=config.online_fraction, period=config.period)
     if config.availability == "csv" and config.availability_file is not None:

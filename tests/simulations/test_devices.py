@@ -232,3 +232,16 @@ def test_client_level_dp_is_refused_with_a_selection_that_is_not_uniform() -> No
         load_recipe(None, ["privacy.dp='central'", "devices.availability='diurnal'"])
     assert load_recipe(None, ["privacy.dp='central'"]).strategy.selection == "uniform"
     assert load_recipe(None, ["strategy.selection='oort'"]).privacy.dp == "off"
+
+
+def test_a_diurnal_day_shorter_than_one_online_round_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """online_fraction 0.25 of a 3-round period is 0.75 rounds online a period: some clients were never online
+    (client-003 in no round of 12) and others once a period, without a word."""
+    ids = client_ids(8)
+    online = availability_trace(DevicesConfig(availability="diurnal", online_fraction=0.25, period=3), ids, seed=0)
+    assert online is not None
+    assert any(not any(online(cid, r) for r in range(1, 13)) for cid in ids)
+    assert "some clients are never online and the others once a period; raise --period to at least 4" in caplog.text
+    caplog.clear()
+    availability_trace(DevicesConfig(availability="diurnal", online_fraction=0.25, period=8), ids, seed=0)
+    assert caplog.text == ""
