@@ -71,16 +71,16 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from simulations.config import DEMO_TASK, check_given_data_keys, load_recipe
+    from simulations.config import DEMO_TASK, check_given_data_keys, check_given_effective, load_recipe
     from simulations.harness import run_simulation
 
     options = simulate_options()
     overrides = to_overrides(given_values(args, options))
     overrides += args.overrides  # explicit --set comes last, so it wins over the flags
     config = load_recipe(args.recipe, overrides)
-    check_given_data_keys(
-        config.data, overrides, _given_flags(args, options), own_task=config.task.factory != DEMO_TASK
-    )
+    flags = _given_flags(args, options)
+    check_given_data_keys(config.data, overrides, flags, own_task=config.task.factory != DEMO_TASK)
+    check_given_effective(config, overrides, flags)
     result = run_simulation(config)
     return 3 if result.diverged else 0
 

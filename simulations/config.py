@@ -102,6 +102,37 @@ def check_given_data_keys(
         )
 
 
+def check_given_effective(
+    config: SimulationConfig, overrides: Sequence[str], flags: Mapping[str, str] | None = None
+) -> None:
+    """Refuse a ``[devices]`` or stop-rule key given on the command line that this run's other settings leave
+    without effect, as :func:`check_given_data_keys` does for ``[data]``: ``--slowdown`` without slow clients,
+    ``--step-seconds`` without timed devices, ``--online-fraction`` or ``--period`` without a diurnal trace,
+    ``--min-delta`` without ``--patience``. The run would ignore it, and the user would think it changed
+    something. A recipe file's keys are not checked.
+
+    Raises:
+        ConfigError: naming the key, its flag, what it needs and what to do.
+    """
+    given = apply_overrides({}, overrides)
+    devices = config.devices
+    timed = devices.timed or config.strategy.selection == "oort"
+    needs = {
+        "devices.slowdown": (devices.slow_fraction > 0, "slow clients (--slow-fraction above 0)"),
+        "devices.step_seconds": (timed, "timed devices (--simulate-time, --slow-fraction above 0 or --selection oort)"),
+        "devices.online_fraction": (devices.availability == "diurnal", "a diurnal trace (--availability diurnal)"),
+        "devices.period": (devices.availability == "diurnal", "a diurnal trace (--availability diurnal)"),
+        "min_delta": (config.patience is not None, "a plateau rule (--patience N)"),
+    }
+    for key, (applies, what) in needs.items():
+        section, _, name = key.rpartition(".")
+        table = given.get(section, {}) if section else given
+        if applies or not isinstance(table, Mapping) or name not in table:
+            continue
+        flag = f" ({flags[key]})" if flags and key in flags else ""
+        raise ConfigError(f"{key}{flag} takes effect only with {what}, which this run has not; drop it, or add that")
+
+
 MIN_ALPHA = 1e-300
 """The smallest Dirichlet alpha taken: ``alpha * prior`` must stay a normal float64 for every class prior of a
 dataset of up to a million samples (a subnormal one rounds to 0, and the draw falls back to the prior: an IID

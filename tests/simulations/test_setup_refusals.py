@@ -279,3 +279,30 @@ def test_weighting_by_wall_clock_time_is_refused_in_a_simulation(
     assert code == 2 and "'fit_seconds' is each client's wall-clock training time" in err
     assert "--weight-metric simulated_seconds with --simulate-time" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (["--slowdown", "5"], "devices.slowdown (--slowdown) takes effect only with slow clients (--slow-fraction"),
+        (["--step-seconds", "5"], "devices.step_seconds (--step-seconds) takes effect only with timed devices"),
+        (["--online-fraction", "0.3"], "devices.online_fraction (--online-fraction) takes effect only with a diurnal"),
+        (["--period", "4"], "devices.period (--period) takes effect only with a diurnal trace"),
+        (["--min-delta", "0.01"], "min_delta (--min-delta) takes effect only with a plateau rule (--patience N)"),
+        (["--set", "devices.slowdown=5"], "devices.slowdown takes effect only with slow clients"),
+    ],
+)
+def test_a_flag_the_run_leaves_without_effect_is_refused(
+    flags: list[str], refusal: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """These ran with no effect and no word: no simulated_seconds column, no stop rule (the [data] keys were
+    already checked this way)."""
+    out = tmp_path / "run"
+    code = main(_simulate(*flags, "--out", str(out)))
+    err = capsys.readouterr().err
+    assert code == 2 and refusal in err, err
+    assert err.rstrip().endswith("which this run has not; drop it, or add that")
+    assert not out.exists()
+    # with what it needs, the same flag runs
+    enabled = ["--slow-fraction", "0.5", "--availability", "diurnal", "--online-fraction", "0.5", "--patience", "3"]
+    assert main(_simulate(*flags, *enabled, "--out", str(out))) == 0
