@@ -159,7 +159,7 @@ def read_intervals(path: Path, client_ids: Sequence[str] | None = None) -> dict[
     intervals: dict[str, list[tuple[int, int]]] = {}
     try:
         check_regular_file(path, "devices.availability_file", "a CSV file")
-        with path.open(newline="", encoding="utf-8") as fh:
+        with path.open(newline="", encoding="utf-8-sig") as fh:  # a byte-order mark (spreadsheet export) is skipped
             reader = csv.reader(fh)
             header = next(reader, None)
             if header is None or [h.strip() for h in header] != ["client", "from_round", "to_round"]:
@@ -167,11 +167,16 @@ def read_intervals(path: Path, client_ids: Sequence[str] | None = None) -> dict[
                     f"availability_file {str(path)!r} must start with the header client,from_round,to_round"
                 )
             for line, row in enumerate(reader, start=2):
+                if not any(cell.strip() for cell in row):
+                    continue  # a blank line (one at the end of the file, as editors leave)
                 try:
+                    if len(row) != 3 or not (row[1].strip().isascii() and row[2].strip().isascii()):
+                        raise ValueError(row)
                     cid, start, end = row[0].strip(), int(row[1]), int(row[2])
                 except (IndexError, ValueError):
                     raise ConfigError(
-                        f"availability_file {str(path)!r} line {line}: expected client,from_round,to_round"
+                        f"availability_file {str(path)!r} line {line}: expected client,from_round,to_round (three "
+                        f"columns, the rounds as integers), got {','.join(row)[:80]!r}"
                     ) from None
                 if not cid or not 1 <= start <= end:
                     raise ConfigError(

@@ -49,6 +49,14 @@ def test_csv_trace_by_hand(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfec\x00l\x00")  # UTF-16 (a spreadsheet's "Unicode text" export)
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         read_trace(path)
+    # a byte-order mark and a blank last line (a spreadsheet's UTF-8 export, an editor) are taken; they were refused
+    path.write_bytes("\ufeffclient,from_round,to_round\nc0,2,3\n\n".encode())
+    assert [r for r in range(1, 5) if read_trace(path)("c0", r)] == [2, 3]
+    # a fourth column and rounds in other scripts' digits were taken without a word
+    for row in ("c0,1,2,junk", "c0,\u0661,\u0662"):
+        path.write_text(f"client,from_round,to_round\n{row}\n")
+        with pytest.raises(ConfigError, match=r"line 2: expected client,from_round,to_round \(three columns"):
+            read_trace(path)
 
 
 def test_a_trace_that_is_a_pipe_or_a_device_is_refused_not_waited_on(tmp_path: Path) -> None:
