@@ -35,6 +35,7 @@ speed-biased evaluation would misreport the model), stratified by ``stratified``
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -385,7 +386,10 @@ def oort_scores(stats: Mapping[str, ClientStats], *, round: int, config: Selecti
     """
     if not stats:
         return {}
-    utility = {cid: s.num_examples * s.loss if s.loss is not None else -math.inf for cid, s in stats.items()}
+    utility = {
+        cid: min(s.num_examples * s.loss, sys.float_info.max) if s.loss is not None else -math.inf
+        for cid, s in stats.items()
+    }
     known = [u for u in utility.values() if u != -math.inf]
     low, high = (min(known), max(known)) if known else (0.0, 0.0)
     durations = sorted(s.seconds for s in stats.values() if s.seconds is not None)
@@ -399,7 +403,7 @@ def oort_scores(stats: Mapping[str, ClientStats], *, round: int, config: Selecti
         score = base + math.sqrt(config.staleness * math.log(max(round, 1)) / s.round)
         if preferred is not None and preferred > 0 and s.seconds is not None and s.seconds > preferred:
             score *= (preferred / s.seconds) ** config.speed_penalty
-        scores[cid] = score
+        scores[cid] = score if math.isfinite(score) else 0.0  # n * loss overflowing to inf makes (u - low) NaN
     return scores
 
 

@@ -164,6 +164,12 @@ def test_oort_fills_slots_that_clients_of_score_0_must_take() -> None:
     penalised = SelectionConfig(speed_penalty=1000.0, staleness=0.0)
     assert oort_scores(slow, round=2, config=penalised)["e"] == 0.0  # (1 / 100) ** 1000 underflows
     assert oort_select(["a", "b", "e"], slow, 3, config=penalised, seed=0, round=2) == ["a", "b", "e"]
+    # a finite loss whose utility n * loss overflows: the min-max scaling made inf - inf = NaN, a score neither
+    # above 0 nor at 0, and the fill drew from an empty list (the same crash, again at every restart)
+    huge = {**stats, "e": ClientStats(num_examples=100, loss=1e307, seconds=1.0, round=1)}
+    assert all(math.isfinite(v) for v in oort_scores(huge, round=2, config=SelectionConfig()).values())
+    assert oort_select(["a", "b", "e"], huge, 3, config=SelectionConfig(), seed=0, round=2) == ["a", "b", "e"]
+    assert oort_select(["a", "b", "e"], huge, 1, config=SelectionConfig(), seed=0, round=2) == ["e"]
 
 
 def test_observation_reads_loss_and_duration_and_leaves_out_the_rest() -> None:
