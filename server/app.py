@@ -285,8 +285,10 @@ def _build_run(config: ServerConfig, echo: Callable[[str], None]) -> tuple[Strat
             check_weight_metric(
                 "server", config.strategy.weight_metric, declared_metrics(server_task), report_validation=False
             )
-    # a round may start with min_fit_clients connected; the model's size counts for SecAgg+'s field under DP noise
-    preflight(strategy, strategy.sampling.min_fit_clients, server_task.build_model if server_task else None)
+    # a round starts once min_fit_clients (and min_fit_results) are connected, and may select only that many; the
+    # model's size counts for SecAgg+'s field under DP noise
+    smallest = max(strategy.sampling.min_fit_clients, config.round.min_fit_results)
+    preflight(strategy, smallest, server_task.build_model if server_task else None)
     _memory_line(echo, "before the model")
     return strategy, server_task
 

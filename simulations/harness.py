@@ -461,17 +461,20 @@ def _open_store(out_dir: Path, config: SimulationConfig) -> StateStore:
     return store
 
 
-def check_online_counts(config: SimulationConfig, ids: Sequence[str], needed: int) -> None:
+def check_online_counts(config: SimulationConfig, ids: Sequence[str], needed: int) -> np.ndarray | None:
     """Refuse, before anything is written, a run whose availability trace has fewer than ``needed``
     (min_fit_clients) clients online in one of its rounds: the trace is fixed by the recipe and seed, so that round
     would fail at every attempt and every ``--resume`` (:func:`simulations.devices.online_counts`).
+
+    Returns:
+        Each round's online count (None where it is not counted ahead).
 
     Raises:
         ConfigError: the first such round, how many are online then, and what to change.
     """
     counts = online_counts(config.devices, ids, seed=config.seed, rounds=config.rounds)
     if counts is None:
-        return
+        return None
     short = np.flatnonzero(counts < needed)
     if short.size:
         first = int(short[0]) + 1
@@ -481,6 +484,7 @@ def check_online_counts(config: SimulationConfig, ids: Sequence[str], needed: in
             + f", and a round needs min_fit_clients = {needed}; raise the trace's online share (online_fraction, or "
             "the file's intervals), lower --min-fit-clients, or run fewer --rounds"
         )
+    return counts
 
 
 def trace_digest(config: SimulationConfig) -> str | None:
@@ -650,9 +654,14 @@ def _simulate(
         every = min(strategy.sampling.num_fit(len(ids)), len(ids))
         strategy.aggregator.check(every)
         preflight(strategy, every, server_task.build_model)
-    else:
-        preflight(strategy, min(strategy.sampling.min_fit_clients, len(ids)), server_task.build_model)
-        check_online_counts(config, ids, strategy.sampling.min_fit_clients)
+    else:  # a round selects num_fit of the clients online then, and waits for min_fit_clients online ones
+        counts = check_online_counts(config, ids, strategy.sampling.min_fit_clients)
+        smallest = (
+            min(min(strategy.sampling.num_fit(int(c)), int(c)) for c in np.unique(counts))
+            if counts is not None
+            else min(strategy.sampling.min_fit_clients, len(ids))
+        )
+        preflight(strategy, smallest, server_task.build_model)
     attackers = choose_attackers(ids, config.attack, seed=config.seed)
     client_task: Callable[[str], Task] = make_task
     classes = 0

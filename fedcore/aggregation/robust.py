@@ -90,7 +90,8 @@ def _refuse_small_rounds(check: Callable[[int], None], smallest: int) -> None:
         check(smallest)
     except ConfigError as exc:
         raise ConfigError(
-            f"{exc.message.rstrip('.')} (a round may select as few as min_fit_clients = {smallest}, --min-fit-clients)"
+            f"{exc.message.rstrip('.')} (a round may select as few as {smallest} clients: min_fit_clients, "
+            "--min-fit-clients)"
         ) from None
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedcore.errors import ConfigError, PayloadError, StateError
+from fedcore.errors import ConfigError, PayloadError, RoundFailed, StateError
 from fedcore.messages import Failure, Stage
 from fedcore.payload import DIGEST_KEY, check_digest, open_safetensors, read_safetensors_header, save_payload
 from fedcore.selection import ClientObservation
@@ -849,8 +849,29 @@ def test_a_robust_rule_too_strict_for_min_fit_clients_is_refused_before_listenin
     connected: the server listened, made its state directory and exited 2 at round 1 once its clients joined."""
     match = (
         r"krum tolerates 1 Byzantine client\(s\) only with at least 5 clients per round \(n > 2f \+ 2\), got 2; "
-        r".* \(a round may select as few as min_fit_clients = 2, --min-fit-clients\)"
+        r".* \(a round may select as few as 2 clients: min_fit_clients, --min-fit-clients\)"
     )
     state = tmp_path / "state"
     refused_before_listening(state, ConfigError, match, strategy=StrategyConfig(aggregator="krum", byzantine=1))
     assert not state.exists()
+
+
+def test_a_robust_rule_that_min_fit_results_makes_room_for_is_not_refused(tmp_path: Path) -> None:
+    """--min-fit-results 5 makes every round wait for 5 clients, enough for Krum with f = 1, whatever
+    min_fit_clients (2) says: the server starts (and, with no client, fails waiting for them)."""
+    from server.app import run_server
+    from server.config import RoundSettings, ServerConfig, TlsSettings
+
+    config = ServerConfig(
+        tls=TlsSettings(insecure=True),
+        address="127.0.0.1:0",
+        state_dir=tmp_path / "state",
+        task="simulations.tasks:demo_task",
+        task_options={"dataset": "digits", "num_clients": "2", "partition": "iid", "model": "2nn"},
+        strategy=StrategyConfig(aggregator="krum", byzantine=1),
+        round=RoundSettings(min_fit_results=5, wait_for_clients_s=1.0),
+    )
+    lines: list[str] = []
+    with pytest.raises(RoundFailed, match="0 client\\(s\\) connected after waiting 1 s, 5 needed"):
+        run_server(config, echo=lines.append)
+    assert any("listening" in line for line in lines)

@@ -48,7 +48,7 @@ def test_an_unknown_client_metric_is_refused_before_anything_is_written(
             "the coordinate-wise median tolerates 1 Byzantine client(s) only with at least 3 clients per round, got "
             "2; select more clients or lower strategy.byzantine",
         ),
-        # clients online by a diurnal trace: a round may select as few as min_fit_clients = 3, fewer than Krum
+        # clients online by a diurnal trace: round 1 has 4 of the 6 online, and selects those 4, fewer than Krum
         # needs for 1 Byzantine client (5). This was checked only with every client always online: with a trace
         # the run wrote its output directory and stopped at the first round with fewer than 5 online
         (
@@ -61,13 +61,17 @@ def test_an_unknown_client_metric_is_refused_before_anything_is_written(
                 "3",
                 "--fraction-fit",
                 "1.0",
+                "--clients",
+                "6",
                 "--availability",
                 "diurnal",
                 "--online-fraction",
-                "0.5",
+                "0.6",
+                "--period",
+                "4",
             ],
-            "krum tolerates 1 Byzantine client(s) only with at least 5 clients per round (n > 2f + 2), got 3; select "
-            "more clients or lower strategy.byzantine (a round may select as few as min_fit_clients = 3, "
+            "krum tolerates 1 Byzantine client(s) only with at least 5 clients per round (n > 2f + 2), got 4; select "
+            "more clients or lower strategy.byzantine (a round may select as few as 4 clients: min_fit_clients, "
             "--min-fit-clients)",
         ),
     ],
