@@ -465,16 +465,17 @@ class TrimmedMeanAggregator:
         """
         _refuse_small_rounds(self.check, smallest)
         if self.beta > 0 and self.trimmed(smallest) == 0:
+            raise_beta = math.ceil(1000 / smallest) / 1000  # rounded up: floor(beta * n) >= 1 at that beta
             log.warning(
                 "the trimmed mean with beta=%g trims floor(%g x %d) = 0 values at each end of a round of %d clients: "
                 "such a round is the plain mean, which one Byzantine client moves anywhere; select at least %d "
-                "clients a round or raise trim_beta (--trim-beta) to at least %.3g",
+                "clients a round%s",
                 self.beta,
                 self.beta,
                 smallest,
                 smallest,
                 math.ceil(1 / self.beta - 1e-9),
-                1 / smallest,
+                f" or raise trim_beta (--trim-beta) to at least {raise_beta:g}" if raise_beta < 0.5 else "",
             )
 
     def start(

@@ -174,6 +174,11 @@ def test_preflight_refuses_small_rounds_and_warns_when_a_rule_removes_nothing(
     assert caplog.messages[-1].endswith(
         "select at least 10 clients a round or raise trim_beta (--trim-beta) to at least 0.167"
     )
+    assert TrimmedMeanAggregator(beta=0.167).trimmed(6) == 1  # the advice works
+    TrimmedMeanAggregator(beta=0.1).preflight(3, None)  # 1/3 rounded up, not to 0.333 (floor(0.333 x 3) = 0)
+    assert caplog.messages[-1].endswith("to at least 0.334") and TrimmedMeanAggregator(beta=0.334).trimmed(3) == 1
+    TrimmedMeanAggregator(beta=0.1).preflight(2, None)  # 0.5 is out of range: no beta helps, only more clients
+    assert caplog.messages[-1].endswith("select at least 10 clients a round")
     KrumAggregator(select=None).preflight(5, None)
     assert caplog.messages[-1].startswith("multi_krum with byzantine = 0 averages m = n - f = n updates, all of them")
     with pytest.raises(
