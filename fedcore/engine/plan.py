@@ -33,23 +33,35 @@ from fedcore.engine.layers import model_layers, split_stages, tied_parameters
 from fedcore.engine.schedules import Schedule, check_schedule
 from fedcore.errors import ConfigError
 
-RANK_BASE_MIB = 220
-"""Resident memory of one worker rank before it builds its model or loads data: a fresh interpreter with torch and
-fedcore's engine imported (measured 221 MiB, torch 2.13 on Linux x86-64). A CPU plan of more ranks than the
-machine's available memory holds at this much each is refused before any process starts
-(:meth:`ParallelPlan.check_runtime`)."""
+RANK_BASE_MIB = 145
+"""Memory one worker rank holds of its own before it builds its model or loads data: a fresh interpreter with torch
+and fedcore's engine imported (measured 146 MiB of private dirty pages, of 221 MiB resident; the rest are library
+file pages every rank shares; torch 2.13 on Linux x86-64). A CPU plan of more ranks than the memory available holds
+at this much each is refused before any process starts (:meth:`ParallelPlan.check_runtime`)."""
 
 
 def available_memory_mib() -> float | None:
-    """The memory the kernel estimates is available for new processes without swapping (``MemAvailable`` of
-    /proc/meminfo), in MiB; None where there is no procfs (then nothing is checked against it)."""
+    """The memory new processes may take without swapping, in MiB: the kernel's ``MemAvailable`` (/proc/meminfo),
+    or less where this process's cgroup (a container's memory limit; v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) leaves less. None where there is no procfs (then nothing is checked against it)."""
     try:
         with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
+            available = next(int(line.split()[1]) / 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
         return None
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit) as fh_limit, open(usage) as fh_usage:
+                cap, used = fh_limit.read().strip(), int(fh_usage.read().strip())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit():  # "max": no limit
+            available = min(available, max(int(cap) - used, 0) / (1 << 20))
+        break
+    return available
     return None
 
 
@@ -283,9 +295,9 @@ class ParallelPlan:
         if device is Device.CPU and available is not None and self.total_ranks * RANK_BASE_MIB > available:
             raise ConfigError(
                 f"parallel plan: {self.total_ranks} ranks on the CPU are {self.total_ranks} processes, each a Python "
-                f"interpreter with torch (about {RANK_BASE_MIB} MiB before its model and data), at least "
+                f"interpreter with torch (about {RANK_BASE_MIB} MiB of its own before its model and data), at least "
                 f"{self.total_ranks * RANK_BASE_MIB:,} MiB in all, and this machine has {available:,.0f} MiB "
-                f"available; lower the degrees (data_parallel x pipeline_parallel x tensor_parallel) to at most "
+                f"available; lower the degrees (data_parallel x pipeline x tensor_parallel) to at most "
                 f"{int(available // RANK_BASE_MIB)} ranks"
             )
         return device
