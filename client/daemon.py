@@ -255,7 +255,9 @@ def load_daemon_config(
         ConfigError: unreadable file, unknown key, wrong type or invalid value, no server or client id, or a plan
             :meth:`ParallelPlan.from_cli` refuses.
     """
-    plan_sets = [item for item in overrides if item.partition("=")[0].strip().startswith("parallel.")]
+    plan_sets = [  # parallel.KEY=VALUE and parallel={KEY=VALUE, ...} alike
+        item for item in overrides if item.partition("=")[0].strip().split(".")[0] == "parallel"
+    ]
     data: dict[str, Any] = load_toml(Path(path)) if path is not None else {}
     data = merge_mappings(apply_overrides(data, [item for item in overrides if item not in plan_sets]), flags or {})
     table = data.pop("parallel", None)

@@ -261,3 +261,6 @@ def test_set_parallel_refines_the_plan_beside_the_parallel_flags(tmp_path: Path)
     assert plan is not None and plan.data_parallel == 3
     plan = _daemon_plan(["--config", str(config), "--set", "parallel.data_parallel=3", "--parallel", "dp=4"])
     assert plan is not None and plan.data_parallel == 4
+    # an inline table is the same as its keys one by one
+    plan = _daemon_plan(["--parallel-config", str(config), "--set", "parallel={data_parallel=3}"])
+    assert plan is not None and (plan.data_parallel, plan.schedule.value) == (3, "1f1b")
