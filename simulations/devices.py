@@ -153,9 +153,12 @@ def read_trace(path: Path, client_ids: Sequence[str] | None = None) -> Availabil
     return online
 
 
-def read_intervals(path: Path, client_ids: Sequence[str] | None = None) -> dict[str, list[tuple[int, int]]]:
+def read_intervals(
+    path: Path, client_ids: Sequence[str] | None = None, *, warn: bool = True
+) -> dict[str, list[tuple[int, int]]]:
     """The online intervals ``client -> [(from_round, to_round), ...]`` of a CSV trace, checked as
-    :func:`read_trace` says."""
+    :func:`read_trace` says (``warn``: log the rows naming no client of ``client_ids``; a second reader of the
+    same file passes False)."""
     intervals: dict[str, list[tuple[int, int]]] = {}
     try:
         check_regular_file(path, "devices.availability_file", "a CSV file")
@@ -198,7 +201,7 @@ def read_intervals(path: Path, client_ids: Sequence[str] | None = None) -> dict[
             f"would be always online; its client column must hold the virtual clients' ids "
             f"({client_ids[0]!r}..{client_ids[-1]!r}), or use availability = 'always'"
         )
-    if client_ids is not None and (unknown := sorted(intervals.keys() - set(client_ids))):
+    if warn and client_ids is not None and (unknown := sorted(intervals.keys() - set(client_ids))):
         logging.getLogger("fedcore.simulation").warning(
             "availability_file %r names %d id(s) that are no client of this run (%s%s): their rows are ignored; "
             "the run's clients are %r..%r, and a client listed nowhere is always online",
@@ -238,7 +241,7 @@ def online_counts(config: DevicesConfig, client_ids: Sequence[str], *, seed: int
             dtype=np.int64,
         )
     if config.availability == "csv" and config.availability_file is not None:
-        intervals = read_intervals(config.availability_file, ids)
+        intervals = read_intervals(config.availability_file, ids, warn=False)  # the selection's reading warns
         listed = [cid for cid in ids if cid in intervals]
         change = np.zeros(rounds + 2, dtype=np.int64)  # +1 where a client comes online, -1 after it leaves
         for cid in listed:

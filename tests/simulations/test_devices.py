@@ -190,8 +190,8 @@ def test_online_counts_are_what_the_selection_sees(kind: str, tmp_path: Path, ca
     assert counts is not None and online is not None
     assert counts.tolist() == [sum(online(cid, r) for cid in ids) for r in range(1, 26)]
     assert counts.min() < counts.max()  # the trace varies: the comparison means something
-    if kind == "csv":
-        assert "names 1 id(s) that are no client of this run ('client-999'): their rows are ignored" in caplog.text
+    if kind == "csv":  # said once, though both read the file
+        assert caplog.text.count("names 1 id(s) that are no client of this run ('client-999'): their rows are") == 1
 
 
 def test_a_trace_too_thin_for_min_fit_clients_is_refused_before_anything_is_written(tmp_path: Path) -> None:
