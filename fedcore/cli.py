@@ -330,7 +330,11 @@ def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     init.add_argument("--out", default="certs", help="output directory (an existing CA there is reused)")
     init.add_argument(
-        "--host", action="append", default=[], help="server DNS name or IP (repeatable; default localhost, 127.0.0.1)"
+        "--host",
+        action="append",
+        default=[],
+        help="server DNS name or IP (repeatable; default localhost, 127.0.0.1, or the existing server certificate's "
+        "names when --out holds one)",
     )
     init.add_argument("--client", action="append", default=[], metavar="CLIENT_ID", help="repeatable")
     init.add_argument("--clients", type=int, help="also make client-000 .. client-(N-1)")
@@ -350,7 +354,7 @@ def _cmd_certs_init(args: argparse.Namespace) -> int:
     for cid in clients:
         if (out / "clients" / f"{cid}.pem").exists():
             print(f"note: {cid} gets a new certificate and token; its old token stops working", file=sys.stderr)
-    written = init_certs(out, hosts=args.host or ("localhost", "127.0.0.1"), clients=clients)
+    written = init_certs(out, hosts=args.host or None, clients=clients)  # no --host: an existing server identity stays
     for path in written:
         print(path)
     return 0

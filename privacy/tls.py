@@ -349,13 +349,17 @@ def _write(path: Path, data: bytes, *, private: bool) -> None:
         fh.write(data)
 
 
-def init_certs(
-    out: Path, *, hosts: Sequence[str] = ("localhost", "127.0.0.1"), clients: Sequence[str] = ()
-) -> list[Path]:
+DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+"""The names a server certificate is made for when none are given (``fedcore certs init`` without ``--host``)."""
+
+
+def init_certs(out: Path, *, hosts: Sequence[str] | None = None, clients: Sequence[str] = ()) -> list[Path]:
     """Write a CA, a server identity for ``hosts``, one identity and one token per client into ``out``.
 
-    An existing CA in ``out`` is reused (so more clients can be added later); server and client files are
-    overwritten; tokens of clients not named again are kept.
+    An existing CA in ``out`` is reused (so more clients can be added later), and so is an existing server identity
+    when ``hosts`` is None (adding a client keeps the server's names, e.g. ``server.example.org``); with ``hosts``
+    given, or none there yet, the server identity is written for ``hosts`` (default :data:`DEFAULT_HOSTS`). Client
+    files are overwritten; tokens of clients not named again are kept.
 
     Returns:
         The files written.
@@ -368,7 +372,8 @@ def init_certs(
     for cid in clients:
         if not cid or "/" in cid or cid.startswith(".") or not cid.isprintable() or " " in cid:
             raise ConfigError(f"client id {cid!r} cannot be used (no spaces, slashes or leading dots)")
-    hosts = [parse_host(host, what="--host (a DNS name or IP address, no port)") for host in hosts]
+    keep_server = hosts is None and (out / "server.pem").exists() and (out / "server.key").exists()
+    hosts = [parse_host(host, what="--host (a DNS name or IP address, no port)") for host in hosts or DEFAULT_HOSTS]
     tokens_path = out / "tokens.txt"
     tokens: dict[str, str] = {}
     if tokens_path.exists():
@@ -399,10 +404,11 @@ def init_certs(
         _write(ca_pem, ca.cert_pem, private=False)
         _write(ca_key, ca.key_pem, private=True)
         written += [ca_pem, ca_key]
-    server = issue(ca, hosts[0] if hosts else "localhost", hosts=hosts, client=False)
-    _write(out / "server.pem", server.cert_pem, private=False)
-    _write(out / "server.key", server.key_pem, private=True)
-    written += [out / "server.pem", out / "server.key"]
+    if not keep_server:
+        server = issue(ca, hosts[0] if hosts else "localhost", hosts=hosts, client=False)
+        _write(out / "server.pem", server.cert_pem, private=False)
+        _write(out / "server.key", server.key_pem, private=True)
+        written += [out / "server.pem", out / "server.key"]
     for cid in clients:
         ident = issue(ca, cid, client=True)
         _write(out / "clients" / f"{cid}.pem", ident.cert_pem, private=False)

@@ -193,3 +193,17 @@ def test_certs_init_refuses_to_sign_with_a_key_that_is_not_the_cas(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"ca\.key is not the key of ca\.pem"):
         init_certs(tmp_path, clients=["client-001"])
     assert (tmp_path / "server.pem").read_bytes() == before and not (tmp_path / "clients" / "client-001.pem").exists()
+
+
+def test_adding_a_client_keeps_the_servers_certificate(tmp_path: Path) -> None:
+    """`certs init --client client-002` on a CA made with `--host server.example.org` wrote the server certificate
+    again for localhost, and clients connecting by the server's name failed after its restart."""
+    out = tmp_path / "certs"
+    assert main(["certs", "init", "--out", str(out), "--host", "server.example.org", "--clients", "2"]) == 0
+    server, key, tokens = (out / "server.pem").read_bytes(), (out / "server.key").read_bytes(), (out / "tokens.txt")
+    first_tokens = tokens.read_text().splitlines()[1:]
+    assert main(["certs", "init", "--out", str(out), "--client", "client-002"]) == 0
+    assert (out / "server.pem").read_bytes() == server and (out / "server.key").read_bytes() == key
+    assert tokens.read_text().splitlines()[1:3] == first_tokens and (out / "clients" / "client-002.pem").exists()
+    assert main(["certs", "init", "--out", str(out), "--host", "other.example.org"]) == 0  # names given: written
+    assert (out / "server.pem").read_bytes() != server
