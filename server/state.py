@@ -666,7 +666,13 @@ class StateStore:
         """
         recorded = self._meta("trace")
         now = digest or ""
-        if recorded is not None and self._started():
+        if recorded is None and digest is not None and self._started():  # a run of an earlier fedcore
+            log.warning(
+                "the run in %s recorded no availability trace contents (an earlier fedcore's run): the trace file "
+                "given now is taken as its own without a check; resume with the file it started with",
+                str(self.directory),
+            )
+        elif recorded is not None and self._started():
             if recorded != now:
                 raise ConfigError(
                     "the availability trace file (devices.availability_file) holds other contents than the one this "

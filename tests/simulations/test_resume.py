@@ -4,6 +4,7 @@ the very history and model of the run never stopped; a resume with another recip
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shutil
 import signal
@@ -375,7 +376,9 @@ def test_a_round_whose_checkpoint_cannot_be_written_is_not_in_the_history(
     assert_same_run(tmp_path / "full", tmp_path / "never")
 
 
-def test_a_resume_checks_the_trace_files_contents_not_its_path(tmp_path: Path) -> None:
+def test_a_resume_checks_the_trace_files_contents_not_its_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """An edited availability file at the same path was resumed without a word, the history a mix of two traces;
     the same file by another path was refused. Now the contents count: the same bytes elsewhere resume, and the
     same path with other contents is refused before any round."""
@@ -395,3 +398,12 @@ def test_a_resume_checks_the_trace_files_contents_not_its_path(tmp_path: Path) -
     with pytest.raises(ConfigError, match=r"availability trace file .* holds other contents than the one this run"):
         simulate(out, *recipe, f"devices.availability_file={str(trace)!r}", "rounds=4", "output.resume=true")
     assert list(pd.read_csv(out / "history.csv")["round"]) == [0, 1, 2, 3]
+    # a run of an earlier fedcore recorded no contents: taken with a warning, and recorded from then on
+    import sqlite3
+
+    with sqlite3.connect(out / RUN_STATE_DIR / "state.db") as db:
+        db.execute("DELETE FROM meta WHERE key = 'trace'")
+    db.close()
+    with caplog.at_level(logging.WARNING, logger="fedcore.server"):
+        simulate(out, *recipe, f"devices.availability_file={str(trace)!r}", "rounds=4", "output.resume=true")
+    assert "recorded no availability trace contents (an earlier fedcore's run)" in caplog.text
