@@ -244,7 +244,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _cmd_server_start(args: argparse.Namespace) -> int:
-    from fedcore.config import apply_overrides
+    from fedcore.config import apply_overrides, without_effect
     from server.app import run_server
     from server.config import load_server_config
 
@@ -252,10 +252,7 @@ def _cmd_server_start(args: argparse.Namespace) -> int:
     config = load_server_config(args.config, list(args.overrides), flags)
     given = apply_overrides({}, list(args.overrides)).get("round", {})
     if config.round.patience is None and ("min_delta" in flags.get("round", {}) or "min_delta" in given):
-        raise ConfigError(  # as simulate's check_given_effective: a file's key is not checked
-            "round.min_delta (--min-delta) takes effect only with a plateau rule (--patience N), which this run has "
-            "not; drop it, or add that"
-        )
+        raise without_effect("round.min_delta", "a plateau rule (--patience N)", "--min-delta")  # a file's: not
     run_server(config)
     return 0
 

@@ -560,3 +560,11 @@ def check_port(port: object, *, what: str, allow_zero: bool = False) -> int:
         zero = " (0 lets the OS pick a free port)" if allow_zero else ""
         raise ConfigError(f"{what} must be a TCP port {low}-{_MAX_PORT}{zero}, got {port!r}")
     return port
+
+
+def without_effect(key: str, needs: str, flag: str | None = None) -> ConfigError:
+    """The refusal of a key given on the command line that the run's other settings leave without effect (the
+    run would ignore it, and the user would think it changed something): ``key`` (``flag``) takes effect only
+    with ``needs``. Shared by ``fedcore simulate`` and ``fedcore server start``."""
+    named = f"{key} ({flag})" if flag else key
+    return ConfigError(f"{named} takes effect only with {needs}, which this run has not; drop it, or add that")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from fedcore.aggregation.weights import check_weight_metric
-from fedcore.config import apply_overrides, from_mapping, load_toml
+from fedcore.config import apply_overrides, from_mapping, load_toml, without_effect
 from fedcore.convergence import StopRules
 from fedcore.errors import ConfigError
 from fedcore.selection import SIZE_ATTRIBUTE, check_private_selection
@@ -129,8 +129,7 @@ def check_given_effective(
         table = given.get(section, {}) if section else given
         if applies or not isinstance(table, Mapping) or name not in table:
             continue
-        flag = f" ({flags[key]})" if flags and key in flags else ""
-        raise ConfigError(f"{key}{flag} takes effect only with {what}, which this run has not; drop it, or add that")
+        raise without_effect(key, what, flags.get(key) if flags else None)
 
 
 MIN_ALPHA = 1e-300

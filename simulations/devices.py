@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -155,13 +156,49 @@ def read_trace(path: Path, client_ids: Sequence[str] | None = None) -> Availabil
 
 def read_intervals(
     path: Path, client_ids: Sequence[str] | None = None, *, warn: bool = True
-) -> dict[str, list[tuple[int, int]]]:
+) -> Mapping[str, list[tuple[int, int]]]:
     """The online intervals ``client -> [(from_round, to_round), ...]`` of a CSV trace, checked as
     :func:`read_trace` says (``warn``: log the rows naming no client of ``client_ids``; a second reader of the
     same file passes False)."""
-    intervals: dict[str, list[tuple[int, int]]] = {}
     try:
         check_regular_file(path, "devices.availability_file", "a CSV file")
+        stat = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"cannot read availability_file {str(path)!r}: {exc.strerror or exc}") from None
+    # parsed once for the start check and the selection alike (a trace of millions of rows takes seconds)
+    intervals = _parsed_trace(str(path), stat.st_mtime_ns, stat.st_size)
+    if client_ids is not None and not intervals.keys() & set(client_ids):
+        listed = ", ".join(repr(cid) for cid in sorted(intervals)[:3]) or "no client"
+        raise ConfigError(
+            f"availability_file {str(path)!r} names none of the run's clients (it lists {listed}), so every client "
+            f"would be always online; its client column must hold the virtual clients' ids "
+            f"({client_ids[0]!r}..{client_ids[-1]!r}), or use availability = 'always'"
+        )
+    if warn and client_ids is not None and (unknown := sorted(intervals.keys() - set(client_ids))):
+        logging.getLogger("fedcore.simulation").warning(
+            "availability_file %r names %d id(s) that are no client of this run (%s%s): their rows are ignored; "
+            "the run's clients are %r..%r, and a client listed nowhere is always online",
+            str(path),
+            len(unknown),
+            ", ".join(repr(cid) for cid in unknown[:3]),
+            ", ..." if len(unknown) > 3 else "",
+            client_ids[0],
+            client_ids[-1],
+        )
+    return intervals
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_trace(path_text: str, mtime_ns: int, size: int) -> dict[str, list[tuple[int, int]]]:
+    """The intervals of the CSV trace at ``path_text``, cached by its modification time and size (see
+    :func:`read_intervals`; callers only read the result).
+
+    Raises:
+        ConfigError: as :func:`read_trace`, but for naming none of the run's clients.
+    """
+    intervals: dict[str, list[tuple[int, int]]] = {}
+    path = Path(path_text)
+    try:
         with path.open(newline="", encoding="utf-8-sig") as fh:  # a byte-order mark (spreadsheet export) is skipped
             reader = csv.reader(fh)
             header = next(reader, None)
@@ -193,25 +230,6 @@ def read_intervals(
             f"availability_file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); it must be a CSV "
             "file with the header client,from_round,to_round"
         ) from None
-
-    if client_ids is not None and not intervals.keys() & set(client_ids):
-        listed = ", ".join(repr(cid) for cid in sorted(intervals)[:3]) or "no client"
-        raise ConfigError(
-            f"availability_file {str(path)!r} names none of the run's clients (it lists {listed}), so every client "
-            f"would be always online; its client column must hold the virtual clients' ids "
-            f"({client_ids[0]!r}..{client_ids[-1]!r}), or use availability = 'always'"
-        )
-    if warn and client_ids is not None and (unknown := sorted(intervals.keys() - set(client_ids))):
-        logging.getLogger("fedcore.simulation").warning(
-            "availability_file %r names %d id(s) that are no client of this run (%s%s): their rows are ignored; "
-            "the run's clients are %r..%r, and a client listed nowhere is always online",
-            str(path),
-            len(unknown),
-            ", ".join(repr(cid) for cid in unknown[:3]),
-            ", ..." if len(unknown) > 3 else "",
-            client_ids[0],
-            client_ids[-1],
-        )
     return intervals
 
 
