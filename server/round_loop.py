@@ -330,8 +330,9 @@ def preflight(strategy: Strategy, smallest: int, build_model: Callable[[], Any] 
 
     Args:
         strategy: the run's strategy.
-        smallest: the fewest clients a round selects (a server's min_fit_clients: a round may start with only
-            that many connected; a simulation whose clients are always available, the number every round selects).
+        smallest: the fewest clients a round selects (a server's max(min_fit_clients, min_fit_results): a round
+            may start with only that many connected; a simulation whose clients are always available, the number
+            every round selects; one with an availability trace, the fewest its rounds select).
         build_model: the task's model factory (``Task.build_model``); None where the server has no task.
 
     Raises:

@@ -648,13 +648,13 @@ def _simulate(
     if (weak := weak_delta(config.privacy, len(ids))) is not None:
         log.warning("%s", weak)
     # before output.dir is made: a robust rule's bound, SecAgg+'s graph and field, for the fewest clients a round
-    # selects: as many as every round when all are always available, else min_fit_clients (a round waits for that
-    # many online ones, as a server waits for connected ones)
+    # selects: as many as every round when all are always available; with a trace, the fewest its rounds select
+    # from their online counts (min_fit_clients where they are not counted ahead)
     if config.devices.availability == "always":
         every = min(strategy.sampling.num_fit(len(ids)), len(ids))
         strategy.aggregator.check(every)
         preflight(strategy, every, server_task.build_model)
-    else:  # a round selects num_fit of the clients online then, and waits for min_fit_clients online ones
+    else:  # a round selects num_fit of the clients online then
         counts = check_online_counts(config, ids, strategy.sampling.min_fit_clients)
         smallest = (
             min(min(strategy.sampling.num_fit(int(c)), int(c)) for c in np.unique(counts))
