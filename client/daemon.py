@@ -188,8 +188,8 @@ class DaemonConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
-        if not self.poll_s > 0:
-            raise ConfigError(f"poll_s must be > 0, got {self.poll_s}")
+        if not 0 < self.poll_s < math.inf:  # inf overflowed the wait between polls and the call's deadline
+            raise ConfigError(f"poll_s (--poll-s) must be a finite number of seconds > 0, got {self.poll_s}")
         if self.give_up_after_s is not None and not self.give_up_after_s > 0:  # NaN never gave up, -5 at once
             raise ConfigError(f"give_up_after_s (--give-up-after-s) must be > 0 seconds, got {self.give_up_after_s}")
         if self.max_payload_bytes < 1:

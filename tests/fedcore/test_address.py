@@ -250,3 +250,13 @@ def test_the_client_refuses_a_give_up_time_that_is_not_positive(value: str, caps
                  f"--give-up-after-s={value}"])  # fmt: skip
     assert code == 2
     assert f"give_up_after_s (--give-up-after-s) must be > 0 seconds, got {float(value)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_the_client_refuses_a_poll_time_that_is_not_finite_and_positive(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--poll-s inf was accepted, as the server's --wait-for-clients-s inf was: the wait between polls overflowed."""
+    code = main(["client", "start", "--insecure", "--server", "127.0.0.1:1", "--client-id", "c0", f"--poll-s={value}"])
+    assert code == 2
+    assert "poll_s (--poll-s) must be a finite number of seconds > 0" in capsys.readouterr().err
