@@ -47,11 +47,17 @@ Partition = list[npt.NDArray[np.int64]]
 # --------------------------------------------------------------------------------------------------- checks
 
 
+def _check_int(name: str, value: int, minimum: int) -> None:
+    """Refuse a count that is not an integer (a float such as 2.5 or NaN, a bool, a string) or is below ``minimum``:
+    the partitioners would otherwise truncate it, fail inside numpy, or hand out empty clients."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
 def _check_num_clients(num_clients: int, num_samples: int) -> None:
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int | np.integer):
-        raise ConfigError(f"num_clients must be an integer, got {num_clients!r}")
-    if num_clients < 1:
-        raise ConfigError(f"num_clients must be >= 1, got {num_clients}")
+    _check_int("num_clients", num_clients, 1)
     if num_clients > num_samples:
         raise PartitionError(
             f"cannot give {num_clients} clients at least one sample each from only {num_samples} samples; "
@@ -76,9 +82,12 @@ def _num_samples(labels_or_n: int | npt.ArrayLike) -> int:
     return int(_as_labels(labels_or_n).shape[0])
 
 
-def _check_positive(name: str, value: float) -> None:
-    if not np.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+def _check_number(name: str, value: float, *, zero_ok: bool = False) -> None:
+    """Refuse a parameter that is not a real number (a string, None, a bool), not finite, or below zero (or zero,
+    unless ``zero_ok``), with one message whatever the fault."""
+    real = not isinstance(value, bool) and isinstance(value, int | float | np.integer | np.floating)
+    if not real or not np.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0, got {value!r}")
 
 
 def _finish(parts: list[npt.NDArray[Any]]) -> Partition:
@@ -151,11 +160,9 @@ def dirichlet_class_centric(
     y = _as_labels(labels)
     n = y.shape[0]
     _check_num_clients(num_clients, n)
-    _check_positive("alpha", alpha)
-    if min_partition_size < 0:
-        raise ConfigError(f"min_partition_size must be >= 0, got {min_partition_size}")
-    if max_redraws < 1:
-        raise ConfigError(f"max_redraws must be >= 1, got {max_redraws}")
+    _check_number("alpha", alpha)
+    _check_int("min_partition_size", min_partition_size, 0)
+    _check_int("max_redraws", max_redraws, 1)
     if num_clients * min_partition_size > n:
         raise PartitionError(
             f"{num_clients} clients x min_partition_size {min_partition_size} = "
@@ -242,13 +249,12 @@ def dirichlet_client_centric(
     y = _as_labels(labels)
     n = y.shape[0]
     _check_num_clients(num_clients, n)
-    _check_positive("alpha", alpha)
+    _check_number("alpha", alpha)
     if samples_per_client is None:
         sizes = np.full(num_clients, n // num_clients, dtype=np.int64)
         sizes[: n % num_clients] += 1
     else:
-        if samples_per_client < 1:
-            raise ConfigError(f"samples_per_client must be >= 1, got {samples_per_client}")
+        _check_int("samples_per_client", samples_per_client, 1)
         if samples_per_client * num_clients > n:
             raise PartitionError(
                 f"{num_clients} clients x {samples_per_client} samples = {samples_per_client * num_clients} "
@@ -316,8 +322,7 @@ def pathological_shards(labels: npt.ArrayLike, num_clients: int, seed: int, *, s
     y = _as_labels(labels)
     n = y.shape[0]
     _check_num_clients(num_clients, n)
-    if shards_per_client < 1:
-        raise ConfigError(f"shards_per_client must be >= 1, got {shards_per_client}")
+    _check_int("shards_per_client", shards_per_client, 1)
     num_shards = num_clients * shards_per_client
     if num_shards > n:
         raise PartitionError(
@@ -361,10 +366,8 @@ def quantity_skew(
     """
     n = _num_samples(n_or_labels)
     _check_num_clients(num_clients, n)
-    if not np.isfinite(sigma) or sigma < 0:
-        raise ConfigError(f"sigma must be a finite number >= 0, got {sigma!r}")
-    if min_partition_size < 0:
-        raise ConfigError(f"min_partition_size must be >= 0, got {min_partition_size}")
+    _check_number("sigma", sigma, zero_ok=True)
+    _check_int("min_partition_size", min_partition_size, 0)
     spare = n - num_clients * min_partition_size
     if spare < 0:
         raise PartitionError(
@@ -374,6 +377,8 @@ def quantity_skew(
     rng = numpy_rng(seed, "quantity")
     # Normalize lognormal(0, sigma) draws in log space: exp(z - max z) never overflows, however large sigma is.
     log_weights = rng.normal(0.0, sigma, num_clients)
+    if not np.all(np.isfinite(log_weights)):  # sigma near float64's largest: a draw overflowed to inf
+        raise ConfigError(f"sigma={sigma!r} is too large: its normal draws overflow float64; use sigma <= 1e300")
     weights = np.exp(log_weights - log_weights.max())
     shares = weights / weights.sum() * spare
     extra = np.floor(shares).astype(np.int64)

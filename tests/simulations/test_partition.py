@@ -203,6 +203,31 @@ def test_invalid_inputs_raise_clear_errors(call: Callable[[], object], error: ty
         call()
 
 
+@pytest.mark.parametrize(
+    ("method", "params", "match"),
+    [
+        ("dirichlet", {"alpha": "0.5"}, "alpha must be a finite number > 0, got '0.5'"),
+        ("dirichlet-client", {"alpha": None}, "alpha must be a finite number > 0, got None"),
+        ("dirichlet", {"alpha": True}, "alpha must be a finite number > 0, got True"),
+        ("shards", {"shards_per_client": 2.5}, "shards_per_client must be an integer, got 2.5"),
+        ("shards", {"shards_per_client": True}, "shards_per_client must be an integer, got True"),
+        ("dirichlet", {"alpha": 1.0, "min_partition_size": float("nan")}, "min_partition_size must be an integer"),
+        ("dirichlet", {"alpha": 1.0, "max_redraws": 1.5}, "max_redraws must be an integer, got 1.5"),
+        ("dirichlet-client", {"alpha": 1.0, "samples_per_client": float("nan")}, "samples_per_client must be an int"),
+        ("dirichlet-client", {"alpha": 1.0, "samples_per_client": 2.5}, "samples_per_client must be an integer"),
+        ("quantity", {"min_partition_size": 1.5}, "min_partition_size must be an integer, got 1.5"),
+        ("quantity", {"sigma": "1"}, "sigma must be a finite number >= 0, got '1'"),
+        ("quantity", {"sigma": 1e308}, r"sigma=1e\+308 is too large"),
+    ],
+)
+def test_parameters_of_the_wrong_type_are_refused_by_name(method: str, params: dict[str, object], match: str) -> None:
+    """A library caller's NaN or 2.5 shard count was truncated (2.5 samples each gave 2), gave every client 0
+    samples (samples_per_client NaN), failed inside numpy (AxisError, TypeError) or ran 100 futile redraws; a sigma
+    whose draws overflow failed with an internal "sizes summing to 100 for 1000 samples"."""
+    with pytest.raises(ConfigError, match=match):
+        partition(BALANCED, method, 10, seed=0, **params)
+
+
 def test_quantity_skew_with_huge_sigma_still_assigns_every_sample_once() -> None:
     """lognormal(0, 300) overflows float64; the weights must be normalized in log space."""
     parts = partition_mod.quantity_skew(1438, 10, 0, sigma=300.0, min_partition_size=1)
