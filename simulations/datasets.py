@@ -158,20 +158,36 @@ def load_fashion_mnist(data_dir: str | os.PathLike[str] | None = None) -> Datase
 
     Raises:
         DatasetNotFoundError: no searched directory holds all four files; the message names the missing files.
-        PayloadError: a file is corrupt (bad gzip, wrong IDX magic, wrong length) or images and labels disagree.
+        PayloadError: a file is corrupt (bad gzip, wrong IDX magic, wrong length), images and labels disagree, or
+            a split holds no examples.
+
+    When ``FEDCORE_DATA`` is set but its ``fashion-mnist/`` lacks a file, a warning names the missing files and the
+    directory loaded instead (and says so when the files lie in ``$FEDCORE_DATA`` itself).
     """
     searched = _fashion_mnist_dirs(data_dir)
     missing_by_dir: list[str] = []
-    for directory in searched:
-        missing = [name for name in FASHION_MNIST_FILES if not (directory / name).is_file()]
+    directory: Path | None = None
+    for candidate in searched:
+        missing = [name for name in FASHION_MNIST_FILES if not (candidate / name).is_file()]
         if not missing:
+            directory = candidate
             break
-        missing_by_dir.append(f"{directory}: missing {', '.join(missing)}")
-    else:
+        missing_by_dir.append(f"{candidate}: missing {', '.join(missing)}")
+    env = os.environ.get("FEDCORE_DATA")
+    flat = (
+        f" (the four files lie in {env} itself: move them into {Path(env) / 'fashion-mnist'}/ or pass --data-dir {env})"
+        if data_dir is None and env and all((Path(env) / name).is_file() for name in FASHION_MNIST_FILES)
+        else ""
+    )
+    if directory is None:
         raise DatasetNotFoundError(
-            "Fashion-MNIST files not found (" + "; ".join(missing_by_dir) + "). Install them with "
+            "Fashion-MNIST files not found (" + "; ".join(missing_by_dir) + f"){flat}. Install them with "
             "`apt-get install dataset-fashion-mnist`, or put the four *-ubyte.gz files in a directory and pass "
             "it with --data-dir, or set FEDCORE_DATA to a directory holding fashion-mnist/"
+        )
+    if missing_by_dir:  # $FEDCORE_DATA is set but its copy is incomplete: the run would use another without a word
+        log.warning(
+            "FEDCORE_DATA is set but %s; loading Fashion-MNIST from %s instead%s", missing_by_dir[0], directory, flat
         )
     x_train, y_train = _load_idx_pair(directory, "train")
     x_test, y_test = _load_idx_pair(directory, "t10k")
@@ -186,6 +202,11 @@ def _load_idx_pair(directory: Path, split: str) -> tuple[FloatArray, IntArray]:
     if images.shape[0] != labels.shape[0]:
         raise PayloadError(
             f"{images_path} holds {images.shape[0]} images but {labels_path} holds {labels.shape[0]} labels"
+        )
+    if images.shape[0] == 0:
+        raise PayloadError(
+            f"{images_path} and {labels_path} hold no examples: the {split} split would be empty (a "
+            f"{'partition over no samples' if split == 'train' else 'run that never evaluates'}); replace the files"
         )
     if images.shape[1:] != (28, 28):
         raise PayloadError(f"{images_path} holds images of shape {images.shape[1:]}, expected (28, 28)")

@@ -77,6 +77,42 @@ def test_fashion_mnist_env_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert load_fashion_mnist().x_train.shape[0] == 3
 
 
+def test_fashion_mnist_env_dir_incomplete_says_which_copy_it_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FEDCORE_DATA pointing at the four files themselves (not at a directory holding fashion-mnist/) was passed
+    over for the system copy without a word: a user's own 3-example copy silently became the system's."""
+    import simulations.datasets as datasets_mod
+
+    system = tmp_path / "system"
+    system.mkdir()
+    write_tiny_fashion(system, n_train=5)
+    monkeypatch.setattr(datasets_mod, "SYSTEM_FASHION_MNIST_DIR", system)
+    user = tmp_path / "user"
+    user.mkdir()
+    write_tiny_fashion(user, n_train=3)  # flat, where $FEDCORE_DATA/fashion-mnist/ is looked for
+    monkeypatch.setenv("FEDCORE_DATA", str(user))
+    with caplog.at_level("WARNING", logger="simulations.datasets"):
+        assert load_fashion_mnist().x_train.shape[0] == 5  # the documented fallback, now said out loud
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"{user / 'fashion-mnist'}: missing train-images-idx3-ubyte.gz" in warning
+    assert f"loading Fashion-MNIST from {system} instead" in warning
+    assert f"move them into {user / 'fashion-mnist'}/ or pass --data-dir {user}" in warning
+    shutil.rmtree(system)
+    system.mkdir()  # no system copy: the error says where the files are and how to use them
+    with pytest.raises(DatasetNotFoundError, match=f"the four files lie in {user} itself"):
+        load_fashion_mnist()
+
+
+@pytest.mark.parametrize(("n_train", "n_test", "split"), [(0, 4, "train"), (6, 0, "t10k")])
+def test_fashion_mnist_empty_split_refused(tmp_path: Path, n_train: int, n_test: int, split: str) -> None:
+    """A t10k file of 0 images loaded, and the run trained without ever evaluating (only a warning about a
+    metric left out of the averages each round)."""
+    write_tiny_fashion(tmp_path, n_train=n_train, n_test=n_test)
+    with pytest.raises(PayloadError, match=f"the {split} split would be empty"):
+        load_fashion_mnist(tmp_path)
+
+
 def test_fashion_mnist_missing_files_named(tmp_path: Path) -> None:
     write_tiny_fashion(tmp_path)
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
