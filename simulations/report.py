@@ -46,20 +46,28 @@ def class_counts(labels: npt.ArrayLike, partitions: Sequence[npt.ArrayLike], num
         (``0..C-1``) and a last column ``"total"``.
 
     Raises:
-        ConfigError: ``num_classes < 1``, labels not 1-D, or labels / indices out of range.
+        ConfigError: ``num_classes < 1``, labels not 1-D, labels or indices not integers, or out of range.
     """
     if num_classes < 1:
         raise ConfigError(f"num_classes must be >= 1, got {num_classes}")
-    y = np.asarray(labels)
+    y = _integers(labels, "labels")
     if y.ndim != 1:
         raise ConfigError(f"labels must be 1-D, got shape {y.shape}")
     if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise ConfigError(f"labels must lie in 0..{num_classes - 1}, found {int(y.min())}..{int(y.max())}")
     for client, indices in enumerate(partitions):
-        idx = np.asarray(indices, dtype=np.int64)
+        idx = _integers(indices, f"client {client}'s indices")
         if idx.size and (idx.min() < 0 or idx.max() >= y.size):
             raise ConfigError(f"client {client} has indices outside 0..{y.size - 1}")
     return label_counts((y[np.asarray(indices, dtype=np.int64)] for indices in partitions), num_classes)
+
+
+def _integers(values: npt.ArrayLike, what: str) -> npt.NDArray[np.int64]:
+    """``values`` as int64, refusing floats (1.7 would be counted as class 1, index 0.5 as row 0) and bools."""
+    array = np.asarray(values)
+    if array.size and (array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer)):
+        raise ConfigError(f"{what} must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
 
 
 def label_counts(client_labels: Iterable[npt.ArrayLike], num_classes: int) -> pd.DataFrame:
@@ -74,13 +82,13 @@ def label_counts(client_labels: Iterable[npt.ArrayLike], num_classes: int) -> pd
         the table of :func:`class_counts`.
 
     Raises:
-        ConfigError: ``num_classes < 1``, or labels out of range.
+        ConfigError: ``num_classes < 1``, or labels that are not integers or out of range.
     """
     if num_classes < 1:
         raise ConfigError(f"num_classes must be >= 1, got {num_classes}")
     rows_list: list[npt.NDArray[np.int64]] = []
     for client, labels in enumerate(client_labels):
-        y = np.asarray(labels, dtype=np.int64).reshape(-1)
+        y = _integers(labels, f"client {client}'s labels").reshape(-1)
         if y.size and (y.min() < 0 or y.max() >= num_classes):
             raise ConfigError(f"client {client} has labels outside 0..{num_classes - 1}")
         rows_list.append(np.bincount(y, minlength=num_classes))

@@ -101,3 +101,19 @@ def test_the_colours_stop_below_a_few_outlying_counts(tmp_path: Path) -> None:
 def test_heatmap_small_table_annotated(tmp_path: Path) -> None:
     out = plot_heatmap(class_counts(LABELS, PARTS, num_classes=3), tmp_path / "small.png", title="two clients")
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_float_labels_and_indices_are_refused_not_truncated() -> None:
+    """Labels 0.5 and 1.7 were counted as classes 0 and 1, and index 0.5 as row 0, without a word."""
+    from simulations.report import label_counts
+
+    labels = np.array([0, 1, 1])
+    with pytest.raises(ConfigError, match="labels must be integers, got dtype float64"):
+        class_counts(np.array([0.5, 1.7]), [np.array([0, 1])], 2)
+    with pytest.raises(ConfigError, match="client 1's indices must be integers, got dtype float64"):
+        class_counts(labels, [np.array([0]), np.array([0.5, 1.7])], 2)
+    with pytest.raises(ConfigError, match="client 0's labels must be integers, got dtype float64"):
+        label_counts([[0, 1.9]], 2)
+    # integer labels of any width and an empty client still count, by hand: client 0 holds 0 and 1, client 1 none
+    table = class_counts(labels.astype(np.uint8), [np.array([0, 2], dtype=np.int32), []], 2)
+    assert table.to_numpy().tolist() == [[1, 1, 2], [0, 0, 0]]
