@@ -38,7 +38,7 @@ data:
 	else \
 		echo "note: fashion-mnist is not installed and installing dataset-fashion-mnist needs root and apt-get;"; \
 		echo "      the demo falls back to mnist-5k. To use fashion-mnist: sudo apt-get install dataset-fashion-mnist,"; \
-		echo "      or put its four *-ubyte.gz files in a directory and set FEDCORE_DATA to it."; \
+		echo "      or put its four *-ubyte.gz files in DIR/fashion-mnist/ and set FEDCORE_DATA=DIR."; \
 	fi
 
 demo: $(VENV)/.installed data

@@ -272,3 +272,23 @@ def test_prepared_shards_are_views_of_the_partition_rows_in_client_order() -> No
     for wrong in (-1, 7):
         with pytest.raises(ConfigError, match=f"client {wrong} is not one of the 7 clients"):
             prepared.shard(wrong)
+
+
+def test_the_makefile_note_on_fashion_mnist_works_when_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`make data` without root told users to put the files "in a directory and set FEDCORE_DATA to it", which the
+    loader never reads ($FEDCORE_DATA/fashion-mnist/ is where it looks); follow the note as written."""
+    import re
+
+    import simulations.datasets as datasets_mod
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    note = re.search(r"put its four \*-ubyte\.gz files in (\S+?)/? and set FEDCORE_DATA=(\S+?)\.\"", makefile)
+    assert note is not None, "the Makefile's note no longer says where the files go and what FEDCORE_DATA names"
+    files_dir, env_value = (tmp_path / note[1].replace("DIR", "data")), str(tmp_path / note[2].replace("DIR", "data"))
+    files_dir.mkdir(parents=True)
+    write_tiny_fashion(files_dir, n_train=3)
+    monkeypatch.setattr(datasets_mod, "SYSTEM_FASHION_MNIST_DIR", tmp_path / "no-system-copy")
+    monkeypatch.setenv("FEDCORE_DATA", env_value)
+    assert load_fashion_mnist().x_train.shape[0] == 3
