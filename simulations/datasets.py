@@ -173,12 +173,7 @@ def load_fashion_mnist(data_dir: str | os.PathLike[str] | None = None) -> Datase
             directory = candidate
             break
         missing_by_dir.append(f"{candidate}: missing {', '.join(missing)}")
-    env = os.environ.get("FEDCORE_DATA")
-    flat = (
-        f" (the four files lie in {env} itself: move them into {Path(env) / 'fashion-mnist'}/ or pass --data-dir {env})"
-        if data_dir is None and env and all((Path(env) / name).is_file() for name in FASHION_MNIST_FILES)
-        else ""
-    )
+    flat = _misplaced_hint(data_dir)
     if directory is None:
         raise DatasetNotFoundError(
             "Fashion-MNIST files not found (" + "; ".join(missing_by_dir) + f"){flat}. Install them with "
@@ -192,6 +187,22 @@ def load_fashion_mnist(data_dir: str | os.PathLike[str] | None = None) -> Datase
     x_train, y_train = _load_idx_pair(directory, "train")
     x_test, y_test = _load_idx_pair(directory, "t10k")
     return Dataset("fashion-mnist", x_train, y_train, x_test, y_test, num_classes=10, input_shape=(1, 28, 28))
+
+
+def _misplaced_hint(data_dir: str | os.PathLike[str] | None) -> str:
+    """Where the four files are when they lie one level off where they are looked for: in ``$FEDCORE_DATA`` itself
+    rather than its ``fashion-mnist/``, or in ``data_dir``'s ``fashion-mnist/`` (``$FEDCORE_DATA``'s layout)."""
+
+    def complete(directory: Path) -> bool:
+        return all((directory / name).is_file() for name in FASHION_MNIST_FILES)
+
+    env = os.environ.get("FEDCORE_DATA")
+    if data_dir is None and env and complete(Path(env)):
+        nested = Path(env) / "fashion-mnist"
+        return f" (the four files lie in {env} itself: move them into {nested}/ or pass --data-dir {env})"
+    if data_dir is not None and complete(nested := Path(data_dir) / "fashion-mnist"):
+        return f" (the four files lie in {nested}: pass --data-dir {nested})"
+    return ""
 
 
 def _load_idx_pair(directory: Path, split: str) -> tuple[FloatArray, IntArray]:

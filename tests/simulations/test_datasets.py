@@ -292,3 +292,12 @@ def test_the_makefile_note_on_fashion_mnist_works_when_followed(
     monkeypatch.setattr(datasets_mod, "SYSTEM_FASHION_MNIST_DIR", tmp_path / "no-system-copy")
     monkeypatch.setenv("FEDCORE_DATA", env_value)
     assert load_fashion_mnist().x_train.shape[0] == 3
+
+
+def test_fashion_mnist_data_dir_one_level_up_names_the_right_one(tmp_path: Path) -> None:
+    """--data-dir given $FEDCORE_DATA's layout (a directory holding fashion-mnist/) only listed four missing files."""
+    (tmp_path / "fashion-mnist").mkdir()
+    write_tiny_fashion(tmp_path / "fashion-mnist")
+    with pytest.raises(DatasetNotFoundError, match=f"pass --data-dir {tmp_path / 'fashion-mnist'}\\)"):
+        load_fashion_mnist(tmp_path)
+    assert load_fashion_mnist(tmp_path / "fashion-mnist").x_train.shape[0] == 6
