@@ -670,6 +670,8 @@ def normalization_stats(x: npt.ArrayLike) -> tuple[float, float]:
 
     Raises:
         ConfigError: ``x`` is empty.
+        PayloadError: every value of ``x`` is the same (a standard deviation of 0, which normalizing would divide
+            by: every input a NaN), or a value is not finite.
     """
     flat = np.asarray(x).reshape(-1)
     if flat.size == 0:
@@ -677,7 +679,17 @@ def normalization_stats(x: npt.ArrayLike) -> tuple[float, float]:
     # two passes over float64 blocks: exact enough, without a float64 copy of a 47M-value image set
     block = 1 << 20
     mean = sum(float(flat[i : i + block].sum(dtype=np.float64)) for i in range(0, flat.size, block)) / flat.size
-    squares = sum(
-        float(np.square(flat[i : i + block].astype(np.float64) - mean).sum()) for i in range(0, flat.size, block)
-    )
-    return mean, (squares / flat.size) ** 0.5
+    std = 0.0
+    if np.isfinite(mean):
+        squares = sum(
+            float(np.square(flat[i : i + block].astype(np.float64) - mean).sum()) for i in range(0, flat.size, block)
+        )
+        std = (squares / flat.size) ** 0.5
+    if not (std > 0 and np.isfinite(std)):
+        raise PayloadError(
+            f"the training inputs' mean is {mean} and standard deviation {std}: "
+            + ("every value is the same" if np.isfinite(mean) and std == 0 else "a value is not finite")
+            + ", so normalizing them would make every input NaN. The data is likely corrupt (all-blank images?): "
+            "check it, or turn normalization off (--no-normalize, data.normalize = false)"
+        )
+    return mean, std

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -301,3 +302,26 @@ def test_fashion_mnist_data_dir_one_level_up_names_the_right_one(tmp_path: Path)
     with pytest.raises(DatasetNotFoundError, match=f"pass --data-dir {tmp_path / 'fashion-mnist'}\\)"):
         load_fashion_mnist(tmp_path)
     assert load_fashion_mnist(tmp_path / "fashion-mnist").x_train.shape[0] == 6
+
+
+def test_constant_inputs_are_refused_before_normalizing_them_to_nan(tmp_path: Path) -> None:
+    """All-blank images have a standard deviation of 0: normalizing divided by it, every input became NaN, and the
+    run failed at round 1 with every update rejected as NaN ("check the client's learning rate")."""
+    from simulations.config import DataConfig
+    from simulations.tasks import prepare_data
+
+    with pytest.raises(PayloadError, match=r"mean is 0\.25 and standard deviation 0\.0: every value is the same"):
+        normalization_stats(np.full((3, 4), 0.25, dtype=np.float32))
+    with pytest.raises(PayloadError, match="a value is not finite"):
+        normalization_stats(np.array([0.0, np.inf]))
+    with pytest.raises(PayloadError, match="a value is not finite"):
+        normalization_stats(np.array([0.0, np.nan, 1.0]))
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", np.zeros((20, 28, 28)))
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(20) % 10)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", np.zeros((4, 28, 28)))
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.arange(4))
+    config = DataConfig(dataset="fashion-mnist", data_dir=tmp_path, num_clients=2, partition="iid")
+    with pytest.raises(PayloadError, match=r"--no-normalize"):
+        prepare_data(config, 0)
+    unnormalized = prepare_data(replace(config, normalize=False), 0)  # what the message offers runs
+    assert unnormalized.num_clients == 2 and float(unnormalized.x_test.abs().sum()) == 0.0
