@@ -79,6 +79,10 @@ def _num_samples(labels_or_n: int | npt.ArrayLike) -> int:
         if labels_or_n < 0:
             raise ConfigError(f"number of samples must be >= 0, got {labels_or_n}")
         return int(labels_or_n)
+    if np.ndim(labels_or_n) == 0:  # 1000.0, True: not "labels must be a 1-D array, got shape ()"
+        raise ConfigError(
+            f"expected the labels (a 1-D array) or the number of samples (an integer), got {labels_or_n!r}"
+        )
     return int(_as_labels(labels_or_n).shape[0])
 
 

@@ -193,6 +193,12 @@ def test_natural_split_by_column() -> None:
         (lambda: quantity_skew(10, 5, seed=0, sigma=-1.0), ConfigError, "sigma"),
         (lambda: quantity_skew(10, 5, seed=0, min_partition_size=3), PartitionError, "min_partition_size"),
         (lambda: iid(np.zeros((4, 2), dtype=np.int64), 2, seed=0), ConfigError, "1-D"),
+        (
+            lambda: quantity_skew(1000.0, 2, seed=0),
+            ConfigError,
+            r"or the number of samples \(an integer\), got 1000\.0",
+        ),
+        (lambda: iid(True, 1, seed=0), ConfigError, r"or the number of samples \(an integer\), got True"),
         (lambda: pathological_shards(np.linspace(0, 1, 10), 2, seed=0), ConfigError, "integers"),
         (lambda: partition(BALANCED, "label-flip", 10, seed=0), ConfigError, "dirichlet-client"),
         (lambda: partition(BALANCED, "dirichlet", 10, seed=0, alpah=1.0), ConfigError, "bad parameters"),
