@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from fedcore.errors import ConfigError
 from fedcore.supervised import SupervisedTask
 from fedcore.task import TaskContext
 from simulations.datasets import SHAKESPEARE_SEQ_LEN as SEQ_LEN
@@ -42,16 +43,44 @@ def model_flops_per_sample(model: nn.Module, *, d_model: int, layers: int, seq_l
 def shakespeare_task(ctx: TaskContext) -> SupervisedTask:
     """One role's samples. ``ctx.client_id`` names the role (``"<play>/<ROLE>"``) or ``ctx.partition_id`` indexes
     the sorted roles. Options: ``stride`` (default 1), ``max_samples`` (default all), ``d_model``, ``layers``.
+
+    Raises:
+        ConfigError: an option that is not an integer in range, or a client that names no role and whose
+            ``partition_id`` is outside the roles.
     """
+    stride, limit = _int_option(ctx, "stride", 1, 1), _int_option(ctx, "max_samples", 0, 0)
+    d_model, layers = _int_option(ctx, "d_model", 64, 1), _int_option(ctx, "layers", 4, 1)
     roles = load_shakespeare_roles(ctx.data_dir)
     names = list(roles)
-    name = ctx.client_id if ctx.client_id in roles else names[ctx.partition_id or 0]
-    x, y = next_char_samples(roles[name], stride=int(ctx.options.get("stride", "1")))
-    limit = int(ctx.options.get("max_samples", "0"))
+    index = ctx.partition_id or 0
+    if ctx.client_id not in roles and not 0 <= index < len(names):  # names[-1] would be another role
+        raise ConfigError(
+            f"client {ctx.client_id!r} names no role and its partition_id {index} is outside the {len(names)} roles "
+            f"(0..{len(names) - 1}); use at most {len(names)} partitions, or a client id of the form '<play>/<ROLE>'"
+        )
+    name = ctx.client_id if ctx.client_id in roles else names[index]
+    x, y = next_char_samples(roles[name], stride=stride)
     if limit:
         x, y = x[:limit], y[:limit]
-    d_model, layers = int(ctx.options.get("d_model", "64")), int(ctx.options.get("layers", "4"))
     return SupervisedTask(model_fn=lambda: char_transformer(len(VOCAB), SEQ_LEN, d_model, layers), train_data=(x, y))
+
+
+def _int_option(ctx: TaskContext, name: str, default: int, minimum: int) -> int:
+    """The task option ``name`` as an integer >= ``minimum`` (``default`` when not given).
+
+    Raises:
+        ConfigError: the option is not an integer, or is below ``minimum``.
+    """
+    text = ctx.options.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"task option {name} must be an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise ConfigError(f"task option {name} must be an integer >= {minimum}, got {value}")
+    return value
 
 
 def main() -> None:

@@ -324,3 +324,26 @@ def test_recipe_runs_on_the_plays(tmp_path: Path) -> None:
     assert final["round"] == 2 and final["clients"] == 10
     # two rounds of 2 steps already beat the uniform guess over 76 characters (1.3%)
     assert final["test_accuracy"] > 0.05
+
+
+def test_the_pipeline_demo_task_refuses_a_partition_outside_the_roles(plays: Path) -> None:
+    """simulations.shakespeare:shakespeare_task indexed the roles with partition_id: 3 of 3 roles raised an
+    IndexError, -1 silently trained the last role (GAMMA), and max_samples=abc a bare ValueError."""
+    from fedcore.task import TaskContext
+    from simulations.shakespeare import shakespeare_task
+
+    # tiny/BETA speaks 400 characters: 400 - 80 = 320 windows at stride 1, 160 at stride 2 (by hand)
+    def windows(ctx: TaskContext) -> int:
+        data = shakespeare_task(ctx).train_data
+        assert data is not None
+        return len(data[1])
+
+    assert windows(TaskContext(partition_id=1, data_dir=plays)) == 320
+    assert windows(TaskContext(client_id="tiny/BETA", data_dir=plays, options={"stride": "2"})) == 160
+    for partition_id in (3, -1):
+        with pytest.raises(ConfigError, match=rf"partition_id {partition_id} is outside the 3 roles \(0\.\.2\)"):
+            shakespeare_task(TaskContext(client_id="client-003", partition_id=partition_id, data_dir=plays))
+    with pytest.raises(ConfigError, match=r"task option max_samples must be an integer >= 0, got 'abc'"):
+        shakespeare_task(TaskContext(partition_id=0, data_dir=plays, options={"max_samples": "abc"}))
+    with pytest.raises(ConfigError, match=r"task option stride must be an integer >= 1, got 0"):
+        shakespeare_task(TaskContext(partition_id=0, data_dir=plays, options={"stride": "0"}))
