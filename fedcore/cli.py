@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -182,7 +183,8 @@ def _write_partition_report(out: Path, data: DataConfig, seed: int) -> None:
     )
     from simulations.tasks import prepare_data
 
-    prepared = prepare_data(data, seed)
+    # the labels are all a report reads: normalizing the inputs would only cost time, and refuse constant ones
+    prepared = prepare_data(dataclasses.replace(data, normalize=False), seed)
     counts = label_counts(prepared.client_labels(), prepared.num_classes)
     names = getattr(prepared, "roles", None)  # a natural split's own client names (shakespeare's roles)
     table = counts if names is None else counts.assign(role=list(names))

@@ -48,6 +48,14 @@ def write_tiny_fashion(directory: Path, n_train: int = 6, n_test: int = 4) -> No
     write_idx(directory / "t10k-labels-idx1-ubyte.gz", np.arange(n_test) % 10)
 
 
+def write_blank_fashion(directory: Path) -> None:
+    """20 train and 4 test images, every pixel 0 (a standard deviation of 0); labels 0..9 twice, and 0..3."""
+    write_idx(directory / "train-images-idx3-ubyte.gz", np.zeros((20, 28, 28)))
+    write_idx(directory / "train-labels-idx1-ubyte.gz", np.arange(20) % 10)
+    write_idx(directory / "t10k-images-idx3-ubyte.gz", np.zeros((4, 28, 28)))
+    write_idx(directory / "t10k-labels-idx1-ubyte.gz", np.arange(4))
+
+
 @needs_fashion
 def test_fashion_mnist_shapes_and_balance(fashion: Dataset) -> None:
     assert fashion.name == "fashion-mnist"
@@ -316,12 +324,27 @@ def test_constant_inputs_are_refused_before_normalizing_them_to_nan(tmp_path: Pa
         normalization_stats(np.array([0.0, np.inf]))
     with pytest.raises(PayloadError, match="a value is not finite"):
         normalization_stats(np.array([0.0, np.nan, 1.0]))
-    write_idx(tmp_path / "train-images-idx3-ubyte.gz", np.zeros((20, 28, 28)))
-    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.arange(20) % 10)
-    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", np.zeros((4, 28, 28)))
-    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.arange(4))
+    write_blank_fashion(tmp_path)
     config = DataConfig(dataset="fashion-mnist", data_dir=tmp_path, num_clients=2, partition="iid")
     with pytest.raises(PayloadError, match=r"--no-normalize"):
         prepare_data(config, 0)
     unnormalized = prepare_data(replace(config, normalize=False), 0)  # what the message offers runs
     assert unnormalized.num_clients == 2 and float(unnormalized.x_test.abs().sum()) == 0.0
+
+
+def test_the_partition_report_reads_only_labels_so_blank_images_still_report(tmp_path: Path) -> None:
+    """`fedcore partition` normalized the inputs it never shows; with constant inputs now refused by
+    normalization_stats, it must not normalize (nor spend the time)."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_blank_fashion(data)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedcore.cli", "partition", "--data-dir", str(data), "--clients", "2",
+         "--partition", "iid", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "samples per client: min 10, p10 10, median 10, p90 10, max 10 (mean 10.0)" in proc.stdout
