@@ -158,7 +158,8 @@ class DataConfig:
         alpha: Dirichlet concentration for the dirichlet partitions (small = more skew), at least 1e-300.
         shards_per_client: shards per client for ``partition = "shards"``.
         min_partition_size: smallest client allowed by the class-centric Dirichlet partition (redraws).
-        max_redraws: how many times the Dirichlet partition may redraw before giving up with an error.
+        max_redraws: how many draws the Dirichlet partition may make, the first included, before giving up with an
+            error (1: no redraw).
         sigma: lognormal sigma of client sizes for ``partition = "quantity"``, in [0, 50] (0: equal sizes).
         normalize: standardize inputs with the training set's mean and standard deviation (not for shakespeare,
             whose inputs are character ids).
