@@ -10,8 +10,9 @@ Layout of a state directory::
                                     server state of each tensor group ("group/<group>/<name>", e.g. SCAFFOLD's
                                     control variate), the aggregator's state ("aggregator/<name>", e.g. adaptive
                                     clipping's norm), the round, the round's record (header metadata
-                                    "fedcore.round_record": its history row, failures and selection feedback) and
-                                    the file's own SHA-256 (header metadata "fedcore.sha256")
+                                    "fedcore.round_record": its history row, failures and selection feedback), the
+                                    run's identity (header metadata "fedcore.run", drawn when state.db was created)
+                                    and the file's own SHA-256 (header metadata "fedcore.sha256")
     history.csv                     one row per round (the current rows of the rounds table), see write_history
     spill/                          payload files in flight (emptied at start)
 
@@ -21,8 +22,8 @@ digest of its own bytes, checked when a run resumes.
 
 Resuming (:meth:`StateStore.resume`) takes the newest *intact* checkpoint, round C (a damaged newer one is
 reported in the log and skipped, and so is a checkpoint whose digest is not the one state.db recorded when it
-wrote that round's checkpoint: another run's), and holds it against the records in state.db, whose last trained
-round is R:
+wrote that round's checkpoint, or whose run identity is not state.db's: another run's), and holds it against the
+records in state.db, whose last trained round is R:
 
 - no checkpoint and no trained round recorded: a fresh run (a round-0 row is simply written again);
 - C = R: resume after C;
@@ -401,6 +402,7 @@ class StateStore:
             )
         self._db.executescript(_SCHEMA)
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (_FORMAT,))
+        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('run', ?)", (secrets.token_hex(16),))
         (found,) = self._db.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
         if found != _FORMAT:
             raise StateError(
@@ -444,6 +446,10 @@ class StateStore:
         with self._lock, self._sqlite(f"reading {key!r}"):
             row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else str(row[0])
+
+    def _run_id(self) -> str:
+        """The run's identity, drawn when its state.db was created; every checkpoint carries it (:data:`RUN_KEY`)."""
+        return self._meta("run") or ""
 
     def _set_meta(self, key: str, value: str) -> None:
         with self._lock, self._sqlite(f"recording {key!r}"):
@@ -856,7 +862,9 @@ class StateStore:
                 untouched and a restart resumes from them.
         """
         path = self.checkpoints / f"round-{state.round:06d}.safetensors"
-        extra = {} if record is None else {RECORD_KEY: json.dumps(round_rows(record), allow_nan=True)}
+        extra = {RUN_KEY: self._run_id()}
+        if record is not None:
+            extra[RECORD_KEY] = json.dumps(round_rows(record), allow_nan=True)
         try:
             written = _write_state(path, state, self_digest=True, extra=extra)
         except OSError as exc:
@@ -892,9 +900,10 @@ class StateStore:
         found = checkpoint_files(self.directory)[::-1]
         with self._lock, self._sqlite("reading the checkpoint records"):
             recorded = {int(r): str(d) for r, d in self._db.execute("SELECT round, sha256 FROM checkpoints")}
+        run = self._run_id()
         damaged: list[str] = []
         for i, path in enumerate(found):
-            problem = _checkpoint_problem(path, recorded)
+            problem = _checkpoint_problem(path, recorded, run)
             if problem is None:
                 try:
                     return load_checkpoint(path, mapped=mapped, verify=False)
@@ -984,9 +993,11 @@ def lock_directory(
     return fd
 
 
-def _checkpoint_problem(path: Path, recorded: Mapping[int, str]) -> str | None:
+def _checkpoint_problem(path: Path, recorded: Mapping[int, str], run: str) -> str | None:
     """Why the checkpoint ``path`` cannot be trusted, or None if it is intact (``recorded``: round -> the digest
-    state.db recorded for its checkpoint)."""
+    state.db recorded for its checkpoint; ``run``: the run's identity in state.db, which a checkpoint written by
+    this fedcore carries, :data:`RUN_KEY`; held against it once state.db has recorded a checkpoint: a state.db
+    replaced by a fresh one is refused by :meth:`StateStore.resume` with its own message)."""
     try:
         named = int(path.stem.removeprefix("round-"))
     except ValueError:
@@ -1006,6 +1017,8 @@ def _checkpoint_problem(path: Path, recorded: Mapping[int, str]) -> str | None:
         return f"it records round {metadata.get('round', '')[:20]!r}, not the round {named} in its name"
     if named in recorded and metadata.get(DIGEST_KEY) != recorded[named]:
         return f"it is not the checkpoint state.db recorded for round {named} (another run's?)"
+    if recorded and RUN_KEY in metadata and metadata[RUN_KEY] != run:  # (a state.db that recorded none cannot tell)
+        return "it was written by another run (its run identity is not the one state.db holds)"
     return None
 
 
@@ -1035,6 +1048,11 @@ def _write_state(
     metadata = {"round": str(state.round), **(extra or {})}
     return save_payload(path, arrays, metadata, self_digest=self_digest, durable=durable)
 
+
+RUN_KEY = "fedcore.run"
+"""The header metadata key under which a checkpoint keeps the identity of its run (drawn when the run's state.db
+was created), so that another run's checkpoint of a round state.db has no digest for yet (the round after the last
+one recorded) is not taken for this run's."""
 
 RECORD_KEY = "fedcore.round_record"
 """The header metadata key under which a checkpoint keeps its round's record (:func:`round_rows`, as JSON)."""

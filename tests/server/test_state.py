@@ -722,6 +722,27 @@ def test_a_checkpoint_of_another_run_is_not_taken_for_this_runs(tmp_path: Path) 
     store.close()
 
 
+def test_another_runs_checkpoint_of_the_round_after_the_last_recorded_is_not_taken_for_this_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint of round R + 1 has no digest in state.db yet (as after a crash right after writing it), so its
+    digest cannot tell; the run identity it carries does: another run's round 3 in a directory that recorded
+    rounds 1-2 is skipped, and the run resumes after its own round 2 with its own records."""
+    _run(tmp_path / "ours", 2).close()
+    _run(tmp_path / "other", 3).close()
+    (tmp_path / "other" / "checkpoints" / "round-000003.safetensors").replace(
+        tmp_path / "ours" / "checkpoints" / "round-000003.safetensors"
+    )
+    store = StateStore(tmp_path / "ours")
+    with caplog.at_level(logging.WARNING):
+        resumed = store.resume()
+    assert resumed is not None and resumed.round == 2
+    np.testing.assert_array_equal(resumed.parameters["w"], [2.0, 2.5, 2.25])
+    assert store.recorded_rounds() == [0, 1, 2]  # the other run's round-3 record is not restored into ours
+    assert "written by another run" in caplog.text
+    store.close()
+
+
 # ------------------------------------------------------------------------------------------ deterministic files
 
 
