@@ -56,7 +56,7 @@ from server.round_loop import (
     run_rounds,
 )
 from server.service import AuthPolicy, CoordinatorService, build_server, check_listen_address, load_tokens
-from server.state import StateStore, load_checkpoint, restore_strategy, resumed_for_model
+from server.state import StateStore, load_checkpoint, release_hook, restore_strategy, resumed_for_model
 
 log = logging.getLogger("fedcore.server")
 
@@ -223,6 +223,7 @@ def run_server(config: ServerConfig, *, echo: Callable[[str], None] = print) -> 
             keep_records=False,
             history=store.history() if initial.round > 0 else (),  # a resumed run's stop rules count on
             validate_fn=validate_fn,
+            on_release=release_hook(strategy, store),
         )
         echo(f"finished {final.round} rounds; checkpoints and history in {config.state_dir}")
         if line := Convergence.replay(round_config.stop, store.history()).summary(final.round):

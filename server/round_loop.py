@@ -369,6 +369,7 @@ def run_rounds(
     keep_records: bool = True,
     history: Sequence[Mapping[str, object]] = (),
     validate_fn: EvaluateFn | None = None,
+    on_release: Callable[[int], None] | None = None,
 ) -> tuple[ServerState, list[RoundRecord]]:
     """Run rounds ``initial.round + 1 .. config.num_rounds``.
 
@@ -393,6 +394,10 @@ def run_rounds(
         validate_fn: the server's evaluation of one update on its held-out validation data, called with the update
             and the round, for ``strategy.weighting == "server"`` (:mod:`fedcore.aggregation.weights`); required
             by that rule, unused by the others.
+        on_release: called with the round's number right before a round's new global model first leaves the
+            server ahead of ``on_round_end``: to the clients of its federated evaluation. A process that dies
+            between the two has released a model that its restart trains again (with fresh DP noise): the
+            state directory counts such releases (:meth:`server.state.StateStore.record_release`).
 
     After each evaluated round the stop rules of ``config.stop`` look at its accuracy; the first that fires ends
     the run after that round, recorded in its record (:attr:`RoundRecord.stop`).
@@ -460,7 +465,9 @@ def run_rounds(
         )
         evaluate_now = rnd % config.evaluate_every == 0 or last
         if evaluate_now:
-            record = _evaluate_round(pool, strategy, state, config, record, evaluate_fn, evaluation_errors)
+            record = _evaluate_round(
+                pool, strategy, state, config, record, evaluate_fn, evaluation_errors, on_release=on_release
+            )
         record = replace(record, seconds=time.perf_counter() - started)
         stop = convergence.observe(record.as_row())  # an unevaluated round's wall time counts towards the target's
         record = replace(record, stop=stop)
@@ -1083,9 +1090,12 @@ def _evaluate_round(
     record: RoundRecord,
     evaluate_fn: EvaluateFn | None,
     evaluation_errors: set[str],
+    *,
+    on_release: Callable[[int], None] | None = None,
 ) -> RoundRecord:
     """Add the server's and the clients' evaluation of the new global model to the round's ``record``
-    (``evaluation_errors``: as :func:`_central_evaluation`'s).
+    (``evaluation_errors``: as :func:`_central_evaluation`'s; ``on_release``: as :func:`run_rounds`', called
+    before the model is sent to the evaluation's clients).
 
     Neither can fail the round: see :func:`_central_evaluation`; a client's evaluation values are averaged with
     :func:`weighted_metrics`, which leaves out what cannot count; a transport error during federated evaluation
@@ -1116,6 +1126,8 @@ def _evaluate_round(
             cid: EvaluateIns(round=state.round, parameters=state.parameters, batch_size=strategy.evaluate_batch_size)
             for cid in selected
         }
+        if on_release is not None:
+            on_release(state.round)
         rows: list[tuple[int, Mapping[str, object]]] = []
         failures = list(record.failures)
         changes["bytes_down"] = record.bytes_down + len(instructions) * sent_bytes(pool, instructions[selected[0]])

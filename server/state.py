@@ -3,7 +3,9 @@
 Layout of a state directory::
 
     state.db                        meta (format, the run's strategy), clients, rounds, round_metrics, failures,
-                                    checkpoints (the digest of each checkpoint written)
+                                    checkpoints (the digest of each checkpoint written), releases (DP-FedAvg:
+                                    rounds whose model was sent to clients before their record, see
+                                    StateStore.record_release)
     state.lock                      held (flock) by the one process using the directory; holds its pid
     checkpoints/round-000003.safetensors
                                     global model ("param/<name>"), server optimizer state ("opt/<name>"), the
@@ -129,6 +131,7 @@ CREATE TABLE IF NOT EXISTS selection (
     round INTEGER NOT NULL, client_id TEXT NOT NULL, num_examples INTEGER NOT NULL, loss REAL, seconds REAL,
     superseded INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS releases (round INTEGER NOT NULL);
 """
 # round_metrics.value has no type on purpose: SQLite then keeps integers (counts) as integers and floats as floats
 # (a NaN as the text "nan", see _to_sql).
@@ -285,6 +288,15 @@ def restore_strategy(strategy: Strategy, store: StateStore, round: int) -> None:
     strategy.selection.restore((rnd, seen) for rnd, seen in store.selection_history() if rnd <= round)
     if isinstance(strategy.aggregator, Rereleased):
         strategy.aggregator.superseded_releases(store.superseded_rounds())
+
+
+def release_hook(strategy: Strategy, store: StateStore | None) -> Callable[[int], None] | None:
+    """:func:`server.round_loop.run_rounds`' ``on_release`` for a run that checkpoints into ``store``: the store's
+    :meth:`StateStore.record_release` when the strategy's aggregator counts every release (DP-FedAvg,
+    :class:`~server.round_loop.Rereleased`), else None."""
+    if store is None or not isinstance(strategy.aggregator, Rereleased):
+        return None
+    return store.record_release
 
 
 def _privacy_flag(key: str) -> str:
@@ -521,6 +533,7 @@ class StateStore:
                 "INSERT INTO selection (round, client_id, num_examples, loss, seconds) VALUES (?, ?, ?, ?, ?)",
                 [(rnd, cid[:_MAX_TEXT], n, loss, seconds) for cid, n, loss, seconds in observations],
             )
+            self._db.execute("DELETE FROM releases WHERE round = ?", (rnd,))  # the record now stands for it
         self._export_round(rnd)
 
     def _export_round(self, rnd: int) -> None:
@@ -567,12 +580,45 @@ class StateStore:
             return [int(r) for (r,) in self._db.execute("SELECT round FROM rounds WHERE superseded = 0 ORDER BY 1")]
 
     def superseded_rounds(self) -> int:
-        """How many round records were superseded (:meth:`resume` fell back past them: a damaged or missing
-        checkpoint): rounds whose results were released and then run again, each a release of its own for
-        differential privacy's accounting."""
+        """How many rounds were released and then run again, each a release of its own for differential
+        privacy's accounting: the round records superseded (:meth:`resume` fell back past them: a damaged or
+        missing checkpoint), and the releases without a record (:meth:`record_release`) that a resume found."""
         with self._lock, self._sqlite("reading the rounds"):
             (count,) = self._db.execute("SELECT COUNT(*) FROM rounds WHERE superseded > 0 AND round > 0").fetchone()
-        return int(count)
+            unrecorded = self._db.execute("SELECT value FROM meta WHERE key = 'unrecorded_releases'").fetchone()
+        return int(count) + (int(unrecorded[0]) if unrecorded is not None else 0)
+
+    def record_release(self, rnd: int) -> None:
+        """Note, before it happens, that round ``rnd``'s global model is sent out ahead of its checkpoint and
+        record (to its federated evaluation's clients, :func:`server.round_loop.run_rounds`' ``on_release``). A
+        process that dies before the round is recorded has released a model that the restart trains again with
+        fresh noise: :meth:`resume` counts the release in :meth:`superseded_rounds`. Recording the round
+        (:meth:`record_round`) clears the note.
+
+        Raises:
+            StateError: the database cannot be written (the model is then not sent).
+        """
+        with self._lock, self._sqlite(f"recording the release of round {rnd}"):
+            self._db.execute("INSERT INTO releases (round) VALUES (?)", (rnd,))
+
+    def _count_unrecorded_releases(self, after: int) -> None:
+        """Move the releases of rounds after ``after`` (the round a run resumes after, whose later rounds run
+        again) into the count :meth:`superseded_rounds` adds."""
+        with self._lock, self._sqlite("counting the releases of rounds run again"), self._transaction():
+            (found,) = self._db.execute("SELECT COUNT(*) FROM releases WHERE round > ?", (after,)).fetchone()
+            if not found:
+                return
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'unrecorded_releases'").fetchone()
+            total = (int(row[0]) if row is not None else 0) + int(found)
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('unrecorded_releases', ?)", (str(total),))
+            self._db.execute("DELETE FROM releases WHERE round > ?", (after,))
+        log.warning(
+            "%d global model(s) of rounds after round %d were sent to clients (federated evaluation) before the "
+            "server stopped, and those rounds run again: each counts as a release of its own in the privacy "
+            "accounting",
+            found,
+            after,
+        )
 
     def history(self) -> list[dict[str, float | int | None]]:
         """One dict per current round record, ``round`` first, then its metrics (integers stay integers)."""
@@ -799,6 +845,7 @@ class StateStore:
                     f"state.db in {str(self.directory)!r} records {_rounds_text(trained)} but checkpoints/ holds no "
                     "checkpoint: resuming would mix two runs. Restore the checkpoints, or " + self._advice.new_run
                 )
+            self._count_unrecorded_releases(0)
             return None
         if state.round > last + 1:
             raise StateError(
@@ -824,6 +871,7 @@ class StateStore:
                 _rounds_text(superseded),
             )
             self.export_csv()
+        self._count_unrecorded_releases(state.round)
         return state
 
     def _restore_record(self, rnd: int) -> None:

@@ -75,6 +75,7 @@ from server.state import (
     history_columns,
     lock_directory,
     map_round_state,
+    release_hook,
     restore_strategy,
     resumed_for_model,
 )
@@ -891,6 +892,7 @@ def _simulate(
             validate_fn=validate_fn,
             keep_records=False,  # each round's row is written as it ends; a record holds an observation per client
             history=earlier,  # a resumed run's stop rules count on
+            on_release=release_hook(strategy, store),
         )
     except FedcoreError as exc:  # a round failed: the rounds that finished keep their model as well as their history
         if finished:

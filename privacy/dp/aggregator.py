@@ -25,7 +25,8 @@ epsilon spent so far (:mod:`privacy.dp.accounting`), and a round whose release w
 refused before any client is contacted (:class:`~fedcore.errors.BudgetExhausted`: the run ends with the last round
 within budget). The epsilon is a function of the number of rounds released, so a round trained again after a server
 restart (resumed from the checkpoint before it) is counted once, unless it had been recorded before (its checkpoint
-damaged): then both releases count (:meth:`DPFedAvgAggregator.superseded_releases`). Adaptive clipping's norm is
+damaged) or its model had been sent to federated evaluation's clients before the server stopped: then both releases
+count (:meth:`DPFedAvgAggregator.superseded_releases`). Adaptive clipping's norm is
 kept in each checkpoint (:meth:`DPFedAvgAggregator.state_dict`), so a restarted server clips with the norm the run
 had reached.
 """
@@ -209,7 +210,9 @@ class DPFedAvgAggregator:
         """Count ``count`` rounds that were released (recorded, their model evaluated) and then run again, when a
         restarted run fell back past their damaged checkpoints (:meth:`server.state.StateStore.superseded_rounds`):
         each rerun draws fresh noise, so each is a release of its own, and :meth:`epsilon_after` composes them too.
-        A round that was trained but never recorded (the process died first) released nothing and counts once."""
+        So are rounds whose model was sent to federated evaluation's clients before the process died unrecorded
+        (:meth:`server.state.StateStore.record_release`). A round that was trained but neither recorded nor sent
+        out (the process died first) released nothing and counts once."""
         self._spent.superseded = int(count)
 
     def epsilon_after(self, rounds: int) -> float:

@@ -743,6 +743,26 @@ def test_another_runs_checkpoint_of_the_round_after_the_last_recorded_is_not_tak
     store.close()
 
 
+def test_a_release_without_its_record_counts_once_more_after_a_restart_and_a_recorded_one_does_not(
+    tmp_path: Path,
+) -> None:
+    """Round 3's model went out to federated evaluation (``record_release``) and the server died before round 3's
+    checkpoint and record: the restart runs round 3 again, and the first release is counted in
+    ``superseded_rounds`` (once, however often the store is opened). A release whose round was recorded counts
+    nothing more."""
+    store = _run(tmp_path, 2)
+    store.record_release(2)  # released, then recorded (by _run above it was recorded first: recorded again now)
+    store.record_round(_record(2, 0.5))
+    store.record_release(3)
+    store.close()
+    for _ in range(2):
+        store = StateStore(tmp_path)
+        resumed = store.resume()
+        assert resumed is not None and resumed.round == 2
+        assert store.superseded_rounds() == 1
+        store.close()
+
+
 # ------------------------------------------------------------------------------------------ deterministic files
 
 
