@@ -65,8 +65,10 @@ class ClientState:
                 self._groups = {}
             except (OSError, PayloadError) as exc:
                 raise PayloadError(
-                    f"the state file {str(self._path)!r} cannot be read ({exc}); remove it to start this client's "
-                    "state afresh",
+                    f"the state file {str(self._path)!r} cannot be read ({exc}); restore it from a backup, or remove "
+                    "it to start this client's state afresh, which discards what the client keeps between rounds "
+                    "(SCAFFOLD's control variate; DP-SGD's record of the rounds it trained, so its epsilon would "
+                    "restart at 0 and understate what the client has spent)",
                     client_id=self._client_id,
                 ) from None
             else:

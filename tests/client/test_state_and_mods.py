@@ -45,8 +45,10 @@ def test_a_damaged_state_file_names_itself(tmp_path: Path) -> None:
     store = ClientStateStore(tmp_path)
     (tmp_path / "c.safetensors").write_bytes(b"garbage!")
     entry = store.entry("c")  # nothing is read yet: a client that is not run costs no memory and no read
-    with pytest.raises(PayloadError, match=r"c\.safetensors.*remove it"):
+    with pytest.raises(PayloadError, match=r"c\.safetensors.*remove it") as raised:
         entry.get("control")
+    # removing it is not free: a DP-SGD client's accounting restarts with it, and the message says so
+    assert "backup" in str(raised.value) and "epsilon would restart at 0" in str(raised.value)
 
 
 class Recorder:
