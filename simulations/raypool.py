@@ -181,7 +181,7 @@ class RayPool(VirtualClients):
 
     Raises:
         ConfigError: Ray is not installed, repeated client ids, workers or threads < 1, negative resources, or a
-            cluster whose resources hold no actor of this size.
+            cluster whose resources hold no actor of this size, or more ``workers`` than Ray on this machine holds.
         TransportError: an actor could not start (the message gives its error, e.g. a task factory that cannot be
             imported on the cluster).
     """
@@ -233,6 +233,8 @@ class RayPool(VirtualClients):
         try:
             count = workers if workers is not None else self._fitting_workers(num_cpus, num_gpus)
             count = count if max_workers is None else max(1, min(count, max_workers))
+            if address is None:
+                self._check_fits(count, num_cpus, num_gpus)
             self._actors = [self._spawn(i) for i in range(count)]
             self.wait_until_ready()
         except BaseException:
@@ -248,6 +250,21 @@ class RayPool(VirtualClients):
                 f"enough for one actor of num_cpus={num_cpus}, num_gpus={num_gpus}; lower them"
             )
         return min(counts)
+
+    def _check_fits(self, count: int, num_cpus: float, num_gpus: float) -> None:
+        """Refuse ``count`` actors that this machine's Ray cannot hold all at once: those beyond its CPUs (or GPUs)
+        would never start, and the pool would wait :data:`~simulations.procpool.START_TIMEOUT_S` for them. Only for
+        Ray on this machine (``address`` None), whose resources are fixed; a cluster's autoscaler may add nodes."""
+        resources = self._ray.cluster_resources()
+        for name, need in (("CPU", num_cpus), ("GPU", num_gpus)):
+            have = resources.get(name, 0.0)
+            if need and count * need > have + 1e-9:
+                key = f"num_{name.lower()}s"
+                raise ConfigError(
+                    f"workers = {count} Ray actors of {key}={need} need {count * need:g} {name}s, and Ray on this "
+                    f"machine has {have:g}: the actors beyond {int(have / need + 1e-9)} would never start; lower "
+                    f"workers (or leave it unset: as many as fit) or {key} (fractions allowed)"
+                )
 
     # -- ClientPool ----------------------------------------------------------------------------------------
 

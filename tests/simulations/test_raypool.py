@@ -126,6 +126,27 @@ def test_a_killed_actor_fails_only_its_client_and_is_replaced(ray_instance: None
 
 
 @pytest.mark.slow
+def test_more_actors_than_this_machines_ray_holds_are_refused_at_once(
+    ray_instance: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """workers = 3 actors of 1 CPU on a local Ray of 2 CPUs: the third would never start. (Before, the pool waited
+    START_TIMEOUT_S, 300 s, then gave up with a TransportError.) Fractions that fit start: 4 actors of 0.5 CPU."""
+    import simulations.raypool as raypool
+    from simulations.raypool import RayPool
+
+    monkeypatch.setattr(raypool, "START_TIMEOUT_S", 10.0)
+    tasks = ClientTasks(factory=TINY, num_partitions=len(IDS), seed=0)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"workers = 3 Ray actors of num_cpus=1.0 need 3 CPUs, and Ray on this "):
+        RayPool(IDS, tasks, workers=3)
+    with pytest.raises(ConfigError, match=r"need 1 GPUs, and Ray on this machine has 0: the actors beyond 0 "):
+        RayPool(IDS, tasks, workers=1, num_gpus=1.0)
+    assert time.monotonic() - started < 5
+    with RayPool(IDS, tasks, workers=4, num_cpus=0.5) as pool:
+        assert pool.num_workers == 4 and len(set(pool.worker_pids())) == 4
+
+
+@pytest.mark.slow
 def test_float64_replies_come_in_order_and_a_run_stopped_early_waits_for_nothing(
     ray_instance: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
