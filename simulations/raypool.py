@@ -32,6 +32,7 @@ and the task's data at the same paths.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -102,8 +103,11 @@ def check_reachable(address: str, *, timeout_s: float = REACH_TIMEOUT_S) -> None
     Raises:
         ConfigError: the address is not ``host:port``, or no connection to it was made (with the OS's reason).
     """
-    if address in ("auto", "local") or ("://" in address and not address.startswith("ray://")):
-        return  # resolved by Ray on this machine, or a plug-in scheme (module://...) Ray hands to its module
+    if address in ("auto", "local"):
+        return  # resolved by Ray on this machine
+    if "://" in address and not address.startswith("ray://"):
+        _check_plugin_scheme(address)  # a plug-in scheme (module://...) Ray hands to its module
+        return
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(f"ray_address {address!r} is not host:port, ray://host:port or 'auto'")
@@ -115,6 +119,33 @@ def check_reachable(address: str, *, timeout_s: float = REACH_TIMEOUT_S) -> None
             "(a head started with `ray start --head` listens on 6379, Ray Client on ray://host:10001), or leave "
             "ray_address unset to start Ray on this machine"
         ) from None
+
+
+def _check_plugin_scheme(address: str) -> None:
+    """Refuse an address ``scheme://...`` whose scheme names no Ray Client plug-in (a module with a
+    ``ClientBuilder``, which Ray imports and calls): Ray itself fails on it with a traceback (an AssertionError for
+    ``http://``, the dashboard's address, given in place of the cluster's).
+
+    Raises:
+        ConfigError: no module of that name, or one without ``ClientBuilder``.
+    """
+    scheme = address.partition("://")[0]
+    try:
+        module = importlib.import_module(scheme) if scheme else None
+    except Exception:  # anything a module the user named raises on import: it is no plug-in
+        module = None
+    if hasattr(module, "ClientBuilder"):
+        return
+    hint = (
+        " (http:// is the Ray dashboard's and job submission's address, not the cluster's: give ray://HOST:10001 "
+        "for Ray Client, or HOST:6379 for the head's GCS)"
+        if scheme in ("http", "https")
+        else ""
+    )
+    raise ConfigError(
+        f"ray_address {address!r}: {scheme!r} is no Ray Client plug-in module (one with a ClientBuilder); give "
+        f"host:port, ray://host:port or 'auto'{hint}"
+    )
 
 
 def _to_bytes(payload: Payload) -> np.ndarray:
@@ -217,7 +248,14 @@ class RayPool(VirtualClients):
                     ray.init(include_dashboard=False, configure_logging=False)
                 else:  # a cluster (or Ray Client, which takes no other arguments)
                     check_reachable(address)  # else ray.init retries an address where nothing listens for ever
-                    ray.init(address=address)
+                    try:
+                        ray.init(address=address)
+                    except ConnectionError as exc:  # 'auto' with no Ray running here, or several
+                        found = str(exc).partition(". ")[0]  # its advice names ray's own --address flag
+                        raise ConfigError(
+                            f"ray_address {address!r}: {found}; start a cluster (ray start --head) or give its address "
+                            "(host:port, ray://host:10001), or leave ray_address unset to start Ray on this machine"
+                        ) from None
         env = {"OMP_NUM_THREADS": str(threads)}
         if address is None:  # this machine: the actors import what this process imports (a cluster's own paths stay)
             env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
