@@ -362,8 +362,9 @@ class BackendConfig:
         backend: inprocess (one client after another in this process, the default; the same model as a
             deployment bit for bit), batched (the round's sampled clients trained together as one batched
             computation with torch.func, :mod:`simulations.batched`: plain or FedProx SGD of a SupervisedTask whose
-            model has no buffers and no randomness; the same history as inprocess up to float rounding, within
-            1e-5; other recipes are refused before the first round) or process (worker processes fed from one
+            model has no buffers and no randomness; each round's updates within 1e-5 of inprocess training from
+            the same model, and over rounds the histories drift apart as SGD carries the float rounding; other
+            recipes are refused before the first round) or process (worker processes fed from one
             queue, :mod:`simulations.procpool`; the same history as inprocess bit for bit when each trains on as
             many torch threads, 1 per worker) or ray (Ray actors fed from one queue, on this machine or a Ray
             cluster, :mod:`simulations.raypool`; the same history as process; needs ``pip install -e '.[ray]'``
