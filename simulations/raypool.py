@@ -35,8 +35,10 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import warnings
 from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -93,6 +95,54 @@ def import_ray() -> Any:
 
 REACH_TIMEOUT_S = 10.0
 """How long :func:`check_reachable` waits for a Ray cluster's head to accept a connection."""
+
+
+def _init_ray(ray: Any, address: str | None) -> None:
+    """``ray.init`` for the pool: a local instance (no dashboard, Ray leaves the process's logging alone) when
+    ``address`` is None, else the cluster at ``address`` (or Ray Client, which takes no other arguments).
+
+    Raises:
+        ConfigError: nothing answers at ``address``, or ``auto`` finds no Ray running here (or several).
+    """
+    with warnings.catch_warnings():  # Ray's notice about a future default of accelerator variables
+        warnings.simplefilter("ignore", FutureWarning)
+        if address is None:
+            ray.init(include_dashboard=False, configure_logging=False)
+            return
+        check_reachable(address)  # else ray.init retries an address where nothing listens for ever
+        try:
+            ray.init(address=address)
+        except ConnectionError as exc:  # 'auto' with no Ray running here, or several
+            found = str(exc).partition(". ")[0]  # its advice names ray's own --address flag
+            raise ConfigError(
+                f"ray_address {address!r}: {found}; start a cluster (ray start --head) or give its address "
+                "(host:port, ray://host:10001), or leave ray_address unset to start Ray on this machine"
+            ) from None
+
+
+_TERMINATED = threading.Event()
+"""Set by :func:`_exit_on_sigterm`: Ray's wait replaces the SystemExit the handler raises with SystemExit(1)."""
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    """SIGTERM during a run on Ray: leave through the run's cleanup (the pool's ``close`` stops the Ray this run
+    started) with the status a process killed by the signal reports, 128 + 15."""
+    _TERMINATED.set()
+    raise SystemExit(128 + signum)
+
+
+def _sigterm_before_init() -> Any:
+    """The SIGTERM handler before ``ray.init``, which replaces whatever it finds with its own (``sys.exit(15)``:
+    a terminated run printed a native stack dump and exited 1); None outside the main thread, where Python sets no
+    handler. :func:`_sigterm_after_init` puts it back, or :func:`_exit_on_sigterm` where it was the default."""
+    return signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+
+
+def _sigterm_after_init(before: Any) -> None:
+    """After ``ray.init``: a handler the program installed itself is put back, the default becomes
+    :func:`_exit_on_sigterm` (the run's cleanup runs, and the status is the signal's)."""
+    if before is not None:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm if before == signal.SIG_DFL else before)
 
 
 def check_reachable(address: str, *, timeout_s: float = REACH_TIMEOUT_S) -> None:
@@ -241,21 +291,16 @@ class RayPool(VirtualClients):
         ray = self._ray = import_ray()
         self._spec = tasks.worker_spec(threads=threads, state_dir=None if state_dir is None else os.fspath(state_dir))
         self._started_ray = not ray.is_initialized()
+        self._sigterm: Any = None  # the SIGTERM handler ray.init replaced, put back by close
         if self._started_ray:
-            with warnings.catch_warnings():  # Ray's notice about a future default of accelerator variables
-                warnings.simplefilter("ignore", FutureWarning)
-                if address is None:  # a local instance: no dashboard, Ray leaves the process's logging alone
-                    ray.init(include_dashboard=False, configure_logging=False)
-                else:  # a cluster (or Ray Client, which takes no other arguments)
-                    check_reachable(address)  # else ray.init retries an address where nothing listens for ever
-                    try:
-                        ray.init(address=address)
-                    except ConnectionError as exc:  # 'auto' with no Ray running here, or several
-                        found = str(exc).partition(". ")[0]  # its advice names ray's own --address flag
-                        raise ConfigError(
-                            f"ray_address {address!r}: {found}; start a cluster (ray start --head) or give its address "
-                            "(host:port, ray://host:10001), or leave ray_address unset to start Ray on this machine"
-                        ) from None
+            self._sigterm = _sigterm_before_init()
+            try:
+                _init_ray(ray, address)
+            except BaseException:
+                if self._sigterm is not None:
+                    signal.signal(signal.SIGTERM, self._sigterm)
+                raise
+            _sigterm_after_init(self._sigterm)
         env = {"OMP_NUM_THREADS": str(threads)}
         if address is None:  # this machine: the actors import what this process imports (a cluster's own paths stay)
             env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
@@ -331,6 +376,9 @@ class RayPool(VirtualClients):
             self._actors = [None] * len(self._actors)
             if self._started_ray and self._ray.is_initialized():
                 self._ray.shutdown()
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)
+                self._sigterm = None
 
     # -- scheduling -----------------------------------------------------------------------------------------
 
@@ -365,7 +413,12 @@ class RayPool(VirtualClients):
                             client_id=client_id, round=instruction.round, stage=instruction.stage, reason=reason
                         )
                 return
-            ready, _ = ray.wait(list(refs), num_returns=1)
+            try:
+                ready, _ = ray.wait(list(refs), num_returns=1)
+            except SystemExit:  # Ray turns any exception a signal handler raises in its wait into SystemExit(1)
+                if _TERMINATED.is_set():
+                    raise SystemExit(128 + signal.SIGTERM) from None
+                raise
             yield from self._receive(refs[ready[0]], ready[0], shared)
 
     def _dispatch(

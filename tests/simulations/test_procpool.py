@@ -551,12 +551,13 @@ CTRL_C_BURST = (
 
 
 def simulate_stopped_by_ctrl_c(
-    tmp_path: Path, backend: str, patches: str, *, wait_s: float = 10.0
+    tmp_path: Path, backend: str, patches: str, *, wait_s: float = 10.0, sigterm: bool = False
 ) -> tuple[int, str, str, list[str]]:
     """Run ``fedcore simulate`` (``fedcore.cli.main`` in a fresh process group, after ``patches``, Python code that
     may redefine what the run calls to press Ctrl-C again from inside its cleanup), press Ctrl-C once a round has
     ended, and return its exit status, stdout, stderr and the processes of its group still alive ``wait_s``
-    seconds after it exited (none as soon as none is left). The group's leftovers are killed before returning."""
+    seconds after it exited (none as soon as none is left). The group's leftovers are killed before returning.
+    ``sigterm``: send SIGTERM to the run's process instead (``kill PID``, a service manager stopping it)."""
     import signal
     import time
 
@@ -575,7 +576,10 @@ def simulate_stopped_by_ctrl_c(
                 break
         else:
             raise AssertionError(f"the run ended before its first round: {''.join(head)}{proc.communicate()[1]}")
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group, as a terminal sends it
+        if sigterm:
+            os.kill(proc.pid, signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group, as a terminal sends it
         out, err = proc.communicate(timeout=60)
         deadline = time.monotonic() + wait_s
         while (left := group_processes(proc.pid)) and time.monotonic() < deadline:

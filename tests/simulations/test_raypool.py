@@ -251,3 +251,16 @@ def test_simulate_on_ray_stopped_by_a_burst_of_ctrl_c_cleans_up_as_after_one(tmp
     )
     code, out, err, left = simulate_stopped_by_ctrl_c(tmp_path, "ray", patches)
     assert (code, err, left) == (130, "fedcore: interrupted\n", []), out
+
+
+@pytest.mark.slow
+def test_simulate_on_ray_stopped_by_sigterm_exits_143_through_its_cleanup(tmp_path: Path) -> None:
+    """``kill PID`` on a run on Ray: ray.init had replaced Python's default with its own handler, whose exit inside
+    ray.wait printed a native stack dump ("*** SIGTERM received ...") and exited 1. The run now leaves through its
+    cleanup (Ray stopped, nothing left running) with 143, the status of a process the signal ended, and prints
+    nothing; the finished rounds are kept for --resume."""
+    pytest.importorskip("ray", reason="the ray extra is not installed: pip install -e '.[ray]'")
+    code, out, err, left = simulate_stopped_by_ctrl_c(tmp_path, "ray", "", sigterm=True)
+    assert (code, err, left) == (143, "", []), out
+    history = (tmp_path / "run" / "history.csv").read_text().splitlines()
+    assert len(history) >= 3  # the header, round 0 and round 1 at least
