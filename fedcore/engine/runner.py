@@ -113,7 +113,9 @@ def train_rank(
     else:
         executor = DataParallelExecutor(model, plan, env, loss_fn, tp_plan, global_parameters=global_parameters)
     trained = executor.trained_parameters()
-    optimizer = make_optimizer([p for _, p in trained], config, env.device)
+    # a pipeline stage of parameter-free layers (an activation, a reshape) trains nothing: it only relays
+    # activations and gradients, so it has no optimizer (torch.optim refuses an empty parameter list)
+    optimizer = make_optimizer([p for _, p in trained], config, env.device) if trained else None
     loader = BatchLoader(x, y, env.device, rows=executor.batch_rows, prefetch=prefetch, device_bytes=device_data_bytes)
     anchors = _proximal_anchors(trained, global_parameters, env) if config.mu > 0 else []
     generator = torch.Generator().manual_seed(derive_seed(seed, round, client_id))
@@ -126,7 +128,8 @@ def train_rank(
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         seen = 0
         for batch in loader.epoch(order, config.batch_size):
-            optimizer.zero_grad(set_to_none=True)
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
             batch_loss, batch_seen = executor.forward_backward(batch)
             executor.finish_gradients()
             for param, anchor in anchors:
@@ -135,7 +138,8 @@ def train_rank(
                     param.grad = prox
                 else:
                     param.grad.add_(prox)
-            optimizer.step()
+            if optimizer is not None:
+                optimizer.step()
             if env.tp_index == 0:  # the ranks of a tensor-parallel group computed the same loss: count it once
                 loss_sum += batch_loss
                 seen += batch_seen

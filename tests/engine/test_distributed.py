@@ -24,6 +24,7 @@ from tests.engine.engine_tasks import (
     mlp,
     mlp_task,
     reference,
+    tied_task,
 )
 
 pytestmark = pytest.mark.slow
@@ -70,6 +71,18 @@ def test_interleaved_1f1b_four_stages_on_two_ranks() -> None:
 
 def test_data_times_pipeline_four_ranks() -> None:
     _check("mlp_task", ParallelPlan(data_parallel=2, pipeline=2, split_points=("2",), microbatches=2, schedule="1f1b"))  # type: ignore[arg-type]
+
+
+def test_pipeline_stage_without_parameters() -> None:
+    """Split point "3" leaves stage 1 only the final Tanh (no parameters; the tied layers "0" and "2" share stage 0):
+    that rank relays activations and gradients and must not fail building an optimizer of no parameters."""
+    global_parameters = initial_parameters(engine_tasks.tied_mlp)
+    expected, expected_result = reference(tied_task, CTX, global_parameters, CONFIG, seed=1, round=2, client_id="c1")
+    plan = ParallelPlan(pipeline=2, split_points=("3",), microbatches=2, schedule="1f1b")  # type: ignore[arg-type]
+    spec = f"{engine_tasks.__name__}:tied_task"
+    updated, result = train_with_plan(spec, CTX, global_parameters, CONFIG, plan, seed=1, round=2, client_id="c1")
+    assert_same_state(updated, expected)
+    assert result.metrics["train_loss"] == pytest.approx(expected_result.metrics["train_loss"], rel=1e-5)
 
 
 def _worker_pids() -> set[int]:
