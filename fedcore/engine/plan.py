@@ -154,8 +154,8 @@ class ParallelPlan:
         object.__setattr__(self, "schedule", _enum(Schedule, self.schedule, "schedule"))
         object.__setattr__(self, "precision", _enum(Precision, self.precision, "precision"))
         object.__setattr__(self, "device", _enum(Device, self.device, "device"))
-        object.__setattr__(self, "split_points", tuple(str(s) for s in self.split_points))
-        object.__setattr__(self, "stage_modules", tuple(tuple(str(n) for n in s) for s in self.stage_modules))
+        object.__setattr__(self, "split_points", _module_names(self.split_points, "split_points"))
+        object.__setattr__(self, "stage_modules", _stage_lists(self.stage_modules))
         if self.world_size is not None and self.total_ranks != self.world_size:
             raise ConfigError(
                 f"parallel plan: data_parallel ({self.data_parallel}) x pipeline ({self.pipeline}) x "
@@ -434,12 +434,42 @@ def _coerce(key: str, value: Any) -> Any:
         if text in ("false", "0", "no", "off"):
             return False
         raise ConfigError(f"parallel plan: {key} must be true or false, got {value!r}")
-    if key == "split_points":
-        if isinstance(value, str):
-            return tuple(s.strip() for s in value.split(",") if s.strip())
-        return tuple(str(s) for s in value)
-    if key == "stage_modules":
-        if isinstance(value, str):
-            return tuple(tuple(n.strip() for n in s.split(",") if n.strip()) for s in value.split(";") if s.strip())
-        return tuple(tuple(str(n) for n in stage) for stage in value)
-    return value
+    return value  # split_points and stage_modules: ParallelPlan reads strings and lists (_module_names)
+
+
+def _module_names(value: object, name: str) -> tuple[str, ...]:
+    """Module names from ``"a,b"`` (a command line) or a list of names (TOML; integers name ``Sequential``
+    children, ``2`` for ``"2"``).
+
+    Raises:
+        ConfigError: ``value`` is neither, or a list holds something other than a name (a nested list, a float).
+    """
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if isinstance(value, list | tuple) and all(_is_name(item) for item in value):
+        return tuple(str(item) for item in value)
+    raise ConfigError(
+        f'parallel plan: {name} must be module names, as a list (["blocks.2", "blocks.4"]) or a comma-separated '
+        f'string ("blocks.2,blocks.4"), got {value!r}'
+    )
+
+
+def _stage_lists(value: object) -> tuple[tuple[str, ...], ...]:
+    """Each stage's module names from ``"a,b;c,d"`` (a command line) or a list with one entry per stage, each a
+    list of names or a comma-separated string (TOML: ``[["a", "b"], ["c", "d"]]`` or ``["a,b", "c,d"]``).
+
+    Raises:
+        ConfigError: ``value`` is neither, or a stage is not module names.
+    """
+    if isinstance(value, str):
+        return tuple(_module_names(stage, "stage_modules") for stage in value.split(";") if stage.strip())
+    if isinstance(value, list | tuple):
+        return tuple(_module_names(stage, "each stage of stage_modules") for stage in value)
+    raise ConfigError(
+        "parallel plan: stage_modules must list each stage's module names, as a list of lists "
+        f'([["embed", "blocks.0"], ["blocks.1", "head"]]) or a string ("embed,blocks.0;blocks.1,head"), got {value!r}'
+    )
+
+
+def _is_name(item: object) -> bool:
+    return isinstance(item, str) or (isinstance(item, int) and not isinstance(item, bool))

@@ -87,6 +87,33 @@ def test_from_cli_errors(items: list[str], message: str) -> None:
         ParallelPlan.from_cli(items)
 
 
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"pp": 2, "split_points": 5}, r"split_points must be module names, .* got 5"),
+        ({"pp": 2, "split_points": None}, r"split_points must be module names, .* got None"),
+        ({"pp": 2, "split_points": [["2"]]}, r"split_points must be module names, .* got \[\['2'\]\]"),
+        ({"pp": 2, "split_points": [2.5]}, r"split_points must be module names"),
+        ({"pp": 2, "stage_modules": 5}, r"stage_modules must list each stage's module names, .* got 5"),
+        ({"pp": 2, "stage_modules": [["0", "1"], 7.0]}, r"each stage of stage_modules must be module names"),
+    ],
+)
+def test_module_names_of_the_wrong_type_raise_config_error(table: dict[str, object], message: str) -> None:
+    """A TOML value that is no list of names is refused with the accepted forms, not a TypeError."""
+    with pytest.raises(ConfigError, match=message):
+        ParallelPlan.from_mapping(table)
+
+
+def test_stage_modules_as_a_list_of_comma_separated_strings() -> None:
+    """Each string is one stage's names, as between the semicolons on a command line; not its characters."""
+    expected = (("0", "1"), ("2", "3", "4"))
+    assert ParallelPlan.from_mapping({"pp": 2, "stage_modules": ["0,1", "2, 3,4"]}).stage_modules == expected
+    assert ParallelPlan.from_mapping({"pp": 2, "stage_modules": [["0", 1], [2, "3", "4"]]}).stage_modules == expected
+    plan = ParallelPlan.from_mapping({"pp": 2, "stage_modules": ["0,1", "2,3,4"]})
+    plan.check_model(mlp())
+    assert ParallelPlan(pipeline=2, split_points="2").split_points == ("2",)  # type: ignore[arg-type]
+
+
 def test_flags_win_over_the_file_under_any_name() -> None:
     """``--parallel dp=3`` overrides the file's ``data_parallel = 2`` (and the other way round), keeping its other
     options; two names of one option in the file itself are refused."""
