@@ -19,7 +19,9 @@ makes every plan equal to single-device training or refuses it before any worker
 Restoring buffers around recomputation and shape inference covers any module with buffers, not only these.
 Any other buffer a module updates from its rank's samples (a custom running statistic) ends the round with a
 ConfigError naming it, since it cannot be known before training: after training, the data-parallel ranks
-compare their buffers (:func:`check_buffers_agree`), rather than return rank 0's.
+compare their buffers (:func:`check_buffers_agree`), rather than return rank 0's; and under ``grad_accum > 1``
+or ``microbatches > 1``, where such a module runs once per micro-step on a part of the batch, a persistent buffer
+that the first step changes ends it too (:func:`BufferWatch`).
 """
 
 from __future__ import annotations
@@ -221,3 +223,45 @@ def check_buffers_agree(buffers: list[tuple[str, torch.Tensor]], group: dist.Pro
             "them from each rank's part of the batch, so the model would differ from single-device training (only "
             "BatchNorm statistics are synchronized); train this model with data_parallel=1"
         )
+
+
+class BufferWatch:
+    """Refuse a model whose training step changes a persistent buffer when a plan cuts the batch into micro-steps.
+
+    Under ``grad_accum > 1`` or pipeline ``microbatches > 1`` each module runs once per micro-step on a part of the
+    batch; a module that updates a buffer from what it sees (a custom running statistic, a step counter) then
+    updates it more often and from other samples than single-device training does, and the returned model would
+    differ. Batch-statistics modules are refused before start (:func:`check_batch_statistics`); for any other
+    module this cannot be known before it runs, so :meth:`check` compares the persistent buffers (those returned
+    in the update) after the first step with their values before it. Non-persistent buffers (caches) are not
+    returned and are not watched.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        persistent = set(model.state_dict(keep_vars=True))
+        self._saved = [
+            (name, buffer, buffer.detach().clone())
+            for name, buffer in model.named_buffers()
+            if name in persistent and not buffer.is_meta  # meta: another pipeline rank's stage
+        ]
+
+    def check(self, plan: ParallelPlan) -> None:
+        """Call once, after the first step.
+
+        Raises:
+            ConfigError: naming the buffers the step changed, and the plan options that split the batch.
+        """
+        changed = [name for name, buffer, before in self._saved if not torch.equal(buffer.detach(), before)]
+        self._saved = []
+        if changed:
+            splits = [
+                f"{key}={value}"
+                for key, value in (("grad_accum", plan.grad_accum), ("microbatches", plan.microbatches))
+                if value > 1
+            ]
+            raise ConfigError(
+                f"buffers {changed[:10]} change in training: with {' and '.join(splits)} their modules run once per "
+                "micro-step on a part of the batch, so they would be updated more often and from other samples than "
+                "in single-device training; set grad_accum=1 and microbatches=1 (use data_parallel to split a "
+                "batch), or keep the statistic out of the model's persistent buffers"
+            )

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fedcore.engine.batch_stats import BufferWatch
 from fedcore.engine.data_parallel import DataParallelExecutor
 from fedcore.engine.loader import DEVICE_DATA_BYTES, Batch, BatchLoader, Rows
 from fedcore.engine.materialize import materialize, meta_model
@@ -119,6 +120,7 @@ def train_rank(
     loader = BatchLoader(x, y, env.device, rows=executor.batch_rows, prefetch=prefetch, device_bytes=device_data_bytes)
     anchors = _proximal_anchors(trained, global_parameters, env) if config.mu > 0 else []
     generator = torch.Generator().manual_seed(derive_seed(seed, round, client_id))
+    buffer_watch = BufferWatch(model) if plan.grad_accum > 1 or plan.microbatches > 1 else None
     n = len(x)
     model.train()
     steps = 0
@@ -131,6 +133,9 @@ def train_rank(
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
             batch_loss, batch_seen = executor.forward_backward(batch)
+            if buffer_watch is not None:
+                buffer_watch.check(plan)
+                buffer_watch = None
             executor.finish_gradients()
             for param, anchor in anchors:
                 prox = (param.detach() - anchor) * config.mu

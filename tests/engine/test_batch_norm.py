@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 from fedcore.engine import ParallelPlan, train_with_plan
-from fedcore.engine.batch_stats import batch_statistics_modules
+from fedcore.engine.batch_stats import BufferWatch, batch_statistics_modules
 from fedcore.errors import ConfigError, EngineError
 from fedcore.task import FitConfig, TaskContext
 from tests.engine import engine_tasks
 from tests.engine.engine_tasks import (
+    CLASSES,
+    FEATURES,
     assert_same_state,
     bn_mlp,
     bn_task,
@@ -80,6 +83,36 @@ def test_a_custom_running_statistic_that_differs_between_ranks_fails_the_round()
     # the call counter is the same on both ranks and is not named
     with pytest.raises(EngineError, match=r"buffers \['1\.running_sum'\] differ between the data-parallel ranks"):
         run_plan("running_sum_task", running_sum_model, ParallelPlan(data_parallel=2), ctx=CTX, config=CONFIG)
+
+
+def test_a_custom_running_statistic_under_gradient_accumulation_is_refused() -> None:
+    # each micro-step ran the counter: 'calls' came back 12 instead of 6 (and the sum from the same samples), a
+    # model unlike single-device training's, returned without an error
+    with pytest.raises(
+        ConfigError, match=r"buffers \['1\.running_sum', '1\.calls'\] change in training: with grad_accum=2"
+    ):
+        run_plan("running_sum_task", running_sum_model, ParallelPlan(grad_accum=2), ctx=CTX, config=CONFIG)
+
+
+@pytest.mark.slow
+def test_a_custom_running_statistic_under_pipeline_micro_batches_fails_the_round() -> None:
+    plan = ParallelPlan(pipeline=2, split_points=("1",), microbatches=2)  # stage 1: RunningSum alone
+    with pytest.raises(EngineError, match=r"rank 1 failed: ConfigError: buffers \['1\.running_sum', '1\.calls'\]"):
+        run_plan("running_sum_task", running_sum_model, plan, ctx=CTX, config=CONFIG)
+
+
+def test_unchanged_and_non_persistent_buffers_keep_gradient_accumulation() -> None:
+    """A constant persistent buffer and a cache (non-persistent) the forward rewrites are no running statistic."""
+    model = running_sum_model()
+    model.register_buffer("scale", torch.ones(CLASSES))
+    model.register_buffer("cache", torch.zeros(CLASSES), persistent=False)
+    watch = BufferWatch(model)
+    model.get_buffer("cache").add_(1.0)
+    watch.check(ParallelPlan(grad_accum=2))
+    watch = BufferWatch(model)
+    model(torch.ones(2, FEATURES))
+    with pytest.raises(ConfigError, match=r"buffers \['1\.running_sum', '1\.calls'\] change"):
+        watch.check(ParallelPlan(grad_accum=2))
 
 
 @pytest.mark.parametrize(
