@@ -1,9 +1,10 @@
 """Start the worker processes of a plan, watch them, and tear them all down if one fails.
 
 Workers are started the way ``torchrun`` starts them: one fresh interpreter per rank
-(``python -m fedcore.engine.worker SPEC RANK``) that joins the process group through a TCP rendezvous on the
-loopback interface. Nothing is pickled across the boundary: the spec is JSON, tensors are safetensors files,
-and a failing worker writes its rank, exception type, message and traceback as JSON.
+(``python -m fedcore.engine.worker SPEC RANK``) that joins the process group through the rendezvous named in the
+spec (the engine's: a file in the run's own directory, so no port is picked). Nothing is pickled across the
+boundary: the spec is JSON, tensors are safetensors files, and a failing worker writes its rank, exception type,
+message and traceback as JSON.
 
 Each worker runs in its own session (process group), so on failure or timeout the launcher kills every
 worker's whole group (SIGTERM, then SIGKILL after a grace period) and leaves no stray processes. Every wait is
