@@ -439,13 +439,15 @@ def _coerce(key: str, value: Any) -> Any:
 
 def _module_names(value: object, name: str) -> tuple[str, ...]:
     """Module names from ``"a,b"`` (a command line) or a list of names (TOML; integers name ``Sequential``
-    children, ``2`` for ``"2"``).
+    children, ``2`` for ``"2"``, also alone).
 
     Raises:
         ConfigError: ``value`` is neither, or a list holds something other than a name (a nested list, a float).
     """
     if isinstance(value, str):
         return tuple(part.strip() for part in value.split(",") if part.strip())
+    if _is_name(value):  # one Sequential child, as --set parallel.split_points=2 reads it
+        return (str(value),)
     if isinstance(value, list | tuple) and all(_is_name(item) for item in value):
         return tuple(str(item) for item in value)
     raise ConfigError(

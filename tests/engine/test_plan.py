@@ -90,7 +90,7 @@ def test_from_cli_errors(items: list[str], message: str) -> None:
 @pytest.mark.parametrize(
     ("table", "message"),
     [
-        ({"pp": 2, "split_points": 5}, r"split_points must be module names, .* got 5"),
+        ({"pp": 2, "split_points": True}, r"split_points must be module names, .* got True"),
         ({"pp": 2, "split_points": None}, r"split_points must be module names, .* got None"),
         ({"pp": 2, "split_points": [["2"]]}, r"split_points must be module names, .* got \[\['2'\]\]"),
         ({"pp": 2, "split_points": [2.5]}, r"split_points must be module names"),
@@ -112,6 +112,9 @@ def test_stage_modules_as_a_list_of_comma_separated_strings() -> None:
     plan = ParallelPlan.from_mapping({"pp": 2, "stage_modules": ["0,1", "2,3,4"]})
     plan.check_model(mlp())
     assert ParallelPlan(pipeline=2, split_points="2").split_points == ("2",)  # type: ignore[arg-type]
+    assert ParallelPlan.from_mapping({"pp": 2, "split_points": 2}).split_points == (
+        "2",
+    )  # --set parallel.split_points=2
 
 
 def test_flags_win_over_the_file_under_any_name() -> None:
