@@ -51,7 +51,11 @@ def model_layers(model: nn.Module) -> list[Layer]:
 
 def _flatten(seq: nn.Sequential, prefix: str) -> list[Layer]:
     layers: list[Layer] = []
-    for name, child in seq.named_children():
+    # every entry, as Sequential.forward runs them: named_children() would skip a module that appears twice
+    # (one layer applied at two depths, its weights shared), leaving it out of the chain
+    for name, child in seq._modules.items():
+        if child is None:
+            continue
         qualified = f"{prefix}{name}"
         if isinstance(child, nn.Sequential):
             layers.extend(_flatten(child, qualified + "."))

@@ -180,6 +180,18 @@ def tied_task(ctx: TaskContext) -> SupervisedTask:
     return SupervisedTask(model_fn=tied_mlp, train_data=_data(ctx), loss_fn=_feature_loss)
 
 
+def reused_mlp() -> nn.Sequential:
+    """One ``Linear(FEATURES, FEATURES)`` applied twice, as layers "0" and "2" (a shared layer, one module object),
+    then a head "4"."""
+    shared = nn.Linear(FEATURES, FEATURES)
+    return nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(FEATURES, CLASSES))
+
+
+def reused_task(ctx: TaskContext) -> SupervisedTask:
+    """A task with :func:`reused_mlp`."""
+    return SupervisedTask(model_fn=reused_mlp, train_data=_data(ctx))
+
+
 def _feature_loss(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     return nn.functional.cross_entropy(output[:, :CLASSES], target, reduction=reduction)
 

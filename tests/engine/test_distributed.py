@@ -85,6 +85,16 @@ def test_pipeline_stage_without_parameters() -> None:
     assert result.metrics["train_loss"] == pytest.approx(expected_result.metrics["train_loss"], rel=1e-5)
 
 
+def test_pipeline_of_a_layer_the_sequential_repeats() -> None:
+    """Layer "2" is layer "0" again (one module); a stage boundary after both: stage 0 must run it twice."""
+    global_parameters = initial_parameters(engine_tasks.reused_mlp)
+    expected, _ = reference(engine_tasks.reused_task, CTX, global_parameters, CONFIG, seed=1, round=2, client_id="c1")
+    plan = ParallelPlan(pipeline=2, split_points=("3",), microbatches=2, schedule="1f1b")  # type: ignore[arg-type]
+    spec = f"{engine_tasks.__name__}:reused_task"
+    updated, _ = train_with_plan(spec, CTX, global_parameters, CONFIG, plan, seed=1, round=2, client_id="c1")
+    assert_same_state(updated, expected)
+
+
 def _worker_pids() -> set[int]:
     pids = set()
     for entry in Path("/proc").iterdir():

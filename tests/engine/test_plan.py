@@ -18,7 +18,7 @@ from fedcore.engine.schedules import (
     stages_of_rank,
 )
 from fedcore.errors import ConfigError
-from tests.engine.engine_tasks import deep_mlp, mlp
+from tests.engine.engine_tasks import deep_mlp, mlp, reused_mlp
 
 
 def test_default_plan_is_single_process() -> None:
@@ -134,6 +134,16 @@ def test_layers_flatten_nested_sequentials() -> None:
     assert [name for name, _ in model_layers(deep_mlp())] == ["0.0", "0.1", "1.0", "1.1", "2.0", "2.1", "3"]
     with pytest.raises(ConfigError, match=r"nn\.Sequential or give it a pipeline_layers"):
         model_layers(nn.Linear(2, 2))
+
+
+def test_a_module_the_sequential_repeats_is_a_layer_each_time() -> None:
+    model = reused_mlp()
+    assert [name for name, _ in model_layers(model)] == ["0", "1", "2", "3", "4"]
+    ParallelPlan(pipeline=2, split_points=("3",)).check_model(model)  # both uses in stage 0
+    with pytest.raises(ConfigError, match=r"'0\.weight' of stage 0 is also '2\.weight' of stage 1 \(tied weights\)"):
+        ParallelPlan(pipeline=2, split_points=("1",)).check_model(model)
+    with pytest.raises(ConfigError, match=r"tied weights"):
+        ParallelPlan(pipeline=2, split_points=("2",)).check_model(model)
 
 
 def test_split_stages_by_points_and_lists() -> None:
