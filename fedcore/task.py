@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import warnings
@@ -259,6 +260,13 @@ def engine_task_problem(task: object) -> str | None:
             f"{name} has its own training loop: it lacks {' and '.join(missing)}, which the engine trains "
             "(fedcore.supervised.SupervisedTask provides both)"
         )
+    loss_fn = getattr(task, "loss_fn")  # noqa: B009  (a property of the instance, checked callable above)
+    if not _accepts_reduction(loss_fn):
+        return (
+            f"{name}'s loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)} takes no reduction argument: "
+            "the engine calls loss_fn(output, target, reduction='sum') to add up the parts of a batch exactly; give "
+            "it a reduction parameter ('mean' and 'sum', as nn.functional.cross_entropy has)"
+        )
     declaring = next(c for c in type(task).__mro__ if "training_data" in vars(c))
     trainer = next((c for c in type(task).__mro__ if "train" in vars(c)), None)
     if trainer is not None and trainer is not declaring and issubclass(trainer, declaring):
@@ -268,6 +276,20 @@ def engine_task_problem(task: object) -> str | None:
             "change in the model or the loss"
         )
     return None
+
+
+def _accepts_reduction(fn: Callable[..., object]) -> bool:
+    """Whether ``fn`` can be called with ``reduction=`` (a parameter of that name, or ``**kwargs``); True where its
+    signature cannot be read (a builtin), which is then left to fail when called."""
+    try:  # a loss module is called through forward (its __call__ takes anything)
+        parameters = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn).parameters
+    except (TypeError, ValueError):
+        return True
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    reduction = parameters.get("reduction")
+    return (reduction is not None and reduction.kind in keyword) or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
 
 
 def check_engine_task(task: object, *, round: int | None = None, client_id: str | None = None) -> EngineTask:

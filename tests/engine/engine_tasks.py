@@ -86,6 +86,15 @@ def dying_task(ctx: TaskContext) -> SupervisedTask:
     return SupervisedTask(model_fn=mlp, train_data=_data(ctx), loss_fn=_loss_dying_on_rank1)
 
 
+def _mean_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, target)
+
+
+def mean_loss_task(ctx: TaskContext) -> SupervisedTask:
+    """:func:`mlp_task` with a loss that takes no ``reduction`` argument (always the batch mean)."""
+    return SupervisedTask(model_fn=mlp, train_data=_data(ctx), loss_fn=_mean_loss)
+
+
 def initial_parameters(model_fn: type[nn.Module] | object, seed: int = 0) -> NamedArrays:
     """A global model: ``model_fn()`` initialized under ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)

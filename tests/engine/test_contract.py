@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from torch import nn
 
 from client.runner import ParallelTraining, run_instruction
 from fedcore.engine import ParallelPlan, train_with_plan
 from fedcore.errors import ConfigError
 from fedcore.messages import FitIns, FitRes
+from fedcore.supervised import SupervisedTask
 from fedcore.task import EngineTask, FitConfig, TaskContext, check_engine_task, engine_task_problem
 from tests.engine import engine_tasks
 
@@ -86,3 +88,37 @@ def test_a_subclass_loop_runs_as_written_on_one_device_by_the_runner_and_the_eng
         assert np.array_equal(updated[name], reply.parameters[name]), name
         # only the head ("4.") is trained: the task's own loop ran, not the engine's
         assert np.array_equal(reply.parameters[name], initial[name]) == (not name.startswith("4.")), name
+
+
+def test_a_loss_without_a_reduction_argument_is_refused_under_a_plan_before_any_worker() -> None:
+    # the workers used to start and fail with "TypeError: _mean_loss() got an unexpected keyword argument"
+    problem = engine_task_problem(engine_tasks.mean_loss_task(CTX))
+    assert problem is not None and "loss_fn _mean_loss takes no reduction argument" in problem
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    with pytest.raises(ConfigError, match=r"a parallel plan cannot train this task: .* reduction='sum'"):
+        train_with_plan(factory("mean_loss_task"), CTX, initial, CONFIG, DATA_PARALLEL, seed=0, round=1, client_id="c1")
+
+
+def test_a_loss_without_a_reduction_argument_trains_as_is_on_one_device() -> None:
+    # in process it raised the same TypeError; the task's own train() (train_supervised, batch means) runs instead
+    initial = engine_tasks.initial_parameters(engine_tasks.mlp)
+    expected, _ = engine_tasks.reference(engine_tasks.mlp_task, CTX, initial, CONFIG, seed=0, round=1, client_id="c1")
+    updated, _ = train_with_plan(
+        factory("mean_loss_task"), CTX, initial, CONFIG, ParallelPlan(), seed=0, round=1, client_id="c1"
+    )
+    engine_tasks.assert_same_state(updated, expected)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "accepted"),
+    [
+        (nn.functional.cross_entropy, True),
+        (lambda output, target, **kwargs: output.sum(), True),
+        (lambda output, target, *, reduction="mean": output.sum(), True),
+        (lambda output, target: output.sum(), False),
+        (nn.CrossEntropyLoss(), False),  # a loss module: forward(input, target), its reduction fixed at construction
+    ],
+)
+def test_which_losses_take_a_reduction(loss_fn: object, accepted: bool) -> None:
+    task = SupervisedTask(model_fn=engine_tasks.mlp, train_data=engine_tasks._data(CTX), loss_fn=loss_fn)  # type: ignore[arg-type]
+    assert (engine_task_problem(task) is None) is accepted
