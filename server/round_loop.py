@@ -40,7 +40,15 @@ from fedcore.aggregation import (
     weighted_metrics,
 )
 from fedcore.convergence import Convergence, Stop, StopRules, parameter_norm, stop_columns, update_norm
-from fedcore.errors import BudgetExhausted, ClientTaskError, ConfigError, FedcoreError, RoundFailed, UpdateRejected
+from fedcore.errors import (
+    BudgetExhausted,
+    ClientTaskError,
+    ConfigError,
+    FedcoreError,
+    PayloadError,
+    RoundFailed,
+    UpdateRejected,
+)
 from fedcore.messages import (
     DP_NOISE_WORDS,
     MAX_EXAMPLES,
@@ -738,12 +746,14 @@ def _fit_round(
                     state.parameters, average, state.optimizer_state, trainable=state.trainable, reuse_average=True
                 )
             del average
+            _check_step(strategy.server_optimizer, parameters, state.parameters, rnd)
             server_lr = getattr(strategy.server_optimizer, "lr", None)
+            lower = f"Lower the server learning rate (--server-lr, now {server_lr})" if server_lr is not None else ""
             check_finite(  # block by block: no model-sized temporary
                 parameters,
                 round=rnd,
                 advice="the server step made the new global model non-finite from a finite average of the "
-                f"clients' updates, and it is not kept. Lower the server learning rate (--server-lr, now {server_lr})",
+                f"clients' updates, and it is not kept. {lower or 'Check the server optimizer'}",
             )
             norm = update_norm(parameters, state.parameters, state.trainable)
             groups = {
@@ -759,8 +769,8 @@ def _fit_round(
                 check_finite(
                     groups[name],
                     round=rnd,
-                    advice=f"the server's update of tensor group {name!r} is not finite, and it is not kept. Lower "
-                    f"the server learning rate (--server-lr, now {server_lr})",
+                    advice=f"the server's update of tensor group {name!r} is not finite, and it is not kept. "
+                    f"{lower or 'Check the group rule'}",
                 )
             _trace(rnd, "server step")
         except FedcoreError as exc:
@@ -806,6 +816,42 @@ def _fit_round(
         )
         return new_state, record
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
+def _check_step(optimizer: object, parameters: object, model: NamedArrays, rnd: int) -> None:
+    """Refuse new global parameters from ``optimizer.step`` that are not the model's tensors: other names, shapes or
+    dtypes, or values that are not numpy arrays (a custom server optimizer's bug, which the clients would otherwise
+    report next round as a model of another task, or which would end the run as the final model).
+
+    Raises:
+        PayloadError: what differs, naming the optimizer's class.
+    """
+    who = f"the server optimizer's step ({type(optimizer).__name__}.step)"
+    rule = (
+        "; step must return (new_params, new_state) with new_params holding every tensor of params, each a numpy "
+        "array of its shape and dtype (compute in float64 if needed and cast back), and it is not kept"
+    )
+    if not isinstance(parameters, Mapping):
+        raise PayloadError(f"{who} returned a {type(parameters).__name__} as the new parameters{rule}", round=rnd)
+    odd = next(((n, a) for n, a in parameters.items() if not isinstance(a, np.ndarray)), None)
+    if odd is not None:
+        what = f"{odd[0]!r} as a {type(odd[1]).__name__}"
+        raise PayloadError(f"{who} returned {what}, not a numpy array{rule}", round=rnd)
+    missing, extra = sorted(set(model) - set(parameters)), sorted(set(parameters) - set(model), key=str)
+    if missing or extra:
+        raise PayloadError(
+            f"{who} returned other tensors than the global model's: missing {missing[:5]}, unexpected {extra[:5]}"
+            + rule,
+            round=rnd,
+        )
+    for name, x in model.items():
+        new = parameters[name]
+        if new.shape != x.shape or new.dtype != x.dtype:
+            raise PayloadError(
+                f"{who} returned tensor {name!r} with shape {new.shape} and dtype {new.dtype}; the global model's "
+                f"is {x.shape} {x.dtype}{rule}",
+                round=rnd,
+            )
 
 
 def _check_count(num_examples: object, *, client_id: str | None = None) -> None:
