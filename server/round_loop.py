@@ -166,8 +166,14 @@ def initial_state(
     (:meth:`fedcore.strategy.GroupRule.init`).
 
     Raises:
+        ConfigError: the initial model has no tensors (nothing to train or aggregate).
         NonFiniteError: the initial model holds NaN or Inf.
     """
+    if not parameters:
+        raise ConfigError(
+            "the initial model has no tensors (its state_dict is empty): there is nothing to train or aggregate; the "
+            "task's build_model must return a model with parameters"
+        )
     check_finite(parameters)
     if not optimizer_state:
         optimizer_state = strategy.server_optimizer.init(parameters, trainable=trainable)

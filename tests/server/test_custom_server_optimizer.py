@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedcore.errors import RoundFailed
+from fedcore.errors import ConfigError, RoundFailed
 from fedcore.server_opt import ServerSGD
 from fedcore.strategy import SamplingConfig, Strategy
 from fedcore.supervised import SupervisedTask
@@ -93,3 +93,17 @@ def test_a_non_finite_step_of_an_optimizer_without_lr_gives_no_server_lr_advice(
     assert "now None" not in caught.value.message
     with pytest.raises(RoundFailed, match=r"Lower the server learning rate \(--server-lr, now 1e\+300\)"):
         run(ServerSGD(lr=1e300), 1)  # a built-in optimizer's step that overflows float32: its lr is named
+
+
+class NoParameters(nn.Module):
+    """A model without tensors (a fixed function): nothing to federate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :3]
+
+
+def test_a_model_without_tensors_is_refused_before_any_round_with_what_to_do() -> None:
+    strategy = Strategy(sampling=SamplingConfig(fraction_fit=1.0, min_fit_clients=2))
+    pool = InMemoryPool(["c0", "c1"], lambda cid: SupervisedTask(model_fn=NoParameters, train_data=data(cid)))
+    with pytest.raises(ConfigError, match=r"the initial model has no tensors .*build_model must return a model with"):
+        run_rounds(pool, strategy, initial_parameters(NoParameters, 0), RoundConfig(num_rounds=1))
