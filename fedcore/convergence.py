@@ -131,15 +131,41 @@ class StopRules:
         Raises:
             ConfigError: ``target_accuracy`` or ``patience`` set and ``evaluated`` false.
         """
+        if not evaluated:
+            self._refuse("but this run evaluates none, so {they} would never stop it", remedy)
+
+    def _refuse(self, why: str, remedy: str) -> None:
+        """Raise the :class:`ConfigError` of rules that could never fire, if any is set: ``why`` (with ``{they}``
+        for the rules' pronoun) and ``remedy``."""
         rules = [
             name for name, value in (("target_accuracy", self.target_accuracy), ("patience", self.patience)) if value
         ]
-        if rules and not evaluated:
+        if rules:
+            named, they = " and ".join(rules), "they" if len(rules) > 1 else "it"
             raise ConfigError(
-                f"{' and '.join(rules)} {'read' if len(rules) > 1 else 'reads'} each evaluated round's accuracy, "
-                "but this run evaluates none, so "
-                f"{'they' if len(rules) > 1 else 'it'} would never stop it; {remedy}, or leave "
-                f"{' and '.join(rules)} unset"
+                f"{named} {'read' if len(rules) > 1 else 'reads'} each evaluated round's accuracy, "
+                f"{why.replace('{they}', they)}; {remedy}, or leave {named} unset"
+            )
+
+    def check_accuracy_reported(self, evaluate_metrics: tuple[str, ...] | None, *, task: str, remedy: str) -> None:
+        """Refuse rules that could never fire because the run's only evaluation, the server's task's, declares that
+        it reports no ``accuracy`` (a regression task's ``eval_metric_names = ("mae",)``): no round would have an
+        accuracy (:data:`ACCURACY_COLUMNS`), so the run would go to its last round as if neither rule were set.
+
+        Args:
+            evaluate_metrics: the metric names the evaluating task declares (:attr:`fedcore.task.DeclaredMetrics.
+                evaluate`); None: it declares none, and is not checked (its evaluations say in the run).
+            task: the task's name, for the message.
+            remedy: how else the run could get an accuracy (the caller's own option names), for the message.
+
+        Raises:
+            ConfigError: ``target_accuracy`` or ``patience`` set and ``"accuracy"`` not in ``evaluate_metrics``.
+        """
+        if evaluate_metrics is not None and "accuracy" not in evaluate_metrics:
+            self._refuse(
+                f"but the task {task} declares that its evaluate reports {list(evaluate_metrics)} (eval_metric_names), "
+                "no 'accuracy', so {they} would never stop the run",
+                f"report 'accuracy' from evaluate (and declare it), {remedy}",
             )
 
 

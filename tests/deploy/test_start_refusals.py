@@ -32,6 +32,10 @@ def _start(state: Path, *flags: str) -> list[str]:
             [*DEMO, "--weighting", "server", "--weight-metric", "bogus"],
             "'bogus' is not a value the server's evaluation gives; weighting 'server' can use: loss, accuracy",
         ),
+        (
+            ["--task", "tests.simulations.test_setup_refusals:regression_task", "--target-accuracy", "0.5"],
+            "declares that its evaluate reports ['mae'] (eval_metric_names), no 'accuracy', so it would never stop",
+        ),
     ],
 )
 def test_a_task_that_fails_to_build_leaves_no_state_directory(

@@ -96,3 +96,15 @@ def test_rules_that_no_evaluated_round_could_fire_are_refused() -> None:
         StopRules(target_accuracy=0.9, patience=3).check_measurable(evaluated=False, remedy="REMEDY")
     StopRules(patience=3).check_measurable(evaluated=True, remedy="REMEDY")
     StopRules(min_delta=0.1).check_measurable(evaluated=False, remedy="REMEDY")  # min_delta alone stops nothing
+
+
+def test_rules_whose_only_evaluation_reports_no_accuracy_are_refused() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^patience reads .* the task T declares that its evaluate reports \['mae'\]"
+    ):
+        StopRules(patience=2).check_accuracy_reported(("mae",), task="T", remedy="REMEDY")
+    with pytest.raises(ConfigError, match=r"so they would never stop the run; report 'accuracy' .*REMEDY, or leave"):
+        StopRules(target_accuracy=0.9, patience=2).check_accuracy_reported((), task="T", remedy="REMEDY")
+    StopRules(patience=2).check_accuracy_reported(("accuracy", "mae"), task="T", remedy="REMEDY")
+    StopRules(patience=2).check_accuracy_reported(None, task="T", remedy="REMEDY")  # declares nothing: not checked
+    StopRules().check_accuracy_reported(("{they}",), task="{x}", remedy="REMEDY")  # no rule set: nothing to refuse

@@ -9,14 +9,52 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from fedcore.cli import main
 from fedcore.errors import ConfigError, RoundFailed
+from fedcore.task import EvalResult, FitConfig, TaskContext, TrainContext, TrainResult
+from fedcore.training import train_supervised
 from simulations.config import load_recipe
 from simulations.harness import clients_at_once, run_simulation, worker_count
 
 TINY = "tests.simulations.test_harness:tiny_task"  # a plain SupervisedTask: declares train_loss and accuracy
 OWN_LOOP = "tests.simulations.procpool_tasks:tiny_task"  # overrides train (reports pid, times): declares nothing
+REGRESSION = "tests.simulations.test_setup_refusals:regression_task"  # declares eval metric mae, no accuracy
+
+
+class RegressionTask:
+    """A user's regression task (the protocol, no SupervisedTask): its evaluate reports a loss and ``mae``."""
+
+    fit_metric_names = ("train_loss",)
+    eval_metric_names = ("mae",)
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(40, 3, generator=g)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5])
+
+    def build_model(self) -> torch.nn.Module:
+        return torch.nn.Linear(3, 1)
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out.squeeze(-1), y, reduction=reduction)
+
+    def train(self, model: torch.nn.Module, config: FitConfig, context: TrainContext) -> TrainResult:
+        return train_supervised(
+            model, self.x, self.y, config, generator=context.generator,
+            global_parameters=context.global_parameters, loss_fn=self.loss,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, batch_size: int) -> EvalResult:
+        error = model(self.x).squeeze(-1) - self.y
+        return EvalResult(loss=float(error.pow(2).mean()), num_examples=len(self.y),
+                          metrics={"mae": float(error.abs().mean())})  # fmt: skip
+
+
+def regression_task(ctx: TaskContext) -> RegressionTask:
+    return RegressionTask(ctx.partition_id or 0)
 
 
 def _simulate(*flags: str) -> list[str]:
@@ -310,3 +348,18 @@ def test_a_flag_the_run_leaves_without_effect_is_refused(
     # with what it needs, the same flag runs
     enabled = ["--slow-fraction", "0.5", "--availability", "diurnal", "--online-fraction", "0.5", "--patience", "3"]
     assert main(_simulate(*flags, *enabled, "--out", str(out))) == 0
+
+
+def test_stop_rules_a_regression_tasks_evaluation_could_never_fire_are_refused(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    for rule in ("target_accuracy=0.5", "patience=2"):
+        with pytest.raises(ConfigError, match=r"'.*:regression_task' \(RegressionTask\) declares that its evaluate "
+                           r"reports \['mae'\] \(eval_metric_names\), no 'accuracy'"):  # fmt: skip
+            run_simulation(load_recipe(None, _tiny(out, REGRESSION, rule)), echo=lambda _: None)
+        assert not out.exists()
+    # without a stop rule it trains; with clients that evaluate, theirs might report an accuracy: not refused
+    result = run_simulation(load_recipe(None, _tiny(out, REGRESSION, "rounds=2")), echo=lambda _: None)
+    assert list(result.history["round"]) == [0, 1, 2] and "test_mae" in result.history
+    run_simulation(
+        load_recipe(None, _tiny(out, REGRESSION, "patience=2", "sampling.fraction_evaluate=0.5")), echo=lambda _: None
+    )
