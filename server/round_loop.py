@@ -752,7 +752,10 @@ def _fit_round(
                     state.parameters, average, state.optimizer_state, trainable=state.trainable, reuse_average=True
                 )
             del average
-            _check_step(strategy.server_optimizer, parameters, state.parameters, rnd)
+            optimizer = type(strategy.server_optimizer).__name__
+            _check_step(
+                f"the server optimizer's {optimizer}.step (the new parameters)", parameters, state.parameters, rnd
+            )
             server_lr = getattr(strategy.server_optimizer, "lr", None)
             lower = f"Lower the server learning rate (--server-lr, now {server_lr})" if server_lr is not None else ""
             check_finite(  # block by block: no model-sized temporary
@@ -772,6 +775,8 @@ def _fit_round(
                 for name, rule in strategy.groups.items()
             }
             for name in groups:
+                rule_name = type(strategy.groups[name]).__name__
+                _check_step(f"the {rule_name}.update of tensor group {name!r}", groups[name], state.groups[name], rnd)
                 check_finite(
                     groups[name],
                     round=rnd,
@@ -824,38 +829,40 @@ def _fit_round(
     raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
 
-def _check_step(optimizer: object, parameters: object, model: NamedArrays, rnd: int) -> None:
-    """Refuse new global parameters from ``optimizer.step`` that are not the model's tensors: other names, shapes or
-    dtypes, or values that are not numpy arrays (a custom server optimizer's bug, which the clients would otherwise
-    report next round as a model of another task, or which would end the run as the final model).
+def _check_step(who: str, arrays: object, expected: NamedArrays, rnd: int) -> None:
+    """Refuse new server-side tensors (the server optimizer's new global model, a group rule's new state) that are
+    not ``expected``'s: other names, shapes or dtypes, or values that are not numpy arrays. A custom part's bug,
+    which the clients would otherwise report next round as a model of another task (or which would end the run as
+    the final model), or which would raise a KeyError or AttributeError in the loop.
+
+    Args:
+        who: the method that made ``arrays`` and what they are, e.g. ``"MyOpt.step (the new parameters)"``.
 
     Raises:
-        PayloadError: what differs, naming the optimizer's class.
+        PayloadError: what differs, naming ``who``.
     """
-    who = f"the server optimizer's step ({type(optimizer).__name__}.step)"
     rule = (
-        "; step must return (new_params, new_state) with new_params holding every tensor of params, each a numpy "
-        "array of its shape and dtype (compute in float64 if needed and cast back), and it is not kept"
+        "; it must return every tensor it was given, each a numpy array of the same shape and dtype (compute in "
+        "float64 if needed and cast back), and its result is not kept"
     )
-    if not isinstance(parameters, Mapping):
-        raise PayloadError(f"{who} returned a {type(parameters).__name__} as the new parameters{rule}", round=rnd)
-    odd = next(((n, a) for n, a in parameters.items() if not isinstance(a, np.ndarray)), None)
+    if not isinstance(arrays, Mapping):
+        raise PayloadError(f"{who} returned a {type(arrays).__name__}{rule}", round=rnd)
+    odd = next(((n, a) for n, a in arrays.items() if not isinstance(a, np.ndarray)), None)
     if odd is not None:
         what = f"{odd[0]!r} as a {type(odd[1]).__name__}"
         raise PayloadError(f"{who} returned {what}, not a numpy array{rule}", round=rnd)
-    missing, extra = sorted(set(model) - set(parameters)), sorted(set(parameters) - set(model), key=str)
+    missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected), key=str)
     if missing or extra:
         raise PayloadError(
-            f"{who} returned other tensors than the global model's: missing {missing[:5]}, unexpected {extra[:5]}"
-            + rule,
+            f"{who} returned other tensors than it was given: missing {missing[:5]}, unexpected {extra[:5]}{rule}",
             round=rnd,
         )
-    for name, x in model.items():
-        new = parameters[name]
+    for name, x in expected.items():
+        new = arrays[name]
         if new.shape != x.shape or new.dtype != x.dtype:
             raise PayloadError(
-                f"{who} returned tensor {name!r} with shape {new.shape} and dtype {new.dtype}; the global model's "
-                f"is {x.shape} {x.dtype}{rule}",
+                f"{who} returned tensor {name!r} with shape {new.shape} and dtype {new.dtype}, where it was given "
+                f"{x.shape} {x.dtype}{rule}",
                 round=rnd,
             )
 

@@ -1,15 +1,21 @@
-"""A researcher's own server optimizer (README "Writing a strategy": ``Strategy(server_optimizer=...)``) through the
-round loop with real tasks and the in-memory pool: a step whose new parameters are not the model's tensors is
-refused in the round that made it, naming the optimizer, instead of becoming the global model (which the clients
-then refused next round as "another task's model", or which a one-round run kept as its final model)."""
+"""A researcher's own server optimizer and tensor-group rule (README "Writing a strategy":
+``Strategy(server_optimizer=..., groups=...)``) through the round loop with real tasks and the in-memory pool: a
+step or group update whose tensors are not those it was given is refused in the round that made it, naming the
+part, instead of becoming the server's state (which the clients then refused next round as "another task's
+model", which a one-round run kept as its final model, or which raised a KeyError or AttributeError)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from client.state import ClientStateStore
+from fedcore.algorithms.scaffold import ControlRule, scaffold
 from fedcore.errors import ConfigError, RoundFailed
 from fedcore.server_opt import ServerSGD
 from fedcore.strategy import SamplingConfig, Strategy
@@ -70,9 +76,9 @@ def run(optimizer: object, rounds: int) -> None:
 @pytest.mark.parametrize(
     ("mode", "says"),
     [
-        ("transposed", "returned tensor 'weight' with shape (4, 3) and dtype float32; the global model's is (3, 4)"),
-        ("float64", "tensor 'weight' with shape (3, 4) and dtype float64; the global model's is (3, 4) float32"),
-        ("missing", "returned other tensors than the global model's: missing ['bias']"),
+        ("transposed", "tensor 'weight' with shape (4, 3) and dtype float32, where it was given (3, 4) float32"),
+        ("float64", "tensor 'weight' with shape (3, 4) and dtype float64, where it was given (3, 4) float32"),
+        ("missing", "returned other tensors than it was given: missing ['bias']"),
         ("list", "returned 'weight' as a list, not a numpy array"),
     ],
 )
@@ -107,3 +113,50 @@ def test_a_model_without_tensors_is_refused_before_any_round_with_what_to_do() -
     pool = InMemoryPool(["c0", "c1"], lambda cid: SupervisedTask(model_fn=NoParameters, train_data=data(cid)))
     with pytest.raises(ConfigError, match=r"the initial model has no tensors .*build_model must return a model with"):
         run_rounds(pool, strategy, initial_parameters(NoParameters, 0), RoundConfig(num_rounds=1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultyControl(ControlRule):
+    """SCAFFOLD's control-variate rule, then one fault of ``mode`` in the new server state."""
+
+    mode: str = ""
+
+    def update(self, state: NamedArrays, combined: NamedArrays, *, accepted: int, available: int) -> NamedArrays:
+        out: dict[str, object] = dict(super().update(state, combined, accepted=accepted, available=available))
+        weight = out["weight"]
+        assert isinstance(weight, np.ndarray)
+        if self.mode == "transposed":
+            out["weight"] = weight.T.copy()
+        elif self.mode == "missing":
+            del out["bias"]
+        elif self.mode == "list":
+            out["weight"] = weight.tolist()
+        return out  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("transposed", "tensor 'weight' with shape (4, 3) and dtype float32, where it was given (3, 4) float32"),
+        ("missing", "returned other tensors than it was given: missing ['bias']"),
+        ("list", "returned 'weight' as a list, not a numpy array"),
+    ],
+)
+def test_a_group_update_that_is_not_its_state_fails_its_own_round_naming_the_rule(
+    mode: str, says: str, tmp_path: Path
+) -> None:
+    fit, sampling = FitConfig(lr=0.1), SamplingConfig(fraction_fit=1.0, min_fit_clients=2)
+    strategy = replace(
+        scaffold(fit=fit, sampling=sampling, server_lr=1.0), groups={"control": FaultyControl(mode=mode)}
+    )
+    pool = InMemoryPool(
+        ["c0", "c1"],
+        lambda cid: SupervisedTask(model_fn=model, train_data=data(cid)),
+        state=ClientStateStore(tmp_path),
+    )
+    init = initial_state(initial_parameters(model, 0), strategy, trainable=trainable_names(model))
+    with pytest.raises(RoundFailed) as caught:
+        run_rounds(pool, strategy, init, RoundConfig(num_rounds=2, max_round_attempts=1))
+    assert caught.value.round == 1
+    assert "the FaultyControl.update of tensor group 'control' returned" in caught.value.message
+    assert says in caught.value.message
