@@ -34,6 +34,10 @@ ALLOWED_AT = {
     "yet, is missing rather than looked up in the wrapped pool (which would recurse)",
     ("fedcore/engine/launch.py", "handler", "SystemExit"): "a SIGTERM handler ends the worker process with the "
     "signal's exit status",
+    ("simulations/raypool.py", "_exit_on_sigterm", "SystemExit"): "a SIGTERM handler ends a run on Ray through "
+    "its cleanup with the signal's exit status",
+    ("simulations/raypool.py", "_schedule", "SystemExit"): "the same exit, which ray.wait had replaced with "
+    "SystemExit(1)",
     ("server/sessions.py", "begin_call", "KeyError"): "an unknown session; server/service.py catches it and "
     "answers the client UNAUTHENTICATED (join again)",
     ("server/sessions.py", "wait_pull", "KeyError"): "as begin_call",
