@@ -234,6 +234,18 @@ def test_parameters_of_the_wrong_type_are_refused_by_name(method: str, params: d
         partition(BALANCED, method, 10, seed=0, **params)
 
 
+@pytest.mark.parametrize("seed", [1.5, "7", True, None], ids=["float", "str", "bool", "none"])
+def test_a_seed_that_is_not_an_integer_is_refused(seed: object) -> None:
+    """1.5 was cut to 1 (the partition of seed 1, without a word) and '7' failed with a bare ValueError."""
+    with pytest.raises(ConfigError, match="a seed must be an integer"):
+        partition(BALANCED, "iid", 10, seed=seed)  # type: ignore[arg-type]
+
+
+def test_a_numpy_integer_seed_is_the_same_seed() -> None:
+    numpy_seed = partition(BALANCED, "iid", 10, seed=np.int64(3))  # type: ignore[arg-type]
+    assert all(np.array_equal(a, b) for a, b in zip(numpy_seed, partition(BALANCED, "iid", 10, seed=3), strict=True))
+
+
 def test_quantity_skew_with_huge_sigma_still_assigns_every_sample_once() -> None:
     """lognormal(0, 300) overflows float64; the weights must be normalized in log space."""
     parts = partition_mod.quantity_skew(1438, 10, 0, sigma=300.0, min_partition_size=1)
