@@ -58,7 +58,9 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "The common recipe keys have flags (below); --set reaches every key."
         ),
     )
-    p.add_argument("--recipe", help="TOML recipe (see simulations/recipes/); flags below override it")
+    p.add_argument(
+        "--recipe", help="TOML recipe (see simulations/recipes/) or a run's config.json; flags below override it"
+    )
     p.add_argument(
         "--set",
         dest="overrides",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 import re
 import stat
@@ -306,13 +307,17 @@ MAX_TOML_BYTES = 16 << 20
 """The largest recipe or config file :func:`load_toml` reads."""
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
+def load_toml(path: str | Path, *, json_record: bool = False) -> dict[str, Any]:
     """Read a TOML file (UTF-8; a byte-order mark, as some Windows editors write, is skipped) into a dict.
+
+    Args:
+        json_record: read a file named ``*.json`` as a JSON object instead (the ``config.json`` a simulation
+            writes is its recipe, and ``fedcore simulate --recipe out/config.json`` runs it again).
 
     Raises:
         ConfigError: the file is missing, not a regular file (a directory, a device such as /dev/zero, a pipe:
             nothing a recipe is kept in), larger than :data:`MAX_TOML_BYTES`, or not valid TOML (with the parser's
-            line and column).
+            line and column), or with ``json_record`` not a JSON object.
     """
     p = Path(path)
     try:
@@ -321,7 +326,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             data = fh.read(MAX_TOML_BYTES + 1)
         if len(data) > MAX_TOML_BYTES:
             raise ConfigError(f"config file {str(p)!r} is over {MAX_TOML_BYTES >> 20} MiB: not a recipe")
-        return tomllib.loads(data.decode("utf-8-sig"))
+        text = data.decode("utf-8-sig")
+        if json_record and p.suffix.lower() == ".json":
+            return _json_object(text, p)
+        return tomllib.loads(text)
     except IsADirectoryError:
         raise ConfigError(f"config file {str(p)!r} is a directory; give the path of a .toml file") from None
     except FileNotFoundError:
@@ -330,6 +338,21 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}") from None
+
+
+def _json_object(text: str, path: Path) -> dict[str, Any]:
+    """The JSON object ``text`` holds (a recipe saved as JSON), with the file ``path`` named in the refusal.
+
+    Raises:
+        ConfigError: not valid JSON, or not an object (a list or a number is no recipe).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"config file {str(path)!r} holds a JSON {type(value).__name__}, not an object of tables")
+    return value
 
 
 def check_creatable_dir(path: Path, *, what: str) -> None:

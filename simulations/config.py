@@ -633,12 +633,13 @@ class SimulationConfig:
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> SimulationConfig:
-    """Build a :class:`SimulationConfig` from a TOML recipe (or the defaults) plus ``key=value`` overrides.
+    """Build a :class:`SimulationConfig` from a TOML recipe or a run's config.json (or the defaults) plus ``key=value``
+    overrides.
 
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or invalid value.
     """
-    data: dict[str, Any] = load_toml(path) if path is not None else {}
+    data: dict[str, Any] = load_toml(path, json_record=True) if path is not None else {}
     return from_mapping(SimulationConfig, apply_overrides(data, overrides or []))
 
 
@@ -653,7 +654,7 @@ def load_data_recipe(path: str | Path | None = None, overrides: list[str] | None
         ConfigError: unreadable file, unknown key, wrong type or invalid value in ``[data]`` or ``seed``; a top-level
             key that no recipe has; an override outside ``[data]`` and ``seed``.
     """
-    recipe = load_toml(path) if path is not None else {}
+    recipe = load_toml(path, json_record=True) if path is not None else {}
     known = {f.name for f in dataclasses.fields(SimulationConfig) if f.init}
     if unknown := sorted(set(recipe) - known):
         raise ConfigError(

@@ -105,6 +105,29 @@ def test_config_json_records_a_custom_task_not_the_builtin_dataset(one_run: Path
     assert again.task.factory == TINY and again.data.num_clients == 4 and again.strategy.name == "fedadam"
 
 
+def test_a_runs_config_json_given_as_the_recipe_runs_it_again(one_run: Path, tmp_path: Path) -> None:
+    from fedcore.cli import main
+
+    again = tmp_path / "again"
+    assert main(["simulate", "--recipe", str(one_run / "config.json"), "--out", str(again)]) == 0
+    assert (again / "model.safetensors").read_bytes() == (one_run / "model.safetensors").read_bytes()
+    assert _without_seconds((again / "history.csv").read_bytes()) == _without_seconds(
+        (one_run / "history.csv").read_bytes()
+    )
+    recorded, rerun = (json.loads((d / "config.json").read_text()) for d in (one_run, again))
+    assert recorded.pop("output")["dir"] == str(one_run) and rerun.pop("output")["dir"] == str(again)
+    assert rerun == recorded
+
+
+def test_a_json_recipe_that_is_not_an_object_of_tables_is_refused(tmp_path: Path) -> None:
+    from fedcore.errors import ConfigError
+
+    for text, reason in (("[1, 2]", "holds a JSON list, not an object of tables"), ("{seed: 1}", "not valid JSON")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=reason):
+            load_recipe(tmp_path / "config.json")
+
+
 def test_config_json_of_the_demo_task_keeps_the_dataset_and_model(tmp_path: Path) -> None:
     from simulations.config import DEMO_TASK
     from simulations.harness import recipe_record
