@@ -378,11 +378,13 @@ def load_server_config(
     path: str | os.PathLike[str] | None, overrides: list[str], flags: Mapping[str, Any] | None = None
 ) -> ServerConfig:
     """Build the config from an optional TOML file, then ``section.key=value`` overrides, then ``flags`` (a nested
-    mapping, as :func:`fedcore.options.given_values` makes), each winning over the one before.
+    mapping, as :func:`fedcore.options.given_values` makes), each winning over the one before. The file's and the
+    overrides' keys of the flat layout (:func:`nest_flat_keys`) are moved into their tables each on its own, so
+    that ``--set round.rounds=4`` wins over a file's flat ``rounds = 3`` as over its ``[round] rounds``.
 
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or invalid value.
     """
-    data: dict[str, Any] = load_toml(Path(path)) if path is not None else {}
-    data = nest_flat_keys(apply_overrides(data, overrides))
+    data: dict[str, Any] = nest_flat_keys(load_toml(Path(path))) if path is not None else {}
+    data = merge_mappings(data, nest_flat_keys(apply_overrides({}, overrides)))
     return from_mapping(ServerConfig, merge_mappings(data, flags or {}))

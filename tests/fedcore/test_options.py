@@ -184,6 +184,13 @@ def test_the_file_then_set_then_flags(tmp_path: Path, caplog: pytest.LogCaptureF
     assert (config.round.rounds, config.pool.liveness_timeout_s, config.auth.revoked) == (7, 20.0, ("x",))
     with pytest.raises(ConfigError, match=r"'rounds' is given both at the top level and as \[round\] rounds"):
         load_server_config(None, ['task="m:f"', "insecure=true", "rounds=7", "round.rounds=8"])
+    # --set wins over the file in either layout: its table form over the file's flat key, and its flat form over
+    # the file's table
+    old.write_text('task = "simulations.tasks:demo_task"\ninsecure = true\nrounds = 7\n')
+    with caplog.at_level(logging.WARNING, logger="fedcore.server"):
+        assert load_server_config(old, ["round.rounds=8"]).round.rounds == 8
+    path.write_text('task = "simulations.tasks:demo_task"\n[tls]\ninsecure = true\n[round]\nrounds = 3\n')
+    assert load_server_config(path, ["rounds=9"]).round.rounds == 9
 
 
 def test_the_cli_flags_win_over_the_config_file(tmp_path: Path) -> None:
