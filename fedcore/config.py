@@ -92,7 +92,10 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is Path:
         if not isinstance(value, str | Path):
             raise ConfigError(f"{where}: expected a path, got {value!r}")
-        return Path(value)
+        try:  # "~/runs" is the home directory's runs, as a shell would read it, not a directory named "~" here
+            return Path(value).expanduser()
+        except RuntimeError:  # pathlib's "Could not determine home directory" (~nosuchuser/runs)
+            raise ConfigError(f"{where}: {str(value)!r} names a home directory that does not exist") from None
     return value
 
 

@@ -182,3 +182,17 @@ def test_a_server_min_fit_clients_flag_keeps_the_servers_fraction_fit() -> None:
     assert (sampling.fraction_fit, sampling.min_fit_clients) == (1.0, 3)
     sampling = load_server_config(None, [], {**flags, "sampling": {"min_fit_clients": 3}}).sampling
     assert (sampling.fraction_fit, sampling.min_fit_clients) == (1.0, 3)
+
+
+def test_a_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a recipe's dir = "~/runs" or --out=~/runs (no shell expansion after '='): the home directory's runs, not a
+    # directory named "~" in the working directory
+    monkeypatch.setenv("HOME", str(tmp_path))
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[output]\ndir = "~/runs/a"\n[data]\ndataset = "fashion-mnist"\ndata_dir = "~/fm"\n')
+    config = load_recipe(recipe)
+    assert config.output.dir == tmp_path / "runs" / "a" and config.data.data_dir == tmp_path / "fm"
+    assert load_recipe(None, ["output.dir='~'"]).output.dir == tmp_path
+    assert load_recipe(None, ["output.dir='runs/~x'"]).output.dir == Path("runs/~x")  # only a leading tilde
+    with pytest.raises(ConfigError, match=r"output.dir: '~nosuchuser-fedcore/runs' names a home directory that does"):
+        load_recipe(None, ["output.dir='~nosuchuser-fedcore/runs'"])
