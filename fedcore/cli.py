@@ -254,8 +254,9 @@ def _cmd_server_start(args: argparse.Namespace) -> int:
 
     flags = given_values(args, server_options())  # the flags win over --set, which wins over the file
     config = load_server_config(args.config, list(args.overrides), flags)
-    given = apply_overrides({}, list(args.overrides)).get("round", {})
-    if config.round.patience is None and ("min_delta" in flags.get("round", {}) or "min_delta" in given):
+    given = apply_overrides({}, list(args.overrides))  # round.min_delta=X, or min_delta=X of the flat layout
+    given_delta = "min_delta" in given or "min_delta" in given.get("round", {})
+    if config.round.patience is None and ("min_delta" in flags.get("round", {}) or given_delta):
         raise without_effect("round.min_delta", "a plateau rule (--patience N)", "--min-delta")  # a file's: not
     run_server(config)
     return 0

@@ -227,6 +227,8 @@ def test_the_client_connects_to_the_address_as_parsed() -> None:
         ("--linger-s=inf", "linger_s must be a number of seconds >= 0, got inf"),
         # it ran without effect and without a word, as simulate's did
         ("--min-delta=0.01", "round.min_delta (--min-delta) takes effect only with a plateau rule (--patience N)"),
+        ("--set=round.min_delta=0.01", "round.min_delta (--min-delta) takes effect only with a plateau rule"),
+        ("--set=min_delta=0.01", "round.min_delta (--min-delta) takes effect only with a plateau rule"),  # flat form
     ],
 )
 def test_every_server_value_is_checked_before_any_side_effect(
