@@ -1088,11 +1088,35 @@ def validation_evaluation(task: Task, batch_size: int, *, seed: int) -> Evaluate
     return central_evaluation(task, batch_size)
 
 
+def unplotted(history: pd.DataFrame) -> tuple[str | None, str | None]:
+    """What :func:`plot_history` cannot draw, written on the plot instead so that an empty or partial panel is not
+    read as a run without trouble: (the note of the accuracy panels, of the loss panel), each None when all is drawn.
+
+    The accuracy panels are empty when no round has a test evaluation; the loss panel leaves out infinite losses
+    (a diverged run's, which a line cannot reach), and a NaN test loss of a round whose accuracy was evaluated."""
+
+    def rounds(mask: pd.Series) -> str:
+        return ", ".join(str(int(r)) for r in history["round"][mask])
+
+    accuracy = history["test_accuracy"].notna()
+    train = pd.to_numeric(history["train_loss"], errors="coerce")
+    test = pd.to_numeric(history["test_loss"], errors="coerce")
+    lost = [
+        f"{what} in round(s) {where}"
+        for what, mask in (("train loss", np.isinf(train)), ("test loss", accuracy & ~np.isfinite(test)))
+        if (where := rounds(mask))
+    ]
+    return (
+        None if accuracy.any() else "no round has a test evaluation",
+        "not finite, not drawn:\n" + "\n".join(lost) if lost else None,
+    )
+
+
 def plot_history(history: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
     """Write a PNG of the run and return its path: test accuracy per round (top left), train/test loss per round
     (top right), test accuracy against the run's wall time (bottom left: the cumulative ``seconds``) and against
     the bytes sent (bottom right: the cumulative ``bytes_up + bytes_down``, in MB; a history without those
-    columns counts 0)."""
+    columns counts 0). What it cannot draw (:func:`unplotted`) is written on its panels."""
     path = Path(path)
     import matplotlib
 
@@ -1132,6 +1156,15 @@ def plot_history(history: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
     ax_bytes.set_xlabel("MB sent (up + down)")
     ax_bytes.set_ylabel("test accuracy")
     ax_bytes.grid(alpha=0.3)
+    accuracy_note, loss_note = unplotted(history)
+    for ax, note in (
+        (ax_acc, accuracy_note),
+        (ax_time, accuracy_note),
+        (ax_bytes, accuracy_note),
+        (ax_loss, loss_note),
+    ):
+        if note:
+            ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", color="tab:red")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

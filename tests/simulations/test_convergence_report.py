@@ -20,7 +20,13 @@ from fedcore.task import initial_parameters
 from server.config import RoundSettings, ServerConfig, TlsSettings
 from simulations.attacks import noisy_labels
 from simulations.config import load_recipe
-from simulations.harness import VALIDATION_EXAMPLES, plot_history, run_simulation, validation_evaluation
+from simulations.harness import (
+    VALIDATION_EXAMPLES,
+    plot_history,
+    run_simulation,
+    unplotted,
+    validation_evaluation,
+)
 from simulations.models import MLP2NN
 
 SMALL = [
@@ -62,6 +68,30 @@ def test_a_simulation_stops_at_its_target_and_reports_rounds_and_seconds(tmp_pat
     assert (on_disk["update_norm"].iloc[1:] > 0).all()
     png = plot_history(on_disk, tmp_path / "history.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_says_what_it_cannot_draw(tmp_path: Path) -> None:
+    # a diverged run's infinite losses and a run without test evaluations made panels that looked like a run
+    # without trouble: the infinite points left out, or four empty axes without a word
+    inf, nan = float("inf"), float("nan")
+    diverged = pd.DataFrame(
+        {"round": [0, 1, 2, 3], "train_loss": [nan, 1.5, inf, -inf], "test_loss": [2.3, inf, nan, 0.9],
+         "test_accuracy": [0.1, 0.1, nan, 0.2], "seconds": [0.1, 0.2, 0.3, 0.4]}
+    )  # fmt: skip
+    assert unplotted(diverged) == (None, "not finite, not drawn:\ntrain loss in round(s) 2, 3\ntest loss in round(s) 1")
+    unevaluated = pd.DataFrame(
+        {"round": [1, 2], "train_loss": [1.0, 0.5], "test_loss": [nan, nan], "test_accuracy": [nan, nan],
+         "seconds": [0.1, 0.2]}
+    )  # fmt: skip
+    assert unplotted(unevaluated) == ("no round has a test evaluation", None)
+    assert unplotted(unevaluated.assign(test_accuracy=[nan, 0.5], test_loss=[nan, 0.7])) == (None, None)
+    # on the image: the same history with the infinite losses absent instead (rounds not trained) draws the same
+    # points, and only the note tells them apart
+    train_diverged = diverged.assign(test_loss=[2.3, 1.1, nan, 0.9])
+    plain = train_diverged.assign(train_loss=[nan, 1.5, nan, nan])
+    assert unplotted(plain) == (None, None)
+    drawn = [plot_history(h, tmp_path / f"{n}.png").read_bytes() for n, h in (("a", train_diverged), ("b", plain))]
+    assert drawn[0] != drawn[1]
 
 
 def test_symmetric_label_noise_by_hand() -> None:
