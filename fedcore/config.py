@@ -87,16 +87,24 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if annotation is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {value!r}{_quote_hint(value, where)}")
         return value
     if annotation is Path:
         if not isinstance(value, str | Path):
-            raise ConfigError(f"{where}: expected a path, got {value!r}")
+            raise ConfigError(f"{where}: expected a path, got {value!r}{_quote_hint(value, where)}")
         try:  # "~/runs" is the home directory's runs, as a shell would read it, not a directory named "~" here
             return Path(value).expanduser()
         except RuntimeError:  # pathlib's "Could not determine home directory" (~nosuchuser/runs)
             raise ConfigError(f"{where}: {str(value)!r} names a home directory that does not exist") from None
     return value
+
+
+def _quote_hint(value: Any, where: str) -> str:
+    """How to give ``value`` as a string when it was read as a number or a boolean (``--set output.dir=2024`` is the
+    integer 2024, as TOML reads it), or ``""`` for another value."""
+    if not isinstance(value, bool | int | float):
+        return ""
+    return f" (a value that reads as a number or true/false is a string only in quotes: --set \"{where}='...'\")"
 
 
 def from_mapping(cls: type[T], data: Mapping[str, Any], *, where: str = "", base: T | None = None) -> T:

@@ -73,6 +73,9 @@ def test_a_table_given_whole_is_laid_over_the_recipes_table() -> None:
         (["train.lr=1e300"], r"lr must be within float32.s range \(at most 3.403e\+38\), got 1e\+300"),
         (["train.mu=nan"], "mu must be a finite number"),
         (["output.dir=''"], "output.dir is empty"),
+        # TOML reads an unquoted 2024 or true as a number or a boolean: the refusal says how to give the string
+        (["output.dir=2024"], r"output.dir: expected a path, got 2024 \(.* in quotes: --set \"output.dir='...'\"\)$"),
+        (["data.dataset=true"], r"data.dataset: expected a string, got True \(.* in quotes: --set \"data.dataset="),
         (["data.sigma=1000"], r"sigma must be in \[0, 50\]"),
         (["data.sigma=-0.5"], r"sigma must be in \[0, 50\] \(lognormal shape of client sizes; 0 gives equal"),
         (["rounds=99999999999999"], r"rounds must be in 1\.\.1000000"),
