@@ -218,7 +218,10 @@ def _format_row(row: Mapping[str, object], columns: tuple[str, ...] = COLUMNS) -
             return f"{'-':>10}"
         if key in ("round", "clients"):
             return f"{int(value):>10d}"  # type: ignore[call-overload]
-        return f"{float(value):>10.4f}"  # type: ignore[arg-type]
+        text = f"{float(value):.4f}"  # type: ignore[arg-type]
+        if len(text) > 10:  # a diverging loss (2.79e30 is 36 digits): in the column's 10 characters
+            text = f"{float(value):.3e}"  # type: ignore[arg-type]
+        return f"{text:>10}"
 
     return " ".join(fmt(k, row.get(k)) for k in columns)
 

@@ -150,3 +150,15 @@ def test_the_simulations_validation_data_is_a_seeded_subset_of_the_test_split() 
     assert validation_evaluation(task, 256, seed=2)(parameters, 1).loss != first.loss  # others for another seed
     small = SupervisedTask(model_fn=model_fn, train_data=None, test_data=(x[:300], y[:300]))
     assert validation_evaluation(small, 256, seed=1)(parameters, 1).num_examples == 300  # the whole split
+
+
+def test_the_console_table_keeps_its_columns_for_a_diverging_loss() -> None:
+    from simulations.harness import _format_row
+
+    # 2.79e30 printed with 4 decimals took 36 characters and pushed every later column out of line
+    row = {"round": 1, "clients": 2, "train_loss": 2.793103e30, "test_loss": -1.5e12, "test_accuracy": 0.9164,
+           "seconds": 0.7122}  # fmt: skip
+    assert _format_row(row) == ("         1          2  2.793e+30 -1.500e+12     0.9164     0.7122")
+    assert _format_row({"round": 0, "train_loss": 12345.6789, "test_loss": float("nan")}).split() == [
+        "0", "-", "12345.6789", "-", "-", "-"
+    ]  # fmt: skip
