@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -437,8 +438,8 @@ def check_resumable(out_dir: Path, config: SimulationConfig) -> None:
         raise ConfigError(
             f"cannot resume the run in {str(out_dir)!r} with another recipe ({'; '.join(differ[:6])}"
             f"{'; ...' if len(differ) > 6 else ''}): its rounds would not be the ones it ran. Resume with the "
-            "recorded recipe (its config.json; only rounds, [output] and [simulation] may change), or run without "
-            "--resume, or give another --out"
+            f"recorded recipe (--recipe {shlex.quote(str(path))} --resume; only rounds, [output] and [simulation] may "
+            "change), or run without --resume, or give another --out"
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -136,11 +137,22 @@ def test_resume_with_another_recipe_is_refused_and_changes_nothing(tmp_path: Pat
     out = tmp_path / "run"
     simulate(out, "rounds=1")
     before = (out / "history.csv").read_text()
+    recorded = out / "config.json"
     with pytest.raises(ConfigError, match=r"another recipe \(train\.lr: 0\.1 recorded, 0\.05 now\).*--resume"):
         simulate(out, "rounds=2", "output.resume=true", "train.lr=0.05")
-    with pytest.raises(ConfigError, match=r"seed: 0 recorded, 1 now"):
+    with pytest.raises(
+        ConfigError, match=rf"seed: 0 recorded, 1 now.* \(--recipe {re.escape(str(recorded))} --resume;"
+    ):
         simulate(out, "rounds=2", "output.resume=true", "seed=1")
     assert (out / "history.csv").read_text() == before
+    # what the refusal says to do is a resume (the recorded recipe is the run's config.json)
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    resumed = load_recipe(again / "config.json", ["rounds=2", "output.resume=true", f"output.dir={str(again)!r}"])
+    assert resumed == load_recipe(None, [*SMALL, f"output.dir={str(again)!r}", "rounds=2", "output.resume=true"])
+    lines: list[str] = []
+    assert list(run_simulation(resumed, echo=lines.append).history["round"]) == [0, 1, 2]
+    assert any(line.startswith("resuming after round 1") for line in lines), lines
     # rounds, [output] and [simulation] may change
     history = simulate(out, "rounds=2", "output.resume=true", "simulation.backend='batched'", "output.plot=true")
     assert list(history["round"]) == [0, 1, 2]
