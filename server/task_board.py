@@ -88,13 +88,19 @@ class Delivery:
 
 @dataclass
 class _Completed:
-    # task id -> "" when its result was taken, else why it was refused; the most recent _COMPLETED_MEMORY tasks
-    tasks: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    # (client id, task id) -> "" when its result was taken, else why it was refused; the most recent
+    # _COMPLETED_MEMORY tasks. Kept by client too: a push naming another client's task id hears nothing of that task
+    tasks: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
 
     def remember(self, task: Task) -> None:
-        self.tasks[task.task_id] = task.rejection
+        self.tasks[task.client_id, task.task_id] = task.rejection
         while len(self.tasks) > _COMPLETED_MEMORY:
             self.tasks.popitem(last=False)
+
+    def answer(self, client_id: str, task_id: str) -> str | None:
+        """What a repeated push of ``client_id``'s completed task ``task_id`` is told; None when it has none such."""
+        rejection = self.tasks.get((client_id, task_id))
+        return None if rejection is None else repeat_answer(rejection)
 
 
 def repeat_answer(rejection: str) -> str:
@@ -228,8 +234,8 @@ class TaskBoard:
                 if task.answered:
                     return None, repeat_answer(task.rejection)
                 return task, ""
-            if task_id in self._completed.tasks:
-                return None, repeat_answer(self._completed.tasks[task_id])
+            if (answer := self._completed.answer(client_id, task_id)) is not None:
+                return None, answer
             return None, "no open task with this id (the round closed or the task was cancelled)"
 
     def deliver(self, delivery: Delivery, *, rejected: bool = False) -> str:
@@ -243,8 +249,8 @@ class TaskBoard:
             if task.closed:
                 if path is not None:
                     path.unlink(missing_ok=True)
-                if task.task_id in self._completed.tasks:
-                    return repeat_answer(self._completed.tasks[task.task_id])
+                if (answer := self._completed.answer(task.client_id, task.task_id)) is not None:
+                    return answer
                 log.warning(
                     "round %d: discarding a late result of client %s (the round closed)", task.round, task.client_id
                 )

@@ -393,6 +393,25 @@ def test_a_refused_push_stays_refused_and_one_push_per_task_is_read_at_a_time(ha
     assert isinstance(got[0], Failure) and "truncated" in got[0].reason
 
 
+def test_a_push_naming_another_clients_task_is_not_told_that_tasks_outcome(harness: Harness) -> None:
+    # client "c" answers its task twice; client "d" then pushes under c's task id (one it was never given)
+    stub, session, header, params, got, runner = open_task(harness)
+    payload = encode(params)
+    assert not _push(stub, session, header, payload, send=payload[:-16]).accepted  # truncated: refused, answered
+    runner.join(10)
+    assert isinstance(got[0], Failure) and got[0].client_id == "c" and "truncated" in got[0].reason
+    again = _push(stub, session, header, payload)  # c itself is told its own refusal again
+    assert not again.accepted and again.reason.startswith("already refused: ")
+    other = harness.stub()
+    d = other.Join(pb.JoinRequest(client_id="d")).session
+    for task in (header, pb.TaskHeader(task_id=header.task_id, round=1)):
+        reply = _push(other, d, task, payload)
+        # d had no task: it hears that, neither "duplicate" nor c's refusal (which it must not learn, and which
+        # the server's log would otherwise pin on d)
+        assert not reply.accepted and not reply.duplicate, reply
+        assert reply.reason == "no open task with this id (the round closed or the task was cancelled)", reply
+
+
 @pytest.mark.parametrize("wait_s", [math.nan, -1.0])
 def test_a_pull_with_a_nonsense_wait_returns_at_once(harness: Harness, wait_s: float) -> None:
     session = harness.pool.join("c")
