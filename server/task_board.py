@@ -271,6 +271,10 @@ class TaskBoard:
             task = self._tasks.pop(client_id, None)
             if task is not None and not task.closed and not task.answered:
                 log.warning("round %d: client %s is gone (%s); failing its task now", task.round, client_id, reason)
+                # answered with this failure: a push of the task that ends now, or comes later under a new
+                # session, is told so (not that its result was taken) and its payload is not kept
+                task.answered = True
+                task.rejection = f"the session of client {client_id} ended before its result came ({reason})"
                 failure = Failure(client_id=client_id, round=task.round, stage=task.stage, reason=reason)
                 task.replies.put(Delivery(task, failure))
 

@@ -300,6 +300,21 @@ def _silent_client_fails_fast(harness: Harness) -> None:
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_a_result_pushed_after_its_client_was_dropped_is_not_reported_taken(harness: Harness) -> None:
+    # the daemon's session ends mid-round (here it leaves; a network cut past the liveness timeout does the same):
+    # the round fails its task at once; the daemon, back under a new session, then pushes its finished result
+    stub, session, header, params, got, runner = open_task(harness)
+    stub.Leave(pb.LeaveRequest(session=session), metadata=session_metadata(session))
+    runner.join(10)
+    assert isinstance(got[0], Failure) and got[0].reason == "client left"
+    session = stub.Join(pb.JoinRequest(client_id="c")).session
+    reply = _push(stub, session, header, encode(params))
+    # not "accepted, duplicate": the round took a failure for this task, not the update
+    assert not reply.accepted and not reply.duplicate, reply
+    assert reply.reason == "already refused: the session of client c ended before its result came (client left)"
+    assert not list(harness.pool.config.spill_dir.glob("update-*"))
+
+
 def test_deadline_and_duplicate_push(harness: Harness) -> None:
     stub = harness.stub()
     session = stub.Join(pb.JoinRequest(client_id="c")).session
