@@ -45,7 +45,7 @@ class ServerMetrics:
         self.refused_calls = Counter(
             "fedcore_calls_refused",
             "Calls refused before any work was done for them, by cause: no or unknown credentials, a limit "
-            "reached (calls per client, joins at once, long calls at once), a client id in use",
+            "reached (calls per client, joins at once, long calls at once), a client id in use, a malformed push",
             ["cause"],
             registry=self.registry,
         )

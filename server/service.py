@@ -522,7 +522,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> pb.PushReply:
         first = next(request_iterator, None)
         if first is None or isinstance(first, memoryview) or first.WhichOneof("body") != "header":
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a ResultHeader")
+            self._refuse(  # logged with the session's client: the daemon's operator is not the only one to hear
+                context,
+                "malformed push",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a push must start with a ResultHeader",
+                self._pool.touch(session),
+            )
         header = first.header
         self._check_request_session(header.session, session, context)
         try:

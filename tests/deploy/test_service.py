@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -313,6 +314,21 @@ def test_a_result_pushed_after_its_client_was_dropped_is_not_reported_taken(harn
     assert not reply.accepted and not reply.duplicate, reply
     assert reply.reason == "already refused: the session of client c ended before its result came (client left)"
     assert not list(harness.pool.config.spill_dir.glob("update-*"))
+
+
+def test_a_push_that_does_not_start_with_its_header_is_logged_with_its_client(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    stub, session, header, params, got, runner = open_task(harness)
+    with caplog.at_level(logging.WARNING, logger="fedcore.server"), pytest.raises(grpc.RpcError) as info:
+        stub.PushResult(iter([pb.ResultChunk(data=encode(params))]), metadata=session_metadata(session))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "a push must start with a ResultHeader"
+    lines = [r.getMessage() for r in caplog.records if "malformed push" in r.getMessage()]
+    assert len(lines) == 1 and "(client c): a push must start with a ResultHeader" in lines[0], lines
+    assert _push(stub, session, header, encode(params)).accepted  # the task itself is still open
+    runner.join(10)
+    assert isinstance(got[0], FitRes)
 
 
 def test_deadline_and_duplicate_push(harness: Harness) -> None:
