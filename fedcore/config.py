@@ -92,11 +92,22 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is Path:
         if not isinstance(value, str | Path):
             raise ConfigError(f"{where}: expected a path, got {value!r}{_quote_hint(value, where)}")
-        try:  # "~/runs" is the home directory's runs, as a shell would read it, not a directory named "~" here
-            return Path(value).expanduser()
-        except RuntimeError:  # pathlib's "Could not determine home directory" (~nosuchuser/runs)
-            raise ConfigError(f"{where}: {str(value)!r} names a home directory that does not exist") from None
+        return expand_home(value, where)
     return value
+
+
+def expand_home(value: str | os.PathLike[str], where: str) -> Path:
+    """``value`` as a path whose leading ``~`` (or ``~user``) is that home directory, as a shell reads it: a value
+    given after ``=`` (``--out=~/runs``, ``--recipe=~/r.toml``) or in a file is not expanded by the shell, and
+    would otherwise name a directory called ``~`` here.
+
+    Raises:
+        ConfigError: ``~user`` names no user (``where``: the setting, for the message).
+    """
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory" (~nosuchuser/runs)
+        raise ConfigError(f"{where}: {str(value)!r} names a home directory that does not exist") from None
 
 
 def _quote_hint(value: Any, where: str) -> str:
@@ -328,9 +339,9 @@ def load_toml(path: str | Path, *, json_record: bool = False) -> dict[str, Any]:
     Raises:
         ConfigError: the file is missing, not a regular file (a directory, a device such as /dev/zero, a pipe:
             nothing a recipe is kept in), larger than :data:`MAX_TOML_BYTES`, or not valid TOML (with the parser's
-            line and column), or with ``json_record`` not a JSON object.
+            line and column), or with ``json_record`` not a JSON object; ``~user/...`` naming no user.
     """
-    p = Path(path)
+    p = expand_home(path, "config file")  # --recipe=~/r.toml: no shell expands a '~' after '='
     try:
         check_regular_file(p, "config file", "a .toml file")
         with p.open("rb") as fh:

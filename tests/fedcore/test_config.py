@@ -199,3 +199,18 @@ def test_a_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path: Path, m
     assert load_recipe(None, ["output.dir='runs/~x'"]).output.dir == Path("runs/~x")  # only a leading tilde
     with pytest.raises(ConfigError, match=r"output.dir: '~nosuchuser-fedcore/runs' names a home directory that does"):
         load_recipe(None, ["output.dir='~nosuchuser-fedcore/runs'"])
+
+
+def test_a_config_file_path_starting_with_a_tilde_is_in_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --recipe=~/r.toml or --config=~/server.toml: no shell expands a '~' after '=', as with --out=~/runs
+    from server.config import load_server_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "r.toml").write_text("[train]\nlr = 0.25\n")
+    assert load_recipe("~/r.toml").train.lr == 0.25
+    (tmp_path / "s.toml").write_text('task = "simulations.tasks:demo_task"\ninsecure = true\n[round]\nrounds = 6\n')
+    assert load_server_config("~/s.toml", []).round.rounds == 6
+    with pytest.raises(ConfigError, match=r"config file: '~nosuchuser-fedcore/r.toml' names a home directory that"):
+        load_recipe("~nosuchuser-fedcore/r.toml")
