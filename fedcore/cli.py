@@ -117,8 +117,8 @@ def _partition_options() -> tuple[Option, ...]:
 
 def _cmd_partition(args: argparse.Namespace) -> int:
     import tempfile
-    from pathlib import Path
 
+    from fedcore.config import expand_home
     from server.state import lock_directory
     from simulations.config import check_given_data_keys, load_data_recipe
     from simulations.harness import RUN_LOCK, enclosing_output
@@ -129,7 +129,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     check_given_data_keys(data, overrides, _given_flags(args, options))
     if not args.out.strip():
         raise ConfigError("--out is empty; give the directory to write counts.csv and heatmap.png into")
-    out = Path(args.out)
+    out = expand_home(args.out, "--out")  # --out=~/p: no shell expands a '~' after '='
     written = (out / "counts.csv", out / "heatmap.png")
     try:  # before the partition, which can take minutes (100,000 synthetic devices)
         out.mkdir(parents=True, exist_ok=True)
@@ -344,15 +344,15 @@ def _add_certs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _cmd_certs_init(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
+    from fedcore.config import expand_home
     from privacy.tls import init_certs
 
     clients = list(args.client)
     if args.clients:
         width = max(3, len(str(args.clients - 1)))
         clients += [f"client-{i:0{width}d}" for i in range(args.clients)]
-    out = Path(args.out)
+    out = expand_home(args.out, "--out")  # --out=~/certs: not a directory named '~' here
     for cid in clients:
         if (out / "clients" / f"{cid}.pem").exists():
             print(f"note: {cid} gets a new certificate and token; its old token stops working", file=sys.stderr)

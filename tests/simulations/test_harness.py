@@ -157,6 +157,22 @@ def test_cli_partition_refuses_an_out_it_cannot_write_before_partitioning(
     assert (tmp_path / "afile").read_text() == "mine"
 
 
+def test_cli_out_starting_with_a_tilde_is_in_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--out=~/x (no shell expands a '~' after '='): partition and certs init wrote into a directory named '~' in the
+    working directory, as simulate's --out=~/runs did before b281910 (a later `rm -r ~` there removes the home)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert main(["partition", "--dataset", "digits", "--clients", "4", "--out=~/p"]) == 0
+    assert main(["certs", "init", "--clients", "1", "--out=~/certs"]) == 0
+    assert (home / "p" / "counts.csv").is_file() and (home / "certs" / "clients" / "client-000.pem").is_file()
+    assert list(work.iterdir()) == []  # no directory named '~' here
+
+
 def test_cli_partition_refuses_what_it_would_ignore_and_a_running_simulations_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
