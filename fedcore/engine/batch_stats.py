@@ -251,7 +251,7 @@ class BufferWatch:
         Raises:
             ConfigError: naming the buffers the step changed, and the plan options that split the batch.
         """
-        changed = [name for name, buffer, before in self._saved if not torch.equal(buffer.detach(), before)]
+        changed = [name for name, buffer, before in self._saved if not _same(buffer.detach(), before)]
         self._saved = []
         if changed:
             splits = [
@@ -265,3 +265,14 @@ class BufferWatch:
                 "in single-device training; set grad_accum=1 and microbatches=1 (use data_parallel to split a "
                 "batch), or keep the statistic out of the model's persistent buffers"
             )
+
+
+def _same(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether a buffer holds what it held: equal values, a NaN where there was a NaN (``torch.equal`` alone calls a
+    constant buffer holding a NaN, e.g. a "not set yet" marker, changed)."""
+    if torch.equal(now, before):
+        return True
+    if not now.is_floating_point() or now.shape != before.shape or now.dtype != before.dtype:
+        return False
+    nan = now.isnan()
+    return torch.equal(nan, before.isnan()) and torch.equal(now[~nan], before[~nan])

@@ -115,6 +115,20 @@ def test_unchanged_and_non_persistent_buffers_keep_gradient_accumulation() -> No
         watch.check(ParallelPlan(grad_accum=2))
 
 
+def test_a_constant_buffer_holding_a_nan_keeps_gradient_accumulation() -> None:
+    """A persistent buffer the step leaves alone is unchanged even where it holds NaN (a "not set" marker), which
+    torch.equal never finds equal to itself; a NaN that appears, or a value that changes beside one, is a change."""
+    model = running_sum_model()
+    model.register_buffer("marker", torch.tensor([float("nan"), 1.0, -0.0]))
+    BufferWatch(model).check(ParallelPlan(grad_accum=2))
+    for changed in ([float("nan"), 2.0, 0.0], [float("nan"), float("nan"), 0.0], [1.0, 1.0, 0.0]):
+        watch = BufferWatch(model)
+        model.get_buffer("marker").copy_(torch.tensor(changed))
+        with pytest.raises(ConfigError, match=r"buffers \['marker'\] change in training"):
+            watch.check(ParallelPlan(grad_accum=2))
+        model.get_buffer("marker").copy_(torch.tensor([float("nan"), 1.0, -0.0]))
+
+
 @pytest.mark.parametrize(
     ("plan", "message"),
     [
