@@ -103,7 +103,7 @@ def _add_partition(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
             "for a partition."
         ),
     )
-    p.add_argument("--recipe", help="TOML recipe whose [data] table to use")
+    p.add_argument("--recipe", help="TOML recipe (or a run's config.json) whose [data] table to use")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     add_options(p, _partition_options())
     p.add_argument("--out", default="runs/partition", help="where to write counts.csv and heatmap.png")
