@@ -141,6 +141,7 @@ def _sigterm_before_init() -> Any:
 def _sigterm_after_init(before: Any) -> None:
     """After ``ray.init``: a handler the program installed itself is put back, the default becomes
     :func:`_exit_on_sigterm` (the run's cleanup runs, and the status is the signal's)."""
+    _TERMINATED.clear()  # a SIGTERM an earlier pool of this process exited through is not this run's
     if before is not None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm if before == signal.SIG_DFL else before)
 

@@ -264,3 +264,21 @@ def test_simulate_on_ray_stopped_by_sigterm_exits_143_through_its_cleanup(tmp_pa
     assert (code, err, left) == (143, "", []), out
     history = (tmp_path / "run" / "history.csv").read_text().splitlines()
     assert len(history) >= 3  # the header, round 0 and round 1 at least
+
+
+def test_a_new_pool_forgets_the_sigterm_an_earlier_one_exited_through() -> None:
+    """A process that survived one run's SIGTERM exit (an application embedding fedcore catches SystemExit) would
+    otherwise report a later run's SystemExit(1) from ray.wait as 143."""
+    import signal
+
+    from simulations import raypool
+
+    before = signal.getsignal(signal.SIGTERM)
+    raypool._TERMINATED.set()
+    try:
+        raypool._sigterm_after_init(signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGTERM) is raypool._exit_on_sigterm
+        assert not raypool._TERMINATED.is_set()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        raypool._TERMINATED.clear()
