@@ -207,11 +207,16 @@ def check_buffers_agree(buffers: list[tuple[str, torch.Tensor]], group: dist.Pro
     """
     if not buffers:
         return
-    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in buffers])
+    values = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in buffers])
+    nan = values.isnan()
+    # a NaN compared unequal to itself, so a buffer holding one (a "not set" marker) was named on every rank: the
+    # values go with the NaN replaced, beside a mask of where the NaN are, which must agree too
+    flat = torch.cat([values.masked_fill(nan, 0.0), nan.to(torch.float64)])
     high, low = flat.clone(), flat.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    differs = (high != low).tolist()
+    count = values.numel()
+    differs = ((high[:count] != low[:count]) | (high[count:] != low[count:])).tolist()
     names, start = [], 0
     for name, tensor in buffers:
         if any(differs[start : start + tensor.numel()]):

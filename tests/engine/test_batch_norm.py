@@ -8,13 +8,16 @@ cumulative average (momentum None), whose running statistics depend on ``num_bat
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fedcore.engine import ParallelPlan, train_with_plan
-from fedcore.engine.batch_stats import BufferWatch, batch_statistics_modules
+from fedcore.engine.batch_stats import BufferWatch, batch_statistics_modules, check_buffers_agree
 from fedcore.errors import ConfigError, EngineError
 from fedcore.task import FitConfig, TaskContext
 from tests.engine import engine_tasks
@@ -127,6 +130,21 @@ def test_a_constant_buffer_holding_a_nan_keeps_gradient_accumulation() -> None:
         with pytest.raises(ConfigError, match=r"buffers \['marker'\] change in training"):
             watch.check(ParallelPlan(grad_accum=2))
         model.get_buffer("marker").copy_(torch.tensor([float("nan"), 1.0, -0.0]))
+
+
+def test_data_parallel_ranks_holding_the_same_nan_in_a_buffer_agree(tmp_path: Path) -> None:
+    """check_buffers_agree compared the ranks' maximum and minimum with !=, and NaN != NaN: a constant buffer holding
+    a NaN (a "not set" marker) failed every data-parallel round as "differ between the data-parallel ranks". One
+    rank (a gloo group of one) shows it: its maximum and minimum are its own values."""
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        check_buffers_agree([("marker", torch.tensor([float("nan"), 1.0])), ("calls", torch.tensor(3))], group)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
