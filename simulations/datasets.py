@@ -686,10 +686,15 @@ def normalization_stats(x: npt.ArrayLike) -> tuple[float, float]:
         )
         std = (squares / flat.size) ** 0.5
     if not (std > 0 and np.isfinite(std)):
+        if np.isfinite(mean) and std == 0:
+            problem = "every value is the same"
+        elif all(np.isfinite(flat[i : i + block]).all() for i in range(0, flat.size, block)):
+            problem = "the values are too large for float64 (their squares overflow above about 1e154): rescale them"
+        else:
+            problem = "a value is not finite"
         raise PayloadError(
-            f"the training inputs' mean is {mean} and standard deviation {std}: "
-            + ("every value is the same" if np.isfinite(mean) and std == 0 else "a value is not finite")
-            + ", so normalizing them would make every input NaN. The data is likely corrupt (all-blank images?): "
-            "check it, or turn normalization off (--no-normalize, data.normalize = false)"
+            f"the training inputs' mean is {mean} and standard deviation {std}: {problem}, so normalizing them would "
+            "make every input NaN. The data is likely corrupt (all-blank images?): check it, or turn normalization "
+            "off (--no-normalize, data.normalize = false)"
         )
     return mean, std

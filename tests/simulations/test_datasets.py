@@ -324,6 +324,8 @@ def test_constant_inputs_are_refused_before_normalizing_them_to_nan(tmp_path: Pa
         normalization_stats(np.array([0.0, np.inf]))
     with pytest.raises(PayloadError, match="a value is not finite"):
         normalization_stats(np.array([0.0, np.nan, 1.0]))
+    with pytest.raises(PayloadError, match="too large for float64"):  # finite, but the variance overflows
+        normalization_stats(np.array([1e200, -1e200]))
     write_blank_fashion(tmp_path)
     config = DataConfig(dataset="fashion-mnist", data_dir=tmp_path, num_clients=2, partition="iid")
     with pytest.raises(PayloadError, match=r"--no-normalize"):
