@@ -26,6 +26,7 @@ import numpy as np
 from fedcore.errors import ConfigError
 from fedcore.kernels import FUSED_DTYPES, squared_distance
 from fedcore.server_opt import stepped
+from fedcore.task import declared_metrics
 from fedcore.tensors import NamedArrays
 
 ACCURACY_COLUMNS = ("test_accuracy", "federated_accuracy")
@@ -167,6 +168,21 @@ class StopRules:
                 "no 'accuracy', so {they} would never stop the run",
                 f"report 'accuracy' from evaluate (and declare it), {remedy}",
             )
+
+    def check_task_reports_accuracy(self, task: object, *, name: str) -> None:
+        """:meth:`check_accuracy_reported` for ``task``, the server's task when it is the run's only evaluation
+        (a simulation's and a server's start check): its declared evaluate metrics (:func:`fedcore.task.
+        declared_metrics`), ``name`` for the message, and letting the clients evaluate as the other remedy.
+
+        Raises:
+            ConfigError: as :meth:`check_accuracy_reported`.
+        """
+        declared = declared_metrics(task)
+        self.check_accuracy_reported(
+            declared.evaluate if declared is not None else None,
+            task=f"{name} ({type(task).__name__})",
+            remedy="let the clients evaluate (--fraction-evaluate) if theirs does",
+        )
 
 
 @dataclass(frozen=True)

@@ -287,12 +287,8 @@ def _build_run(config: ServerConfig, echo: Callable[[str], None]) -> tuple[Strat
                 "server", config.strategy.weight_metric, declared_metrics(server_task), report_validation=False
             )
         if config.round.evaluate and config.sampling.fraction_evaluate == 0:  # the one source of accuracy
-            declared = declared_metrics(server_task)
-            config.round.round_config(seed=config.seed).stop.check_accuracy_reported(
-                declared.evaluate if declared is not None else None,
-                task=f"{config.task!r} ({type(server_task).__name__})",
-                remedy="let the clients evaluate (--fraction-evaluate) if theirs does",
-            )
+            stop = config.round.round_config(seed=config.seed).stop
+            stop.check_task_reports_accuracy(server_task, name=repr(config.task))
     # a round starts once min_fit_clients (and min_fit_results) are connected, and may select only that many; the
     # model's size counts for SecAgg+'s field under DP noise
     smallest = max(strategy.sampling.min_fit_clients, config.round.min_fit_results)

@@ -647,12 +647,7 @@ def _simulate(
     if not demo:  # the demo task's metrics were checked with the recipe
         config.check_weight_metric(declared_metrics(server_task))
         if config.task.server_evaluation and config.sampling.fraction_evaluate == 0:  # the one source of accuracy
-            declared = declared_metrics(server_task)
-            config.stop_rules().check_accuracy_reported(
-                declared.evaluate if declared is not None else None,
-                task=f"{config.task.factory!r} ({type(server_task).__name__})",
-                remedy="let the clients evaluate (--fraction-evaluate) if theirs does",
-            )
+            config.stop_rules().check_task_reports_accuracy(server_task, name=repr(config.task.factory))
     trainable = trainable_names(server_task.build_model)  # a model that cannot be built: refused before output.dir
     strategy = apply_dp(
         build_strategy(config.strategy, config.train, config.sampling), config.privacy, population=len(ids)
