@@ -421,6 +421,8 @@ class StateStore:
                 f"the state database {str(self.database)!r} has format {str(found)[:20]!r}, this fedcore reads "
                 f"format {_FORMAT}; use the fedcore that wrote it, or {self._advice.new_run}"
             )
+        # the run's identity, drawn when its state.db was created: every checkpoint carries it (RUN_KEY)
+        self._run = str(self._db.execute("SELECT value FROM meta WHERE key = 'run'").fetchone()[0])
 
     @contextmanager
     def _sqlite(self, doing: str) -> Iterator[None]:
@@ -458,10 +460,6 @@ class StateStore:
         with self._lock, self._sqlite(f"reading {key!r}"):
             row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else str(row[0])
-
-    def _run_id(self) -> str:
-        """The run's identity, drawn when its state.db was created; every checkpoint carries it (:data:`RUN_KEY`)."""
-        return self._meta("run") or ""
 
     def _set_meta(self, key: str, value: str) -> None:
         with self._lock, self._sqlite(f"recording {key!r}"):
@@ -585,8 +583,7 @@ class StateStore:
         missing checkpoint), and the releases without a record (:meth:`record_release`) that a resume found."""
         with self._lock, self._sqlite("reading the rounds"):
             (count,) = self._db.execute("SELECT COUNT(*) FROM rounds WHERE superseded > 0 AND round > 0").fetchone()
-            unrecorded = self._db.execute("SELECT value FROM meta WHERE key = 'unrecorded_releases'").fetchone()
-        return int(count) + (int(unrecorded[0]) if unrecorded is not None else 0)
+        return int(count) + int(self._meta("unrecorded_releases") or 0)
 
     def record_release(self, rnd: int) -> None:
         """Note, before it happens, that round ``rnd``'s global model is sent out ahead of its checkpoint and
@@ -910,7 +907,7 @@ class StateStore:
                 untouched and a restart resumes from them.
         """
         path = self.checkpoints / f"round-{state.round:06d}.safetensors"
-        extra = {RUN_KEY: self._run_id()}
+        extra = {RUN_KEY: self._run}
         if record is not None:
             extra[RECORD_KEY] = json.dumps(round_rows(record), allow_nan=True)
         try:
@@ -948,7 +945,7 @@ class StateStore:
         found = checkpoint_files(self.directory)[::-1]
         with self._lock, self._sqlite("reading the checkpoint records"):
             recorded = {int(r): str(d) for r, d in self._db.execute("SELECT round, sha256 FROM checkpoints")}
-        run = self._run_id()
+        run = self._run
         damaged: list[str] = []
         for i, path in enumerate(found):
             problem = _checkpoint_problem(path, recorded, run)
